@@ -1,0 +1,125 @@
+"""One request's canvas and its progress through blocks and steps (DESIGN.md §2).
+
+Both the single-request reference decoder and the batched engine drive requests through this
+object, which is what makes their tokens identical: the engine differs only in how many
+requests share a forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sangam.decoding.noise import noise_key, row_key
+from sangam.decoding.rules import select_commits
+from sangam.sampling_params import SamplingParams
+
+
+@dataclass
+class StepPlan:
+    """What the next forward of one request computes."""
+
+    span_start: int
+    span_end: int
+    positions: np.ndarray  # candidate positions: forced ones first, then rule candidates
+    num_forced: int  # Dream's refresh commits its block's first position regardless
+    rows: np.ndarray  # hidden-state row (within the span) whose logits predict each position
+    row_keys: np.ndarray  # uint32 noise key per row (used when temperature > 0)
+
+    @property
+    def span_len(self) -> int:
+        return self.span_end - self.span_start
+
+
+class DecodeState:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, mask_token_id: int,
+                 stop_ids: frozenset[int], shift_logits: bool, seed: int = 0):
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: a request needs at least one prompt token")
+        self.params = params
+        self.mask_token_id = mask_token_id
+        self.stop_ids = stop_ids
+        self.shift = shift_logits
+        self.seed = seed
+        self.prompt_len = len(prompt_ids)
+        self.tokens = np.array(
+            list(prompt_ids) + [mask_token_id] * params.canvas_length, dtype=np.int64)
+        self.block = 0
+        self.step = 0  # steps taken in the current block; 0 = the next forward is a refresh
+        self.num_forwards = 0
+        self.finished = False
+        self.finish_reason: str | None = None
+
+    # Geometry.
+    @property
+    def total_len(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.params.canvas_length // self.params.block_length
+
+    def block_bounds(self) -> tuple[int, int]:
+        s = self.prompt_len + self.block * self.params.block_length
+        return s, s + self.params.block_length
+
+    @property
+    def is_refresh(self) -> bool:
+        return self.step == 0 or self.params.cache == "none"
+
+    def span(self) -> tuple[int, int]:
+        s, e = self.block_bounds()
+        if self.is_refresh:
+            return 0, self.total_len
+        return (s, e) if self.params.cache == "dual" else (s, self.total_len)
+
+    # One step.
+    def plan(self) -> StepPlan:
+        start, end = self.span()
+        s, e = self.block_bounds()
+        masked = s + np.flatnonzero(self.tokens[s:e] == self.mask_token_id)
+        forced = np.empty(0, dtype=np.int64)
+        if self.shift:  # no row predicts position s in a cached step (its predictor is s - 1)
+            if self.is_refresh and masked.size and masked[0] == s:
+                forced = masked[:1]
+            masked = masked[masked > s]
+        positions = np.concatenate([forced, masked])
+        rows = positions - start - (1 if self.shift else 0)
+        key = noise_key(self.seed, self.block, self.step)
+        keys = np.array([row_key(key, int(p - s)) for p in positions], dtype=np.int64)
+        return StepPlan(start, end, positions, len(forced), rows, keys)
+
+    def apply(self, plan: StepPlan, tokens: np.ndarray, conf: np.ndarray) -> bool:
+        """Commit this step's tokens (aligned with ``plan.positions``); True if a block ended."""
+        p = self.params
+        k = plan.num_forced
+        chosen = select_commits(conf[k:].tolist(), p.unmasking, p.threshold, p.factor,
+                                p.tokens_per_step)
+        commit = list(range(k)) + [k + i for i in chosen]
+        self.tokens[plan.positions[commit]] = tokens[commit]
+        self.step += 1
+        self.num_forwards += 1
+        s, e = self.block_bounds()
+        if (self.tokens[s:e] == self.mask_token_id).any():
+            return False
+        if p.stop_at_eos and np.isin(self.tokens[self.prompt_len:e], list(self.stop_ids)).any():
+            self.finished, self.finish_reason = True, "stop"
+        elif self.block + 1 == self.num_blocks:
+            self.finished, self.finish_reason = True, "length"
+        else:
+            self.block += 1
+            self.step = 0
+        return True
+
+    def output_token_ids(self) -> list[int]:
+        """The response decoded so far (whole blocks), cut before EOS and to max_tokens."""
+        s, _ = self.block_bounds()
+        end = self.total_len if self.finished else s
+        out = self.tokens[self.prompt_len:end].tolist()
+        if self.params.stop_at_eos:
+            for i, t in enumerate(out):
+                if t in self.stop_ids:
+                    out = out[:i]
+                    break
+        return out[: self.params.max_tokens]

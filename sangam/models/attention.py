@@ -1,0 +1,109 @@
+"""Attention over a paged K/V cache: the metadata of a packed batch and the backend interface.
+
+Every forward — a refresh of the whole sequence or a cached step over one block — is the same
+operation (DESIGN.md §2): write the span's fresh K/V into its page slots, then let each query
+attend, without a causal mask, over every cached position of its request.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedKV:
+    """Per-layer K and V pages, each ``[num_pages, page_size, num_kv_heads, head_dim]``."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> PagedKV:
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the packed queries of one forward come from and what they attend to.
+
+    Request r owns query rows ``cu_seqlens_q[r]:cu_seqlens_q[r+1]`` and attends over its first
+    ``kv_lens[r]`` cached positions, stored in pages ``block_tables[r]``. Row i's fresh K/V goes
+    to flat slot ``slot_mapping[i]`` (page * page_size + offset; -1 = do not store).
+    """
+
+    cu_seqlens_q: torch.Tensor  # int32 [R + 1]
+    kv_lens: torch.Tensor  # int32 [R]
+    block_tables: torch.Tensor  # int32 [R, max_pages]
+    slot_mapping: torch.Tensor  # int64 [N]
+    query_lens: list[int]  # host copies, so backends need no device sync
+    kv_lens_host: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend(ABC):
+    """Stores a span's K/V into pages and attends over them."""
+
+    name: str
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
+                v_pages: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q ``[N, Hq, D]``, k/v ``[N, Hkv, D]`` (RoPE applied) -> output ``[N, Hq, D]``."""
+
+
+def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
+                       v_pages: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write rows of k/v to their flat page slots; slot -1 means skip."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_pages.view(-1, *k_pages.shape[2:])[slots] = k[keep].to(k_pages.dtype)
+    v_pages.view(-1, *v_pages.shape[2:])[slots] = v[keep].to(v_pages.dtype)
+
+
+def paged_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Gather each request's pages and run exact softmax attention, fp32 or better."""
+    page_size = k_pages.shape[1]
+    group = q.shape[1] // k_pages.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.empty_like(q)
+    start = 0
+    for r, (n, kv_len) in enumerate(zip(meta.query_lens, meta.kv_lens_host)):
+        if n == 0:
+            continue
+        pages = meta.block_tables[r, : -(-kv_len // page_size)].long()
+        kk = k_pages[pages].flatten(0, 1)[:kv_len].to(acc).repeat_interleave(group, dim=1)
+        vv = v_pages[pages].flatten(0, 1)[:kv_len].to(acc).repeat_interleave(group, dim=1)
+        qq = q[start:start + n].to(acc)
+        scores = torch.einsum("nhd,lhd->hnl", qq, kk) * scale
+        probs = torch.softmax(scores, dim=-1)
+        out[start:start + n] = torch.einsum("hnl,lhd->nhd", probs, vv).to(q.dtype)
+        start += n
+    return out
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The PyTorch reference: exact, per request, any dtype and device. The CPU default."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, k_pages, v_pages, meta, scale):
+        store_kv_reference(k, v, k_pages, v_pages, meta.slot_mapping)
+        return paged_attention_reference(q, k_pages, v_pages, meta, scale)

@@ -1,0 +1,140 @@
+"""Loading and saving checkpoints in Hugging Face layout (config.json + *.safetensors)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from sangam.models.config import CheckpointError, ModelConfig, parse_config
+from sangam.models.dream import DreamModel
+from sangam.models.llada import LLaDAModel
+from sangam.models.transformer import DiffusionLM
+
+ARCHITECTURES: dict[str, type[DiffusionLM]] = {
+    "LLaDAModelLM": LLaDAModel,
+    "DreamModel": DreamModel,
+}
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """``None``/"auto" -> bfloat16 on GPU, float32 on CPU (DESIGN.md §3)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use one of {sorted(DTYPES)}")
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model path {str(path)!r} is not a directory")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file} not found: a checkpoint needs a config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
+    return parse_config(raw)
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file holding it."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map'")
+        files = {name: path / f for name, f in weight_map.items()}
+        for f in set(files.values()):
+            if not f.is_file():
+                raise CheckpointError(f"{index} names the shard {f.name}, which is missing")
+        return files
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    files = {}
+    for f in shards:
+        with safe_open(f, framework="pt") as h:
+            for name in h.keys():
+                files[name] = f
+    return files
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype | None = None) -> DiffusionLM:
+    """Build the architecture named by config.json and load its weights, checking every tensor."""
+    path = Path(path)
+    config = read_config(path)
+    torch_dtype = resolve_dtype(dtype, device)
+    with torch.device("meta"):
+        model = ARCHITECTURES[config.architecture](config)
+    expected = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+    files = _tensor_files(path)
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(
+            f"checkpoint {path} lacks tensors {missing[:5]}{more} required by "
+            f"{config.architecture}")
+    state = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for f, names in by_file.items():
+        with safe_open(f, framework="pt", device=str(torch.device(device))) as h:
+            for name in names:
+                shape = tuple(h.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(
+                        f"tensor {name} in {f.name} has shape {list(shape)}, but config.json "
+                        f"implies {list(expected[name])}")
+                state[name] = h.get_tensor(name).to(torch_dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def save_checkpoint(model: DiffusionLM, raw_config: dict, path: str | os.PathLike,
+                    max_shard_bytes: int | None = None) -> None:
+    """Write config.json and safetensors (sharded with an index when max_shard_bytes is set)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw_config, indent=2))
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if max_shard_bytes is None:
+        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / fname, metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))

@@ -1,0 +1,41 @@
+"""Tokenizer loading: the checkpoint's own files, or none (prompts must then be token ids)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """``transformers.AutoTokenizer`` from the directory, or None when it has no tokenizer."""
+    path = Path(path)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # e.g. a tokenizer class defined by remote code
+        if not (path / "tokenizer.json").is_file():
+            raise
+        logger.warning("AutoTokenizer failed (%s); loading tokenizer.json directly", e)
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+
+
+def stop_token_ids(eos_token_id: int, tokenizer) -> frozenset[int]:
+    """EOS from config.json plus the tokenizer's EOS and end-of-turn tokens, if any."""
+    ids = {eos_token_id}
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        vocab = tokenizer.get_vocab()
+        ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    return frozenset(ids)

@@ -1,0 +1,146 @@
+"""The transformer both architectures share: pre-norm blocks, RMSNorm, RoPE, SwiGLU.
+
+LLaDA and Dream differ only in tensor names, q/k/v biases and Dream's one-position logit shift,
+so each subclass mirrors its Hugging Face module tree (state_dict keys are the real tensor
+names) and hands its layers to the shared code here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sangam.models.attention import AttentionBackend, AttentionMetadata, PagedKV
+from sangam.models.config import ModelConfig
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms, RoPE and softmax run in at least fp32, in fp64 for fp64 models."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(compute_dtype(x.dtype))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """Rotate-half (NeoX / HF Llama) RoPE with a cos/sin table grown on demand."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.head_dim = head_dim
+        self.theta = theta
+        self._table: torch.Tensor | None = None  # [max_pos, head_dim] cos | sin, compute dtype
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        t = self._table
+        if t is None or t.shape[1] < need or t.dtype != dtype or t.device != positions.device:
+            n = max(need, 2048, 0 if t is None else t.shape[1])
+            inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64)
+                                        / self.head_dim))
+            freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            t = torch.stack([emb.cos(), emb.sin()]).to(dtype=dtype, device=positions.device)
+            self._table = t
+        return t[0][positions], t[1][positions]
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x ``[..., H, D]`` with positions ``[...]``."""
+        cdt = compute_dtype(x.dtype)
+        cos, sin = self._cos_sin(positions, cdt)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        xf = x.to(cdt)
+        half = self.head_dim // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DiffusionLM(nn.Module):
+    """Base of LLaDA and Dream. Subclasses build the module tree and implement the accessors."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.attention_backend: AttentionBackend | None = None
+
+    # Accessors each architecture provides.
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def layer_parts(self, i: int) -> tuple[nn.Module, ...]:
+        """(attn_norm, q, k, v, o, mlp_norm, gate, up, down) of layer i."""
+        raise NotImplementedError
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def output_head(self) -> nn.Linear:
+        raise NotImplementedError
+
+    # Shared computation.
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        cfg = self.config
+        lead = h.shape[:-1]
+        for i in range(cfg.num_layers):
+            attn_norm, q_p, k_p, v_p, o_p, mlp_norm, gate, up, down = self.layer_parts(i)
+            x = attn_norm(h)
+            q = self.rope.apply(q_p(x).view(*lead, cfg.num_heads, cfg.head_dim), positions)
+            k = self.rope.apply(k_p(x).view(*lead, cfg.num_kv_heads, cfg.head_dim), positions)
+            v = v_p(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
+            h = h + o_p(attend(i, q, k, v).reshape(*lead, cfg.hidden_size))
+            x = mlp_norm(h)
+            h = h + down(F.silu(gate(x)) * up(x))
+        return self.final_norm(h)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: PagedKV, logits_indices: torch.Tensor) -> torch.Tensor:
+        """One packed forward over spans of several requests.
+
+        input_ids/positions ``[N]``; returns logits ``[M, vocab]`` for the hidden rows
+        ``logits_indices`` only (the LM head never runs over all N rows).
+        """
+        backend = self.attention_backend
+        if backend is None:
+            raise RuntimeError("no attention backend set on the model")
+
+        def attend(i, q, k, v):
+            return backend.forward(q, k, v, kv.k[i], kv.v[i], meta, self.scale)
+
+        hidden = self._layers(self.embed(input_ids), positions, attend)
+        return self.output_head()(hidden[logits_indices])
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Plain full-sequence bidirectional forward, ``[B, T] -> [B, T, vocab]``, with autograd.
+
+        No cache and no paging: the oracle for tests and the forward used for training.
+        """
+        cfg = self.config
+        group = cfg.num_heads // cfg.num_kv_heads
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+
+        def attend(i, q, k, v):  # [B, T, H, D]
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+            return out.transpose(1, 2)
+
+        return self.output_head()(self._layers(self.embed(input_ids), positions, attend))

@@ -1,0 +1,75 @@
+"""User-facing request options and results (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+UNMASKING_RULES = ("threshold", "factor", "topk")
+CACHE_MODES = ("dual", "prefix", "none")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded. Validated on construction; see DESIGN.md §2."""
+
+    max_tokens: int = 256
+    block_length: int = 32
+    unmasking: str = "threshold"
+    threshold: float = 0.9
+    factor: float = 1.0
+    tokens_per_step: int = 1
+    cache: str = "dual"
+    temperature: float = 0.0
+    seed: int | None = None
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"SamplingParams: {msg}")
+
+        need(_is_int(self.max_tokens) and self.max_tokens >= 1,
+             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        need(_is_int(self.block_length) and self.block_length >= 1,
+             f"block_length must be an integer >= 1, got {self.block_length!r}")
+        need(self.unmasking in UNMASKING_RULES,
+             f"unmasking must be one of {UNMASKING_RULES}, got {self.unmasking!r}")
+        need(_is_num(self.threshold) and 0.0 <= self.threshold <= 1.0,
+             f"threshold must be in [0, 1], got {self.threshold!r}")
+        need(_is_num(self.factor) and self.factor > 0.0,
+             f"factor must be > 0, got {self.factor!r}")
+        need(_is_int(self.tokens_per_step) and self.tokens_per_step >= 1,
+             f"tokens_per_step must be an integer >= 1, got {self.tokens_per_step!r}")
+        need(self.cache in CACHE_MODES, f"cache must be one of {CACHE_MODES}, got {self.cache!r}")
+        need(_is_num(self.temperature) and self.temperature >= 0.0,
+             f"temperature must be >= 0, got {self.temperature!r}")
+        need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
+             f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        need(isinstance(self.stop_at_eos, bool), "stop_at_eos must be a bool")
+
+    @property
+    def canvas_length(self) -> int:
+        """Response canvas G: max_tokens rounded up to whole blocks."""
+        return -(-self.max_tokens // self.block_length) * self.block_length
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class RequestOutput:
+    """A request's response so far (streamed) or in full (``finished=True``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    num_forwards: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (EOS), "length", "abort"
+    metrics: dict = field(default_factory=dict)

@@ -1,0 +1,62 @@
+"""Tiny random checkpoints in the real LLaDA / Dream layouts, for tests and for trying Sangam
+without weights (``python -c "from sangam.testing import make_tiny_checkpoint; ..."``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from sangam.models.config import parse_config
+from sangam.models.loader import ARCHITECTURES, save_checkpoint
+
+
+def tiny_config(arch: str = "llada", vocab_size: int = 160, hidden_size: int = 64,
+                num_layers: int = 2, num_heads: int = 4, num_kv_heads: int | None = None,
+                intermediate_size: int = 128, max_position: int = 1024) -> dict:
+    """A config.json dict with the real key names, mask token = last id, EOS = id 1."""
+    if arch == "llada":
+        return {
+            "architectures": ["LLaDAModelLM"], "model_type": "llada",
+            "d_model": hidden_size, "n_layers": num_layers, "n_heads": num_heads,
+            "n_kv_heads": num_kv_heads or num_heads, "mlp_hidden_size": intermediate_size,
+            "vocab_size": vocab_size, "embedding_size": vocab_size,
+            "mask_token_id": vocab_size - 1, "eos_token_id": 1, "pad_token_id": 1,
+            "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_sequence_length": max_position,
+            "include_bias": False, "weight_tying": False,
+        }
+    if arch == "dream":
+        return {
+            "architectures": ["DreamModel"], "model_type": "Dream",
+            "hidden_size": hidden_size, "num_hidden_layers": num_layers,
+            "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads or num_heads,
+            "intermediate_size": intermediate_size, "vocab_size": vocab_size,
+            "mask_token_id": vocab_size - 1, "eos_token_id": 1, "pad_token_id": 1,
+            "rope_theta": 1e6, "rms_norm_eps": 1e-6, "max_position_embeddings": max_position,
+            "tie_word_embeddings": False,
+        }
+    raise ValueError(f"unknown tiny architecture {arch!r}: use 'llada' or 'dream'")
+
+
+def make_tiny_checkpoint(path: str | os.PathLike, arch: str = "llada", seed: int = 0,
+                         logit_scale: float = 6.0, max_shard_bytes: int | None = None,
+                         **config_overrides) -> str:
+    """Write a random checkpoint; ``logit_scale`` sets the logits' spread, so that some positions
+    are confident and parallel unmasking has something to do. Returns the path."""
+    raw = tiny_config(arch, **config_overrides)
+    cfg = parse_config(raw)
+    gen = torch.Generator().manual_seed(seed)
+    model = ARCHITECTURES[cfg.architecture](cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or ".ln_f." in name or name.endswith("_norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif "wte" in name or "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                std = (logit_scale if p.shape[0] == cfg.vocab_size else 1.0) / p.shape[1] ** 0.5
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    save_checkpoint(model, raw, path, max_shard_bytes=max_shard_bytes)
+    return str(path)

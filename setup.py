@@ -1,0 +1,38 @@
+"""Sangam: a serving engine for diffusion language models (LLaDA, Dream)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="sangam",
+    version="0.1.0",
+    description="Serving engine for diffusion LLMs: continuous batching, paged KV, "
+    "deficit token-budget scheduling, Triton kernels",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["sangam", "sangam.*"]),
+    package_data={"sangam.demo": ["model/*"]},
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.2",
+        "numpy",
+        "safetensors",
+        "transformers>=4.44",
+        "tokenizers",
+        "jinja2",
+        "fastapi",
+        "uvicorn",
+        "pyzmq",
+        "matplotlib",
+    ],
+    extras_require={
+        "dev": ["pytest", "pytest-benchmark", "ruff", "hypothesis", "openai", "httpx"],
+    },
+    entry_points={
+        "console_scripts": [
+            "sangam-bench=sangam.bench.cli:main",
+            "sangam=sangam.cli:main",
+        ],
+    },
+)
