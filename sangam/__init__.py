@@ -1,1 +1,8 @@
-"""Sangam."""
+"""Sangam: a serving engine for diffusion language models (LLaDA, Dream)."""
+
+from sangam.config import EngineConfig
+from sangam.llm import LLM
+from sangam.sampling_params import RequestOutput, SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"

@@ -13,27 +13,31 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
 class PagedKV:
-    """Per-layer K and V pages, each ``[num_pages, page_size, num_kv_heads, head_dim]``."""
+    """All layers' K and V pages in one tensor ``[num_layers, 2, num_pages, page_size, Hkv, D]``.
 
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
+    One buffer lets the page gather/scatter kernel move every layer of a request in one launch;
+    ``k[i]`` and ``v[i]`` are views of layer i's pages.
+    """
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.k = [buffer[i, 0] for i in range(buffer.shape[0])]
+        self.v = [buffer[i, 1] for i in range(buffer.shape[0])]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.buffer.shape[3]
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        return self.buffer.shape[2]
 
     @classmethod
     def allocate(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> PagedKV:
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
+        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device))
 
 
 @dataclass

@@ -106,4 +106,5 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
             shift_logits=True,
         )
     raise CheckpointError(
-        f"config.json: unknown architecture {arch!r}; Sangam serves 'LLaDAModelLM' and 'DreamModel'")
+        f"config.json: unknown architecture {arch!r}; "
+        "Sangam serves 'LLaDAModelLM' and 'DreamModel'")

@@ -1,0 +1,98 @@
+"""Engine configuration: one frozen dataclass, validated on construction, one CLI flag per field.
+
+The same names are ``LLM(...)`` keyword arguments and ``python -m sangam.serve`` flags
+(``token_budget`` <-> ``--token-budget``), as in vLLM and SGLang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+POLICIES = ("deficit", "prefill_first", "fastdllm")
+MODES = ("colocated", "disaggregated", "hybrid")
+ATTENTION_BACKENDS = ("torch", "triton")
+DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
+
+
+def _meta(help_: str, **kw) -> dict:
+    return {"help": help_, **kw}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = field(default=None, metadata=_meta(
+        "Local checkpoint directory in Hugging Face layout; default: the embedded demo model"))
+    device: str | None = field(default=None, metadata=_meta(
+        "'cpu' or 'cuda' (default: cuda when available)"))
+    dtype: str = field(default="auto", metadata=_meta(
+        "Model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, float64, bfloat16, "
+        "float16", choices=DTYPE_NAMES))
+    attention_backend: str | None = field(default=None, metadata=_meta(
+        "Attention implementation: triton (GPU default) or torch (CPU default)",
+        choices=ATTENTION_BACKENDS))
+    page_size: int = field(default=16, metadata=_meta("KV page size in tokens"))
+    num_pages: int | None = field(default=None, metadata=_meta(
+        "KV pool size in pages (default: from --gpu-memory-fraction on GPU, "
+        "--cpu-kv-cache-gb on CPU)"))
+    gpu_memory_fraction: float = field(default=0.9, metadata=_meta(
+        "Fraction of GPU memory for weights + KV pool"))
+    cpu_kv_cache_gb: float = field(default=2.0, metadata=_meta(
+        "KV pool size on CPU, GiB, when --num-pages is not given"))
+    policy: str = field(default="deficit", metadata=_meta(
+        "Scheduling policy: deficit token budget, prefill_first (tau = infinity), or fastdllm "
+        "(batch size 1, each request to completion)", choices=POLICIES))
+    token_budget: float = field(default=1024, metadata=_meta(
+        "Deficit token budget tau per iteration ('inf' = prefill-first)"))
+    max_batch_size: int = field(default=256, metadata=_meta(
+        "Most requests in one forward (seated decodes plus admitted prefills)"))
+    max_queue_len: int = field(default=1024, metadata=_meta(
+        "Most requests waiting or running; beyond it new requests are refused (HTTP 503)"))
+    seed: int = field(default=0, metadata=_meta(
+        "Seed of the engine's own randomness (router tie-breaks, seeds for unseeded sampling)"))
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"EngineConfig: {msg}")
+
+        need(self.device in (None, "cpu", "cuda") or str(self.device).startswith("cuda:"),
+             f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        need(self.dtype in DTYPE_NAMES, f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        need(self.attention_backend in (None, *ATTENTION_BACKENDS),
+             f"attention_backend must be one of {ATTENTION_BACKENDS}")
+        need(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+             f"page_size must be a power of two, got {self.page_size}")
+        need(self.num_pages is None or self.num_pages >= 1, "num_pages must be >= 1")
+        need(0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction must be in (0, 1]")
+        need(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
+        need(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        need(self.token_budget >= 1, f"token_budget must be >= 1, got {self.token_budget}")
+        need(self.max_batch_size >= 1, "max_batch_size must be >= 1")
+        need(self.max_queue_len >= 1, "max_queue_len must be >= 1")
+
+    @property
+    def effective_token_budget(self) -> float:
+        return math.inf if self.policy == "prefill_first" else self.token_budget
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One ``--kebab-case`` flag per field, typed from the default."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kw = dict(f.metadata)
+            if f.name == "token_budget":
+                kw["type"] = float
+            elif isinstance(f.default, bool):
+                kw["action"] = argparse.BooleanOptionalAction
+            elif isinstance(f.default, (int, float)) and not isinstance(f.default, bool):
+                kw["type"] = type(f.default)
+            elif f.name == "num_pages":
+                kw["type"] = int
+            parser.add_argument(flag, dest=f.name, default=f.default, **kw)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

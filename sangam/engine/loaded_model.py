@@ -1,0 +1,96 @@
+"""A model ready to serve: weights, tokenizer, stop tokens, and request validation."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from sangam.config import EngineConfig
+from sangam.decoding.state import DecodeState
+from sangam.models import (
+    DiffusionLM,
+    ModelConfig,
+    TorchAttentionBackend,
+    load_model,
+    load_tokenizer,
+    stop_token_ids,
+)
+from sangam.sampling_params import SamplingParams
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_attention_backend(name: str | None, device: torch.device):
+    """``None`` picks triton on GPU and the PyTorch reference on CPU (DESIGN.md §5)."""
+    name = name or ("triton" if device.type == "cuda" else "torch")
+    if name == "torch":
+        return TorchAttentionBackend()
+    from sangam.models.triton_attention import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    model: DiffusionLM
+    config: ModelConfig
+    tokenizer: object | None
+    stop_ids: frozenset[int]
+    device: torch.device
+    dtype: torch.dtype
+
+    @classmethod
+    def load(cls, cfg: EngineConfig) -> LoadedModel:
+        path = cfg.model
+        if path is None:
+            from sangam.demo import demo_model_path
+
+            path = demo_model_path()
+        device = torch.device(cfg.device or default_device())
+        model = load_model(path, device, None if cfg.dtype == "auto" else cfg.dtype)
+        model.attention_backend = make_attention_backend(cfg.attention_backend, device)
+        tokenizer = load_tokenizer(path)
+        p = next(model.parameters())
+        return cls(str(path), model, model.config, tokenizer,
+                   stop_token_ids(model.config.eos_token_id, tokenizer), p.device, p.dtype)
+
+    @property
+    def context_length(self) -> int:
+        return self.config.max_position
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer: pass prompt_token_ids instead "
+                             "of text prompts")
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def new_state(self, prompt_ids: list[int], params: SamplingParams,
+                  rng: random.Random) -> DecodeState:
+        """Validate one request and build its canvas; errors say what is wrong."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.config.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        total = len(prompt_ids) + params.canvas_length
+        if total > self.context_length:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) plus response canvas "
+                f"({params.canvas_length} tokens) is {total} tokens, beyond the model's context "
+                f"of {self.context_length}")
+        seed = params.seed if params.seed is not None else rng.getrandbits(63)
+        return DecodeState(list(prompt_ids), params, self.config.mask_token_id, self.stop_ids,
+                           self.config.shift_logits, seed)

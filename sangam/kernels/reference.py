@@ -1,0 +1,109 @@
+"""PyTorch references of every kernel: the test oracles and the CPU fallback.
+
+Each takes the same tensors as its kernel. They are exact (fp32 or better accumulation) and
+deliberately plain; the host lists some of them accept only save a device sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sangam.decoding.confidence import score_logits
+from sangam.decoding.rules import RULE_IDS, select_commits
+
+_RULE_NAMES = {v: k for k, v in RULE_IDS.items()}
+
+
+def layer_indices(num_layers: int, layers: slice | range | None) -> range:
+    """The layers a transfer touches, as a range (``None`` = all)."""
+    if layers is None:
+        return range(num_layers)
+    if isinstance(layers, slice):
+        return range(num_layers)[layers]
+    if isinstance(layers, range):
+        if len(layers) and not (0 <= layers[0] < num_layers and 0 <= layers[-1] < num_layers):
+            raise IndexError(f"layers {layers} out of range for {num_layers} layers")
+        return layers
+    raise TypeError(f"layers must be a slice, a range or None, not {type(layers).__name__}")
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Write row i of k/v ``[N, Hkv, D]`` to flat slot ``slot_mapping[i]`` of the caches
+    ``[num_pages, page_size, Hkv, D]``; slot -1 means skip."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
+                        kv_lens: torch.Tensor, scale: float, *,
+                        query_lens: list[int] | None = None,
+                        kv_lens_host: list[int] | None = None) -> torch.Tensor:
+    """Each request's queries attend, without a causal mask, over its first ``kv_lens[r]`` cached
+    positions: gather the pages, then exact softmax attention in fp32 (fp64 for fp64 inputs)."""
+    page_size = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if query_lens is None:
+        query_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    if kv_lens_host is None:
+        kv_lens_host = kv_lens.tolist()
+    out = torch.zeros_like(q)
+    start = 0
+    for r, (n, kv_len) in enumerate(zip(query_lens, kv_lens_host, strict=True)):
+        if n == 0 or kv_len == 0:
+            start += n
+            continue
+        pages = block_tables[r, : -(-kv_len // page_size)].long()
+        kk = k_cache[pages].flatten(0, 1)[:kv_len].to(acc).repeat_interleave(group, dim=1)
+        vv = v_cache[pages].flatten(0, 1)[:kv_len].to(acc).repeat_interleave(group, dim=1)
+        qq = q[start:start + n].to(acc)
+        scores = torch.einsum("nhd,lhd->hnl", qq, kk) * scale
+        probs = torch.softmax(scores, dim=-1)
+        out[start:start + n] = torch.einsum("hnl,lhd->nhd", probs, vv).to(q.dtype)
+        start += n
+    return out
+
+
+def unmask_ref(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor,
+               num_forced: torch.Tensor, rule: torch.Tensor, threshold: torch.Tensor,
+               factor: torch.Tensor, tokens_per_step: torch.Tensor, temperature: torch.Tensor,
+               row_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Score every row (:func:`sangam.decoding.score_logits`), then per request commit the first
+    ``num_forced[r]`` rows and the rows :func:`sangam.decoding.select_commits` picks among the
+    rest. Returns (tokens int64 [M], confidence [M], commit bool [M])."""
+    cu = cu_rows.tolist()
+    counts = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    temp_rows = torch.repeat_interleave(temperature.to(torch.float64).cpu(),
+                                        torch.tensor(counts, dtype=torch.int64))
+    tokens, conf = score_logits(logits, mask_token_id, temp_rows.to(logits.device), row_keys)
+    commit = torch.zeros(logits.shape[0], dtype=torch.bool)
+    conf_host = conf.double().cpu().tolist()
+    for r, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        forced = min(int(num_forced[r]), b - a)
+        commit[a:a + forced] = True
+        chosen = select_commits(conf_host[a + forced:b], _RULE_NAMES[int(rule[r])],
+                                threshold=float(threshold[r]), factor=float(factor[r]),
+                                tokens_per_step=int(tokens_per_step[r]))
+        for i in chosen:
+            commit[a + forced + i] = True
+    return tokens, conf, commit.to(logits.device)
+
+
+def gather_pages_ref(kv_buffer: torch.Tensor, page_ids: torch.Tensor,
+                     layers: slice | range | None = None) -> torch.Tensor:
+    """``kv_buffer[layers, :, page_ids]`` as a new contiguous tensor."""
+    lr = layer_indices(kv_buffer.shape[0], layers)
+    idx = torch.tensor(list(lr), dtype=torch.int64, device=kv_buffer.device)
+    return kv_buffer[idx][:, :, page_ids.to(kv_buffer.device).long()].contiguous()
+
+
+def scatter_pages_ref(buffer: torch.Tensor, kv_buffer: torch.Tensor, page_ids: torch.Tensor,
+                      layers: slice | range | None = None) -> None:
+    """``kv_buffer[layers, :, page_ids] = buffer``."""
+    pages = page_ids.to(kv_buffer.device).long()
+    for j, layer in enumerate(layer_indices(kv_buffer.shape[0], layers)):
+        kv_buffer[layer, :, pages] = buffer[j].to(kv_buffer.dtype)

@@ -1,0 +1,191 @@
+"""Generation through the public API: every rule x cache mode, reference loops, stopping."""
+
+import numpy as np
+import pytest
+import torch
+
+from sangam import LLM, SamplingParams
+from sangam.decoding import DecodeState
+
+RULES = [dict(unmasking="threshold", threshold=0.9), dict(unmasking="factor", factor=1.0),
+         dict(unmasking="topk", tokens_per_step=2)]
+CACHES = ["dual", "prefix", "none"]
+PROMPTS = [[5, 6, 7], list(range(10, 27)), [42]]
+
+
+@pytest.fixture(scope="module")
+def llms(llada_path, dream_path):
+    return {"llada": LLM(llada_path, device="cpu", dtype="float64"),
+            "dream": LLM(dream_path, device="cpu", dtype="float64")}
+
+
+def _count_forwards(llm):
+    model = llm.loaded.model
+    calls = []
+    orig = model.forward
+
+    def counted(*a, **k):
+        calls.append(a[0].shape[0])
+        return orig(*a, **k)
+
+    model.forward = counted
+    return calls, lambda: setattr(model, "forward", orig)
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("rule", range(3))
+def test_every_rule_and_cache_mode_is_deterministic(llms, arch, cache, rule):
+    llm = llms[arch]
+    params = SamplingParams(max_tokens=20, block_length=8, cache=cache, stop_at_eos=False,
+                            **RULES[rule])
+    calls, restore = _count_forwards(llm)
+    try:
+        a = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    finally:
+        restore()
+    b = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert sum(o.num_forwards for o in a) == len(calls)
+    mask = llm.loaded.config.mask_token_id
+    for o, p in zip(a, PROMPTS):
+        assert len(o.token_ids) == 20 and mask not in o.token_ids
+        assert o.prompt_token_ids == p and o.text is None and o.finish_reason == "length"
+        assert 3 <= o.num_forwards <= 24  # at least one refresh per block, one token per step
+    # Span lengths: refreshes cover the whole canvas T = P + 24; cached steps a block or suffix.
+    totals = {len(p) + 24 for p in PROMPTS}
+    if cache == "none":
+        assert set(calls) <= totals
+    elif cache == "dual":
+        assert set(calls) <= totals | {8}
+        assert 8 in calls or all(o.num_forwards == 3 for o in a)
+
+
+def _llada_reference_generate(model, prompt, gen_length, block_length):
+    """LLaDA's reference generate(): steps == gen_length, low-confidence remasking, one token
+    per step, a full forward every step (mask token excluded per DESIGN.md §2)."""
+    mask = model.config.mask_token_id
+    x = torch.tensor([prompt + [mask] * gen_length])
+    p0 = len(prompt)
+    for b in range(gen_length // block_length):
+        s, e = p0 + b * block_length, p0 + (b + 1) * block_length
+        for _ in range(block_length):
+            logits = model.forward_dense(x)[0].double()
+            logits[:, mask] = -torch.inf
+            probs = torch.softmax(logits, dim=-1)
+            x0 = probs.argmax(-1)
+            conf = probs.gather(1, x0[:, None]).squeeze(1)
+            masked = x[0] == mask
+            conf = torch.where(masked, conf, -torch.inf)
+            conf[:s] = -torch.inf
+            conf[e:] = -torch.inf
+            i = int(conf.argmax())
+            x[0, i] = x0[i]
+    return x[0, p0:].tolist()
+
+
+def test_topk_no_cache_equals_llada_reference_loop(llms):
+    llm = llms["llada"]
+    params = SamplingParams(max_tokens=16, block_length=8, unmasking="topk", tokens_per_step=1,
+                            cache="none", stop_at_eos=False)
+    for prompt in PROMPTS:
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+        with torch.no_grad():
+            ref = _llada_reference_generate(llm.loaded.model, prompt, 16, 8)
+        assert out.token_ids == ref
+        assert out.num_forwards == 16
+
+
+def test_dream_shift_and_first_position_rule(llms):
+    """Dream: logits for p come from p - 1; the refresh also commits the block's first
+    position; cached steps never touch it."""
+    llm = llms["dream"]
+    model = llm.loaded.model
+    mask = model.config.mask_token_id
+    prompt = [9, 8, 7, 6]
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        max_tokens=8, block_length=8, unmasking="topk", tokens_per_step=1, cache="none",
+        stop_at_eos=False))[0]
+    x = torch.tensor([prompt + [mask] * 8])
+    with torch.no_grad():
+        step = 0
+        while (x[0] == mask).any():
+            logits = model.forward_dense(x)[0].double()
+            logits = torch.cat([logits[:1], logits[:-1]])  # row p predicts p from p - 1
+            logits[:, mask] = -torch.inf
+            probs = torch.softmax(logits, -1)
+            tok = probs.argmax(-1)
+            conf = torch.where(x[0] == mask, probs.gather(1, tok[:, None]).squeeze(1), -torch.inf)
+            if step == 0:  # first refresh: position s is forced, then one more by the rule
+                x[0, 4] = tok[4]
+                conf[4] = -torch.inf
+            i = int(conf.argmax())
+            x[0, i] = tok[i]
+            step += 1
+    assert out.token_ids == x[0, 4:].tolist()
+    assert out.num_forwards == step == 7
+
+
+def test_stop_at_eos_cuts_and_finishes_early():
+    params = SamplingParams(max_tokens=30, block_length=8, unmasking="topk", tokens_per_step=8)
+    assert params.canvas_length == 32
+    st = DecodeState([3, 4], params, mask_token_id=99, stop_ids=frozenset({1, 2}),
+                     shift_logits=False)
+    plan = st.plan()
+    assert (plan.span_start, plan.span_end) == (0, 34) and len(plan.positions) == 8
+    st.apply(plan, np.array([10, 11, 12, 13, 14, 15, 16, 17]), np.ones(8))
+    assert st.block == 1 and st.step == 0 and not st.finished
+    assert st.output_token_ids() == [10, 11, 12, 13, 14, 15, 16, 17]
+    plan = st.plan()
+    st.apply(plan, np.array([20, 21, 2, 23, 1, 25, 26, 27]), np.ones(8))
+    assert st.finished and st.finish_reason == "stop"
+    assert st.output_token_ids() == [10, 11, 12, 13, 14, 15, 16, 17, 20, 21]
+    assert st.num_forwards == 2
+
+
+def test_no_stop_returns_whole_canvas_cut_to_max_tokens():
+    params = SamplingParams(max_tokens=10, block_length=8, unmasking="topk", tokens_per_step=8,
+                            stop_at_eos=False)
+    st = DecodeState([3], params, 99, frozenset({1}), False)
+    for b in range(2):
+        st.apply(st.plan(), np.full(8, 1 + b), np.ones(8))
+    assert st.finished and st.finish_reason == "length"
+    assert st.output_token_ids() == [1] * 8 + [2] * 2
+
+
+def test_cached_spans_per_mode():
+    for cache, span in [("dual", (13, 21)), ("prefix", (13, 29)), ("none", (0, 29))]:
+        st = DecodeState([1] * 5, SamplingParams(max_tokens=24, block_length=8, cache=cache),
+                         99, frozenset(), False)
+        st.apply(st.plan(), np.full(8, 7), np.ones(8))  # block 0 done in one step
+        assert st.plan().span_start == 0  # every block starts with a refresh
+        st.apply(st.plan(), np.full(8, 7), np.eye(8)[0])  # block 1: one committed
+        assert (st.plan().span_start, st.plan().span_end) == span
+
+
+def test_temperature_sampling_is_seeded(llms):
+    llm = llms["llada"]
+    p = dict(max_tokens=16, block_length=8, temperature=5.0, stop_at_eos=False)
+    a = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(seed=1, **p))
+    b = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(seed=1, **p))
+    c = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(seed=2, **p))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def test_input_validation(llms):
+    llm = llms["llada"]
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(prompt_token_ids=[[]])
+    with pytest.raises(ValueError, match="integers in"):
+        llm.generate(prompt_token_ids=[[1, 10_000]])
+    with pytest.raises(ValueError, match="beyond the model's context"):
+        llm.generate(prompt_token_ids=[[1]], sampling_params=SamplingParams(max_tokens=5000))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["hello"])
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        llm.generate(prompt_token_ids=[[1]], sampling_params=[SamplingParams()] * 2)
+    with pytest.raises(ValueError, match="unmasking must be one of"):
+        SamplingParams(unmasking="greedy")
+    with pytest.raises(TypeError, match="unknown options"):
+        LLM(llm.loaded.path, tau=3)

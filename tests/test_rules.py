@@ -1,0 +1,75 @@
+"""Unmasking rules on hand-made confidence vectors, and the Gumbel noise hash."""
+
+import torch
+
+from sangam.decoding import gumbel_noise, noise_key, row_key, score_logits, select_commits
+from sangam.decoding.noise import mix32, mix32_tensor
+
+
+def test_threshold_commits_all_above_and_at_least_one():
+    assert select_commits([0.95, 0.2, 0.91, 0.9], "threshold", threshold=0.9) == [0, 2, 3]
+    assert select_commits([0.3, 0.5, 0.1], "threshold", threshold=0.9) == [1]  # all below
+    assert select_commits([0.42], "threshold", threshold=0.9) == [0]  # one candidate left
+    assert select_commits([], "threshold") == []
+
+
+def test_ties_go_to_the_earlier_position():
+    assert select_commits([0.5, 0.7, 0.7, 0.1], "threshold", threshold=0.9) == [1]
+    assert select_commits([0.7, 0.7, 0.7], "topk", tokens_per_step=2) == [0, 1]
+    assert select_commits([0.2, 0.2], "factor", factor=1.0) == [0]
+
+
+def test_topk():
+    assert select_commits([0.1, 0.9, 0.5, 0.7], "topk", tokens_per_step=2) == [1, 3]
+    assert select_commits([0.1, 0.9], "topk", tokens_per_step=5) == [0, 1]
+
+
+def test_factor_rule_longest_prefix():
+    # sorted: 0.99 (k=1, always), 0.8 (k=2 needs >= 1 - 1/3 = 0.667), 0.76 (k=3 needs >= 0.75),
+    # 0.79 is k=3 actually: order 0.99, 0.8, 0.79, 0.76; k=4 needs >= 0.8 -> stop before 0.76.
+    conf = [0.76, 0.99, 0.8, 0.79]
+    assert select_commits(conf, "factor", factor=1.0) == [1, 2, 3]
+    assert select_commits(conf, "factor", factor=0.1) == [1]  # k=2 needs >= 0.967
+    # A later candidate that would pass does not rescue a broken prefix.
+    assert select_commits([0.99, 0.5, 0.9], "factor", factor=1.0) == [0, 2]
+    assert select_commits([0.99, 0.6, 0.5], "factor", factor=1.0) == [0]
+
+
+def test_mix32_known_values_and_tensor_agreement():
+    assert mix32(0) == 0
+    xs = [1, 2, 12345, 0xFFFFFFFF, 0xDEADBEEF]
+    got = mix32_tensor(torch.tensor(xs, dtype=torch.int64)).tolist()
+    assert got == [mix32(x) for x in xs]
+    assert len(set(got)) == len(xs)
+
+
+def test_gumbel_noise_is_keyed_and_plausible():
+    k = noise_key(7, block=1, step=2)
+    assert k == noise_key(7, 1, 2) and k != noise_key(7, 1, 3) and k != noise_key(8, 1, 2)
+    keys = torch.tensor([row_key(k, 0), row_key(k, 1)])
+    g = gumbel_noise(keys, 50_000, torch.float64)
+    assert torch.equal(g, gumbel_noise(keys, 50_000, torch.float64))
+    assert not torch.equal(g[0], g[1])
+    assert abs(g.mean().item() - 0.5772) < 0.02  # Euler–Mascheroni
+    assert abs(g.var().item() - torch.pi**2 / 6) < 0.05
+
+
+def test_score_logits_excludes_mask_and_reports_probability():
+    logits = torch.tensor([[0.0, 1.0, 5.0], [3.0, 3.0, 0.0]], dtype=torch.float64)
+    tokens, conf = score_logits(logits, mask_token_id=2)
+    assert tokens.tolist() == [1, 0]  # mask excluded; tie -> first index
+    torch.testing.assert_close(conf, torch.tensor([1 / (1 + torch.e**-1), 0.5],
+                                                  dtype=torch.float64))
+
+
+def test_score_logits_temperature_samples_and_keeps_untempered_confidence():
+    logits = torch.zeros(2000, 4, dtype=torch.float64)
+    logits[:, 1] = 1.0
+    keys = torch.tensor([row_key(noise_key(3, 0, 0), i) for i in range(2000)])
+    tokens, conf = score_logits(logits, 3, torch.full((2000,), 1.0), keys)
+    freq = torch.bincount(tokens, minlength=4).double() / 2000
+    p = torch.softmax(torch.tensor([0.0, 1.0, 0.0]), 0).double()
+    assert freq[3] == 0
+    assert torch.allclose(freq[:3], p, atol=0.04)
+    probs = torch.softmax(logits[:, :3], -1)
+    torch.testing.assert_close(conf, probs.gather(1, tokens[:, None]).squeeze(1))
