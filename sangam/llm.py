@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import random
+import itertools
 from collections.abc import Sequence
 
 from sangam.config import EngineConfig
-from sangam.decoding.reference import ReferenceDecoder
-from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.engine import Engine
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 
@@ -25,8 +24,9 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown options {unknown}; valid: {sorted(fields)}")
         self.config = EngineConfig(model=model, **engine_options)
-        self.loaded = LoadedModel.load(self.config)
-        self._rng = random.Random(self.config.seed)
+        self.engine = Engine(self.config)
+        self.loaded = self.engine.loaded
+        self._counter = itertools.count()
 
     @property
     def tokenizer(self):
@@ -39,15 +39,21 @@ class LLM:
         prompt. Outputs come back in input order."""
         ids = self._prompt_ids(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(ids))
-        states = [self.loaded.new_state(p, sp, self._rng) for p, sp in zip(ids, params)]
-        decoder = ReferenceDecoder(self.loaded.model, self.config.page_size)
-        outs = []
-        for i, (p, st) in enumerate(zip(ids, states)):
-            decoder.run(st)
-            tokens = st.output_token_ids()
-            outs.append(RequestOutput(str(i), list(p), tokens, self.loaded.decode(tokens),
-                                      st.num_forwards, True, st.finish_reason))
-        return outs
+        engine = self.engine
+        rids = [f"generate-{next(self._counter)}" for _ in ids]
+        try:
+            for rid, p, sp in zip(rids, ids, params):
+                engine.add_request(rid, p, sp)
+        except Exception:  # refuse the whole call; requests already queued are withdrawn
+            for rid in rids:
+                engine.abort_request(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(rids):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[rid] for rid in rids]
 
     def _prompt_ids(self, prompts, prompt_token_ids) -> list[list[int]]:
         if (prompts is None) == (prompt_token_ids is None):

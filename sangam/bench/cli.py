@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("kernels",)
+SUBCOMMANDS = ("kernels", "quality")
 
 
 def build_parser() -> argparse.ArgumentParser:

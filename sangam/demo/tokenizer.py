@@ -10,6 +10,7 @@ the alphabet encode to ``<|unk|>``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -62,9 +63,14 @@ def build_tokenizer() -> Tokenizer:
     return tok
 
 
+@functools.cache
+def _shared_tokenizer() -> Tokenizer:
+    return build_tokenizer()
+
+
 def encode(text: str) -> list[int]:
     """Token ids of ``text`` (special tokens written out as text are recognised)."""
-    return build_tokenizer().encode(text, add_special_tokens=False).ids
+    return _shared_tokenizer().encode(text, add_special_tokens=False).ids
 
 
 def write_tokenizer(path: str | os.PathLike) -> None:

@@ -1,0 +1,21 @@
+"""Triton kernels of the serving hot path, each with a PyTorch reference in ``reference``.
+
+The kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before
+Triton is first imported).
+"""
+
+from sangam.kernels.kv_store import store_kv
+from sangam.kernels.page_copy import gather_pages, scatter_pages
+from sangam.kernels.paged_attention import paged_attention
+from sangam.kernels.reference import (
+    gather_pages_ref,
+    paged_attention_ref,
+    scatter_pages_ref,
+    store_kv_ref,
+    unmask_ref,
+)
+
+__all__ = [
+    "gather_pages", "gather_pages_ref", "paged_attention", "paged_attention_ref",
+    "scatter_pages", "scatter_pages_ref", "store_kv", "store_kv_ref", "unmask_ref",
+]

@@ -8,11 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from sangam.decoding.confidence import score_logits
-from sangam.decoding.rules import RULE_IDS, select_commits
-
-_RULE_NAMES = {v: k for k, v in RULE_IDS.items()}
-
 
 def layer_indices(num_layers: int, layers: slice | range | None) -> range:
     """The layers a transfer touches, as a range (``None`` = all)."""
@@ -75,6 +70,11 @@ def unmask_ref(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor,
     """Score every row (:func:`sangam.decoding.score_logits`), then per request commit the first
     ``num_forced[r]`` rows and the rows :func:`sangam.decoding.select_commits` picks among the
     rest. Returns (tokens int64 [M], confidence [M], commit bool [M])."""
+    # Imported here: sangam.decoding imports the models, whose Torch backend imports this module.
+    from sangam.decoding.confidence import score_logits
+    from sangam.decoding.rules import RULE_IDS, select_commits
+
+    rule_names = {v: k for k, v in RULE_IDS.items()}
     cu = cu_rows.tolist()
     counts = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
     temp_rows = torch.repeat_interleave(temperature.to(torch.float64).cpu(),
@@ -85,7 +85,7 @@ def unmask_ref(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor,
     for r, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         forced = min(int(num_forced[r]), b - a)
         commit[a:a + forced] = True
-        chosen = select_commits(conf_host[a + forced:b], _RULE_NAMES[int(rule[r])],
+        chosen = select_commits(conf_host[a + forced:b], rule_names[int(rule[r])],
                                 threshold=float(threshold[r]), factor=float(factor[r]),
                                 tokens_per_step=int(tokens_per_step[r]))
         for i in chosen:

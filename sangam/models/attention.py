@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sangam.kernels.reference import paged_attention_ref, store_kv_ref
+
 
 class PagedKV:
     """All layers' K and V pages in one tensor ``[num_layers, 2, num_pages, page_size, Hkv, D]``.
@@ -72,42 +74,13 @@ class AttentionBackend(ABC):
         """q ``[N, Hq, D]``, k/v ``[N, Hkv, D]`` (RoPE applied) -> output ``[N, Hq, D]``."""
 
 
-def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
-                       v_pages: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write rows of k/v to their flat page slots; slot -1 means skip."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_pages.view(-1, *k_pages.shape[2:])[slots] = k[keep].to(k_pages.dtype)
-    v_pages.view(-1, *v_pages.shape[2:])[slots] = v[keep].to(v_pages.dtype)
-
-
-def paged_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Gather each request's pages and run exact softmax attention, fp32 or better."""
-    page_size = k_pages.shape[1]
-    group = q.shape[1] // k_pages.shape[2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = torch.empty_like(q)
-    start = 0
-    for r, (n, kv_len) in enumerate(zip(meta.query_lens, meta.kv_lens_host)):
-        if n == 0:
-            continue
-        pages = meta.block_tables[r, : -(-kv_len // page_size)].long()
-        kk = k_pages[pages].flatten(0, 1)[:kv_len].to(acc).repeat_interleave(group, dim=1)
-        vv = v_pages[pages].flatten(0, 1)[:kv_len].to(acc).repeat_interleave(group, dim=1)
-        qq = q[start:start + n].to(acc)
-        scores = torch.einsum("nhd,lhd->hnl", qq, kk) * scale
-        probs = torch.softmax(scores, dim=-1)
-        out[start:start + n] = torch.einsum("hnl,lhd->nhd", probs, vv).to(q.dtype)
-        start += n
-    return out
-
-
 class TorchAttentionBackend(AttentionBackend):
     """The PyTorch reference: exact, per request, any dtype and device. The CPU default."""
 
     name = "torch"
 
     def forward(self, q, k, v, k_pages, v_pages, meta, scale):
-        store_kv_reference(k, v, k_pages, v_pages, meta.slot_mapping)
-        return paged_attention_reference(q, k_pages, v_pages, meta, scale)
+        store_kv_ref(k, v, k_pages, v_pages, meta.slot_mapping)
+        return paged_attention_ref(q, k_pages, v_pages, meta.cu_seqlens_q, meta.block_tables,
+                                   meta.kv_lens, scale, query_lens=meta.query_lens,
+                                   kv_lens_host=meta.kv_lens_host)

@@ -1,0 +1,129 @@
+"""``AsyncEngine``: the engine for other servers (DESIGN.md §3).
+
+The Engine runs in one background thread, which alone touches the model and the scheduler;
+callers on an asyncio loop hand it requests and aborts through a queue and receive one
+RequestOutput per committed block. A forward never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from sangam.config import EngineConfig
+from sangam.engine.engine import Engine
+from sangam.engine.loaded_model import LoadedModel
+from sangam.sampling_params import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 **engine_options):
+        self.config = config or EngineConfig(**engine_options)
+        self.engine = Engine(self.config, loaded)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="sangam-engine", daemon=True)
+        self._thread.start()
+        self.dead: BaseException | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.loaded.tokenizer
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield one output per committed block; the last has ``finished=True``. Raises
+        ValueError (or RequestRejected / QueueFull) at once for a request that cannot run.
+        Leaving the loop early aborts the request and frees its pages."""
+        if self.dead is not None:
+            raise RuntimeError(f"the engine thread died: {self.dead!r}")
+        request_id = request_id or uuid.uuid4().hex
+        ids = self.engine.loaded.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        stream = _Stream(asyncio.get_running_loop())
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("add", request_id, ids, params, stream, accepted))
+        await asyncio.wrap_future(accepted)  # raises the engine's validation error, if any
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._inbox.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request: its stream ends with a ``finish_reason="abort"`` output."""
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=30)
+
+    # Engine thread.
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, ids, params, stream, accepted = cmd
+            try:
+                self.engine.add_request(rid, ids, params)
+            except Exception as e:  # a bad request is refused; nothing else is touched
+                accepted.set_exception(e)
+                return
+            self._streams[rid] = stream
+            accepted.set_result(None)
+        elif cmd[0] == "abort":
+            out = self.engine.abort_request(cmd[1])
+            stream = self._streams.pop(cmd[1], None)
+            if out is not None and stream is not None:
+                stream.put(out)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                block = not self.engine.has_unfinished_requests()
+                try:
+                    cmd = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+                    self._handle(cmd)
+                    while True:
+                        self._handle(self._inbox.get_nowait())
+                except queue.Empty:
+                    pass
+                if not self.engine.has_unfinished_requests():
+                    continue
+                for out in self.engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+        except BaseException as e:  # report to every waiting caller rather than hang them
+            logger.exception("engine thread died")
+            self.dead = e
+            for stream in self._streams.values():
+                stream.put(RuntimeError(f"engine failure: {e!r}"))
+            self._streams.clear()
+        finally:
+            for rid in list(self.engine.requests):
+                self.engine.abort_request(rid)

@@ -1,0 +1,140 @@
+"""The engine loop of one worker: schedule, run one packed forward, advance requests.
+
+``Engine.step()`` is one iteration. The BatchBuilder decides who runs (DESIGN.md §4), the
+ModelRunner runs them, and each request's DecodeState says whether its block ended; requests
+then go back to the builder (seated decode, waiting for the next block's re-prefill, or done).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from sangam.config import EngineConfig
+from sangam.decoding.state import DecodeState
+from sangam.engine.kv_pool import KVPool, pool_num_pages
+from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.model_runner import ModelRunner
+from sangam.engine.request import Request
+from sangam.engine.scheduler import BatchBuilder, ScheduledBatch
+from sangam.sampling_params import RequestOutput, SamplingParams
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served as asked (too long for the pool, queue full...)."""
+
+
+class QueueFull(RequestRejected):
+    """Overload: more requests in flight than ``max_queue_len``; retry later."""
+
+
+@dataclass
+class IterationStats:
+    prefill_tokens: int
+    decode_tokens: int
+    deficit: int
+    batch_size: int
+    num_prefills: int
+    seconds: float
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    state: DecodeState
+    prompt_ids: list[int]
+    arrival: float
+    outputs: int = 0  # blocks already reported
+
+
+@dataclass
+class EngineStats:
+    iterations: deque = field(default_factory=lambda: deque(maxlen=10_000))
+    finished: deque = field(default_factory=lambda: deque(maxlen=10_000))  # per-request metrics
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        self.loaded = loaded or LoadedModel.load(config)
+        num_pages = pool_num_pages(self.loaded.config, config, self.loaded.dtype,
+                                   self.loaded.device)
+        self.pool = KVPool(self.loaded.config, num_pages, config.page_size, self.loaded.dtype,
+                           self.loaded.device)
+        self.builder = BatchBuilder(self.pool.allocator, config.page_size, config.policy,
+                                    config.effective_token_budget, config.max_batch_size)
+        self.runner = ModelRunner(self.loaded, self.pool)
+        self.requests: dict[str, _Tracked] = {}
+        self.stats = EngineStats()
+        self._rng = random.Random(config.seed)
+
+    # Requests in and out.
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; raises (and changes nothing) if it cannot be served."""
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        if len(self.requests) >= self.config.max_queue_len:
+            raise QueueFull(f"{len(self.requests)} requests in flight (max_queue_len "
+                            f"{self.config.max_queue_len})")
+        state = self.loaded.new_state(prompt_token_ids, params, self._rng)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        req = Request(request_id, now, state.prompt_len, params.canvas_length,
+                      params.block_length, params.cache)
+        if not self.builder.fits_ever(req):
+            raise RequestRejected(
+                f"request needs {self.pool.pages_for(state.total_len)} KV pages for "
+                f"{state.total_len} tokens, more than the pool's {self.pool.num_pages}")
+        self.requests[request_id] = _Tracked(req, state, list(prompt_token_ids), now)
+        self.builder.add(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        tracked = self.requests.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.builder.abort(request_id)
+        return self._output(tracked, finished=True, reason="abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    # One iteration.
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return an output for every request that completed a block."""
+        start = time.monotonic()
+        batch = self.builder.schedule(start)
+        if batch.is_empty:
+            return []
+        reqs = batch.decodes + batch.prefills
+        tracked = [self.requests[r.request_id] for r in reqs]
+        block_done = self.runner.execute([t.state for t in tracked], [r.pages for r in reqs])
+        now = time.monotonic()
+        outputs = []
+        for req, t, done in zip(reqs, tracked, block_done):
+            finished = t.state.finished
+            self.builder.step_done(req, now, done, finished)
+            if done:
+                outputs.append(self._output(t, finished, t.state.finish_reason))
+            if finished:
+                del self.requests[req.request_id]
+                self.stats.finished.append(req.metrics)
+        self._record(batch, now - start)
+        return outputs
+
+    def _record(self, batch: ScheduledBatch, seconds: float) -> None:
+        self.stats.iterations.append(IterationStats(
+            batch.prefill_tokens, batch.decode_tokens, batch.deficit,
+            len(batch.prefills) + len(batch.decodes), len(batch.prefills), seconds))
+
+    def _output(self, t: _Tracked, finished: bool, reason: str | None) -> RequestOutput:
+        tokens = t.state.output_token_ids()
+        return RequestOutput(
+            request_id=t.request.request_id, prompt_token_ids=t.prompt_ids, token_ids=tokens,
+            text=self.loaded.decode(tokens), num_forwards=t.state.num_forwards,
+            finished=finished, finish_reason=reason if finished else None)

@@ -1,0 +1,177 @@
+"""A request as the scheduler sees it: geometry, state machine, timing (DESIGN.md §4).
+
+Pure Python, no tensors: the engine and the simulator drive the same objects.
+
+Life of a request (B = block length, one refresh then cached steps per block)::
+
+    WAITING --mark_admitted--> PREFILL --mark_step_done--> DECODE --mark_step_done--> ...
+       ^                          |                          |
+       +-------- block done ------+--------------------------+   (re-prefill of the next
+                                  |                          |    block, same priority)
+                                  +------ finished ----------+--> FINISHED
+    any state but FINISHED --mark_aborted--> FINISHED (finish_reason "abort")
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+CACHE_MODES = ("dual", "prefix", "none")
+
+# Creation order, the tie-break after arrival time. next() on a count is atomic under the GIL.
+_SEQ = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued for a refresh (its first block, or the next block's re-prefill)
+    PREFILL = "prefill"  # admitted this iteration: its refresh is in the forward
+    DECODE = "decode"  # seated: runs one cached step per iteration
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps on the driver's clock (wall time in the engine, simulated in the simulator).
+
+    Per-block lists are indexed by block; an entry is appended when the event happens, so an
+    aborted request may have a queued time without a start.
+    """
+
+    arrival_time: float
+    prefill_queued: list[float] = field(default_factory=list)  # entered the queue for block b
+    prefill_started: list[float] = field(default_factory=list)  # admitted (refresh scheduled)
+    prefill_finished: list[float] = field(default_factory=list)  # refresh forward done
+    block_finished: list[float] = field(default_factory=list)  # last mask of block b committed
+    finish_time: float | None = None
+    num_steps: int = 0  # forwards spent: refreshes + cached steps
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Arrival to finish; None while the request runs."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def queueing_time(self) -> float:
+        """Total time spent waiting for admission, over every prefill that started."""
+        return sum(s - q for q, s in zip(self.prefill_queued, self.prefill_started))
+
+    @property
+    def decode_time(self) -> float:
+        """Total time from each refresh's end to its block's end (cached steps)."""
+        return sum(b - p for p, b in zip(self.prefill_finished, self.block_finished))
+
+    @property
+    def time_to_first_block(self) -> float | None:
+        """The streaming analogue of time-to-first-token."""
+        return self.block_finished[0] - self.arrival_time if self.block_finished else None
+
+
+class Request:
+    """One generation request: prompt of ``prompt_len`` tokens, canvas of ``canvas_len`` masks.
+
+    Invariants: ``canvas_len`` is a positive multiple of ``block_length``; ``0 <= block <
+    num_blocks`` while not FINISHED; ``pages`` is empty until the first admission and then
+    covers all ``total_len`` positions until the request finishes (the holder frees them).
+    """
+
+    def __init__(self, request_id: str, arrival_time: float, prompt_len: int, canvas_len: int,
+                 block_length: int, cache: str = "dual"):
+        if prompt_len < 1:
+            raise ValueError(f"request {request_id!r}: prompt_len must be >= 1, got {prompt_len}")
+        if block_length < 1 or canvas_len < 1 or canvas_len % block_length:
+            raise ValueError(
+                f"request {request_id!r}: canvas_len ({canvas_len}) must be a positive multiple "
+                f"of block_length ({block_length})")
+        if cache not in CACHE_MODES:
+            raise ValueError(f"request {request_id!r}: cache must be one of {CACHE_MODES}, "
+                             f"got {cache!r}")
+        self.request_id = request_id
+        self.arrival_time = arrival_time
+        self.prompt_len = prompt_len
+        self.canvas_len = canvas_len
+        self.block_length = block_length
+        self.cache = cache
+        self.seq = next(_SEQ)
+        self.total_len = prompt_len + canvas_len
+        self.num_blocks = canvas_len // block_length
+        self.block = 0
+        self.status = RequestStatus.WAITING
+        self.pages: list[int] = []
+        self.finish_reason: str | None = None
+        self.worker: int | None = None
+        self.metrics = RequestMetrics(arrival_time, prefill_queued=[arrival_time])
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"block={self.block}/{self.num_blocks}, T={self.total_len}, cache={self.cache})")
+
+    # Costs, in tokens of forward span.
+    @property
+    def prefill_cost(self) -> int:
+        """A refresh spans all T positions (bidirectional attention: it cannot be chunked)."""
+        return self.total_len
+
+    @property
+    def decode_span(self) -> int:
+        """Span of one cached step in the current block (DESIGN.md §2)."""
+        if self.cache == "dual":
+            return self.block_length
+        if self.cache == "prefix":
+            return self.total_len - (self.prompt_len + self.block * self.block_length)
+        return self.total_len  # "none": every step is a refresh
+
+    @property
+    def priority(self) -> tuple[float, int]:
+        """Queue order, smaller first: original arrival, then creation order. Never changes."""
+        return (self.arrival_time, self.seq)
+
+    def pages_needed(self, page_size: int) -> int:
+        """Pages that hold the whole canvas: ceil(T / page_size)."""
+        return -(-self.total_len // page_size)
+
+    # Transitions.
+    def mark_admitted(self, now: float) -> None:
+        self._expect("mark_admitted", RequestStatus.WAITING)
+        self.status = RequestStatus.PREFILL
+        self.metrics.prefill_started.append(now)
+
+    def mark_step_done(self, now: float, block_done: bool, finished: bool,
+                       finish_reason: str | None = None) -> None:
+        """Record one forward. ``finished`` wins over ``block_done`` (a request finishes when a
+        block completes); ``finish_reason`` defaults to "length" on the last block, else "stop".
+        """
+        self._expect("mark_step_done", RequestStatus.PREFILL, RequestStatus.DECODE)
+        if block_done and not finished and self.block + 1 == self.num_blocks:
+            raise ValueError(f"{self!r}: the last block is done, so the request must finish")
+        m = self.metrics
+        m.num_steps += 1
+        if self.status is RequestStatus.PREFILL:
+            m.prefill_finished.append(now)
+        if finished:
+            m.block_finished.append(now)
+            self._finish(now, finish_reason or (
+                "length" if self.block + 1 == self.num_blocks else "stop"))
+        elif block_done:
+            m.block_finished.append(now)
+            m.prefill_queued.append(now)
+            self.block += 1
+            self.status = RequestStatus.WAITING
+        else:
+            self.status = RequestStatus.DECODE
+
+    def mark_aborted(self, now: float) -> None:
+        self._expect("mark_aborted", RequestStatus.WAITING, RequestStatus.PREFILL,
+                     RequestStatus.DECODE)
+        self._finish(now, "abort")
+
+    def _finish(self, now: float, reason: str) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.metrics.finish_time = now
+
+    def _expect(self, what: str, *allowed: RequestStatus) -> None:
+        if self.status not in allowed:
+            raise ValueError(f"{what} on {self!r}: needs status "
+                             f"{' or '.join(s.name for s in allowed)}")

@@ -1,0 +1,305 @@
+"""Per-worker batch builder: which requests share the next forward (DESIGN.md §4).
+
+Pure Python, no tensors, no model: the engine and the simulator call the same methods in the
+same order, once per iteration::
+
+    batch = builder.schedule(now)          # decide this iteration
+    ... one forward over batch.prefills (refreshes) and batch.decodes (cached steps) ...
+    builder.step_done(req, now, ...)       # once for every request of the batch
+
+Policies:
+- ``deficit``: the deficit token budget of DESIGN.md §4 (Deficit Round-Robin over prefill
+  tokens). Seated decodes always run; waiting prefills are admitted in priority order, strict
+  head-of-line, while their cost fits ``(tau - decode_tokens) + deficit``; unused budget carries
+  over, so a prefill larger than ``tau`` is admitted after enough iterations.
+- ``prefill_first``: ``tau`` = infinity: every waiting prefill that fits memory and the batch cap
+  is admitted, head-of-line (Orca / vLLM / dLLM-Serve).
+- ``fastdllm``: batch size 1 (the Fast-dLLM baseline): one request at a time, run to
+  completion; its own re-prefills run immediately; when it finishes the next is admitted.
+
+Memory: a request's pages for the whole canvas (``ceil(T / page_size)``) are allocated at its
+first admission and freed when it finishes or is aborted; re-prefills hold them already, so
+nothing is ever preempted. A head that cannot get its pages blocks admission ("memory-blocked")
+and the iteration banks no budget.
+
+Not thread-safe: the driver serializes calls.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from sangam.engine.page_allocator import PageAllocator
+from sangam.engine.request import Request, RequestStatus
+
+POLICIES = ("deficit", "prefill_first", "fastdllm")
+
+
+@dataclass
+class ScheduledBatch:
+    """One iteration's work. A request appears in at most one of the two lists."""
+
+    prefills: list[Request]  # admitted this iteration (status PREFILL): one refresh each
+    decodes: list[Request]  # seated (status DECODE): one cached step each
+    prefill_tokens: int  # sum of the prefills' spans (T each)
+    decode_tokens: int  # sum of the decodes' spans
+    deficit: int  # carried budget after this iteration
+    memory_blocked: bool  # the head of the queue could not get its pages
+    idle_admission: bool  # a prefill was admitted by the idle rule, over the budget
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class BatchBuilder:
+    """Schedules one worker's requests over its page allocator.
+
+    Invariants between calls (after ``step_done`` was called for the whole last batch):
+    - every request held here is in exactly one place, by status: WAITING -> the queue,
+      DECODE -> the seats; PREFILL exists only between ``schedule`` and ``step_done``;
+    - a request holding pages is WAITING (a re-prefill) or DECODE; pages are freed exactly
+      once, when it finishes or is aborted;
+    - ``deficit >= 0``; it is 0 with an infinite budget and after an iteration with nothing
+      waiting;
+    - ``num_seated <= max_batch_size``.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int, policy: str = "deficit",
+                 token_budget: int | float = 1024, max_batch_size: int = 256):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if not token_budget >= 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        if policy == "prefill_first" or math.isinf(token_budget):
+            token_budget = math.inf
+        elif token_budget != int(token_budget):
+            raise ValueError(f"token_budget must be a whole number of tokens, got {token_budget}")
+        else:
+            token_budget = int(token_budget)
+        self.allocator = allocator
+        self.page_size = page_size
+        self.policy = policy
+        self.token_budget: int | float = token_budget  # tau; math.inf for prefill-first
+        self.max_batch_size = 1 if policy == "fastdllm" else max_batch_size
+        self._deficit = 0
+        self._requests: dict[str, Request] = {}  # every request held here, any status
+        self._waiting: dict[str, Request] = {}  # status WAITING
+        # Heap of (arrival_time, seq, request) over the WAITING requests. An entry whose request
+        # is no longer in _waiting (aborted) is stale and dropped when it reaches the top.
+        self._queue: list[tuple[float, int, Request]] = []
+        self._seated: dict[str, Request] = {}  # status DECODE, in seating order
+        self._in_flight: dict[str, Request] = {}  # scheduled, step_done not yet called
+        self._active: Request | None = None  # fastdllm: the one request being served
+        self._now = -math.inf  # latest time given to schedule / step_done
+
+    # State.
+    @property
+    def deficit(self) -> int:
+        return self._deficit
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_seated(self) -> int:
+        return len(self._seated)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    def fits_ever(self, req: Request) -> bool:
+        """Whether ``req``'s canvas fits the pool at all; check at submission."""
+        return req.pages_needed(self.page_size) <= self.allocator.num_pages
+
+    # Driver calls.
+    def add(self, req: Request) -> None:
+        """Queue a WAITING request: a new one, or one that already holds pages of this pool.
+
+        A re-prefill that went through ``step_done`` is re-queued there: do not add it again.
+        """
+        if req.status is not RequestStatus.WAITING:
+            raise ValueError(f"add: {req!r} is not WAITING")
+        if req.request_id in self._requests:
+            raise ValueError(f"add: request id {req.request_id!r} is already scheduled here")
+        if not req.pages and not self.fits_ever(req):
+            raise ValueError(
+                f"request {req.request_id!r} can never fit: its {req.total_len} positions need "
+                f"{req.pages_needed(self.page_size)} KV pages of {self.page_size} tokens, the "
+                f"pool has {self.allocator.num_pages}")
+        self._requests[req.request_id] = req
+        self._enqueue(req)
+
+    def schedule(self, now: float) -> ScheduledBatch:
+        """Decide this iteration; admitted prefills are marked admitted and hold their pages."""
+        if self._in_flight:
+            raise RuntimeError(f"schedule() before step_done() of {list(self._in_flight)}")
+        self._now = now
+        if self.policy == "fastdllm":
+            batch = self._schedule_one(now)
+        else:
+            batch = self._schedule_budget(now)
+        for r in batch.prefills:
+            self._in_flight[r.request_id] = r
+        for r in batch.decodes:
+            self._in_flight[r.request_id] = r
+        return batch
+
+    def step_done(self, req: Request, now: float, block_done: bool, finished: bool,
+                  finish_reason: str | None = None) -> None:
+        """Report ``req``'s forward of the last batch (see ``Request.mark_step_done``).
+
+        A request aborted since ``schedule`` is ignored: its result is simply dropped.
+        """
+        if req.finish_reason == "abort" and req.request_id not in self._requests:
+            return
+        if self._in_flight.pop(req.request_id, None) is not req:
+            raise ValueError(f"step_done: {req!r} is not in the last scheduled batch")
+        self._now = now
+        req.mark_step_done(now, block_done, finished, finish_reason)
+        if req.status is RequestStatus.FINISHED:
+            self._release(req)
+        elif req.status is RequestStatus.WAITING:  # next block's re-prefill, same priority
+            self._seated.pop(req.request_id, None)
+            self._enqueue(req)
+        else:  # DECODE: (stays) seated; a fresh prefill runs its first cached step next time
+            self._seated[req.request_id] = req
+
+    def abort(self, request_id: str, now: float | None = None) -> Request | None:
+        """Remove a request wherever it is, free its pages, mark it aborted; None if unknown.
+
+        ``now`` defaults to the latest time this builder was given (or the arrival time).
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self._release(req)
+        req.mark_aborted(max(self._now, req.arrival_time) if now is None else now)
+        return req
+
+    # Policies.
+    def _schedule_budget(self, now: float) -> ScheduledBatch:
+        """DESIGN.md §4's deficit token budget; ``tau = inf`` gives prefill-first."""
+        decodes = list(self._seated.values())
+        decode_tokens = sum(r.decode_span for r in decodes)
+        prefills: list[Request] = []
+        head = self._head()
+        if head is None:  # nothing waiting: the deficit resets (DRR)
+            self._deficit = 0
+            return ScheduledBatch(prefills, decodes, 0, decode_tokens, 0, False, False)
+        tau = self.token_budget
+        fresh = tau - decode_tokens  # this iteration's own prefill budget; may be < 0
+        remaining = fresh + self._deficit
+        admitted = 0
+        idle = memory_blocked = batch_full = False
+        while head is not None:
+            if len(decodes) + len(prefills) >= self.max_batch_size:
+                batch_full = True
+                break
+            by_budget = head.prefill_cost <= remaining - admitted
+            if not by_budget and (decodes or prefills):
+                break  # strict head-of-line: nothing behind it may leapfrog
+            if not head.pages:  # first admission: the whole canvas
+                n = head.pages_needed(self.page_size)
+                if not self.allocator.can_allocate(n):
+                    memory_blocked = True
+                    break
+                head.pages = self.allocator.allocate(n)
+            heapq.heappop(self._queue)
+            self._admit(head, now, prefills)
+            admitted += head.prefill_cost
+            idle = idle or not by_budget  # the idle rule: never leave the GPU idle
+            head = self._head()
+        if memory_blocked and not decodes and not prefills:
+            # Liveness: the head waits for pages that only queued re-prefills hold (possible
+            # when a request is added with an older arrival time than admitted ones). Run the
+            # first of them, as the idle rule would; it needs no allocation.
+            holder = self._first_holding_pages()
+            if holder is not None:
+                self._queue.remove((holder.arrival_time, holder.seq, holder))
+                heapq.heapify(self._queue)
+                self._admit(holder, now, prefills)
+                admitted += holder.prefill_cost
+                idle = True
+        if math.isinf(tau):
+            self._deficit = 0
+        elif memory_blocked or batch_full:
+            # Blocked by something other than the budget: bank none of this iteration's budget,
+            # and charge the old deficit only for what was admitted beyond the fresh budget.
+            self._deficit = max(0, self._deficit - max(0, admitted - fresh))
+        else:
+            self._deficit = max(0, remaining - admitted)
+        return ScheduledBatch(prefills, decodes, admitted, decode_tokens, self._deficit,
+                              memory_blocked, idle)
+
+    def _schedule_one(self, now: float) -> ScheduledBatch:
+        """Fast-dLLM baseline: the active request alone until it finishes."""
+        prefills: list[Request] = []
+        decodes: list[Request] = []
+        memory_blocked = False
+        act = self._active
+        if act is None:
+            head = self._head()
+            if head is not None:
+                n = 0 if head.pages else head.pages_needed(self.page_size)
+                if self.allocator.can_allocate(n):
+                    if n:
+                        head.pages = self.allocator.allocate(n)
+                    heapq.heappop(self._queue)
+                    self._admit(head, now, prefills)
+                    self._active = head
+                else:
+                    memory_blocked = True
+        elif act.status is RequestStatus.WAITING:  # its own re-prefill runs at once
+            self._admit(act, now, prefills)
+        else:
+            decodes.append(act)
+        return ScheduledBatch(prefills, decodes, sum(r.prefill_cost for r in prefills),
+                              sum(r.decode_span for r in decodes), 0, memory_blocked, False)
+
+    # Queue.
+    def _enqueue(self, req: Request) -> None:
+        self._waiting[req.request_id] = req
+        if req is not self._active:  # fastdllm's active re-prefill bypasses the queue
+            heapq.heappush(self._queue, (req.arrival_time, req.seq, req))
+
+    def _head(self) -> Request | None:
+        """The highest-priority WAITING request, dropping stale entries on the way."""
+        q = self._queue
+        while q:
+            req = q[0][2]
+            if self._waiting.get(req.request_id) is req:
+                return req
+            heapq.heappop(q)
+        return None
+
+    def _first_holding_pages(self) -> Request | None:
+        holders = [r for r in self._waiting.values() if r.pages]
+        return min(holders, key=lambda r: r.priority, default=None)
+
+    def _admit(self, req: Request, now: float, prefills: list[Request]) -> None:
+        """``req`` has left the heap (or never was in it) and holds its pages."""
+        del self._waiting[req.request_id]
+        req.mark_admitted(now)
+        prefills.append(req)
+
+    def _release(self, req: Request) -> None:
+        """Forget ``req`` and free its pages. Its heap entry, if any, goes stale."""
+        rid = req.request_id
+        del self._requests[rid]
+        self._waiting.pop(rid, None)
+        self._seated.pop(rid, None)
+        self._in_flight.pop(rid, None)
+        if self._active is req:
+            self._active = None
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []

@@ -1,0 +1,256 @@
+"""Paged bidirectional attention over packed variable-length spans (DESIGN.md §5.1).
+
+Request r's query rows ``cu_seqlens_q[r]:cu_seqlens_q[r+1]`` attend, with no causal mask, over
+its first ``kv_lens[r]`` cached positions, which live in pages ``block_tables[r]``.
+
+Layout of the work. For one KV head, the (query, head-in-group) pairs of a request are flattened
+into ``qlen * group`` rows, so a tile of BLOCK_M rows holds every query head that shares the K/V
+tile it loads: K/V are read once per KV head and tile, and GQA group sizes that are not powers of
+two (Dream: 7) waste no padding. Tiles of all requests are numbered consecutively
+(``cu_tiles``); a program finds its request by binary search, so the grid size needs no host
+sync. One kernel serves refreshes (long spans) and cached steps (32-query spans); when a batch
+has too few tiles to fill the GPU, the KV range is split across programs that write partial
+results (normalized output + log-sum-exp) and a reduce kernel merges them (flash-decoding).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, kc_ptr, vc_ptr, out_ptr, lse_ptr,
+    cu_q_ptr, cu_tiles_ptr, bt_ptr, kv_lens_ptr,
+    num_requests, search_steps, group, head_dim, num_splits, qk_scale,
+    s_q_n, s_q_h,
+    s_kc_page, s_kc_off, s_kc_h, s_vc_page, s_vc_off, s_vc_h,
+    s_bt,
+    s_o_split, s_o_n, s_o_h,
+    s_lse_split, s_lse_n,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if t < tl.load(cu_tiles_ptr + num_requests):
+        # Request of tile t: the r with cu_tiles[r] <= t < cu_tiles[r + 1].
+        lo = tl.full([], 0, tl.int32)
+        hi = lo + num_requests - 1
+        for _ in range(search_steps):
+            mid = (lo + hi) // 2
+            right = tl.load(cu_tiles_ptr + mid + 1) <= t
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(right, hi, mid)
+        r = lo
+        q_start = tl.load(cu_q_ptr + r)
+        num_rows = (tl.load(cu_q_ptr + r + 1) - q_start) * group
+        kv_len = tl.load(kv_lens_ptr + r)
+
+        rows = (t - tl.load(cu_tiles_ptr + r)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < num_rows
+        tok = (q_start + rows // group).to(tl.int64)
+        head = kvh * group + rows % group
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < head_dim
+        q_off = tok[:, None] * s_q_n + head[:, None] * s_q_h + offs_d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = q.to(DOT_DTYPE)
+
+        if SPLIT:
+            chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+            kv_lo = split * chunk
+            kv_hi = tl.minimum(kv_len, kv_lo + chunk)
+        else:
+            kv_lo = kv_len * 0
+            kv_hi = kv_len
+
+        m_i = tl.full([BLOCK_M], float("-inf"), ACC_DTYPE)
+        l_i = tl.zeros([BLOCK_M], ACC_DTYPE)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], ACC_DTYPE)
+        bt_row = bt_ptr + r.to(tl.int64) * s_bt
+        for start in range(kv_lo, kv_hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < kv_hi
+            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            slot = offs_n % PAGE_SIZE
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k_off = page * s_kc_page + slot * s_kc_off + kvh * s_kc_h
+            k = tl.load(kc_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee")
+            # Scores in log2 units; every tile holds at least one valid key, so m_new is finite.
+            s = tl.where(n_ok[None, :], s.to(ACC_DTYPE) * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_off = page * s_vc_page + slot * s_vc_off + kvh * s_vc_h
+            v = tl.load(vc_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
+            acc = acc * alpha[:, None] + pv.to(ACC_DTYPE)
+            m_i = m_new
+
+        # No keys (kv_len 0, or an empty split): output 0, weight 0.
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        o_off = split.to(tl.int64) * s_o_split + tok[:, None] * s_o_n + head[:, None] * s_o_h
+        o_mask = row_ok[:, None] & d_ok[None, :]
+        tl.store(out_ptr + o_off + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        if SPLIT:
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            lse_off = split.to(tl.int64) * s_lse_split + tok * s_lse_n + head
+            tl.store(lse_ptr + lse_off, lse.to(lse_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, num_splits, head_dim,
+    s_p_split, s_p_n, s_p_h, s_lse_split, s_lse_n, s_o_n, s_o_h,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = sp < num_splits
+    lse = tl.load(lse_ptr + sp * s_lse_split + n * s_lse_n + h, mask=s_ok, other=float("-inf"))
+    lse = lse.to(ACC_DTYPE)
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    total = tl.sum(w, 0)
+    mask = s_ok[:, None] & (offs_d[None, :] < head_dim)
+    part = tl.load(part_ptr + sp[:, None] * s_p_split + n * s_p_n + h * s_p_h + offs_d[None, :],
+                   mask=mask, other=0.0).to(ACC_DTYPE)
+    o = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + n * s_o_n + h * s_o_h + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < head_dim)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _tile_config(rows: int, head_dim: int, on_gpu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the longest span's flattened row count."""
+    block_m = max(16, min(128, triton.next_power_of_2(max(rows, 1))))
+    if not on_gpu:
+        # Interpreter: numpy cost is per program and op, so moderate tiles are fastest.
+        return min(block_m, 32), 32, 1, 1
+    if head_dim > 128:
+        block_m = min(block_m, 64)
+        return block_m, 32, 8, 2
+    block_n = 64 if block_m >= 64 else 32
+    num_warps = 8 if block_m >= 128 else 4
+    return block_m, block_n, num_warps, 2 if head_dim > 64 else 3
+
+
+def _auto_splits(programs: int, max_kv: int, device: torch.device) -> int:
+    """Split the KV loop only when the tiles alone leave most SMs idle (flash-decoding)."""
+    if device.type != "cuda":
+        return 1
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms or max_kv < 512:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), max_kv // 256, 32))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
+                    kv_lens: torch.Tensor, scale: float, *, max_query_len: int | None = None,
+                    num_splits: int | None = None, block_m: int | None = None,
+                    block_n: int | None = None) -> torch.Tensor:
+    """Bidirectional paged attention for packed spans; returns ``[N, Hq, D]`` in q's dtype.
+
+    q ``[N, Hq, D]``; k_cache/v_cache ``[num_pages, page_size, Hkv, D]`` (head dim contiguous;
+    per-layer views of a ``PagedKV`` buffer are fine); cu_seqlens_q int32 ``[R+1]``;
+    block_tables int32 ``[R, max_pages]``; kv_lens int32 ``[R]``. ``max_query_len`` (host int,
+    optional) only sharpens the tile choice; ``num_splits`` forces the number of KV splits
+    (default: chosen from the batch shape, 1 off-GPU); ``block_m``/``block_n`` force tile sizes
+    (powers of two >= 16). Accumulates in fp32 (fp64 for fp64 inputs).
+    """
+    n_tok, hq, d = q.shape
+    num_pages, page_size, hkv, dk = k_cache.shape
+    if v_cache.shape != k_cache.shape or dk != d or hq % hkv:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    if page_size & (page_size - 1) or d & (d - 1) or d > 256:
+        raise ValueError(f"page_size and head_dim must be powers of two (head_dim <= 256), "
+                         f"got {page_size} and {d}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("the caches' head dim must be contiguous")
+    group = hq // hkv
+    num_requests = cu_seqlens_q.numel() - 1
+    out = torch.empty((n_tok, hq, d), dtype=q.dtype, device=q.device)
+    if n_tok == 0 or num_requests == 0:
+        return out
+
+    on_gpu = q.device.type == "cuda" and not _interpreting()
+    rows = (max_query_len if max_query_len is not None else n_tok) * group
+    bm, bn, num_warps, num_stages = _tile_config(rows, d, on_gpu)
+    bm = block_m or bm
+    bn = block_n or bn
+    if num_splits is None:
+        est_programs = triton.cdiv(n_tok * group, bm) * hkv
+        num_splits = _auto_splits(est_programs, block_tables.shape[1] * page_size, q.device)
+    num_splits = max(1, int(num_splits))
+
+    acc_dtype = tl.float64 if q.dtype == torch.float64 else tl.float32
+    if q.dtype == torch.float64:
+        dot_dtype = tl.float64
+    elif on_gpu and q.dtype in (torch.bfloat16, torch.float16):
+        dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16
+    else:  # fp32, or half types in the interpreter, whose bf16 dot is wrong
+        dot_dtype = tl.float32
+
+    cu_q = cu_seqlens_q.to(torch.int32)
+    tiles = ((cu_q[1:] - cu_q[:-1]) * group + bm - 1) // bm
+    cu_tiles = torch.zeros(num_requests + 1, dtype=torch.int32, device=q.device)
+    cu_tiles[1:] = torch.cumsum(tiles, 0)
+    grid = (n_tok * group // bm + num_requests, hkv, num_splits)
+
+    split = num_splits > 1
+    if split:
+        part_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        part = torch.empty((num_splits, n_tok, hq, d), dtype=part_dtype, device=q.device)
+        lse = torch.empty((num_splits, n_tok, hq), dtype=part_dtype, device=q.device)
+    else:
+        part, lse = out, out  # lse is unused without splits
+    _attn_kernel[grid](
+        q, k_cache, v_cache, part, lse,
+        cu_q, cu_tiles, block_tables, kv_lens,
+        num_requests, num_requests.bit_length(), group, d, num_splits, scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        part.stride(0) if split else 0, part.stride(-3), part.stride(-2),
+        lse.stride(0) if split else 0, lse.stride(-2) if split else 0,
+        PAGE_SIZE=page_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, d), SPLIT=split,
+        DOT_DTYPE=dot_dtype, ACC_DTYPE=acc_dtype,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(n_tok, hq)](
+            part, lse, out, num_splits, d,
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=max(16, d),
+            ACC_DTYPE=acc_dtype, num_warps=4 if on_gpu else 1,
+        )
+    return out

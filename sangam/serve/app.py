@@ -1,0 +1,489 @@
+"""The OpenAI-compatible HTTP API over an ``AsyncEngine`` (DESIGN.md §3).
+
+``build_app(engine, config)`` returns the FastAPI app: ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+
+A request's life: validate (400 before any work), submit every prompt and wait for each one's
+first committed block (the engine refuses a bad request at once: 400, or 503 when the queue is
+full), then stream one chunk per committed block or return the whole response. Whatever ends a
+request early - a client that disconnects, a rejected sibling prompt, server shutdown - closes
+its ``AsyncEngine.generate`` generator, which aborts it and frees its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from sangam.engine.async_engine import AsyncEngine
+from sangam.engine.engine import QueueFull, RequestRejected
+from sangam.sampling_params import RequestOutput, SamplingParams
+from sangam.serve.config import ServerConfig
+from sangam.serve.metrics import ServerMetrics
+from sangam.serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Stream = tuple[AsyncGenerator[RequestOutput, None], RequestOutput]  # (generator, first output)
+
+RETRY_AFTER_S = 1  # a full queue drains at the pace of whole requests: retry soon
+METRICS_INGEST_PERIOD_S = 1.0
+
+
+class ApiError(Exception):
+    """An error the client should see as ``{"error": {...}}`` with this status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type_, param, code)
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+class _ApiKeyMiddleware:
+    """``Authorization: Bearer KEY`` on /v1/*; /health and /metrics stay open (as in vLLM)."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = ApiError(401, "invalid or missing API key: send 'Authorization: Bearer "
+                                 "<key>'", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that always close their generator, whether the stream ended, the
+    client went away or the server is shutting down: closing it aborts unfinished requests."""
+
+    def __init__(self, events: AsyncGenerator[str, None]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; cancel it (which closes its generators) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        task.cancel()  # no-op when done; else the client left, or we are being cancelled
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        raise _ClientGone
+    return task.result()
+
+
+async def _merge(streams: list[Stream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """(choice index, output) of every stream as it comes: the first outputs, then the rest;
+    each stream's outputs stay in order."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:  # handed to the consumer, which raises it
+            queue.put_nowait((i, e))
+
+    tasks: list[asyncio.Task] = []
+    try:
+        for i, (_, first) in enumerate(streams):
+            yield i, first
+        tasks = [asyncio.create_task(pump(i, gen)) for i, (gen, _) in enumerate(streams)]
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for gen, _ in streams:
+            await gen.aclose()
+
+
+class _Delta:
+    """What one choice has sent so far; ``advance`` gives the new text and tokens."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.num_tokens = 0
+        self.started = False
+
+    def advance(self, out: RequestOutput) -> tuple[str, list[int]]:
+        text = out.text or ""
+        if not out.finished:
+            # An unfinished multi-byte character decodes to U+FFFD: send it once complete.
+            text = text.rstrip("\ufffd")
+        delta = text[len(self.text):]
+        self.text += delta
+        tokens = out.token_ids[self.num_tokens:]
+        self.num_tokens = len(out.token_ids)
+        return delta, tokens
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finished else None
+
+
+def _usage(outs: list[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(o.token_ids) for o in outs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion, num_forwards=sum(o.num_forwards for o in outs))
+
+
+def _sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else JSONResponse(
+        payload).body.decode()
+    return f"data: {data}\n\n"
+
+
+class _Server:
+    """Request handling, shared by the routes."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.loaded = engine.engine.loaded
+        self.model_name = config.model_name(engine.config.model)
+        self.metrics = ServerMetrics(engine)
+
+    # Validation (all before any work is submitted).
+    def check(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"the model '{body.model}' does not exist; this server serves "
+                           f"'{self.model_name}'", param="model", code="model_not_found")
+        unsupported = body.unsupported_fields()
+        if unsupported:
+            raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
+                           "returns one greedy-or-sampled choice per prompt without "
+                           "logprobs, stop strings, penalties or tools",
+                           param=unsupported[0], code="unsupported_parameter")
+        try:
+            return self.config.default_params(**body.sampling_overrides())
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    def _tokenizer(self, what: str):
+        if self.loaded.tokenizer is None:
+            raise ApiError(400, f"this model has no tokenizer, so {what} cannot be served; "
+                           "send /v1/completions a prompt of token ids")
+        return self.loaded.tokenizer
+
+    def completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]]
+                           ) -> list[list[int]]:
+        prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(
+            prompt[0], int) else [prompt]
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                if not p:
+                    raise ApiError(400, "the prompt is empty", param="prompt")
+                self._tokenizer("text prompts")
+                p = self.loaded.encode(p)
+            ids.append(p)
+        return ids
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        tokenizer = self._tokenizer("chat (it needs a chat template)")
+        if not body.messages:
+            raise ApiError(400, "messages is empty", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=False)
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        # The template already wrote the special tokens (BOS...): do not add them again.
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # Submission.
+    async def _generate(self, ids: list[int], params: SamplingParams,
+                        request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        """``engine.generate`` plus outcome counters; closing this closes (aborts) that."""
+        m = self.metrics
+        done = rejected = False
+        try:
+            async with contextlib.aclosing(self.engine.generate(ids, params, request_id)) as outs:
+                async for out in outs:
+                    if out.finished:
+                        done = True
+                        if out.finish_reason == "abort":
+                            m.requests_aborted.inc()
+                        else:
+                            m.requests_finished.labels(out.finish_reason).inc()
+                    yield out
+        except ValueError as e:  # refused at submission: counted, then mapped to a status
+            rejected = True
+            reason = ("queue_full" if isinstance(e, QueueFull) else
+                      "kv_pool" if isinstance(e, RequestRejected) else "invalid")
+            m.requests_rejected.labels(reason).inc()
+            raise
+        finally:
+            if not done and not rejected:
+                m.requests_aborted.inc()
+
+    async def open(self, prompts: list[list[int]], params: SamplingParams,
+                   request_id: str) -> list[Stream]:
+        """Submit every prompt and wait for each one's first output, so that a refusal becomes
+        an error status before any response byte is sent. All or nothing."""
+        gens = [self._generate(ids, params, request_id if len(prompts) == 1 else
+                               f"{request_id}-{i}") for i, ids in enumerate(prompts)]
+        try:
+            # return_exceptions: gather returns (or raises CancelledError) only once every
+            # generator is idle again, so each can be closed.
+            firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        except BaseException:
+            await _close_all(gens)
+            raise
+        errors = [f for f in firsts if isinstance(f, BaseException)]
+        if not errors:
+            return list(zip(gens, firsts))
+        await _close_all(gens)
+        e = errors[0]
+        if isinstance(e, QueueFull):
+            raise ApiError(503, f"server overloaded: {e}; retry later", "server_error",
+                           code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+        if isinstance(e, ValueError):  # bad ids, too long for the context or the KV pool
+            raise ApiError(400, str(e))
+        raise e
+
+    # Responses.
+    def completion_response(self, request_id: str, outs: list[RequestOutput]
+                            ) -> CompletionResponse:
+        choices = [CompletionChoice(index=i, text=o.text or "", token_ids=o.token_ids,
+                                    finish_reason=o.finish_reason) for i, o in enumerate(outs)]
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                  usage=_usage(outs))
+
+    def chat_response(self, request_id: str, out: RequestOutput) -> ChatCompletionResponse:
+        choice = ChatChoice(index=0, message=AssistantMessage(content=out.text or ""),
+                            token_ids=out.token_ids, finish_reason=out.finish_reason)
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice],
+                                      usage=_usage([out]))
+
+    async def events(self, streams: list[Stream], request_id: str, include_usage: bool,
+                     chunk: Callable[[int, _Delta, str, list[int], str | None], BaseModel],
+                     usage_chunk: Callable[[Usage], BaseModel]) -> AsyncGenerator[str, None]:
+        """SSE: one chunk per committed block per choice, then usage if asked, then [DONE]."""
+        deltas = [_Delta() for _ in streams]
+        finals: list[RequestOutput] = []
+        try:
+            async with contextlib.aclosing(_merge(streams)) as merged:
+                async for i, out in merged:
+                    text, tokens = deltas[i].advance(out)
+                    yield _sse(chunk(i, deltas[i], text, tokens, _finish_reason(out)))
+                    deltas[i].started = True
+                    if out.finished:
+                        finals.append(out)
+        except Exception as e:  # the status line is long gone: report in-band, then end
+            logger.exception("stream %s failed", request_id)
+            yield _sse(ErrorResponse(error=ErrorInfo(message=f"generation failed: {e}",
+                                                     type="server_error")))
+            return
+        if include_usage:
+            yield _sse(usage_chunk(_usage(finals)))
+        yield "data: [DONE]\n\n"
+
+
+def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
+    """The HTTP app; its lifespan shuts ``engine`` down when the server stops."""
+    srv = _Server(engine, server_config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async def ingest() -> None:
+            while True:
+                await asyncio.sleep(METRICS_INGEST_PERIOD_S)
+                srv.metrics.ingest()
+
+        task = asyncio.create_task(ingest())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="Sangam", version="0.1.0", lifespan=lifespan)
+    app.state.server = srv
+    if server_config.api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=server_config.api_key)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead is not None:
+            return ApiError(503, f"engine failed: {engine.dead!r}", "server_error").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=srv.model_name,
+                                         max_model_len=srv.loaded.context_length)])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        params = srv.check(body)
+        prompts = srv.completion_prompts(body.prompt)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await _unless_disconnected(request, srv.open(prompts, params, request_id))
+        if body.stream:
+            def chunk(i: int, d: _Delta, text: str, tokens: list[int],
+                      reason: str | None) -> BaseModel:
+                return CompletionResponse(id=request_id, model=srv.model_name, choices=[
+                    CompletionChoice(index=i, text=text, token_ids=tokens, finish_reason=reason)])
+
+            def usage_chunk(usage: Usage) -> BaseModel:
+                return CompletionResponse(id=request_id, model=srv.model_name, choices=[],
+                                          usage=usage)
+
+            return _EventStream(srv.events(streams, request_id, body.include_usage, chunk,
+                                           usage_chunk))
+        outs = await _unless_disconnected(request, _collect(streams))
+        return JSONResponse(srv.completion_response(request_id, outs).model_dump())
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        params = srv.check(body)
+        prompt = srv.chat_prompt(body)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await _unless_disconnected(request, srv.open([prompt], params, request_id))
+        if body.stream:
+            def chunk(i: int, d: _Delta, text: str, tokens: list[int],
+                      reason: str | None) -> BaseModel:
+                delta = DeltaMessage(role=None if d.started else "assistant", content=text)
+                return ChatCompletionChunk(id=request_id, model=srv.model_name, choices=[
+                    ChatChunkChoice(index=i, delta=delta, token_ids=tokens,
+                                    finish_reason=reason)])
+
+            def usage_chunk(usage: Usage) -> BaseModel:
+                return ChatCompletionChunk(id=request_id, model=srv.model_name, choices=[],
+                                           usage=usage)
+
+            return _EventStream(srv.events(streams, request_id, body.include_usage, chunk,
+                                           usage_chunk))
+        outs = await _unless_disconnected(request, _collect(streams))
+        return JSONResponse(srv.chat_response(request_id, outs[0]).model_dump())
+
+    return app
+
+
+async def _close_all(gens: list[AsyncGenerator[RequestOutput, None]]) -> None:
+    for gen in gens:
+        await gen.aclose()
+
+
+async def _collect(streams: list[Stream]) -> list[RequestOutput]:
+    last = [first for _, first in streams]
+    async with contextlib.aclosing(_merge(streams)) as merged:
+        async for i, out in merged:
+            last[i] = out
+    return last
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> Response:
+        return e.response()
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request: Request, e: _ClientGone) -> Response:
+        # Nobody is listening; 499 ("client closed request") only shows in the access log.
+        return Response(status_code=499)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, e: RequestValidationError) -> Response:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return ApiError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', '')}"
+                            ).response()
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+        message = f"{param or 'body'}: {first.get('msg', 'invalid')}{more}"
+        return ApiError(400, message, param=param, code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        type_ = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return ApiError(e.status_code, str(e.detail), type_, headers=e.headers).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> Response:
+        logger.exception("internal error on %s", request.url.path)
+        return ApiError(500, f"internal error: {e!r}", "server_error").response()

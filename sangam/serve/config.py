@@ -1,0 +1,68 @@
+"""Server options: one frozen dataclass, one ``--kebab-case`` flag per field (as EngineConfig)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+from sangam.sampling_params import CACHE_MODES, UNMASKING_RULES, SamplingParams
+
+DEMO_MODEL_NAME = "sangam-demo"
+
+
+def _meta(help_: str, **kw) -> dict:
+    return {"help": help_, **kw}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata=_meta("Address to listen on"))
+    port: int = field(default=8000, metadata=_meta("Port to listen on"))
+    api_key: str | None = field(default=None, metadata=_meta(
+        "Require 'Authorization: Bearer KEY' on /v1/* requests"))
+    served_model_name: str | None = field(default=None, metadata=_meta(
+        "Model name in the API (default: the --model path, or 'sangam-demo')"))
+    # Defaults for requests that leave the diffusion options out.
+    max_tokens_default: int = field(default=256, metadata=_meta(
+        "max_tokens of requests that do not set it"))
+    block_length: int = field(default=32, metadata=_meta("Default block length B"))
+    unmasking: str = field(default="threshold", metadata=_meta(
+        "Default unmasking rule", choices=UNMASKING_RULES))
+    threshold: float = field(default=0.9, metadata=_meta("Default confidence threshold"))
+    cache: str = field(default="dual", metadata=_meta("Default KV cache mode",
+                                                      choices=CACHE_MODES))
+    shutdown_grace: float = field(default=5.0, metadata=_meta(
+        "On SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are "
+        "aborted"))
+    log_level: str = field(default="info", metadata=_meta(
+        "Log level", choices=("critical", "error", "warning", "info", "debug")))
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"ServerConfig: port must be in [0, 65536), got {self.port}")
+        if self.shutdown_grace < 0:
+            raise ValueError("ServerConfig: shutdown_grace must be >= 0")
+        self.default_params()  # raises ValueError for bad defaults, at startup
+
+    def default_params(self, **overrides) -> SamplingParams:
+        """SamplingParams from the server defaults, with a request's fields on top."""
+        defaults = dict(max_tokens=self.max_tokens_default, block_length=self.block_length,
+                        unmasking=self.unmasking, threshold=self.threshold, cache=self.cache)
+        return SamplingParams(**{**defaults, **overrides})
+
+    def model_name(self, model_path: str | None) -> str:
+        return self.served_model_name or model_path or DEMO_MODEL_NAME
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            kw = dict(f.metadata)
+            if isinstance(f.default, (int, float)):
+                kw["type"] = type(f.default)
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default,
+                                **kw)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

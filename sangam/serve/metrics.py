@@ -1,0 +1,123 @@
+"""Prometheus metrics of one server: the scheduler's live state, per-iteration and per-request
+histograms, and request outcome counters (``GET /metrics``, text exposition format)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from sangam.engine.async_engine import AsyncEngine
+
+_TOKEN_BUCKETS = tuple(float(2**k) for k in range(15))  # 1 .. 16384 tokens
+_ITERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class _EngineGauges:
+    """Read at scrape time, so the values are current."""
+
+    def __init__(self, engine: AsyncEngine):
+        self._engine = engine.engine
+
+    def collect(self) -> Iterator[Metric]:
+        e = self._engine
+        alloc = e.pool.allocator
+        for name, doc, value in (
+            ("sangam_requests_waiting", "Requests waiting for a prefill (queue depth)",
+             e.builder.num_waiting),
+            ("sangam_requests_seated", "Seated decodes (requests in their cached steps)",
+             e.builder.num_seated),
+            ("sangam_requests_in_flight", "Requests accepted and not finished",
+             e.num_requests),
+            ("sangam_deficit_tokens", "Carried prefill token budget (deficit)",
+             e.builder.deficit),
+            ("sangam_kv_pool_usage_ratio", "Fraction of KV pages in use", e.pool.usage),
+            ("sangam_kv_pool_pages_used", "KV pages in use", alloc.num_used),
+            ("sangam_kv_pool_pages", "KV pages in the pool", alloc.num_pages),
+        ):
+            yield GaugeMetricFamily(name, doc, value=float(value))
+
+
+def _snapshot(items: deque) -> list:
+    # The engine thread appends while we copy; a copy that raced an append is simply retried.
+    while True:
+        try:
+            return list(items)
+        except RuntimeError:
+            continue
+
+
+def _since(items: list, last: Any) -> list:
+    """The entries after ``last`` (compared by identity); all of them if ``last`` rolled out."""
+    for i in range(len(items) - 1, -1, -1):
+        if items[i] is last:
+            return items[i + 1:]
+    return items
+
+
+class ServerMetrics:
+    """Histograms are fed from the engine's bounded stats deques by ``ingest()``; call it often
+    enough that the deques (10,000 entries) do not roll over in between."""
+
+    def __init__(self, engine: AsyncEngine):
+        self._stats = engine.engine.stats
+        self._last_iteration: Any = None
+        self._last_finished: Any = None
+        self.registry = CollectorRegistry()
+        r = self.registry
+        r.register(_EngineGauges(engine))
+        self.requests_finished = Counter(
+            "sangam_requests_finished", "Requests that completed, by finish reason",
+            ["finish_reason"], registry=r)
+        self.requests_aborted = Counter(
+            "sangam_requests_aborted", "Requests aborted (client gone, server shutting down)",
+            registry=r)
+        self.requests_rejected = Counter(
+            "sangam_requests_rejected", "Requests refused at submission, by reason",
+            ["reason"], registry=r)
+        self._iter_prefill = Counter("sangam_prefill_tokens", "Prefill (refresh) tokens run",
+                                     registry=r)
+        self._iter_decode = Counter("sangam_decode_tokens", "Cached-step tokens run", registry=r)
+        self._iter_tokens = Histogram("sangam_iteration_tokens", "Tokens in one forward",
+                                      buckets=_TOKEN_BUCKETS, registry=r)
+        self._iter_batch = Histogram("sangam_iteration_batch_size", "Requests in one forward",
+                                     buckets=_TOKEN_BUCKETS, registry=r)
+        self._iter_seconds = Histogram("sangam_iteration_seconds", "Time of one iteration",
+                                       buckets=_ITERATION_BUCKETS, registry=r)
+        self._latency = Histogram("sangam_request_latency_seconds",
+                                  "End-to-end latency of finished requests",
+                                  buckets=_REQUEST_BUCKETS, registry=r)
+        self._queueing = Histogram("sangam_request_queueing_seconds",
+                                   "Time a finished request waited for its prefills, in total",
+                                   buckets=_REQUEST_BUCKETS, registry=r)
+        self._first_block = Histogram("sangam_time_to_first_block_seconds",
+                                      "Arrival to first committed block (streaming TTFT)",
+                                      buckets=_REQUEST_BUCKETS, registry=r)
+
+    def ingest(self) -> None:
+        iterations = _since(_snapshot(self._stats.iterations), self._last_iteration)
+        for it in iterations:
+            self._iter_prefill.inc(it.prefill_tokens)
+            self._iter_decode.inc(it.decode_tokens)
+            self._iter_tokens.observe(it.prefill_tokens + it.decode_tokens)
+            self._iter_batch.observe(it.batch_size)
+            self._iter_seconds.observe(it.seconds)
+        if iterations:
+            self._last_iteration = iterations[-1]
+        finished = _since(_snapshot(self._stats.finished), self._last_finished)
+        for m in finished:
+            if m.e2e_latency is not None:
+                self._latency.observe(m.e2e_latency)
+            if m.time_to_first_block is not None:
+                self._first_block.observe(m.time_to_first_block)
+            self._queueing.observe(m.queueing_time)
+        if finished:
+            self._last_finished = finished[-1]
+
+    def render(self) -> bytes:
+        self.ingest()
+        return generate_latest(self.registry)

@@ -1,0 +1,227 @@
+"""Request and response bodies of the OpenAI-compatible API, plus Sangam's diffusion options.
+
+Requests validate strictly (``"3"`` is not an integer, ``NaN`` is not a number) so that a field of
+the wrong type is a 400, never a surprise deep in the engine. Unknown fields are ignored, as the
+OpenAI API does. OpenAI fields Sangam cannot honour are accepted only at their neutral value;
+``unsupported_fields`` names the others so the server can refuse them with a 400.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_REQUEST_CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    model_config = _REQUEST_CONFIG
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions. ``None`` means the server's default."""
+
+    model_config = _REQUEST_CONFIG
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Sangam's diffusion options (DESIGN.md §2), as extra body fields.
+    block_length: int | None = None
+    unmasking: str | None = None
+    threshold: float | None = None
+    factor: float | None = None
+    tokens_per_step: int | None = None
+    cache: str | None = None
+    stop_at_eos: bool | None = None
+    # OpenAI options Sangam does not implement: accepted only at their neutral values.
+    n: int | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        """Fields set to a value whose behaviour Sangam does not implement."""
+        bad = {
+            "n": self.n not in (None, 1),
+            "top_p": self.top_p not in (None, 1.0),
+            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
+            "presence_penalty": self.presence_penalty not in (None, 0.0),
+            "logit_bias": bool(self.logit_bias),
+            "stop": bool(self.stop),
+        }
+        return [name for name, is_bad in bad.items() if is_bad]
+
+    def sampling_overrides(self) -> dict[str, object]:
+        """The SamplingParams fields this request sets explicitly."""
+        names = ("max_tokens", "temperature", "seed", "block_length", "unmasking", "threshold",
+                 "factor", "tokens_per_step", "cache", "stop_at_eos")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    # One prompt or a batch; a prompt is text or token ids.
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        bad = super().unsupported_fields()
+        bad += [name for name, is_bad in (
+            ("echo", bool(self.echo)), ("best_of", self.best_of not in (None, 1)),
+            ("logprobs", self.logprobs is not None), ("suffix", bool(self.suffix))) if is_bad]
+        return bad
+
+
+class TextPart(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _REQUEST_CONFIG
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer OpenAI name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        bad = super().unsupported_fields()
+        bad += [name for name, is_bad in (
+            ("logprobs", bool(self.logprobs)), ("top_logprobs", self.top_logprobs is not None),
+            ("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none")),
+            ("response_format", self.response_format not in (None, {"type": "text"})))
+            if is_bad]
+        return bad
+
+    def sampling_overrides(self) -> dict[str, object]:
+        overrides = super().sampling_overrides()
+        if self.max_completion_tokens is not None:
+            overrides.setdefault("max_tokens", self.max_completion_tokens)
+        return overrides
+
+
+# Responses.
+def _now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    num_forwards: int  # Sangam: model forwards spent (refreshes + cached steps)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    token_ids: list[int]  # Sangam: the response's token ids (a stream chunk: the new ones)
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    token_ids: list[int]
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    token_ids: list[int]
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "sangam"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

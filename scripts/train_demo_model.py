@@ -1,0 +1,191 @@
+"""Train Sangam's demo model: a small LLaDA-layout masked-diffusion model on toy chat tasks.
+
+    .venv/bin/python scripts/train_demo_model.py --out sangam/demo/model
+
+Masked-diffusion SFT as in LLaDA: the prompt stays clean; the response (answer, <|eot_id|>, then
+<|endoftext|> padding up to the batch's length, at least ``--response-length``) is masked with
+probability t ~ U(0, 1) per sequence; the loss is the cross-entropy on masked positions weighted
+by 1/t, normalised by the response length. Full bidirectional attention (``forward_dense``).
+Everything is seeded and the data order is fixed, so a rerun with the same arguments on the
+same machine reproduces the weights bit for bit (one thread: ``--threads``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sangam.demo.tasks import FAMILIES, Task, training_stream
+from sangam.demo.tokenizer import (
+    EOS_ID,
+    EOT_ID,
+    MASK_ID,
+    VOCAB_SIZE,
+    chat_prompt,
+    encode,
+    write_tokenizer,
+)
+from sangam.models import parse_config, save_checkpoint
+from sangam.models.llada import LLaDAModel
+from sangam.testing import tiny_config
+
+MASK_EPS = 1e-3  # t is drawn from U(eps, 1) so the 1/t weight stays bounded (as in LLaDA)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 5000
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup: int = 200
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    response_length: int = 32
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 512
+    bf16_autocast: bool = True  # bf16 matmuls, fp32 master weights
+    threads: int = 1
+
+
+def model_config(cfg: TrainConfig) -> dict:
+    """The demo's config.json: LLaDA keys, the character vocabulary, mask = last id, EOS = 1."""
+    raw = tiny_config("llada", vocab_size=VOCAB_SIZE, hidden_size=cfg.hidden_size,
+                      num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+                      intermediate_size=cfg.intermediate_size, max_position=1024)
+    assert raw["mask_token_id"] == MASK_ID and raw["eos_token_id"] == EOS_ID
+    return raw
+
+
+def init_weights(model: LLaDAModel, num_layers: int) -> None:
+    """GPT-2 style: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * layers)."""
+    blocks = model.model.transformer.blocks
+    residual_out = {id(b.attn_out.weight) for b in blocks} | {id(b.ff_out.weight) for b in blocks}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or ".ln_f." in name:
+                p.fill_(1.0)
+            elif id(p) in residual_out:
+                p.normal_(0.0, 0.02 / math.sqrt(2 * num_layers))
+            else:
+                p.normal_(0.0, 0.02)
+
+
+def encode_batch(tasks: list[Task], response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[B, T]`` (prompt, answer, <|eot_id|>, EOS padding) and prompt lengths ``[B]``.
+
+    T = longest prompt + ``response_length``; shorter prompts get a longer EOS tail.
+    """
+    prompts = [encode(chat_prompt(t.prompt)) for t in tasks]
+    answers = [encode(t.answer) + [EOT_ID] for t in tasks]
+    too_long = [t.answer for t, a in zip(tasks, answers) if len(a) > response_length]
+    if too_long:
+        raise ValueError(f"answers {too_long[:3]} do not fit a {response_length}-token response")
+    total = max(len(p) for p in prompts) + response_length
+    ids = torch.full((len(tasks), total), EOS_ID, dtype=torch.long)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+    return ids, torch.tensor([len(p) for p in prompts])
+
+
+def diffusion_loss(model: LLaDAModel, ids: torch.Tensor, prompt_lens: torch.Tensor,
+                   gen: torch.Generator) -> torch.Tensor:
+    """LLaDA's SFT loss on one batch; masks are drawn from ``gen``."""
+    batch, total = ids.shape
+    response = torch.arange(total)[None, :] >= prompt_lens[:, None]
+    p_mask = (1 - MASK_EPS) * torch.rand(batch, generator=gen) + MASK_EPS
+    masked = (torch.rand(batch, total, generator=gen) < p_mask[:, None]) & response
+    logits = model.forward_dense(torch.where(masked, MASK_ID, ids))
+    ce = F.cross_entropy(logits[masked].float(), ids[masked], reduction="none")
+    weight = 1.0 / (p_mask[:, None] * response.sum(1, keepdim=True)).expand(batch, total)
+    return (ce * weight[masked]).sum() / batch
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5
+                     * (1 + math.cos(math.pi * progress)))
+
+
+def train(cfg: TrainConfig, log: Callable[[str], None] = print,
+          log_every: int = 50) -> tuple[LLaDAModel, dict]:
+    """Train from scratch; returns the model (fp32, eval mode) and its raw config.json dict."""
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    raw = model_config(cfg)
+    model = LLaDAModel(parse_config(raw))
+    init_weights(model, cfg.num_layers)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    data = training_stream(cfg.seed, FAMILIES)
+    model.train()
+    start, running = time.time(), 0.0
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        ids, prompt_lens = encode_batch([next(data) for _ in range(cfg.batch_size)],
+                                        cfg.response_length)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+            loss = diffusion_loss(model, ids, prompt_lens, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        running += loss.item()
+        if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
+            n = (step % log_every) + 1
+            log(f"step {step + 1}/{cfg.steps} loss {running / n:.4f} "
+                f"lr {lr_at(step, cfg):.2e} {time.time() - start:.0f}s")
+            running = 0.0
+    return model.eval().requires_grad_(False), raw
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = TrainConfig()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="sangam/demo/model", help="checkpoint directory")
+    parser.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    for name, value in asdict(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            parser.add_argument(flag, type=type(value), default=value)
+    args = parser.parse_args(argv)
+    cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(defaults)})
+    print(f"training the demo model: {cfg}", flush=True)
+    start = time.time()
+    model, raw = train(cfg, log=lambda s: print(s, flush=True))
+    wall = time.time() - start
+    save_checkpoint(model.to(getattr(torch, args.save_dtype)), raw, args.out)
+    write_tokenizer(args.out)
+    info = {"train_config": asdict(cfg), "save_dtype": args.save_dtype,
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+            "args": sys.argv[1:] if argv is None else argv,
+            "wall_seconds": round(wall)}
+    (Path(args.out) / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(f"saved to {args.out} after {wall:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

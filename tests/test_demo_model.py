@@ -1,0 +1,174 @@
+"""The shipped demo model: its files, tokenizer and chat template, tasks, decoding, training."""
+
+import dataclasses
+import importlib.util
+import json
+import random
+import string
+from pathlib import Path
+
+import pytest
+import torch
+
+from sangam import LLM, SamplingParams
+from sangam.demo import DEMO_BLOCK_LENGTH, DEMO_MAX_TOKENS, DEMO_MODEL_DIR, demo_model_path
+from sangam.demo.tasks import (
+    FAMILIES,
+    eval_set,
+    generate,
+    sample_task,
+    split_of,
+    training_stream,
+)
+from sangam.demo.tokenizer import (
+    EOS_ID,
+    EOT_ID,
+    MASK_ID,
+    VOCAB_SIZE,
+    chat_prompt,
+    encode,
+    write_tokenizer,
+)
+from sangam.models import load_model, load_tokenizer, read_config, stop_token_ids
+from sangam.models.llada import LLaDAModel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_model_path(), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def demo_llm():
+    return LLM(device="cpu", dtype="float32")  # model=None: the demo model
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    spec = importlib.util.spec_from_file_location(
+        "train_demo_model", ROOT / "scripts" / "train_demo_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_demo_checkpoint_loads_as_llada(tokenizer):
+    path = demo_model_path()
+    cfg = read_config(path)
+    assert cfg.architecture == "LLaDAModelLM"
+    assert (cfg.vocab_size, cfg.mask_token_id, cfg.eos_token_id) == (VOCAB_SIZE, MASK_ID, EOS_ID)
+    model = load_model(path, "cpu", "float32")  # strict: every LLaDA tensor name, right shapes
+    assert isinstance(model, LLaDAModel)
+    assert tokenizer.mask_token_id == MASK_ID and tokenizer.eos_token_id == EOS_ID
+    assert len(tokenizer) == VOCAB_SIZE
+    assert stop_token_ids(cfg.eos_token_id, load_tokenizer(path)) == {EOS_ID, EOT_ID}
+
+
+def test_missing_demo_files_raise_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr("sangam.demo.DEMO_MODEL_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        demo_model_path()
+
+
+def test_shipped_tokenizer_files_match_the_code(tmp_path):
+    write_tokenizer(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert json.loads((tmp_path / name).read_text()) == \
+            json.loads((DEMO_MODEL_DIR / name).read_text()), name
+
+
+def test_chat_template_gives_the_training_prompt(tokenizer):
+    messages = [{"role": "user", "content": "  What is 12+7? "}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == chat_prompt("What is 12+7?")
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids == encode(text)
+    assert ids[0] == tokenizer.bos_token_id and ids.count(EOT_ID) == 1
+    assert tokenizer.decode(ids) == text
+
+
+def test_characters_round_trip_exactly(tokenizer):
+    text = string.printable.replace("\t", "").replace("\r", "").replace("\x0b", "")
+    text = text.replace("\x0c", "") + "  two  spaces \n\n"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids + [EOT_ID, EOS_ID], skip_special_tokens=True) == text
+
+
+def test_task_generators_are_seeded_and_splits_disjoint():
+    for family in FAMILIES:
+        a = generate(family, 30, seed=3)
+        assert a == generate(family, 30, seed=3)
+        assert a != generate(family, 30, seed=4)
+        assert all(t.family == family and split_of(t) == "eval" for t in a)
+        assert all(split_of(t) == "train" for t in generate(family, 30, 3, "train"))
+    stream = training_stream(seed=0)
+    train = [next(stream) for _ in range(3000)]
+    assert {t.family for t in train} == set(FAMILIES)
+    held_out = {(t.family, t.prompt) for t in eval_set(100)}
+    assert not held_out & {(t.family, t.prompt) for t in train}
+    with pytest.raises(ValueError, match="unknown task family"):
+        generate("divide", 1, 0)
+
+
+def test_task_answers_are_right_and_short():
+    rng = random.Random(0)
+    for _ in range(500):
+        for family in FAMILIES:
+            t = sample_task(family, rng)
+            assert 1 <= len(t.answer) <= 10
+            if family in ("add", "sub"):
+                assert str(eval(t.prompt[len("What is "):-1])) == t.answer  # digits and +/- only
+            elif family == "count":
+                letter, word = t.prompt[len("How many "):-1].split("'s in ")
+                assert t.answer == str(word.count(letter))
+            else:
+                word = t.prompt.split(": ")[1]
+                expect = {"reverse": word[::-1], "sort": "".join(sorted(word)), "copy": word}
+                assert t.answer == expect[family]
+
+
+@pytest.mark.parametrize("options", [
+    dict(unmasking="topk", tokens_per_step=1, cache="none"),
+    dict(unmasking="threshold", threshold=0.9, cache="dual"),
+], ids=["vanilla", "dual-0.9"])
+def test_demo_model_answers_held_out_tasks(demo_llm, tokenizer, options):
+    tasks = eval_set(2)  # two of each family
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t.prompt}],
+                                             add_generation_prompt=True, tokenize=False)
+               for t in tasks]
+    params = SamplingParams(max_tokens=DEMO_MAX_TOKENS, block_length=DEMO_BLOCK_LENGTH,
+                            **options)
+    outs = demo_llm.generate(prompts, params)
+    right = [o.text == t.answer for o, t in zip(outs, tasks)]
+    assert sum(right) >= len(tasks) - 1, [(t.prompt, o.text) for o, t in zip(outs, tasks)]
+    assert all(o.finish_reason == "stop" for o in outs)
+
+
+def test_encode_batch_layout(trainer):
+    tasks = [sample_task("add", random.Random(1)) for _ in range(2)]
+    ids, prompt_lens = trainer.encode_batch(tasks, response_length=16)
+    for row, n, task in zip(ids.tolist(), prompt_lens.tolist(), tasks):
+        assert row[:n] == encode(chat_prompt(task.prompt))
+        answer = encode(task.answer)
+        assert row[n:n + len(answer) + 1] == answer + [EOT_ID]
+        assert set(row[n + len(answer) + 1:]) == {EOS_ID}
+        assert len(row) - n >= 16
+
+
+def test_training_is_bit_reproducible(trainer):
+    cfg = trainer.TrainConfig(steps=3, batch_size=4, warmup=2, hidden_size=32, num_layers=1,
+                              num_heads=2, intermediate_size=64,
+                              threads=torch.get_num_threads())
+    runs = [trainer.train(cfg, log=lambda s: None)[0].state_dict() for _ in range(2)]
+    assert runs[0].keys() == LLaDAModel(trainer.parse_config(
+        trainer.model_config(cfg))).state_dict().keys()
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+    other = trainer.train(dataclasses.replace(cfg, seed=1), log=lambda s: None)[0].state_dict()
+    assert not all(torch.equal(runs[0][k], other[k]) for k in runs[0])

@@ -1,0 +1,137 @@
+"""Paged bidirectional attention kernel vs its PyTorch reference.
+
+CPU tensors under the Triton interpreter (fp32, fp64); bf16 on CUDA when a GPU is present.
+Shapes are tiny: the interpreter costs milliseconds per program.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sangam.kernels.paged_attention import paged_attention
+from sangam.kernels.reference import paged_attention_ref
+from sangam.models.attention import PagedKV
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_CPU = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")
+_GPU = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(),
+                          reason="needs CUDA (not interpreted)")
+CASES = [
+    pytest.param("cpu", torch.float32, marks=_CPU, id="cpu-fp32"),
+    pytest.param("cpu", torch.float64, marks=_CPU, id="cpu-fp64"),
+    pytest.param("cuda", torch.bfloat16, marks=_GPU, id="cuda-bf16"),
+]
+FAST_CASES = [CASES[0], CASES[2]]
+TOL = {torch.float32: (2e-5, 2e-5), torch.float64: (1e-12, 1e-12),
+       torch.bfloat16: (3e-2, 2e-2)}
+
+
+def make_batch(query_lens, kv_lens, hq, hkv, d, page_size, device, dtype, seed=0,
+               spare_pages=3):
+    """Random pages, shuffled page numbers per request, block tables padded with -1."""
+    g = torch.Generator().manual_seed(seed)
+    per_req = [-(-k // page_size) for k in kv_lens]
+    num_pages = sum(per_req) + spare_pages
+    perm = torch.randperm(num_pages, generator=g)
+    table = torch.full((len(kv_lens), max(per_req + [1]) + 1), -1, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(per_req):
+        table[r, :n] = perm[used:used + n]
+        used += n
+    k_cache = torch.randn(num_pages, page_size, hkv, d, generator=g)
+    v_cache = torch.randn(num_pages, page_size, hkv, d, generator=g)
+    q = torch.randn(sum(query_lens), hq, d, generator=g)
+    cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    to = dict(device=device)
+    return (q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
+            cu.to(**to), table.to(**to), torch.tensor(kv_lens, dtype=torch.int32, **to))
+
+
+def check(query_lens, kv_lens, hq, hkv, d, page_size, device, dtype, **kw):
+    q, kc, vc, cu, bt, kvl = make_batch(query_lens, kv_lens, hq, hkv, d, page_size, device, dtype)
+    scale = d ** -0.5
+    out = paged_attention(q, kc, vc, cu, bt, kvl, scale, **kw)
+    ref = paged_attention_ref(q, kc, vc, cu, bt, kvl, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    return out
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_refresh_span_crosses_pages(device, dtype):
+    # 40 queries over 40 keys: pages of 16, the last one partial; 3 query tiles.
+    check([40], [40], 2, 2, 16, 16, device, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (7, 1), (14, 2)],
+                         ids=["g1", "g4", "g7", "g7x2"])
+def test_gqa_groups_packed_requests(device, dtype, hq, hkv):
+    # Varied spans, kv_lens not multiples of the page (8) or tile (32).
+    check([3, 17, 1], [21, 45, 8], hq, hkv, 16, 8, device, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", FAST_CASES)
+@pytest.mark.parametrize("page_size,block_n", [(4, 16), (8, 32), (16, 16), (32, 16), (64, 32)])
+def test_page_sizes_and_kv_tiles(device, dtype, page_size, block_n):
+    """KV tiles spanning several pages, exactly one page, and a fraction of one."""
+    check([5, 9], [50, 77], 4, 2, 16, page_size, device, dtype, block_n=block_n)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (7, 1)], ids=["g1", "g7"])
+def test_cached_steps_of_32_queries(device, dtype, hq, hkv):
+    """The decode shape: 32-query block spans over the whole cached sequence."""
+    check([32, 32, 32], [70, 45, 96], hq, hkv, 32, 16, device, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_split_kv_path(device, dtype, num_splits):
+    # 7 splits of a 40-key request leave some splits empty (chunks round up to the tile).
+    check([9, 4], [150, 40], 4, 2, 16, 16, device, dtype, num_splits=num_splits, block_n=16)
+
+
+@pytest.mark.parametrize("device,dtype", FAST_CASES)
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_query_tile_sizes(device, dtype, block_m):
+    check([33, 2], [20, 30], 8, 2, 16, 8, device, dtype, block_m=block_m)
+
+
+@pytest.mark.parametrize("device,dtype", FAST_CASES)
+@pytest.mark.parametrize("d", [8, 64, 128])
+def test_head_dims(device, dtype, d):
+    check([6, 3], [19, 33], 4, 1, d, 16, device, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", FAST_CASES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_empty_spans_and_empty_kv(device, dtype, num_splits):
+    """A request with no queries is skipped; one with no keys gets zeros (as the reference)."""
+    out = check([4, 0, 3], [25, 10, 0], 4, 2, 16, 8, device, dtype, num_splits=num_splits)
+    assert not out[4:].any()
+
+
+@pytest.mark.parametrize("device,dtype", FAST_CASES)
+def test_paged_kv_layer_views_and_max_query_len(device, dtype):
+    """Caches that are strided views of one layer of the shared pool."""
+    q, kc, vc, cu, bt, kvl = make_batch([5, 7], [30, 12], 4, 2, 16, 8, device, dtype)
+    kv = PagedKV.allocate(2, kc.shape[0], 8, 2, 16, dtype, device)
+    kv.buffer[1, 0].copy_(kc)
+    kv.buffer[1, 1].copy_(vc)
+    out = paged_attention(q, kv.k[1], kv.v[1], cu, bt, kvl, 0.25, max_query_len=7)
+    ref = paged_attention_ref(q, kc, vc, cu, bt, kvl, 0.25)
+    torch.testing.assert_close(out, ref, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+@pytest.mark.parametrize("device,dtype", [pytest.param("cuda", torch.bfloat16, marks=_GPU)])
+def test_auto_split_on_gpu(device, dtype):
+    """Small batch, long KV: the heuristic picks the split path by itself."""
+    check([32], [2000], 32, 32, 128, 16, device, dtype)
+    check([32, 32], [4096, 1000], 28, 4, 128, 16, device, dtype)
+    check([512], [512], 28, 4, 128, 16, device, dtype)
