@@ -50,6 +50,27 @@ class EngineConfig:
         "Most requests in one forward (seated decodes plus admitted prefills)"))
     max_queue_len: int = field(default=1024, metadata=_meta(
         "Most requests waiting or running; beyond it new requests are refused (HTTP 503)"))
+    mode: str = field(default="colocated", metadata=_meta(
+        "Multi-worker serving mode: colocated, disaggregated (prefill/decode workers) or hybrid "
+        "(disaggregated + prefill overflow onto decode workers)", choices=MODES))
+    num_workers: int = field(default=1, metadata=_meta(
+        "Worker processes (one per GPU; CPU processes without GPUs) in colocated mode"))
+    devices: str | None = field(default=None, metadata=_meta(
+        "Explicit comma-separated device list for the workers, e.g. cuda:0,cuda:1"))
+    prefill_workers: int = field(default=1, metadata=_meta(
+        "Prefill workers in disaggregated / hybrid mode"))
+    decode_workers: int = field(default=1, metadata=_meta(
+        "Decode workers in disaggregated / hybrid mode"))
+    overflow_threshold: int = field(default=4096, metadata=_meta(
+        "Hybrid mode: outstanding prefill tokens (theta) on every prefill worker before a "
+        "prefill overflows onto a decode worker"))
+    layerwise_kv_streaming: bool = field(default=False, metadata=_meta(
+        "Disaggregated modes: send each layer's K/V while the next layer computes"))
+    nnodes: int = field(default=1, metadata=_meta("Number of nodes (hosts) serving together"))
+    node_rank: int = field(default=0, metadata=_meta(
+        "This node's rank; node 0 runs the front process"))
+    dist_init_addr: str | None = field(default=None, metadata=_meta(
+        "host:port of node 0 for joining workers across nodes"))
     seed: int = field(default=0, metadata=_meta(
         "Seed of the engine's own randomness (router tie-breaks, seeds for unseeded sampling)"))
 
@@ -72,6 +93,19 @@ class EngineConfig:
         need(self.token_budget >= 1, f"token_budget must be >= 1, got {self.token_budget}")
         need(self.max_batch_size >= 1, "max_batch_size must be >= 1")
         need(self.max_queue_len >= 1, "max_queue_len must be >= 1")
+        need(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
+        need(self.num_workers >= 1, "num_workers must be >= 1")
+        need(self.prefill_workers >= 1 and self.decode_workers >= 1,
+             "prefill_workers and decode_workers must be >= 1")
+        need(self.overflow_threshold >= 0, "overflow_threshold must be >= 0")
+        need(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
+             f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
+        need(self.nnodes == 1 or self.dist_init_addr is not None,
+             "dist_init_addr (host:port of node 0) is required when nnodes > 1")
+
+    @property
+    def is_multi_worker(self) -> bool:
+        return self.mode != "colocated" or self.num_workers > 1 or self.nnodes > 1
 
     @property
     def effective_token_budget(self) -> float:

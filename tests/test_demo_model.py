@@ -5,6 +5,7 @@ import importlib.util
 import json
 import random
 import string
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,7 @@ def trainer():
     spec = importlib.util.spec_from_file_location(
         "train_demo_model", ROOT / "scripts" / "train_demo_model.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 

@@ -17,7 +17,7 @@ from sangam.decoding.state import DecodeState
 from sangam.engine.kv_pool import KVPool, pool_num_pages
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.model_runner import ModelRunner
-from sangam.engine.request import Request
+from sangam.engine.request import Request, RequestMetrics
 from sangam.engine.scheduler import BatchBuilder, ScheduledBatch
 from sangam.sampling_params import RequestOutput, SamplingParams
 
@@ -53,6 +53,20 @@ class _Tracked:
 class EngineStats:
     iterations: deque = field(default_factory=lambda: deque(maxlen=10_000))
     finished: deque = field(default_factory=lambda: deque(maxlen=10_000))  # per-request metrics
+
+
+def request_metrics(m: RequestMetrics, state: DecodeState) -> dict:
+    """Per-request latency breakdown (seconds) and parallelism, as reported to users."""
+    committed = int((state.tokens[state.prompt_len:] != state.mask_token_id).sum())
+    return {
+        "arrival_time": m.arrival_time,
+        "e2e_latency": m.e2e_latency,
+        "time_to_first_block": m.time_to_first_block,
+        "queueing_time": m.queueing_time,
+        "decode_time": m.decode_time,
+        "num_forwards": state.num_forwards,
+        "tokens_per_forward": committed / max(1, state.num_forwards),
+    }
 
 
 class Engine:
@@ -137,4 +151,5 @@ class Engine:
         return RequestOutput(
             request_id=t.request.request_id, prompt_token_ids=t.prompt_ids, token_ids=tokens,
             text=self.loaded.decode(tokens), num_forwards=t.state.num_forwards,
-            finished=finished, finish_reason=reason if finished else None)
+            finished=finished, finish_reason=reason if finished else None,
+            metrics=request_metrics(t.request.metrics, t.state))

@@ -10,26 +10,27 @@ import triton.language as tl
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-    s_k_n, s_k_h, s_v_n, s_v_h,
+    num_rows, s_k_n, s_k_h, s_v_n, s_v_h,
     s_kc_page, s_kc_off, s_kc_h, s_vc_page, s_vc_off, s_vc_h,
-    num_heads, head_dim, page_size,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    row_numel, page_size,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    i = tl.program_id(0)
-    slot = tl.load(slot_ptr + i).to(tl.int64)
-    if slot >= 0:
-        page = slot // page_size
-        off = slot % page_size
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        mask = (h < num_heads) & (d < head_dim)
-        row = i.to(tl.int64)
-        k = tl.load(k_ptr + row * s_k_n + h * s_k_h + d, mask=mask)
-        v = tl.load(v_ptr + row * s_v_n + h * s_v_h + d, mask=mask)
-        tl.store(kc_ptr + page * s_kc_page + off * s_kc_off + h * s_kc_h + d,
-                 k.to(kc_ptr.dtype.element_ty), mask=mask)
-        tl.store(vc_ptr + page * s_vc_page + off * s_vc_off + h * s_vc_h + d,
-                 v.to(vc_ptr.dtype.element_ty), mask=mask)
+    # A tile is BLOCK_T rows x (all heads * head_dim) elements, flattened on the second axis.
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_ptr + rows, mask=rows < num_rows, other=-1).to(tl.int64)
+    page = slot // page_size
+    off = slot % page_size
+    e = tl.arange(0, BLOCK_E)
+    h = (e // HEAD_DIM)[None, :]
+    d = (e % HEAD_DIM)[None, :]
+    mask = (slot >= 0)[:, None] & (e < row_numel)[None, :]
+    r = rows.to(tl.int64)[:, None]
+    k = tl.load(k_ptr + r * s_k_n + h * s_k_h + d, mask=mask)
+    v = tl.load(v_ptr + r * s_v_n + h * s_v_h + d, mask=mask)
+    kc_row = (page * s_kc_page + off * s_kc_off)[:, None]
+    vc_row = (page * s_vc_page + off * s_vc_off)[:, None]
+    tl.store(kc_ptr + kc_row + h * s_kc_h + d, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + vc_row + h * s_vc_h + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -52,12 +53,20 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v = v.contiguous()
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("the caches' head dim must be contiguous")
+    if d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two, got {d}")
     slot_mapping = slot_mapping.contiguous()
-    _store_kv_kernel[(n,)](
+    block_e = triton.next_power_of_2(hkv * d)
+    # Interpreter: one program for the whole span (its cost is per program). GPU: ~4K elements
+    # per program, so a long refresh still spreads over many SMs.
+    target = 1 << 16 if k.device.type == "cpu" else 4096
+    block_t = max(1, min(triton.next_power_of_2(n), target // block_e))
+    _store_kv_kernel[(triton.cdiv(n, block_t),)](
         k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        n, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        hkv, d, k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+        hkv * d, k_cache.shape[1],
+        HEAD_DIM=d, BLOCK_T=block_t, BLOCK_E=block_e,
+        num_warps=4,
     )

@@ -18,7 +18,7 @@ import logging
 import secrets
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -101,19 +101,23 @@ class _ApiKeyMiddleware:
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events that always close their generator, whether the stream ended, the
-    client went away or the server is shutting down: closing it aborts unfinished requests."""
+    """Server-sent events that always close their generators, whether the stream ended, the
+    client went away or the server is shutting down: closing them aborts unfinished requests.
+    (Starlette only cancels the sending task: a generator suspended at ``yield`` would stay
+    open until garbage-collected.)"""
 
-    def __init__(self, events: AsyncGenerator[str, None]):
+    def __init__(self, events: AsyncGenerator[str, None], streams: list[Stream]):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
         self._events = events
+        self._streams = streams
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._events.aclose()
+            await _close_all([gen for gen, _ in self._streams])  # if events never started
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -167,8 +171,7 @@ async def _merge(streams: list[Stream]) -> AsyncGenerator[tuple[int, RequestOutp
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for gen, _ in streams:
-            await gen.aclose()
+        await _close_all([gen for gen, _ in streams])
 
 
 class _Delta:
@@ -177,9 +180,10 @@ class _Delta:
     def __init__(self) -> None:
         self.text = ""
         self.num_tokens = 0
-        self.started = False
+        self.num_chunks = 0
 
     def advance(self, out: RequestOutput) -> tuple[str, list[int]]:
+        self.num_chunks += 1
         text = out.text or ""
         if not out.finished:
             # An unfinished multi-byte character decodes to U+FFFD: send it once complete.
@@ -202,10 +206,8 @@ def _usage(outs: list[RequestOutput]) -> Usage:
                  total_tokens=prompt + completion, num_forwards=sum(o.num_forwards for o in outs))
 
 
-def _sse(payload: BaseModel | dict[str, Any]) -> str:
-    data = payload.model_dump_json() if isinstance(payload, BaseModel) else JSONResponse(
-        payload).body.decode()
-    return f"data: {data}\n\n"
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
 
 
 class _Server:
@@ -217,6 +219,7 @@ class _Server:
         self.loaded = engine.engine.loaded
         self.model_name = config.model_name(engine.config.model)
         self.metrics = ServerMetrics(engine)
+        self.in_flight: set[str] = set()  # engine request ids of open generators
 
     # Validation (all before any work is submitted).
     def check(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
@@ -273,6 +276,7 @@ class _Server:
         """``engine.generate`` plus outcome counters; closing this closes (aborts) that."""
         m = self.metrics
         done = rejected = False
+        self.in_flight.add(request_id)
         try:
             async with contextlib.aclosing(self.engine.generate(ids, params, request_id)) as outs:
                 async for out in outs:
@@ -290,8 +294,15 @@ class _Server:
             m.requests_rejected.labels(reason).inc()
             raise
         finally:
+            self.in_flight.discard(request_id)
             if not done and not rejected:
                 m.requests_aborted.inc()
+
+    async def abort_all(self) -> None:
+        """End every request in flight now: each finishes with finish_reason "abort", so its
+        client still gets a complete response."""
+        for request_id in list(self.in_flight):
+            await self.engine.abort(request_id)
 
     async def open(self, prompts: list[list[int]], params: SamplingParams,
                    request_id: str) -> list[Stream]:
@@ -333,7 +344,7 @@ class _Server:
                                       usage=_usage([out]))
 
     async def events(self, streams: list[Stream], request_id: str, include_usage: bool,
-                     chunk: Callable[[int, _Delta, str, list[int], str | None], BaseModel],
+                     chunk: Callable[[int, bool, str, list[int], str | None], BaseModel],
                      usage_chunk: Callable[[Usage], BaseModel]) -> AsyncGenerator[str, None]:
         """SSE: one chunk per committed block per choice, then usage if asked, then [DONE]."""
         deltas = [_Delta() for _ in streams]
@@ -341,9 +352,9 @@ class _Server:
         try:
             async with contextlib.aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
+                    first = deltas[i].num_chunks == 0
                     text, tokens = deltas[i].advance(out)
-                    yield _sse(chunk(i, deltas[i], text, tokens, _finish_reason(out)))
-                    deltas[i].started = True
+                    yield _sse(chunk(i, first, text, tokens, _finish_reason(out)))
                     if out.finished:
                         finals.append(out)
         except Exception as e:  # the status line is long gone: report in-band, then end
@@ -402,7 +413,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await _unless_disconnected(request, srv.open(prompts, params, request_id))
         if body.stream:
-            def chunk(i: int, d: _Delta, text: str, tokens: list[int],
+            def chunk(i: int, first: bool, text: str, tokens: list[int],
                       reason: str | None) -> BaseModel:
                 return CompletionResponse(id=request_id, model=srv.model_name, choices=[
                     CompletionChoice(index=i, text=text, token_ids=tokens, finish_reason=reason)])
@@ -412,7 +423,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                                           usage=usage)
 
             return _EventStream(srv.events(streams, request_id, body.include_usage, chunk,
-                                           usage_chunk))
+                                           usage_chunk), streams)
         outs = await _unless_disconnected(request, _collect(streams))
         return JSONResponse(srv.completion_response(request_id, outs).model_dump())
 
@@ -423,9 +434,9 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _unless_disconnected(request, srv.open([prompt], params, request_id))
         if body.stream:
-            def chunk(i: int, d: _Delta, text: str, tokens: list[int],
+            def chunk(i: int, first: bool, text: str, tokens: list[int],
                       reason: str | None) -> BaseModel:
-                delta = DeltaMessage(role=None if d.started else "assistant", content=text)
+                delta = DeltaMessage(role="assistant" if first else None, content=text)
                 return ChatCompletionChunk(id=request_id, model=srv.model_name, choices=[
                     ChatChunkChoice(index=i, delta=delta, token_ids=tokens,
                                     finish_reason=reason)])
@@ -435,7 +446,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                                            usage=usage)
 
             return _EventStream(srv.events(streams, request_id, body.include_usage, chunk,
-                                           usage_chunk))
+                                           usage_chunk), streams)
         outs = await _unless_disconnected(request, _collect(streams))
         return JSONResponse(srv.chat_response(request_id, outs[0]).model_dump())
 
