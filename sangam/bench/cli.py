@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("kernels", "quality")
+SUBCOMMANDS = ("kernels", "host", "quality")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ uint32 arithmetic, so kernel and reference draw identical noise.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -35,6 +36,16 @@ def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def mix32_numpy(x: np.ndarray) -> np.ndarray:
+    """lowbias32 on a uint64 numpy array holding uint32 values."""
+    x = x & MASK32
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(_M1)) & MASK32
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(_M2)) & MASK32
+    return x ^ (x >> np.uint64(16))
+
+
 def noise_key(seed: int, block: int, step: int) -> int:
     """The uint32 key of one decoding step of one request."""
     k = mix32((seed & MASK32) ^ mix32(seed >> 32))
@@ -43,6 +54,12 @@ def noise_key(seed: int, block: int, step: int) -> int:
 
 def row_key(key: int, pos_in_block: int) -> int:
     return mix32(key ^ mix32(pos_in_block))
+
+
+def row_keys(key: int, pos_in_block: np.ndarray) -> np.ndarray:
+    """``row_key`` for many positions at once (int64 array of uint32 values)."""
+    h = mix32_numpy(np.uint64(key) ^ mix32_numpy(pos_in_block.astype(np.uint64)))
+    return h.astype(np.int64)
 
 
 def gumbel_noise(row_keys: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sangam.decoding.noise import noise_key, row_key
+from sangam.decoding.noise import noise_key, row_keys
 from sangam.decoding.rules import select_commits
 from sangam.sampling_params import SamplingParams
 
@@ -86,8 +86,10 @@ class DecodeState:
             masked = masked[masked > s]
         positions = np.concatenate([forced, masked])
         rows = positions - start - (1 if self.shift else 0)
-        key = noise_key(self.seed, self.block, self.step)
-        keys = np.array([row_key(key, int(p - s)) for p in positions], dtype=np.int64)
+        if self.params.temperature > 0:
+            keys = row_keys(noise_key(self.seed, self.block, self.step), positions - s)
+        else:  # greedy: no noise is drawn
+            keys = np.zeros(len(positions), dtype=np.int64)
         return StepPlan(start, end, positions, len(forced), rows, keys)
 
     def apply(self, plan: StepPlan, tokens: np.ndarray, conf: np.ndarray) -> bool:

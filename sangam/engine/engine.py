@@ -132,7 +132,7 @@ class Engine:
         outputs = []
         for req, t, done in zip(reqs, tracked, block_done):
             finished = t.state.finished
-            self.builder.step_done(req, now, done, finished)
+            self.builder.step_done(req, now, done, finished, t.state.finish_reason)
             if done:
                 outputs.append(self._output(t, finished, t.state.finish_reason))
             if finished:

@@ -1,0 +1,99 @@
+"""``sangam-bench host``: host-side time per iteration (scheduling, batch assembly, unmasking
+bookkeeping) at several batch sizes, with the model forward replaced by a stub.
+
+The forward is excluded so the number is what the CPU adds to every GPU iteration; the target
+is < 0.5 ms at batch 64 (engine issue). Requests are seated decodes of a DualCache block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from sangam.decoding.state import DecodeState
+from sangam.engine.model_runner import PackedBatch
+from sangam.engine.page_allocator import PageAllocator
+from sangam.engine.request import Request
+from sangam.engine.scheduler import BatchBuilder
+from sangam.sampling_params import SamplingParams
+
+VOCAB = 256
+MASK = VOCAB - 1
+
+
+def _seated(batch: int, prompt_len: int, gen_len: int, block: int, page_size: int):
+    alloc = PageAllocator(batch * (-(-(prompt_len + gen_len) // page_size)) + 1)
+    builder = BatchBuilder(alloc, page_size, "deficit", 10**9, max_batch_size=batch)
+    params = SamplingParams(max_tokens=gen_len, block_length=block, unmasking="topk")
+    states = {}
+    for i in range(batch):
+        req = Request(f"r{i}", 0.0, prompt_len, params.canvas_length, block, "dual")
+        builder.add(req)
+        states[req.request_id] = DecodeState([3] * prompt_len, params, MASK, frozenset({1}),
+                                             False)
+    return builder, states
+
+
+def measure(batch: int, iters: int, prompt_len: int = 512, gen_len: int = 256,
+            block: int = 32, page_size: int = 16) -> dict[str, float]:
+    """Mean microseconds per iteration of each host phase, over ``iters`` decode iterations."""
+    builder, states = _seated(batch, prompt_len, gen_len, block, page_size)
+    phases = {"schedule": 0.0, "assemble": 0.0, "apply": 0.0}
+    rng = np.random.default_rng(0)
+    n = 0
+    now = 0.0
+    while n < iters:
+        now += 1.0
+        t0 = time.perf_counter()
+        sb = builder.schedule(now)
+        reqs = sb.decodes + sb.prefills
+        sts = [states[r.request_id] for r in reqs]
+        t1 = time.perf_counter()
+        plans = [st.plan() for st in sts]
+        pb = PackedBatch(sts, plans, [r.pages for r in reqs], page_size)
+        pb.metadata(torch.device("cpu"))
+        t2 = time.perf_counter()
+        m = len(pb.logits_indices)
+        tokens = rng.integers(2, MASK, m)
+        conf = rng.random(m)  # topk 1: one commit per step, so blocks take B steps
+        for r, (req, st, plan) in enumerate(zip(reqs, sts, plans)):
+            a, b = pb.cu_rows[r], pb.cu_rows[r + 1]
+            done = st.apply(plan, tokens[a:b], conf[a:b])
+            builder.step_done(req, now, done, st.finished)
+        t3 = time.perf_counter()
+        if not sb.prefills:  # time steady-state decode iterations only
+            phases["schedule"] += t1 - t0
+            phases["assemble"] += t2 - t1
+            phases["apply"] += t3 - t2
+            n += 1
+    out = {k: 1e6 * v / iters for k, v in phases.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    results = {}
+    print(f"{'batch':>6} {'schedule':>10} {'assemble':>10} {'apply':>10} {'total us':>10}")
+    for b in sizes:
+        r = measure(b, args.iters)
+        results[b] = r
+        print(f"{b:>6} {r['schedule']:>10.1f} {r['assemble']:>10.1f} {r['apply']:>10.1f} "
+              f"{r['total']:>10.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("host", help="host-side microseconds per iteration (no model forward)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", default="1,16,64,256")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--json", default=None, help="write results to this JSON file")
+    p.set_defaults(func=run)
