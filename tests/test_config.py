@@ -1,0 +1,37 @@
+"""EngineConfig: validation on construction and one CLI flag per field."""
+
+import argparse
+import dataclasses
+import math
+
+import pytest
+
+from sangam.config import EngineConfig
+
+
+def test_every_field_is_a_flag_and_round_trips():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args([
+        "--model", "/m", "--device", "cpu", "--dtype", "float64", "--token-budget", "inf",
+        "--policy", "prefill_first", "--page-size", "32", "--num-pages", "100",
+        "--max-batch-size", "8", "--mode", "hybrid", "--prefill-workers", "2",
+        "--decode-workers", "1", "--overflow-threshold", "64", "--layerwise-kv-streaming"])
+    cfg = EngineConfig.from_cli_args(args)
+    assert cfg.token_budget == math.inf and cfg.effective_token_budget == math.inf
+    assert (cfg.page_size, cfg.num_pages, cfg.max_batch_size) == (32, 100, 8)
+    assert cfg.mode == "hybrid" and cfg.layerwise_kv_streaming and cfg.is_multi_worker
+    flags = {a.dest for a in parser._actions}
+    assert {f.name for f in dataclasses.fields(EngineConfig)} <= flags
+    assert EngineConfig.from_cli_args(parser.parse_args([])) == EngineConfig()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(page_size=12), "power of two"), (dict(policy="fifo"), "policy must be one of"),
+    (dict(token_budget=0), "token_budget"), (dict(device="tpu"), "device"),
+    (dict(mode="ring"), "mode must be"), (dict(nnodes=2), "dist_init_addr"),
+    (dict(node_rank=1), "node_rank"), (dict(gpu_memory_fraction=1.5), "gpu_memory_fraction"),
+])
+def test_invalid_configs_name_the_field(bad, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**bad)
