@@ -1,6 +1,16 @@
 """Sangam: a serving engine for diffusion language models (LLaDA, Dream)."""
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+
+# The C++ host-side hot path (csrc/). optional=True: where no compiler works the build only
+# warns and sangam runs on its pure-Python fallback (sangam/engine/host_batch.py).
+HOST_EXT = Extension(
+    "sangam._host",
+    sources=["csrc/host_batch.cpp"],
+    depends=["csrc/noise.h", "csrc/rules.h"],
+    language="c++",
+    optional=True,
+)
 
 setup(
     name="sangam",
@@ -13,6 +23,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["sangam", "sangam.*"]),
     package_data={"sangam.demo": ["model/*"]},
+    ext_modules=[HOST_EXT],
     install_requires=[
         "torch>=2.4",
         "triton>=3.2",

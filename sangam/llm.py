@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Sequence
 
 from sangam.config import EngineConfig
-from sangam.engine.engine import Engine
+from sangam.engine.multi import make_engine
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 
@@ -24,13 +24,17 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown options {unknown}; valid: {sorted(fields)}")
         self.config = EngineConfig(model=model, **engine_options)
-        self.engine = Engine(self.config)
+        self.engine = make_engine(self.config)
         self.loaded = self.engine.loaded
         self._counter = itertools.count()
 
     @property
     def tokenizer(self):
         return self.loaded.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes, if any (also done at interpreter exit)."""
+        self.engine.shutdown()
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 UNMASKING_RULES = ("threshold", "factor", "topk")
 CACHE_MODES = ("dual", "prefix", "none")
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily, as in vLLM
+MAX_TEMPERATURE = 1e4  # beyond it logits / t underflow to a uniform draw anyway
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,10 @@ class SamplingParams:
         need(_is_int(self.tokens_per_step) and self.tokens_per_step >= 1,
              f"tokens_per_step must be an integer >= 1, got {self.tokens_per_step!r}")
         need(self.cache in CACHE_MODES, f"cache must be one of {CACHE_MODES}, got {self.cache!r}")
-        need(_is_num(self.temperature) and self.temperature >= 0.0,
-             f"temperature must be >= 0, got {self.temperature!r}")
+        need(_is_num(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
+             f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if self.temperature < GREEDY_TEMPERATURE:  # below fp32 resolution: plain argmax
+            object.__setattr__(self, "temperature", 0.0)
         need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
              f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
         need(isinstance(self.stop_at_eos, bool), "stop_at_eos must be a bool")

@@ -88,3 +88,18 @@ def test_bad_request_is_refused_and_others_continue(engine):
 
     outs = asyncio.run(main())
     assert outs[-1].finished and len(outs[-1].token_ids) == 16
+
+
+def test_shutdown_ends_open_streams(dream_path):
+    eng = AsyncEngine(EngineConfig(model=dream_path, device="cpu", dtype="float32",
+                                   page_size=4, num_pages=200))
+
+    async def main():
+        task = asyncio.create_task(_collect(eng, [3] * 4, SamplingParams(
+            max_tokens=512, block_length=4, stop_at_eos=False), "open"))
+        await asyncio.sleep(0.1)
+        await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
+        return await asyncio.wait_for(task, timeout=10)
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"

@@ -17,8 +17,8 @@ from sangam.models.attention import PagedKV
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _CPU = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")
-_GPU = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(),
-                          reason="needs CUDA (not interpreted)")
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(),
+                                             reason="needs CUDA (not interpreted)")]
 CASES = [
     pytest.param("cpu", torch.float32, marks=_CPU, id="cpu-fp32"),
     pytest.param("cpu", torch.float64, marks=_CPU, id="cpu-fp64"),

@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 
-from sangam.kernels.kv_store import store_kv
-from sangam.kernels.reference import store_kv_ref
+from sangam.kernels.kv_store import store_kv, store_kv_rope
+from sangam.kernels.reference import store_kv_ref, store_kv_rope_ref
 from sangam.models.attention import PagedKV
+from sangam.models.transformer import RotaryEmbedding
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CASES = [
@@ -17,8 +18,8 @@ CASES = [
         not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")),
     pytest.param("cpu", torch.float64, marks=pytest.mark.skipif(
         not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")),
-    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(
-        INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (not interpreted)")),
+    pytest.param("cuda", torch.bfloat16, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (not interpreted)")]),
 ]
 
 
@@ -66,3 +67,27 @@ def test_store_casts_to_cache_dtype(device, dtype):
     store_kv(k, k, kc, vc, slots)
     assert torch.equal(kc.flatten(0, 1)[5], k[0].to(dtype))
     assert torch.equal(vc.flatten(0, 1)[0], k[2].to(dtype))
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("hkv,d", [(2, 16), (3, 8)])
+def test_store_with_fused_rope(device, dtype, hkv, d):
+    """K before RoPE, rotated on the way in, equals the model's RoPE followed by a plain store."""
+    rope = RotaryEmbedding(d, 10000.0)
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    positions = torch.tensor([0, 3, 17, 40, 41, 5, 9], device=device)
+    rope._cos_sin(positions, cdt)  # build the table
+    cos, sin = rope._table[0], rope._table[1]
+    g = torch.Generator().manual_seed(d)
+    k = torch.randn(7, hkv, d, generator=g).to(device, dtype)
+    v = torch.randn(7, hkv, d, generator=g).to(device, dtype)
+    slots = torch.tensor([3, 0, -1, 9, 10, 15, 4], device=device)
+    caches = [torch.zeros(4, 4, hkv, d, dtype=dtype, device=device) for _ in range(6)]
+    store_kv_rope(k, v, caches[0], caches[1], slots, positions, cos, sin)
+    store_kv_rope_ref(k, v, caches[2], caches[3], slots, positions, cos, sin)
+    store_kv(rope.apply(k, positions), v, caches[4], caches[5], slots)
+    assert torch.equal(caches[1], caches[3]) and torch.equal(caches[3], caches[5])
+    if device == "cpu":
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[2], caches[4])
+    else:  # the GPU may fuse multiply-adds: 1 ulp of bf16
+        torch.testing.assert_close(caches[0], caches[2], atol=2e-2, rtol=1e-2)

@@ -16,8 +16,8 @@ CASES = [
         not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")),
     pytest.param("cpu", torch.float64, marks=pytest.mark.skipif(
         not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")),
-    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(
-        INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (not interpreted)")),
+    pytest.param("cuda", torch.bfloat16, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (not interpreted)")]),
 ]
 
 

@@ -1,7 +1,9 @@
 """Unmasking rules on hand-made confidence vectors, and the Gumbel noise hash."""
 
+import pytest
 import torch
 
+from sangam import SamplingParams
 from sangam.decoding import gumbel_noise, noise_key, row_key, score_logits, select_commits
 from sangam.decoding.noise import mix32, mix32_tensor
 
@@ -73,3 +75,10 @@ def test_score_logits_temperature_samples_and_keeps_untempered_confidence():
     assert torch.allclose(freq[:3], p, atol=0.04)
     probs = torch.softmax(logits[:, :3], -1)
     torch.testing.assert_close(conf, probs.gather(1, tokens[:, None]).squeeze(1))
+
+
+def test_temperature_limits():
+    assert SamplingParams(temperature=1e-300).temperature == 0.0  # greedy, not id 0 forever
+    for bad in (float("inf"), float("nan"), 1e30, -1.0):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=bad)

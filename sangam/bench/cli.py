@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("kernels", "host", "quality")
+SUBCOMMANDS = ("kernels", "host", "quality", "serve", "sim", "capacity", "calibrate")
 
 
 def build_parser() -> argparse.ArgumentParser:

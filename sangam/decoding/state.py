@@ -78,32 +78,43 @@ class DecodeState:
     def plan(self) -> StepPlan:
         start, end = self.span()
         s, e = self.block_bounds()
-        masked = s + np.flatnonzero(self.tokens[s:e] == self.mask_token_id)
-        forced = np.empty(0, dtype=np.int64)
-        if self.shift:  # no row predicts position s in a cached step (its predictor is s - 1)
-            if self.is_refresh and masked.size and masked[0] == s:
-                forced = masked[:1]
-            masked = masked[masked > s]
-        positions = np.concatenate([forced, masked])
-        rows = positions - start - (1 if self.shift else 0)
+        offsets = (self.tokens[s:e] == self.mask_token_id).nonzero()[0]  # masked, in-block
+        num_forced = 0
+        shift = 1 if self.shift else 0
+        if shift and offsets.size and offsets[0] == 0:
+            # No row predicts position s in a cached step (its predictor is s - 1), so it is
+            # no candidate there; a refresh does predict it and commits it outright: it stays
+            # first in the list, as the forced position.
+            if self.is_refresh:
+                num_forced = 1
+            else:
+                offsets = offsets[1:]
+        positions = offsets + s
+        rows = positions - (start + shift)
         if self.params.temperature > 0:
-            keys = row_keys(noise_key(self.seed, self.block, self.step), positions - s)
+            keys = row_keys(noise_key(self.seed, self.block, self.step), offsets)
         else:  # greedy: no noise is drawn
             keys = np.zeros(len(positions), dtype=np.int64)
-        return StepPlan(start, end, positions, len(forced), rows, keys)
+        return StepPlan(start, end, positions, num_forced, rows, keys)
 
     def apply(self, plan: StepPlan, tokens: np.ndarray, conf: np.ndarray) -> bool:
         """Commit this step's tokens (aligned with ``plan.positions``); True if a block ended."""
+        return self.commit(plan.positions, plan.num_forced, tokens, conf)
+
+    def commit(self, positions: np.ndarray, num_forced: int, tokens: np.ndarray,
+               conf: np.ndarray) -> bool:
+        """``apply`` on a plan's parts: the first ``num_forced`` positions are committed
+        regardless, the rule picks among the rest; True if a block ended."""
         p = self.params
-        k = plan.num_forced
+        k = num_forced
         chosen = select_commits(conf[k:].tolist(), p.unmasking, p.threshold, p.factor,
                                 p.tokens_per_step)
         commit = list(range(k)) + [k + i for i in chosen]
-        self.tokens[plan.positions[commit]] = tokens[commit]
+        self.tokens[positions[commit]] = tokens[commit]
         self.step += 1
         self.num_forwards += 1
         s, e = self.block_bounds()
-        if (self.tokens[s:e] == self.mask_token_id).any():
+        if self.mask_token_id in self.tokens[s:e]:
             return False
         if p.stop_at_eos and np.isin(self.tokens[self.prompt_len:e], list(self.stop_ids)).any():
             self.finished, self.finish_reason = True, "stop"

@@ -16,8 +16,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 from sangam.config import EngineConfig
-from sangam.engine.engine import Engine
 from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.multi import make_engine
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  **engine_options):
         self.config = config or EngineConfig(**engine_options)
-        self.engine = Engine(self.config, loaded)
+        self.engine = make_engine(self.config, loaded)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
@@ -81,6 +81,7 @@ class AsyncEngine:
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     # Engine thread.
     def _handle(self, cmd: tuple) -> None:
@@ -124,6 +125,9 @@ class AsyncEngine:
             for stream in self._streams.values():
                 stream.put(RuntimeError(f"engine failure: {e!r}"))
             self._streams.clear()
-        finally:
+        finally:  # shutdown or failure: every open stream ends with an "abort" output
             for rid in list(self.engine.requests):
-                self.engine.abort_request(rid)
+                out = self.engine.abort_request(rid)
+                stream = self._streams.pop(rid, None)
+                if stream is not None and out is not None:
+                    stream.put(out)

@@ -118,6 +118,9 @@ class Engine:
     def num_requests(self) -> int:
         return len(self.requests)
 
+    def shutdown(self) -> None:
+        """Nothing to stop in process (the multi-worker engine stops its workers here)."""
+
     # One iteration.
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that completed a block."""

@@ -185,6 +185,33 @@ class BatchBuilder:
         req.mark_aborted(max(self._now, req.arrival_time) if now is None else now)
         return req
 
+    # Multi-worker serving: a request's blocks may run on different workers.
+    def seat(self, req: Request) -> None:
+        """Seat a request whose refresh ran on another worker (disaggregated serving): it is
+        DECODE, holds its pages of this pool, and runs its first cached step next iteration."""
+        if req.status is not RequestStatus.DECODE or not req.pages:
+            raise ValueError(f"seat: {req!r} must be DECODE and hold pages")
+        if req.request_id in self._requests:
+            raise ValueError(f"seat: request id {req.request_id!r} is already scheduled here")
+        if self.policy == "fastdllm" or len(self._seated) >= self.max_batch_size:
+            raise ValueError(f"seat: no free seat for {req!r}")
+        self._requests[req.request_id] = req
+        self._seated[req.request_id] = req
+
+    def detach(self, request_id: str) -> Request | None:
+        """Forget a request without freeing its pages, which pass to the caller (multi-worker
+        serving: the next block's re-prefill is routed again while the canvas stays in this
+        pool). None if unknown; raises while it is in the last scheduled batch."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        if request_id in self._in_flight:
+            raise ValueError(f"detach: {req!r} is in the last scheduled batch")
+        pages, req.pages = req.pages, []
+        self._release(req)
+        req.pages = pages
+        return req
+
     # Policies.
     def _schedule_budget(self, now: float) -> ScheduledBatch:
         """DESIGN.md §4's deficit token budget; ``tau = inf`` gives prefill-first."""

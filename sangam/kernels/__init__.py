@@ -4,7 +4,7 @@ The kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` 
 Triton is first imported).
 """
 
-from sangam.kernels.kv_store import store_kv
+from sangam.kernels.kv_store import store_kv, store_kv_rope
 from sangam.kernels.page_copy import gather_pages, scatter_pages
 from sangam.kernels.paged_attention import paged_attention
 from sangam.kernels.reference import (
@@ -12,10 +12,13 @@ from sangam.kernels.reference import (
     paged_attention_ref,
     scatter_pages_ref,
     store_kv_ref,
+    store_kv_rope_ref,
     unmask_ref,
 )
+from sangam.kernels.unmask import fused_unmask
 
 __all__ = [
-    "gather_pages", "gather_pages_ref", "paged_attention", "paged_attention_ref",
-    "scatter_pages", "scatter_pages_ref", "store_kv", "store_kv_ref", "unmask_ref",
+    "fused_unmask", "gather_pages", "gather_pages_ref", "paged_attention", "paged_attention_ref",
+    "scatter_pages", "scatter_pages_ref", "store_kv", "store_kv_ref", "store_kv_rope",
+    "store_kv_rope_ref", "unmask_ref",
 ]

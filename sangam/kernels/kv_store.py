@@ -1,4 +1,9 @@
-"""KV store: write a span's fresh K/V rows into their page slots (DESIGN.md §5.2)."""
+"""KV store: write a span's fresh K/V rows into their page slots (DESIGN.md §5.2).
+
+``store_kv`` takes K with RoPE applied; ``store_kv_rope`` takes K before RoPE and rotates it on
+the way (rotate-half / NeoX convention, as ``sangam.models.transformer.RotaryEmbedding``), saving
+the rotated K's round trip through memory.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,12 @@ import triton.language as tl
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr,
     num_rows, s_k_n, s_k_h, s_v_n, s_v_h,
-    s_kc_page, s_kc_off, s_kc_h, s_vc_page, s_vc_off, s_vc_h,
+    s_kc_page, s_kc_off, s_kc_h, s_vc_page, s_vc_off, s_vc_h, s_cos, s_sin,
     row_numel, page_size,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    ROPE: tl.constexpr, CDT: tl.constexpr,
 ):
     # A tile is BLOCK_T rows x (all heads * head_dim) elements, flattened on the second axis.
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -26,11 +32,58 @@ def _store_kv_kernel(
     mask = (slot >= 0)[:, None] & (e < row_numel)[None, :]
     r = rows.to(tl.int64)[:, None]
     k = tl.load(k_ptr + r * s_k_n + h * s_k_h + d, mask=mask)
+    if ROPE:
+        # k*cos + rotate_half(k)*sin, rotate_half(k) = [-k2, k1], in the compute dtype.
+        pos = tl.load(pos_ptr + rows, mask=rows < num_rows, other=0).to(tl.int64)[:, None]
+        cos = tl.load(cos_ptr + pos * s_cos + d, mask=mask).to(CDT)
+        sin = tl.load(sin_ptr + pos * s_sin + d, mask=mask).to(CDT)
+        partner = tl.load(k_ptr + r * s_k_n + h * s_k_h + (d + HEAD_DIM // 2) % HEAD_DIM, mask=mask)
+        rot = tl.where(d < HEAD_DIM // 2, -partner.to(CDT), partner.to(CDT))
+        k = k.to(CDT) * cos + rot * sin
     v = tl.load(v_ptr + r * s_v_n + h * s_v_h + d, mask=mask)
     kc_row = (page * s_kc_page + off * s_kc_off)[:, None]
     vc_row = (page * s_vc_page + off * s_vc_off)[:, None]
     tl.store(kc_ptr + kc_row + h * s_kc_h + d, k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + vc_row + h * s_vc_h + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(k, v, k_cache, v_cache, slot_mapping, rope) -> None:
+    n, hkv, d = k.shape
+    if v.shape != k.shape or k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"shape mismatch: k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    if n == 0:
+        return
+    if d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two, got {d}")
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("the caches' head dim must be contiguous")
+    if rope is None:
+        pos = cos = sin = slot_mapping  # unused
+        s_cos = s_sin = 0
+        cdt = tl.float32
+    else:
+        pos, cos, sin = rope
+        s_cos, s_sin = cos.stride(0), sin.stride(0)
+        cdt = tl.float64 if k.dtype == torch.float64 else tl.float32
+    block_e = triton.next_power_of_2(hkv * d)
+    # Interpreter: one program for the whole span (its cost is per program). GPU: ~4K elements
+    # per program, so a long refresh still spreads over many SMs.
+    target = 1 << 16 if k.device.type == "cpu" else 4096
+    block_t = max(1, min(triton.next_power_of_2(n), target // block_e))
+    _store_kv_kernel[(triton.cdiv(n, block_t),)](
+        k, v, k_cache, v_cache, slot_mapping.contiguous(), pos, cos, sin,
+        n, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), s_cos, s_sin,
+        hkv * d, k_cache.shape[1],
+        HEAD_DIM=d, BLOCK_T=block_t, BLOCK_E=block_e, ROPE=rope is not None, CDT=cdt,
+        num_warps=4,
+    )
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -41,32 +94,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     Caches may be strided views (e.g. one layer of a ``PagedKV`` buffer); the head dim must be
     contiguous everywhere. Slots must be distinct.
     """
-    n, hkv, d = k.shape
-    if v.shape != k.shape or k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"shape mismatch: k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
-    if n == 0:
-        return
-    if k.stride(2) != 1:
-        k = k.contiguous()
-    if v.stride(2) != 1:
-        v = v.contiguous()
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("the caches' head dim must be contiguous")
-    if d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two, got {d}")
-    slot_mapping = slot_mapping.contiguous()
-    block_e = triton.next_power_of_2(hkv * d)
-    # Interpreter: one program for the whole span (its cost is per program). GPU: ~4K elements
-    # per program, so a long refresh still spreads over many SMs.
-    target = 1 << 16 if k.device.type == "cpu" else 4096
-    block_t = max(1, min(triton.next_power_of_2(n), target // block_e))
-    _store_kv_kernel[(triton.cdiv(n, block_t),)](
-        k, v, k_cache, v_cache, slot_mapping,
-        n, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        hkv * d, k_cache.shape[1],
-        HEAD_DIM=d, BLOCK_T=block_t, BLOCK_E=block_e,
-        num_warps=4,
-    )
+    _launch(k, v, k_cache, v_cache, slot_mapping, None)
+
+
+def store_kv_rope(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """:func:`store_kv` for K *before* RoPE: row i is rotated for position ``positions[i]``
+    with the tables ``cos``/``sin [max_pos, D]`` (rotate-half layout: both halves of a row hold
+    the same frequencies), in fp32 (fp64 for fp64 K), then stored in the cache dtype."""
+    if cos.stride(1) != 1 or sin.stride(1) != 1 or cos.shape[1] != k.shape[2]:
+        raise ValueError("cos/sin must be [max_pos, head_dim] with a contiguous last dim")
+    _launch(k, v, k_cache, v_cache, slot_mapping, (positions.contiguous(), cos, sin))

@@ -37,7 +37,7 @@ def _attn_kernel(
     s_lse_split, s_lse_n,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -86,7 +86,7 @@ def _attn_kernel(
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k_off = page * s_kc_page + slot * s_kc_off + kvh * s_kc_h
             k = tl.load(kc_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee")
+            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC)
             # Scores in log2 units; every tile holds at least one valid key, so m_new is finite.
             s = tl.where(n_ok[None, :], s.to(ACC_DTYPE) * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -95,7 +95,7 @@ def _attn_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v_off = page * s_vc_page + slot * s_vc_off + kvh * s_vc_h
             v = tl.load(vc_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
+            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
             acc = acc * alpha[:, None] + pv.to(ACC_DTYPE)
             m_i = m_new
 
@@ -144,18 +144,23 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _tile_config(rows: int, head_dim: int, on_gpu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the longest span's flattened row count."""
+def _tile_config(rows: int, head_dim: int, on_gpu: bool) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for the longest span's flattened (query, head-in-group) row count."""
     block_m = max(16, min(128, triton.next_power_of_2(max(rows, 1))))
     if not on_gpu:
         # Interpreter: numpy cost is per program and op, so moderate tiles are fastest.
-        return min(block_m, 32), 32, 1, 1
-    if head_dim > 128:
-        block_m = min(block_m, 64)
-        return block_m, 32, 8, 2
-    block_n = 64 if block_m >= 64 else 32
-    num_warps = 8 if block_m >= 128 else 4
-    return block_m, block_n, num_warps, 2 if head_dim > 64 else 3
+        return min(block_m, 32), 32
+    if head_dim > 128:  # keep the fp32 accumulator and the K/V tiles within registers/smem
+        return min(block_m, 64), 32
+    return block_m, 64 if block_m >= 64 else 32
+
+
+def _launch_config(block_m: int, head_dim: int, on_gpu: bool) -> tuple[int, int]:
+    """(num_warps, num_stages) for the chosen tiles."""
+    if not on_gpu:
+        return 1, 1
+    num_warps = 8 if block_m >= 128 or head_dim > 128 else 4
+    return num_warps, 2 if head_dim > 64 else 3
 
 
 def _auto_splits(programs: int, max_kv: int, device: torch.device) -> int:
@@ -202,9 +207,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     on_gpu = q.device.type == "cuda" and not _interpreting()
     rows = (max_query_len if max_query_len is not None else n_tok) * group
-    bm, bn, num_warps, num_stages = _tile_config(rows, d, on_gpu)
+    bm, bn = _tile_config(rows, d, on_gpu)
     bm = block_m or bm
     bn = block_n or bn
+    num_warps, num_stages = _launch_config(bm, d, on_gpu)
     if num_splits is None:
         est_programs = triton.cdiv(n_tok * group, bm) * hkv
         num_splits = _auto_splits(est_programs, block_tables.shape[1] * page_size, q.device)
@@ -233,7 +239,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part, lse = out, out  # lse is unused without splits
     _attn_kernel[grid](
         q, k_cache, v_cache, part, lse,
-        cu_q, cu_tiles, block_tables, kv_lens,
+        cu_q, cu_tiles, block_tables, kv_lens.to(torch.int32),
         num_requests, num_requests.bit_length(), group, d, num_splits, scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -243,6 +249,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         lse.stride(0) if split else 0, lse.stride(-2) if split else 0,
         PAGE_SIZE=page_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, d), SPLIT=split,
         DOT_DTYPE=dot_dtype, ACC_DTYPE=acc_dtype,
+        # fp32/fp64 dots in full precision (no TF32); half types use the tensor cores as is.
+        DOT_PREC="ieee" if dot_dtype in (tl.float32, tl.float64) else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

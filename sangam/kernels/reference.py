@@ -32,6 +32,20 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
 
 
+def store_kv_rope_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate k (rotate-half RoPE, tables ``[max_pos, D]``) in fp32 (fp64 for fp64 k), then
+    :func:`store_kv_ref`."""
+    cdt = torch.float64 if k.dtype == torch.float64 else torch.float32
+    c = cos[positions].to(cdt).unsqueeze(-2)
+    s = sin[positions].to(cdt).unsqueeze(-2)
+    kf = k.to(cdt)
+    half = k.shape[-1] // 2
+    rotated = torch.cat([-kf[..., half:], kf[..., :half]], dim=-1)
+    store_kv_ref(kf * c + rotated * s, v, k_cache, v_cache, slot_mapping)
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
                         kv_lens: torch.Tensor, scale: float, *,

@@ -18,7 +18,7 @@ import logging
 import secrets
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -59,6 +59,7 @@ Stream = tuple[AsyncGenerator[RequestOutput, None], RequestOutput]  # (generator
 
 RETRY_AFTER_S = 1  # a full queue drains at the pace of whole requests: retry soon
 METRICS_INGEST_PERIOD_S = 1.0
+MAX_ERRORS_SHOWN = 4
 
 
 class ApiError(Exception):
@@ -170,7 +171,11 @@ async def _merge(streams: list[Stream]) -> AsyncGenerator[tuple[int, RequestOutp
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # A generator must be idle before it is closed, so wait for the pumps, even through
+        # repeated cancellation (anyio re-delivers it until its cancelled scope is left).
+        while not all(task.done() for task in tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait(tasks)
         await _close_all([gen for gen, _ in streams])
 
 
@@ -237,7 +242,7 @@ class _Server:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
-    def _tokenizer(self, what: str):
+    def _tokenizer(self, what: str) -> Any:
         if self.loaded.tokenizer is None:
             raise ApiError(400, f"this model has no tokenizer, so {what} cannot be served; "
                            "send /v1/completions a prompt of token ids")
@@ -308,6 +313,9 @@ class _Server:
                    request_id: str) -> list[Stream]:
         """Submit every prompt and wait for each one's first output, so that a refusal becomes
         an error status before any response byte is sent. All or nothing."""
+        if self.engine.dead is not None:
+            raise ApiError(503, f"the engine failed: {self.engine.dead!r}", "server_error",
+                           code="engine_dead")
         gens = [self._generate(ids, params, request_id if len(prompts) == 1 else
                                f"{request_id}-{i}") for i, ids in enumerate(prompts)]
         try:
@@ -483,11 +491,18 @@ def _install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return ApiError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', '')}"
                             ).response()
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-        message = f"{param or 'body'}: {first.get('msg', 'invalid')}{more}"
-        return ApiError(400, message, param=param, code="invalid_value").response()
+        def where(err: dict) -> list[str]:
+            return [str(x) for x in err.get("loc", ()) if x != "body"]
+
+        # A union field fails once per member ("prompt.str", "prompt.list[int]"...): list a few.
+        shown = [f"{'.'.join(where(err)) or 'body'}: {err.get('msg', 'invalid')}"
+                 for err in errors[:MAX_ERRORS_SHOWN]]
+        if len(errors) > MAX_ERRORS_SHOWN:
+            shown.append(f"and {len(errors) - MAX_ERRORS_SHOWN} more")
+        param = where(first)[0] if where(first) else None
+        if "json" not in request.headers.get("content-type", ""):
+            shown.insert(0, "send a JSON object with 'Content-Type: application/json'")
+        return ApiError(400, "; ".join(shown), param=param, code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from sangam.engine.async_engine import AsyncEngine
+from sangam.engine.engine import Engine
 
 _TOKEN_BUCKETS = tuple(float(2**k) for k in range(15))  # 1 .. 16384 tokens
 _ITERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -18,27 +19,30 @@ _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 
 
 class _EngineGauges:
-    """Read at scrape time, so the values are current."""
+    """Read at scrape time, so the values are current. The scheduler and KV pool gauges exist
+    for the in-process engine; a multi-worker front reports requests in flight only."""
 
     def __init__(self, engine: AsyncEngine):
         self._engine = engine.engine
 
     def collect(self) -> Iterator[Metric]:
         e = self._engine
-        alloc = e.pool.allocator
-        for name, doc, value in (
-            ("sangam_requests_waiting", "Requests waiting for a prefill (queue depth)",
-             e.builder.num_waiting),
-            ("sangam_requests_seated", "Seated decodes (requests in their cached steps)",
-             e.builder.num_seated),
-            ("sangam_requests_in_flight", "Requests accepted and not finished",
-             e.num_requests),
-            ("sangam_deficit_tokens", "Carried prefill token budget (deficit)",
-             e.builder.deficit),
-            ("sangam_kv_pool_usage_ratio", "Fraction of KV pages in use", e.pool.usage),
-            ("sangam_kv_pool_pages_used", "KV pages in use", alloc.num_used),
-            ("sangam_kv_pool_pages", "KV pages in the pool", alloc.num_pages),
-        ):
+        gauges: list[tuple[str, str, float]] = [
+            ("sangam_requests_in_flight", "Requests accepted and not finished", e.num_requests)]
+        if isinstance(e, Engine):
+            alloc = e.pool.allocator
+            gauges += [
+                ("sangam_requests_waiting", "Requests waiting for a prefill (queue depth)",
+                 e.builder.num_waiting),
+                ("sangam_requests_seated", "Seated decodes (requests in their cached steps)",
+                 e.builder.num_seated),
+                ("sangam_deficit_tokens", "Carried prefill token budget (deficit)",
+                 e.builder.deficit),
+                ("sangam_kv_pool_usage_ratio", "Fraction of KV pages in use", e.pool.usage),
+                ("sangam_kv_pool_pages_used", "KV pages in use", alloc.num_used),
+                ("sangam_kv_pool_pages", "KV pages in the pool", alloc.num_pages),
+            ]
+        for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=float(value))
 
 

@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 _REQUEST_CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
+# Far above any useful value (OpenAI caps at 2), far below where the engine's fp32 tempered
+# logits overflow: at temperature ~3e38 a request never finishes.
+MAX_TEMPERATURE = 100.0
+
 
 class StreamOptions(BaseModel):
     model_config = _REQUEST_CONFIG
@@ -28,7 +32,7 @@ class _GenerationRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, le=MAX_TEMPERATURE)
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# GPU check of the Triton kernels: the kernel tests in bf16 on CUDA, then `sangam-bench kernels`.
+# Usage: microbench/gpu_check.sh [OUTDIR]   (default ./gpu-results; finishes in < 8 minutes)
+# Needs only torch, triton, pytest and safetensors: runs from the checkout with PYTHONPATH=.
+set -u
+OUT=$(mkdir -p "${1:-./gpu-results}" && cd "${1:-./gpu-results}" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET  # compiled kernels on CUDA tensors
+PY=${PYTHON:-$(command -v python3 || command -v python)}
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  git status --short 2>/dev/null | head -20
+  nvidia-smi 2>&1
+  "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', \
+torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available() and \
+torch.cuda.get_device_name())"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# Tests: ~4.5 minutes at most; the benchmark gets the rest. Each step is cut by `timeout`.
+timeout 270 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernel_*.py \
+  tests/test_triton_backend.py --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+# The benchmark rewrites kernels.json after each suite, so a cut run keeps what it measured.
+timeout 180 "$PY" -m sangam.bench.cli kernels --json "$OUT/kernels.json" 2>&1 \
+  | tee "$OUT/kernels.log"
+bench_rc=${PIPESTATUS[0]}
+
+echo "tests rc=$tests_rc  bench rc=$bench_rc  (124 = timed out)" | tee "$OUT/summary.txt"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -1,0 +1,77 @@
+"""pytest-benchmark timings of the Triton kernels at one representative shape each (CUDA only).
+
+Run: ``PYTHONPATH=. python -m pytest microbench/test_bench_kernels.py`` (add
+``--benchmark-json microbench/results/bench.json`` to keep the numbers). The full sweep with
+GB/s, TFLOP/s and baselines is ``sangam-bench kernels``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("pytest_benchmark")
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("kernel timings need a CUDA GPU (and TRITON_INTERPRET unset)",
+                allow_module_level=True)
+
+from sangam.bench.kernels import MODELS, PAGE, VOCAB, _paged_batch  # noqa: E402
+from sangam.kernels import fused_unmask, gather_pages, paged_attention, store_kv  # noqa: E402
+
+
+def _timed(benchmark, fn):
+    def call():
+        fn()
+        torch.cuda.synchronize()
+
+    fn()  # compile outside the timing
+    torch.cuda.synchronize()
+    benchmark.pedantic(call, rounds=50, warmup_rounds=5)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("batch,q_len,kv", [(16, 32, 2048), (1, 32, 4096), (1, 2048, 2048)],
+                         ids=["cached-b16", "cached-b1-split", "refresh-2048"])
+def test_paged_attention(benchmark, model, batch, q_len, kv):
+    hq, hkv, d, _ = MODELS[model]
+    q, kc, vc, cu, table, kv_lens = _paged_batch(batch, q_len, kv, hq, hkv, d, "cuda",
+                                                 torch.bfloat16)
+    _timed(benchmark, lambda: paged_attention(q, kc, vc, cu, table, kv_lens, d ** -0.5,
+                                              max_query_len=q_len))
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_store_kv(benchmark, model):
+    _, hkv, d, _ = MODELS[model]
+    n = 2048
+    k = torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16)
+    cache = torch.zeros(n // PAGE, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(n, device="cuda")
+    _timed(benchmark, lambda: store_kv(k, k, cache, cache.clone(), slots))
+
+
+@pytest.mark.parametrize("rows", [32, 2048])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fused_unmask(benchmark, rows, temperature):
+    dev = "cuda"
+    logits = 3 * torch.randn(rows, VOCAB, device=dev, dtype=torch.bfloat16)
+    r = max(1, rows // 32)
+    cu = torch.linspace(0, rows, r + 1, device=dev).round().to(torch.int32)
+    zeros = torch.zeros(r, device=dev, dtype=torch.int32)
+    args = (cu, zeros, zeros, torch.full((r,), 0.9, device=dev, dtype=torch.float64),
+            torch.ones(r, device=dev, dtype=torch.float64), zeros + 1,
+            torch.full((r,), temperature, device=dev, dtype=torch.float64),
+            torch.randint(0, 2**32, (rows,), device=dev))
+    _timed(benchmark, lambda: fused_unmask(logits, VOCAB - 128, *args))
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("requests", [1, 8])
+def test_gather_pages(benchmark, model, requests):
+    _, hkv, d, layers = MODELS[model]
+    n = requests * 64  # 1024-token requests
+    pool = torch.randn(layers, 2, n + 16, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randperm(n + 16, device="cuda")[:n]
+    _timed(benchmark, lambda: gather_pages(pool, ids))

@@ -1,0 +1,259 @@
+"""Iteration time of one packed forward from its batch composition, for the simulator.
+
+The forward of an iteration is a sequence of kernels, each bounded by compute or by memory
+traffic (a roofline per part), plus host overheads:
+
+    time = overhead + per_sequence * requests
+         + max(linear FLOPs / matmul rate,    layer weight bytes / bandwidth)   # read once
+         + max(attention FLOPs / attn rate,   K/V bytes / bandwidth)            # per span
+         + max(LM-head FLOPs / matmul rate,   LM-head bytes / bandwidth)
+
+- linear FLOPs: 2 x tokens x parameters of the transformer layers (every span token goes
+  through every projection);
+- attention FLOPs: 4 x span x KV length x heads x head_dim per layer (QK^T and PV, no causal
+  mask: every query sees every cached position of its request);
+- K/V bytes: each span reads its request's whole cache (KV length x KV bytes per token) and
+  writes its own fresh K/V;
+- LM head: only the rows that predict masked positions of the current block (DESIGN.md §2).
+
+The rates default to a GPU's peak times efficiency factors (:data:`DEFAULT_EFFICIENCY`);
+``sangam-bench calibrate`` measures forwards and fits all five coefficients instead
+(:func:`fit_coefficients`), and ``--calibration FILE`` loads them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+GIB = 1 << 30
+BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """Shapes that set a model's cost (DESIGN.md §6)."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one block: q and o (hidden^2 each), k and v (GQA), SwiGLU gate/up/down."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        return 2 * h * h + 2 * h * kv + 3 * h * self.intermediate
+
+    @property
+    def head_params(self) -> int:
+        return self.hidden * self.vocab
+
+    def weight_bytes(self, dtype_bytes: int = BF16_BYTES) -> int:
+        """Resident weights: the layers, the LM head and the (untied) embedding table."""
+        return (self.layers * self.layer_params + 2 * self.head_params) * dtype_bytes
+
+    def kv_bytes_per_token(self, dtype_bytes: int = BF16_BYTES) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+MODELS = {
+    "llada": ModelGeometry("LLaDA-8B", 4096, 32, 32, 32, 12288, 126464),
+    "dream": ModelGeometry("Dream-7B", 3584, 28, 28, 4, 18944, 152064),
+}
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bytes_per_s: float
+    memory_bytes: float
+
+
+GPUS = {
+    "h100": GPUSpec("H100-SXM", 989e12, 3.35e12, 79.6 * GIB),
+    "h200": GPUSpec("H200", 989e12, 4.8e12, 140.4 * GIB),
+}
+
+# Link bandwidths for K/V transfer between workers, bytes/s.
+LINKS = {"nvlink": 450e9, "pcie": 50e9, "network": 25e9}
+
+# Fractions of peak reached by real kernels: ~0.8 for a large square bf16 matmul (DESIGN.md §5
+# measures 790 of 989 TFLOP/s), less for a model's thinner shapes; attention kernels reach about
+# half of peak; streaming reads reach ~80% of HBM bandwidth.
+DEFAULT_EFFICIENCY = {"matmul": 0.7, "attention": 0.5, "bandwidth": 0.8}
+# Per-iteration host cost without CUDA graphs: ~10 kernel launches per layer plus scheduling,
+# and per-request batch assembly (the engine's host target is < 0.5 ms at batch 64).
+DEFAULT_OVERHEAD_S = 3e-3
+DEFAULT_PER_SEQUENCE_S = 8e-6
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    matmul_flops: float  # achieved FLOP/s of the projections and the LM head
+    attention_flops: float  # achieved FLOP/s of attention
+    hbm_bytes_per_s: float  # achieved bandwidth streaming weights and K/V
+    iteration_overhead_s: float  # fixed cost of every forward
+    per_sequence_s: float  # extra cost per request in the batch
+
+    @classmethod
+    def defaults(cls, gpu: GPUSpec) -> Coefficients:
+        e = DEFAULT_EFFICIENCY
+        return cls(gpu.peak_flops * e["matmul"], gpu.peak_flops * e["attention"],
+                   gpu.hbm_bytes_per_s * e["bandwidth"], DEFAULT_OVERHEAD_S,
+                   DEFAULT_PER_SEQUENCE_S)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Coefficients:
+        """The ``coefficients`` object of a ``sangam-bench calibrate`` JSON file."""
+        with open(path) as f:
+            data = json.load(f)
+        coeffs = data.get("coefficients", data)
+        names = [f for f in cls.__dataclass_fields__]
+        missing = [n for n in names if n not in coeffs]
+        if missing:
+            raise ValueError(f"{path}: calibration lacks {missing}")
+        return cls(**{n: float(coeffs[n]) for n in names})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One request's part of a forward."""
+
+    q_len: int  # positions computed (T for a refresh, the block for a DualCache step)
+    kv_len: int  # positions attended to (the request's whole sequence T)
+    lm_rows: int  # LM-head rows: masked positions of the current block
+
+
+def batch_features(geom: ModelGeometry, spans: Sequence[Span], dtype_bytes: int = BF16_BYTES
+                   ) -> np.ndarray:
+    """FLOPs and bytes of one forward, by part: the inputs of the roofline.
+
+    Order: linear FLOPs, layer weight bytes, attention FLOPs, K/V bytes, LM-head FLOPs, LM-head
+    bytes, number of requests.
+    """
+    tokens = sum(s.q_len for s in spans)
+    rows = sum(s.lm_rows for s in spans)
+    attn_pairs = sum(s.q_len * s.kv_len for s in spans)
+    kv_tokens = sum(s.kv_len + s.q_len for s in spans)
+    return np.array([
+        2.0 * tokens * geom.layers * geom.layer_params,
+        float(geom.layers * geom.layer_params * dtype_bytes),
+        4.0 * attn_pairs * geom.heads * geom.head_dim * geom.layers,
+        float(kv_tokens * geom.kv_bytes_per_token(dtype_bytes)),
+        2.0 * rows * geom.head_params,
+        float(geom.head_params * dtype_bytes) if rows else 0.0,
+        float(len(spans)),
+    ])
+
+
+def _predict(features: np.ndarray, mm: np.ndarray, attn: np.ndarray, bw: np.ndarray,
+             c0: np.ndarray, c1: np.ndarray) -> np.ndarray:
+    """Roofline time; ``features`` [..., 7] broadcast against the coefficient arrays."""
+    f = features
+    return (c0 + c1 * f[..., 6]
+            + np.maximum(f[..., 0] / mm, f[..., 1] / bw)
+            + np.maximum(f[..., 2] / attn, f[..., 3] / bw)
+            + np.maximum(f[..., 4] / mm, f[..., 5] / bw))
+
+
+class CostModel:
+    """Seconds per iteration of ``geom`` with ``coeffs``."""
+
+    def __init__(self, geom: ModelGeometry, coeffs: Coefficients,
+                 dtype_bytes: int = BF16_BYTES):
+        self.geom = geom
+        self.coeffs = coeffs
+        self.dtype_bytes = dtype_bytes
+
+    def iteration_time(self, spans: Sequence[Span]) -> float:
+        if not spans:
+            return 0.0
+        c = self.coeffs
+        return float(_predict(batch_features(self.geom, spans, self.dtype_bytes),
+                              c.matmul_flops, c.attention_flops, c.hbm_bytes_per_s,
+                              c.iteration_overhead_s, c.per_sequence_s))
+
+    def kv_bytes(self, tokens: int) -> int:
+        return tokens * self.geom.kv_bytes_per_token(self.dtype_bytes)
+
+
+def kv_pool_pages(geom: ModelGeometry, gpu: GPUSpec, page_size: int,
+                  memory_fraction: float = 0.9, dtype_bytes: int = BF16_BYTES) -> int:
+    """KV pages left after the weights in ``memory_fraction`` of the GPU (activations, which
+    are small next to the pool for these models, are not subtracted)."""
+    budget = gpu.memory_bytes * memory_fraction - geom.weight_bytes(dtype_bytes)
+    pages = int(budget // (page_size * geom.kv_bytes_per_token(dtype_bytes)))
+    if pages < 1:
+        raise ValueError(f"{geom.name} does not fit {gpu.name} with room for a KV pool")
+    return pages
+
+
+def _nonneg_affine(resid: np.ndarray, n: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """Weighted least squares ``resid ~ c0 + c1 * n`` with c0, c1 >= 0 (2-variable NNLS)."""
+    best = (0.0, 0.0)
+    best_err = float(np.sum((w * resid) ** 2))
+    a = np.stack([np.ones_like(n), n], axis=1) * w[:, None]
+    b = resid * w
+    candidates = []
+    sol, *_ = np.linalg.lstsq(a, b, rcond=None)
+    candidates.append((float(sol[0]), float(sol[1])))
+    candidates.append((float(np.sum(w * w * resid) / np.sum(w * w)), 0.0))
+    candidates.append((0.0, float(np.sum(w * w * resid * n) / max(np.sum(w * w * n * n), 1e-30))))
+    for c0, c1 in candidates:
+        if c0 < 0 or c1 < 0:
+            continue
+        err = float(np.sum((w * (resid - c0 - c1 * n)) ** 2))
+        if err < best_err:
+            best, best_err = (c0, c1), err
+    return best
+
+
+def fit_coefficients(geom: ModelGeometry, points: Sequence[tuple[Sequence[Span], float]],
+                     initial: Coefficients, dtype_bytes: int = BF16_BYTES, rounds: int = 14
+                     ) -> tuple[Coefficients, float]:
+    """Fit the five coefficients to measured ``(spans, seconds)`` points; returns them and the
+    root-mean-square relative error.
+
+    The three rates enter through maxima (not smooth), so they are found by a shrinking grid
+    search in log space around ``initial``; for each candidate the two overheads are a
+    non-negative linear fit of what the roofline leaves unexplained. Relative error is
+    minimized, so short forwards count as much as long ones.
+    """
+    if len(points) < 3:
+        raise ValueError("need at least 3 measured forwards to fit")
+    feats = np.stack([batch_features(geom, spans, dtype_bytes) for spans, _ in points])
+    y = np.array([t for _, t in points], dtype=float)
+    w = 1.0 / y
+    center = np.log([initial.matmul_flops, initial.attention_flops, initial.hbm_bytes_per_s])
+    width = 7.0  # e^7 ~ 1000x either way in the first round
+    best: tuple[float, tuple[float, ...]] = (np.inf, ())
+    for _ in range(rounds):
+        axes = [c + np.linspace(-width, width, 9) for c in center]
+        for logs in itertools.product(*axes):
+            mm, attn, bw = np.exp(logs)
+            roof = _predict(feats, mm, attn, bw, 0.0, 0.0)
+            c0, c1 = _nonneg_affine(y - roof, feats[:, 6], w)
+            err = float(np.sum(((roof + c0 + c1 * feats[:, 6]) / y - 1.0) ** 2))
+            if err < best[0]:
+                best = (err, (mm, attn, bw, c0, c1))
+        center = np.log(best[1][:3])
+        width /= 2.0
+    err, (mm, attn, bw, c0, c1) = best
+    return Coefficients(mm, attn, bw, c0, c1), float(np.sqrt(err / len(y)))

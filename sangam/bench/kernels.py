@@ -1,0 +1,391 @@
+"""``sangam-bench kernels``: time the Triton kernels at the shapes of the real models.
+
+Models: LLaDA-8B (32 query heads / 32 KV heads, head_dim 128) and Dream-7B (28 / 4, head_dim
+128); bf16, pages of 16 tokens.
+
+  attention  cached steps: spans of 32 queries x batch 1, 4, 16, 64 x KV length 512-4096
+             (memory-bound: reported as GB/s of K/V read)
+  refresh    one request's full forward: 512-4096 queries over as many keys (TFLOP/s)
+  unmask     fused confidence unmasking over 32-2048 rows of 126464 logits, temperature 0
+             and 1 (GB/s of logits read)
+  gather     KV-transfer page gather of 1-16 requests of 1024 tokens, all layers (GB/s read +
+             written)
+
+Each row: kernel time (median, triton.testing.do_bench), achieved GB/s or TFLOP/s and the
+fraction of the H200's peak (4.8 TB/s HBM, 989 TFLOP/s dense bf16), the PyTorch reference's
+time (attention: page gather + SDPA; unmasking: score_logits; gather: advanced indexing) and
+the speedup over it, and FlashInfer's paged attention where it is importable. Results print as
+a table; --json FILE writes them with the device and versions.
+
+Without a GPU, timings are meaningless: the command says so, runs a correctness pass of every
+kernel at tiny shapes under the Triton interpreter, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import torch
+
+PEAK_BYTES_PER_S = 4.8e12
+PEAK_FLOPS = 989e12
+MODELS = {  # name: (query heads, KV heads, head_dim, layers)
+    "llada": (32, 32, 128, 32),
+    "dream": (28, 4, 128, 28),
+}
+VOCAB = 126464
+PAGE = 16
+SUITES = ("attention", "refresh", "unmask", "gather")
+DEVICE = "cuda"
+
+
+# ----------------------------------------------------------------------------- GPU timings
+
+def _bench(fn: Callable[[], object], warmup: int, rep: int) -> float:
+    """Median milliseconds of ``fn``."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def _paged_batch(r: int, q_per_req: int, kv: int, hq: int, hkv: int, d: int, dev, dtype,
+                 seed: int = 0):
+    """Equal-length requests over shuffled pages; also the contiguous view for baselines."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    pages_per = -(-kv // PAGE)
+    num_pages = r * pages_per
+    table = torch.randperm(num_pages, device=dev, generator=g).view(r, pages_per).to(torch.int32)
+    k_cache = torch.randn(num_pages, PAGE, hkv, d, device=dev, dtype=dtype, generator=g)
+    v_cache = torch.randn(num_pages, PAGE, hkv, d, device=dev, dtype=dtype, generator=g)
+    q = torch.randn(r * q_per_req, hq, d, device=dev, dtype=dtype, generator=g)
+    cu = torch.arange(0, r + 1, device=dev, dtype=torch.int32) * q_per_req
+    kv_lens = torch.full((r,), kv, device=dev, dtype=torch.int32)
+    return q, k_cache, v_cache, cu, table, kv_lens
+
+
+def _torch_attention(q, k_cache, v_cache, table, kv: int, q_per_req: int):
+    """The PyTorch baseline: gather each request's pages, then one batched SDPA (GQA)."""
+    r = table.shape[0]
+    hq, d = q.shape[1:]
+    hkv = k_cache.shape[2]
+    idx = table.long()
+    k = k_cache[idx].flatten(1, 2)[:, :kv].transpose(1, 2)  # [R, Hkv, kv, D]
+    v = v_cache[idx].flatten(1, 2)[:, :kv].transpose(1, 2)
+    qq = q.view(r, q_per_req, hq, d).transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qq, k, v, scale=d ** -0.5, enable_gqa=hq != hkv)
+    return out.transpose(1, 2).reshape(-1, hq, d)
+
+
+def _flashinfer_attention(q, k_cache, v_cache, table, kv: int, q_per_req: int):
+    """A FlashInfer paged-prefill closure (no causal mask), or None when unavailable."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    r = table.shape[0]
+    dev = q.device
+    pages_per = table.shape[1]
+    qo_indptr = torch.arange(0, r + 1, device=dev, dtype=torch.int32) * q_per_req
+    kv_indptr = torch.arange(0, r + 1, device=dev, dtype=torch.int32) * pages_per
+    last = torch.full((r,), kv - (pages_per - 1) * PAGE, device=dev, dtype=torch.int32)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
+    wrapper.plan(qo_indptr, kv_indptr, table.flatten(), last, q.shape[1], k_cache.shape[2],
+                 q.shape[2], PAGE, causal=False, q_data_type=q.dtype)
+    return lambda: wrapper.run(q, (k_cache, v_cache))
+
+
+def _row(suite, model, shape, ms, work, unit, ref_ms=None, fi_ms=None, err=None) -> dict:
+    rate = work / (ms * 1e-3)
+    peak = PEAK_BYTES_PER_S if unit == "GB/s" else PEAK_FLOPS
+    return {
+        "suite": suite, "model": model, "shape": shape, "ms": ms,
+        "rate": rate / (1e9 if unit == "GB/s" else 1e12), "unit": unit,
+        "frac_peak": rate / peak, "ref_ms": ref_ms,
+        "speedup_ref": None if ref_ms is None else ref_ms / ms,
+        "flashinfer_ms": fi_ms, "speedup_flashinfer": None if fi_ms is None else fi_ms / ms,
+        "max_abs_err": err,
+    }
+
+
+def _attention_rows(model, batches, kvs, q_per_req, suite, args) -> list[dict]:
+    from sangam.kernels.paged_attention import paged_attention
+
+    hq, hkv, d, _ = MODELS[model]
+    rows = []
+    for r in batches:
+        for kv in kvs:
+            q, kc, vc, cu, table, kvl = _paged_batch(r, q_per_req or kv, kv, hq, hkv, d,
+                                                     DEVICE, torch.bfloat16)
+            n_q = q_per_req or kv
+
+            def run(q=q, kc=kc, vc=vc, cu=cu, table=table, kvl=kvl, n_q=n_q):
+                return paged_attention(q, kc, vc, cu, table, kvl, d ** -0.5, max_query_len=n_q)
+
+            def ref(q=q, kc=kc, vc=vc, table=table, kv=kv, n_q=n_q):
+                return _torch_attention(q, kc, vc, table, kv, n_q)
+
+            err = (run().float() - ref().float()).abs().max().item()
+            ms = _bench(run, args.warmup, args.rep)
+            ref_ms = _bench(ref, args.warmup, args.rep)
+            fi_ms = None
+            try:
+                fi = _flashinfer_attention(q, kc, vc, table, kv, n_q)
+                if fi is not None:
+                    fi_ms = _bench(fi, args.warmup, args.rep)
+            except Exception as exc:  # an API drift must not sink the other numbers
+                print(f"  flashinfer failed: {exc!r}", file=sys.stderr)
+            if suite == "attention":
+                work = 2 * r * kv * hkv * d * 2 + 2 * q.numel() * 2  # K+V read, q in, out
+                unit = "GB/s"
+            else:
+                work = 4 * r * n_q * kv * hq * d
+                unit = "TFLOP/s"
+            shape = f"B={r} q={n_q} kv={kv}"
+            rows.append(_row(suite, model, shape, ms, work, unit, ref_ms, fi_ms, err))
+            _print_row(rows[-1])
+            del q, kc, vc
+    return rows
+
+
+def _unmask_rows(row_counts, args) -> list[dict]:
+    from sangam.decoding import score_logits
+    from sangam.kernels.unmask import fused_unmask
+
+    rows = []
+    dev = DEVICE
+    for m in row_counts:
+        for temp in (0.0, 1.0):
+            logits = 3 * torch.randn(m, VOCAB, device=dev, dtype=torch.bfloat16)
+            r = max(1, m // 32)  # requests of 32 rows
+            cu = torch.linspace(0, m, r + 1, device=dev).round().to(torch.int32)
+            ints = torch.zeros(r, device=dev, dtype=torch.int32)  # no forced rows; threshold
+            rule_args = (cu, ints, ints, torch.full((r,), 0.9, device=dev, dtype=torch.float64),
+                         torch.ones(r, device=dev, dtype=torch.float64), ints + 1,
+                         torch.full((r,), temp, device=dev, dtype=torch.float64))
+            keys = torch.randint(0, 2**32, (m,), device=dev)
+            rows_temp = torch.full((m,), temp, device=dev, dtype=torch.float64)
+
+            def run(logits=logits, rule_args=rule_args, keys=keys):
+                return fused_unmask(logits, VOCAB - 128, *rule_args, keys)
+
+            def ref(logits=logits, keys=keys, rows_temp=rows_temp):
+                return score_logits(logits, VOCAB - 128, rows_temp, keys)
+
+            tok, _, _ = run()
+            rtok, _ = ref()
+            err = float((tok != rtok).float().mean().item())  # fraction of differing tokens
+            ms = _bench(run, args.warmup, args.rep)
+            ref_ms = _bench(ref, args.warmup, args.rep)
+            row = _row("unmask", "-", f"rows={m} V={VOCAB} t={temp:g}", ms, m * VOCAB * 2,
+                       "GB/s", ref_ms, err=err)
+            rows.append(row)
+            _print_row(row)
+    return rows
+
+
+def _gather_rows(model, request_counts, tokens_per_req, args) -> list[dict]:
+    from sangam.kernels.page_copy import gather_pages
+
+    _, hkv, d, layers = MODELS[model]
+    pages_per = tokens_per_req // PAGE
+    rows = []
+    for n_req in request_counts:
+        n = n_req * pages_per
+        pool = torch.randn(layers, 2, n + 64, PAGE, hkv, d, device=DEVICE, dtype=torch.bfloat16)
+        ids = torch.randperm(n + 64, device=DEVICE)[:n].to(torch.int32)
+        run = lambda pool=pool, ids=ids: gather_pages(pool, ids)  # noqa: E731
+        ref = lambda pool=pool, ids=ids: pool[:, :, ids.long()]  # noqa: E731
+        err = float((run() != ref()).sum().item())  # count of differing elements
+        ms = _bench(run, args.warmup, args.rep)
+        ref_ms = _bench(ref, args.warmup, args.rep)
+        moved = 2 * layers * 2 * n * PAGE * hkv * d * 2  # read + write
+        row = _row("gather", model, f"requests={n_req} x {tokens_per_req} tok", ms, moved,
+                   "GB/s", ref_ms, err=err)
+        rows.append(row)
+        _print_row(row)
+        del pool
+    return rows
+
+
+_HEADER = (f"{'suite':<9} {'model':<6} {'shape':<26} {'ms':>8} {'rate':>16} {'%peak':>6} "
+           f"{'ref ms':>8} {'x ref':>6} {'fi ms':>8} {'x fi':>6} {'err':>8}")
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def _print_row(row: dict) -> None:
+    print(f"{row['suite']:<9} {row['model']:<6} {row['shape']:<26} {row['ms']:>8.4f} "
+          f"{row['rate']:>8.1f} {row['unit']:<7} {100 * row['frac_peak']:>6.1f} "
+          f"{_fmt(row['ref_ms'], '8.4f'):>8} {_fmt(row['speedup_ref'], '6.2f'):>6} "
+          f"{_fmt(row['flashinfer_ms'], '8.4f'):>8} {_fmt(row['speedup_flashinfer'], '6.2f'):>6}"
+          f" {_fmt(row['max_abs_err'], '8.2g'):>8}", flush=True)
+
+
+def run_gpu(args: argparse.Namespace, save: Callable[[list[dict]], None]) -> list[dict]:
+    """Every selected suite; ``save(rows)`` after each, so a run cut short keeps its numbers."""
+    suites = args.suites.split(",")
+    models = args.models.split(",")
+    quick = args.quick
+    batches = [1, 16, 64] if quick else [1, 4, 16, 64]
+    kvs = [512, 4096] if quick else [512, 1024, 2048, 4096]
+    refresh = [512, 4096] if quick else [512, 1024, 2048, 4096]
+    print(_HEADER)
+    rows: list[dict] = []
+    for model in models:
+        if "attention" in suites:
+            rows += _attention_rows(model, batches, kvs, 32, "attention", args)
+            save(rows)
+        if "refresh" in suites:
+            rows += _attention_rows(model, [1], refresh, None, "refresh", args)
+            save(rows)
+        if "gather" in suites:
+            rows += _gather_rows(model, [1, 4, 16] if quick else [1, 2, 4, 8, 16], 1024, args)
+            save(rows)
+    if "unmask" in suites:
+        rows += _unmask_rows([32, 2048] if quick else [32, 256, 2048], args)
+        save(rows)
+    return rows
+
+
+# ----------------------------------------------------------------------------- CPU check
+
+def cpu_selfcheck() -> list[dict]:
+    """Every kernel against its reference at tiny shapes (interpreter). Returns result rows."""
+    from sangam.kernels import (
+        fused_unmask,
+        gather_pages,
+        gather_pages_ref,
+        paged_attention,
+        paged_attention_ref,
+        scatter_pages,
+        scatter_pages_ref,
+        store_kv,
+        store_kv_ref,
+        unmask_ref,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    results = []
+
+    def record(name, ok, detail=""):
+        results.append({"check": name, "ok": bool(ok), "detail": detail})
+        print(f"  {name:<34} {'ok' if ok else 'FAILED'} {detail}", flush=True)
+
+    # Attention: GQA group 7, spans crossing pages, plain and split-KV.
+    q = torch.randn(40, 7, 16, generator=g)
+    kc = torch.randn(12, 16, 1, 16, generator=g)
+    vc = torch.randn(12, 16, 1, 16, generator=g)
+    cu = torch.tensor([0, 32, 40], dtype=torch.int32)
+    table = torch.tensor([[3, 7, 1, 0, 9], [11, 2, 5, -1, -1]], dtype=torch.int32)
+    kv_lens = torch.tensor([70, 40], dtype=torch.int32)
+    ref = paged_attention_ref(q, kc, vc, cu, table, kv_lens, 0.25)
+    for splits in (1, 3):
+        out = paged_attention(q, kc, vc, cu, table, kv_lens, 0.25, num_splits=splits)
+        err = (out - ref).abs().max().item()
+        record(f"paged_attention splits={splits}", err < 1e-4, f"max err {err:.1e}")
+
+    k = torch.randn(9, 2, 16, generator=g)
+    slots = torch.tensor([0, 5, -1, 17, 18, 33, 2, -1, 40])
+    pages = [torch.zeros(3, 16, 2, 16) for _ in range(4)]
+    store_kv(k, k, pages[0], pages[1], slots)
+    store_kv_ref(k, k, pages[2], pages[3], slots)
+    record("store_kv", torch.equal(pages[0], pages[2]) and torch.equal(pages[1], pages[3]))
+
+    logits = 3 * torch.randn(11, 300, generator=g)
+    cu_rows = torch.tensor([0, 4, 11], dtype=torch.int32)
+    args = (cu_rows, torch.tensor([1, 0], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0.3, 0.9], dtype=torch.float64),
+            torch.tensor([1.0, 1.0], dtype=torch.float64), torch.tensor([1, 1], dtype=torch.int32),
+            torch.tensor([0.0, 0.7], dtype=torch.float64),
+            torch.randint(0, 2**32, (11,), generator=g))
+    got = fused_unmask(logits, 299, *args, block_v=64)
+    want = unmask_ref(logits, 299, *args)
+    same = torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    record("fused_unmask", same and torch.allclose(got[1], want[1], atol=1e-6))
+
+    pool = torch.randn(3, 2, 6, 4, 2, 8, generator=g)
+    ids = torch.tensor([4, 0, 5])
+    buf = gather_pages(pool, ids, slice(1, 3))
+    record("gather_pages", torch.equal(buf, gather_pages_ref(pool, ids, slice(1, 3))))
+    a, b = pool.clone(), pool.clone()
+    scatter_pages(buf, a, torch.tensor([1, 2, 3]), slice(1, 3))
+    scatter_pages_ref(buf, b, torch.tensor([1, 2, 3]), slice(1, 3))
+    record("scatter_pages", torch.equal(a, b))
+    return results
+
+
+def _run_cpu(args: argparse.Namespace) -> int:
+    print("No CUDA GPU: kernel timings need one. Running a correctness pass of every kernel at "
+          "tiny shapes under the Triton interpreter instead.")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        results = cpu_selfcheck()
+    else:
+        # Triton picks interpreted or compiled kernels when they are defined, at import time,
+        # so the interpreter needs a fresh process.
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        code = ("import json, sys; from sangam.bench.kernels import cpu_selfcheck; "
+                "json.dump(cpu_selfcheck(), sys.stderr)")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True)
+        print(proc.stdout, end="")
+        try:
+            results = json.loads(proc.stderr.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            print(proc.stderr, file=sys.stderr)
+            results = [{"check": "interpreter run", "ok": False, "detail": "crashed"}]
+    ok = all(r["ok"] for r in results)
+    print("all kernels match their references" if ok else "SOME KERNELS DISAGREE")
+    if args.json:
+        _write_json(args.json, {"gpu": None, "cpu_selfcheck": results})
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _write_json(path: str, payload: dict) -> None:
+    import triton
+
+    payload = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "peak": {"bytes_per_s": PEAK_BYTES_PER_S, "flops": PEAK_FLOPS}, **payload,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return _run_cpu(args)
+    torch.manual_seed(0)
+
+    def save(rows: list[dict]) -> None:
+        if args.json:
+            _write_json(args.json, {"gpu": torch.cuda.get_device_name(), "results": rows})
+
+    run_gpu(args, save)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("kernels", help="Triton kernel timings at LLaDA-8B / Dream-7B shapes",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suites", default=",".join(SUITES),
+                   help=f"comma-separated subset of {','.join(SUITES)}")
+    p.add_argument("--models", default="llada,dream", help="comma-separated subset of "
+                   "llada,dream")
+    p.add_argument("--quick", action="store_true", help="fewer shapes (about a minute)")
+    p.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms")
+    p.add_argument("--rep", type=int, default=50, help="do_bench measuring time, ms")
+    p.add_argument("--json", default=None, help="write results to this JSON file")
+    p.set_defaults(func=run)

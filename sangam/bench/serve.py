@@ -1,0 +1,455 @@
+"""``sangam-bench serve``: replay a trace against the engine in-process, or against a server.
+
+Open-loop load: each request is submitted at its trace arrival time (Poisson or gamma at the
+given QPS) whatever the state of earlier ones, and timed from that arrival; several QPS values
+(``--qps 0.5,1,2``) make a latency-vs-load curve. Several engine configurations run side by
+side in one invocation (``--policies deficit,fastdllm``, ``--token-budgets 512,1024`` or
+``--compare SPEC ...``) on the same trace: the same lengths and arrival times for each.
+
+In-process (the default) the engine is built from the usual engine flags (``--model``,
+``--device``, ``--policy``, ``--token-budget``, ...) and driven through ``Engine.add_request`` /
+``Engine.step`` on the wall clock. Prompts are random token ids of the trace's lengths (or the
+trace's text when it has text, a tokenizer and ``--length-scale 1``); ``--length-scale`` shrinks
+every length so that a tiny model runs on a CPU. Outputs are decoded to their full length
+(``--ignore-eos``, the default, as in vLLM's benchmark), so the work is the trace's.
+
+With ``--url`` the requests go to a running OpenAI-compatible server (``/v1/completions``,
+streaming, token-id prompts); the client then sees latency and time to first block only.
+
+Reported per configuration and QPS: end-to-end latency mean/p50/p90/p99, time to first block,
+queueing before prefills and decode time (from the engine's per-request metrics), throughput
+(requests/s, output tokens/s), tokens per forward and mean batch size. ``--out DIR`` writes
+``results.json``, ``summary.csv``, ``requests.csv``, ``latency_vs_qps.png`` and ``profile.json``
+(forwards per block, the input of ``sangam-bench sim --step-profile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from sangam.bench.report import (
+    SUMMARY_COLUMNS,
+    format_table,
+    parse_float_list,
+    parse_overrides,
+    plot_latency,
+    summarize,
+    write_outputs,
+)
+from sangam.bench.traces import (
+    LengthSample,
+    TraceRequest,
+    arrivals,
+    build_trace,
+    load_lengths,
+    scale_lengths,
+)
+from sangam.config import EngineConfig
+from sangam.sampling_params import SamplingParams
+
+DEFAULT_NUM_REQUESTS = 50
+HTTP_PROMPT_VOCAB = 100  # random prompt ids for a server stay below this: valid in any vocab
+
+
+@dataclasses.dataclass
+class Prepared:
+    """One trace request made concrete for a model: prompt and sampling parameters."""
+
+    index: int
+    arrival_time: float
+    prompt: list[int] | str
+    prompt_len: int
+    params: SamplingParams
+
+
+@dataclasses.dataclass
+class RunResult:
+    records: list[dict]
+    steps_per_block: Counter
+    extra: dict  # mean batch size, iterations, failures
+
+
+# Preparing requests.
+def sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, block_length=args.block_length,
+                          unmasking=args.unmasking, threshold=args.threshold, cache=args.cache,
+                          temperature=args.temperature, stop_at_eos=not args.ignore_eos)
+
+
+def prepare(trace: Sequence[TraceRequest], args: argparse.Namespace, vocab: int,
+            mask_id: int | None, context: int | None, encode=None) -> list[Prepared]:
+    """Prompts and parameters for ``trace``: lengths clipped to the context (canvas first)."""
+    rng = np.random.default_rng(args.trace_seed + 2)
+    b = args.block_length
+    out = []
+    for i, t in enumerate(trace):
+        gen = t.gen_len
+        plen = t.prompt_len
+        if context is not None:
+            gen = min(gen, (context - 1) // b * b)
+            plen = min(plen, context - (-(-gen // b) * b))
+        if isinstance(t.prompt, str) and encode is not None and args.length_scale == 1:
+            prompt: list[int] | str = encode(t.prompt)[:plen]
+        elif isinstance(t.prompt, list):
+            prompt = list(t.prompt[:plen])
+        else:
+            ids = rng.integers(0, vocab, plen)
+            if mask_id is not None:
+                ids[ids == mask_id] = (mask_id + 1) % vocab
+            prompt = ids.tolist()
+        out.append(Prepared(i, t.arrival_time, prompt, len(prompt), sampling_params(args, gen)))
+    return out
+
+
+def _record(p: Prepared, arrival: float, finish: float, ttfb: float | None,
+            queueing: float | None, decode: float | None, forwards: int | None,
+            blocks: int | None) -> dict:
+    return {"id": p.index, "arrival": arrival, "finish": finish, "latency": finish - arrival,
+            "ttfb": ttfb, "queueing": queueing, "decode": decode, "transfer": None,
+            "forwards": forwards, "prompt_len": p.prompt_len, "gen_len": p.params.max_tokens,
+            "canvas_tokens": None if blocks is None else blocks * p.params.block_length}
+
+
+class _Progress:
+    """A self-overwriting stderr line per run on a terminal; elsewhere (logs) one line when the
+    run ends."""
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total, self.done, self._last = label, total, 0, 0.0
+        self._tty = sys.stderr.isatty()
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        last = self.done == self.total
+        if last or (self._tty and now - self._last > 0.2):
+            self._last = now
+            lead = "\r" if self._tty else ""
+            print(f"{lead}  {self.label}: {self.done}/{self.total} done",
+                  end="\n" if last else "", file=sys.stderr, flush=True)
+
+
+# In-process engine.
+def run_engine(engine, requests: Sequence[Prepared], label: str) -> RunResult:
+    """Submit each request at its arrival time (wall clock) and step until all finish."""
+    pending = deque(sorted(requests, key=lambda p: p.arrival_time))
+    by_id = {f"bench-{p.index}": p for p in requests}
+    held = {}  # request id -> the engine's Request, whose metrics outlive the engine's tracking
+    last_forwards: dict[str, int] = {}
+    steps: Counter = Counter()
+    records = []
+    progress = _Progress(label, len(requests))
+    engine.stats.iterations.clear()
+    t0 = time.monotonic()
+    while pending or engine.has_unfinished_requests():
+        now = time.monotonic()
+        while pending and t0 + pending[0].arrival_time <= now:
+            p = pending.popleft()
+            rid = f"bench-{p.index}"
+            engine.add_request(rid, p.prompt, p.params, arrival_time=t0 + p.arrival_time)
+            held[rid] = engine.requests[rid].request
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, t0 + pending[0].arrival_time - time.monotonic()))
+            continue
+        for out in engine.step():
+            rid = out.request_id
+            steps[out.num_forwards - last_forwards.get(rid, 0)] += 1
+            last_forwards[rid] = out.num_forwards
+            if out.finished:
+                m = held.pop(rid).metrics
+                p = by_id[rid]
+                records.append(_record(p, m.arrival_time - t0, m.finish_time - t0,
+                                       m.time_to_first_block, m.queueing_time, m.decode_time,
+                                       m.num_steps, len(m.block_finished)))
+                progress.update()
+    its = list(engine.stats.iterations)
+    extra = {"iterations": len(its),
+             "mean_batch": sum(i.batch_size for i in its) / len(its) if its else None}
+    return RunResult(records, steps, extra)
+
+
+class EngineFactory:
+    """Engines for each configuration, loading each distinct model once."""
+
+    _MODEL_KEYS = ("model", "device", "dtype", "attention_backend")
+
+    def __init__(self):
+        self._loaded: dict[tuple, object] = {}
+
+    def loaded(self, cfg: EngineConfig):
+        from sangam.engine.loaded_model import LoadedModel
+
+        key = tuple(getattr(cfg, k) for k in self._MODEL_KEYS)
+        if key not in self._loaded:
+            self._loaded[key] = LoadedModel.load(cfg)
+        return self._loaded[key]
+
+    def engine(self, cfg: EngineConfig):
+        from sangam.engine.engine import Engine
+
+        return Engine(cfg, self.loaded(cfg))
+
+
+def _warm_up(engine, args: argparse.Namespace, vocab: int) -> None:
+    """One short request first, so one-time costs (allocations, kernel compilation) are not
+    charged to the first measured request."""
+    engine.add_request("warmup", [min(2, vocab - 1)] * 4, sampling_params(args, args.block_length))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+# HTTP server.
+async def _http_one(client, url: str, p: Prepared, t0: float, args: argparse.Namespace
+                    ) -> dict | None:
+    await asyncio.sleep(max(0.0, t0 + p.arrival_time - time.monotonic()))
+    sp = p.params
+    body = {"prompt": p.prompt, "max_tokens": sp.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "block_length": sp.block_length,
+            "unmasking": sp.unmasking, "threshold": sp.threshold, "cache": sp.cache,
+            "temperature": sp.temperature, "stop_at_eos": sp.stop_at_eos}
+    if args.served_model_name:
+        body["model"] = args.served_model_name
+    ttfb = forwards = None
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return None
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("choices") and ttfb is None:
+                    ttfb = time.monotonic() - (t0 + p.arrival_time)
+                if chunk.get("usage"):
+                    forwards = chunk["usage"].get("num_forwards")
+    except Exception as e:  # a failed request is counted, not fatal: the load goes on
+        print(f"\n  request {p.index} failed: {e}", file=sys.stderr)
+        return None
+    finish = time.monotonic() - t0
+    blocks = -(-sp.max_tokens // sp.block_length) if not sp.stop_at_eos else None
+    return _record(p, p.arrival_time, finish, ttfb, None, None, forwards, blocks)
+
+
+async def _http_run(url: str, requests: Sequence[Prepared], args: argparse.Namespace,
+                    label: str) -> RunResult:
+    import httpx
+
+    progress = _Progress(label, len(requests))
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout,
+                                 limits=limits) as client:
+        t0 = time.monotonic()
+
+        async def one(p: Prepared):
+            rec = await _http_one(client, "/v1/completions", p, t0, args)
+            progress.update()
+            return rec
+
+        results = await asyncio.gather(*(one(p) for p in requests))
+    records = [r for r in results if r is not None]
+    return RunResult(records, Counter(), {"failed": len(results) - len(records)})
+
+
+# Driving runs.
+def base_engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_cli_args(args)
+
+
+def configs_from_args(args: argparse.Namespace) -> dict[str, EngineConfig]:
+    """Label -> engine configuration: the flags, with each --compare spec applied on top."""
+    base = base_engine_config(args)
+    specs = list(args.compare or [])
+    policies = args.policies.split(",") if args.policies else [None]
+    budgets = args.token_budgets.split(",") if args.token_budgets else [None]
+    for pol, tau in itertools.product(policies, budgets):
+        parts = ([f"policy={pol}"] if pol else []) + ([f"token_budget={tau}"] if tau else [])
+        if parts:
+            specs.append(",".join(parts))
+    configs = [(s, dataclasses.replace(base, **parse_overrides(s, EngineConfig)))
+               for s in specs or [""]]
+    labels = [_label(c) for _, c in configs]
+    return {(lab if labels.count(lab) == 1 else f"{lab} [{s}]"): c
+            for lab, (s, c) in zip(labels, configs)}
+
+
+def _label(cfg: EngineConfig) -> str:
+    if cfg.policy == "fastdllm":
+        return "fastdllm"
+    if cfg.policy == "prefill_first" or math.isinf(cfg.token_budget):
+        return "prefill-first"
+    return f"deficit tau={cfg.token_budget:g}"
+
+
+def config_labels(args: argparse.Namespace) -> list[str]:
+    return ["server"] if args.url else list(configs_from_args(args))
+
+
+def _lengths(args: argparse.Namespace, count_tokens=None) -> list[LengthSample]:
+    n = args.num_requests or DEFAULT_NUM_REQUESTS
+    return scale_lengths(load_lengths(args.trace, n, args.trace_seed, count_tokens),
+                         args.length_scale)
+
+
+class Bench:
+    """Everything needed to run one (configuration, QPS) point."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.factory = None if args.url else EngineFactory()
+        self.configs = {} if args.url else configs_from_args(args)
+        self.steps: Counter = Counter()
+        self._lengths: list[LengthSample] | None = None
+
+    def lengths(self, cfg: EngineConfig | None) -> list[LengthSample]:
+        if self._lengths is None:
+            count = None
+            if cfg is not None and self.args.length_scale == 1:
+                loaded = self.factory.loaded(cfg)
+                if loaded.tokenizer is not None:
+                    def count(text: str) -> int:
+                        return len(loaded.encode(text))
+            self._lengths = _lengths(self.args, count)
+        return self._lengths
+
+    def run(self, label: str, qps: float) -> tuple[dict, RunResult]:
+        args = self.args
+        cfg = self.configs.get(label)
+        lengths = self.lengths(cfg)
+        trace = build_trace(lengths, arrivals(len(lengths), qps, args.trace_seed + 1,
+                                              args.arrival, args.cv))
+        name = f"{label} @ {qps:g} QPS"
+        if args.url:
+            reqs = prepare(trace, args, HTTP_PROMPT_VOCAB, None, None)
+            res = asyncio.run(_http_run(args.url.rstrip("/"), reqs, args, name))
+        else:
+            loaded = self.factory.loaded(cfg)
+            mc = loaded.config
+            reqs = prepare(trace, args, mc.vocab_size, mc.mask_token_id, loaded.context_length,
+                           loaded.encode if loaded.tokenizer is not None else None)
+            engine = self.factory.engine(cfg)
+            _warm_up(engine, args, mc.vocab_size)
+            res = run_engine(engine, reqs, name)
+        self.steps.update(res.steps_per_block)
+        summary = {"config": label, **summarize(res.records, qps), **res.extra}
+        return summary, res
+
+
+def capacity_probe(args: argparse.Namespace):
+    """For ``sangam-bench capacity``: (qps, label) -> summary of one real run."""
+    _set_threads(args)
+    bench = Bench(args)
+    return lambda qps, label: bench.run(label, qps)[0]
+
+
+def _set_threads(args: argparse.Namespace) -> None:
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+
+
+def run(args: argparse.Namespace) -> int:
+    _set_threads(args)
+    bench = Bench(args)
+    qps_list = parse_float_list(args.qps)
+    summaries, records = [], []
+    for label in config_labels(args):
+        for qps in qps_list:
+            summary, res = bench.run(label, qps)
+            summaries.append(summary)
+            records += [{"config": label, "qps": qps, **r} for r in res.records]
+    columns = SUMMARY_COLUMNS + (("mean_batch", "batch", "{:.2f}"),)
+    print(format_table(summaries, columns))
+    if args.out:
+        report = {"kind": "serve", "url": args.url, "trace": args.trace,
+                  "length_scale": args.length_scale, "configs": bench.configs,
+                  "sampling": dataclasses.asdict(sampling_params(args, args.block_length)),
+                  "summaries": summaries}
+        paths = write_outputs(args.out, report, summaries, records)
+        by_config: dict[str, list[dict]] = {}
+        for s in summaries:
+            by_config.setdefault(s["config"], []).append(s)
+        model = args.url or args.model or "demo model"
+        paths.append(plot_latency(os.path.join(args.out, "latency_vs_qps.png"),
+                                  {f"{model}, {args.trace} x{args.length_scale:g}": by_config}))
+        if bench.steps:
+            path = os.path.join(args.out, "profile.json")
+            total = sum(bench.steps.values())
+            with open(path, "w") as f:
+                json.dump({"block_length": args.block_length,
+                           "mean_forwards_per_block": sum(k * c for k, c in bench.steps.items())
+                           / total,
+                           "steps_per_block": {str(k): c for k, c in sorted(bench.steps.items())}},
+                          f, indent=2)
+            paths.append(path)
+        print("wrote " + ", ".join(paths))
+    return 0
+
+
+def add_serve_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None:
+    e = p.add_argument_group("engine (in-process; every EngineConfig field)")
+    EngineConfig.add_cli_args(e)
+    e.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's); 1 keeps a tiny model's "
+                        "steps fast on a shared CPU, where spinning threads oversubscribe it")
+    e.add_argument("--compare", nargs="+", default=None, metavar="SPEC",
+                   help="configurations to compare in one run, each a comma-separated list of "
+                        "engine-flag overrides, e.g. 'policy=fastdllm' 'token_budget=512'")
+    e.add_argument("--policies", default=None,
+                   help="shorthand for --compare policy=A policy=B ...: comma-separated")
+    e.add_argument("--token-budgets", default=None,
+                   help="shorthand for --compare token_budget=A ...: comma-separated")
+    h = p.add_argument_group("server (instead of the in-process engine)")
+    h.add_argument("--url", default=None, help="base URL of a running server, e.g. "
+                                               "http://127.0.0.1:8000")
+    h.add_argument("--served-model-name", default=None, help="the request's 'model' field")
+    h.add_argument("--api-key", default=None)
+    h.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
+    t = p.add_argument_group("workload")
+    t.add_argument("--trace", default="sharegpt",
+                   help="sharegpt or arxiv (seeded synthetic), or a ShareGPT .json / .csv file")
+    t.add_argument("--num-requests", type=int, default=None,
+                   help=f"requests per run (default {DEFAULT_NUM_REQUESTS})")
+    t.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    t.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
+    t.add_argument("--trace-seed", type=int, default=0, help="seed of lengths, arrivals, prompts")
+    t.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply every prompt and output length (e.g. 0.05 for a tiny CPU model)")
+    s = p.add_argument_group("decoding (every request)")
+    s.add_argument("--block-length", type=int, default=32)
+    s.add_argument("--unmasking", default="threshold", choices=("threshold", "factor", "topk"))
+    s.add_argument("--threshold", type=float, default=0.9)
+    s.add_argument("--cache", default="dual", choices=("dual", "prefix", "none"))
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode every block of the canvas (stop_at_eos=False)")
+    if not for_capacity:
+        t.add_argument("--qps", default="1", help="offered load(s), comma-separated")
+        p.add_argument("--out", default=None,
+                       help="directory for results.json, summary.csv, requests.csv, the plot "
+                            "and profile.json")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="replay a trace against the engine (or a server) at one or more QPS",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_args(p)
+    p.set_defaults(func=run)

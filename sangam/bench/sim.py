@@ -1,0 +1,704 @@
+"""Discrete-event simulation of a Sangam deployment: N workers, one central Router.
+
+The policy objects are the engine's own (DESIGN.md §1): every worker has a ``BatchBuilder``
+over a ``PageAllocator``, requests are ``Request`` objects, and the ``Router`` places every
+prefill. Only the forward pass is replaced: an iteration lasts what the cost model
+(:mod:`sangam.bench.cost_model`) says for its batch composition, and the tokens each forward
+commits are drawn from a distribution (:class:`StepModel`) instead of computed.
+
+Per iteration of a worker, exactly as the engine: ``schedule(now)``; the forward takes
+``cost(batch)`` seconds; ``step_done`` for every request of the batch; prefills report
+``Router.done``. A block ends when its commits cover all its positions; the request then waits
+for its next block's re-prefill, which the Router places.
+
+Modes (DESIGN.md §4):
+- colocated: each worker prefills and decodes under its own deficit budget.
+- disaggregated (xPyD): a new request gets its canvas pages on a decode worker when it is
+  routed to a prefill worker (the decode worker with the most free pages, ``route_decode``);
+  requests with nowhere to go wait in FIFO order for pages. Each refresh runs on a prefill
+  worker, which holds the sequence's K/V in transient pages for the forward (a stand-in
+  ``Request`` in its BatchBuilder), then the K/V goes to the decode worker over a link: it takes
+  ``bytes / bandwidth``, one transfer at a time per sender and per receiver. With layer-wise
+  streaming, layer l is sent while layer l+1 computes: a transfer starts when the forward's
+  first layer is done and ends at the latest of (link free + transfer) and (forward end + one
+  layer's transfer), so only ``max(0, transfer - compute) + transfer / layers`` is exposed.
+  The decode worker seats the request when its K/V lands; cached steps run there.
+- hybrid: as disaggregated, but the Router overflows prefills onto decode workers when every
+  prefill worker has ``theta`` outstanding tokens; those refresh in place, under the decode
+  worker's deficit budget.
+
+The one thing the BatchBuilder's public API lacks for disaggregation is moving a request in or
+out without a refresh on that worker: :class:`_Builder` adds ``seat`` (K/V arrived: join the
+decodes) and ``hand_off`` (next refresh runs elsewhere: leave, keeping the pages). Both only
+move a request between the builder's books; every scheduling decision is the engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import itertools
+import json
+import math
+import os
+import random
+import sys
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from sangam.bench.cost_model import (
+    GPUS,
+    LINKS,
+    MODELS,
+    Coefficients,
+    CostModel,
+    Span,
+    kv_pool_pages,
+)
+from sangam.bench.report import (
+    SUMMARY_COLUMNS,
+    format_table,
+    parse_float_list,
+    parse_overrides,
+    plot_latency,
+    summarize,
+    write_outputs,
+)
+from sangam.bench.traces import LengthSample, TraceRequest, arrivals, build_trace, load_lengths
+from sangam.engine.page_allocator import PageAllocator
+from sangam.engine.request import Request, RequestStatus
+from sangam.engine.router import Router
+from sangam.engine.scheduler import BatchBuilder, ScheduledBatch
+
+MODES = ("colocated", "disaggregated", "hybrid")
+
+
+# Tokens committed per forward.
+class StepModel:
+    """How many positions each forward of a block commits (a refresh is the first step)."""
+
+    def block_commits(self, rng: random.Random, block_length: int) -> list[int]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class GeometricSteps(StepModel):
+    """Each step commits k >= 1 tokens, k geometric with mean ``mean`` (the default 3.25 is
+    Fast-dLLM's threshold 0.9 on LLaDA), the last step of a block what is left."""
+
+    mean: float = 3.25
+
+    def __post_init__(self) -> None:
+        if self.mean < 1:
+            raise ValueError(f"mean tokens per step must be >= 1, got {self.mean}")
+
+    def block_commits(self, rng: random.Random, block_length: int) -> list[int]:
+        out = []
+        left = block_length
+        p = 1.0 / self.mean
+        log_q = math.log1p(-p) if p < 1 else -math.inf
+        while left > 0:
+            # Inverse CDF of the geometric distribution on {1, 2, ...}.
+            k = 1 if p >= 1 else 1 + int(math.log(1.0 - rng.random()) / log_q)
+            out.append(min(k, left))
+            left -= out[-1]
+        return out
+
+    def describe(self) -> str:
+        return f"geometric, mean {self.mean} tokens/step"
+
+
+@dataclass(frozen=True)
+class FixedSteps(StepModel):
+    """Exactly ``tokens`` per step (the last step of a block: the rest)."""
+
+    tokens: int
+
+    def block_commits(self, rng: random.Random, block_length: int) -> list[int]:
+        full, rest = divmod(block_length, self.tokens)
+        return [self.tokens] * full + ([rest] if rest else [])
+
+    def describe(self) -> str:
+        return f"fixed {self.tokens} tokens/step"
+
+
+@dataclass(frozen=True)
+class ProfileSteps(StepModel):
+    """Forwards per block drawn from a measured histogram (``sangam-bench serve`` writes one),
+    the block's positions split evenly over them."""
+
+    steps_per_block: dict[int, int]  # forwards per block -> how many blocks took that many
+
+    def __post_init__(self) -> None:
+        if not self.steps_per_block or any(k < 1 or c < 0 for k, c in
+                                           self.steps_per_block.items()):
+            raise ValueError("steps_per_block needs positive step counts")
+
+    def block_commits(self, rng: random.Random, block_length: int) -> list[int]:
+        k = rng.choices(list(self.steps_per_block), list(self.steps_per_block.values()))[0]
+        k = min(k, block_length)
+        base, extra = divmod(block_length, k)
+        return [base + (i < extra) for i in range(k)]
+
+    def describe(self) -> str:
+        n = sum(self.steps_per_block.values())
+        mean = sum(k * c for k, c in self.steps_per_block.items()) / n
+        return f"profile, mean {mean:.2f} forwards/block over {n} blocks"
+
+
+def load_step_profile(path: str) -> ProfileSteps:
+    with open(path) as f:
+        data = json.load(f)
+    hist = data.get("steps_per_block")
+    if not isinstance(hist, dict):
+        raise ValueError(f"{path}: no 'steps_per_block' histogram")
+    return ProfileSteps({int(k): int(v) for k, v in hist.items()})
+
+
+# Configuration.
+@dataclass(frozen=True)
+class SimConfig:
+    model: str = "llada"  # key of cost_model.MODELS
+    gpu: str = "h100"  # key of cost_model.GPUS
+    mode: str = "colocated"
+    num_workers: int = 1  # colocated
+    prefill_workers: int = 5  # disaggregated / hybrid
+    decode_workers: int = 3
+    policy: str = "deficit"
+    token_budget: float = 1024
+    max_batch_size: int = 256
+    overflow_threshold: int = 4096
+    block_length: int = 32
+    cache: str = "dual"
+    max_tokens: int | None = None  # fixed canvas; None: each request's output length
+    page_size: int = 16
+    num_pages: int | None = None  # per worker; None: what the GPU has left after the weights
+    memory_fraction: float = 0.9
+    link: str = "nvlink"
+    layerwise_kv_streaming: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
+        if self.gpu not in GPUS:
+            raise ValueError(f"gpu must be one of {sorted(GPUS)}, got {self.gpu!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.link not in LINKS:
+            raise ValueError(f"link must be one of {sorted(LINKS)}, got {self.link!r}")
+        if self.policy == "fastdllm" and self.mode != "colocated":
+            raise ValueError("the fastdllm policy (batch size 1) runs colocated only")
+        if min(self.num_workers, self.prefill_workers, self.decode_workers) < 1:
+            raise ValueError("worker counts must be >= 1")
+
+    @property
+    def roles(self) -> list[str]:
+        if self.mode == "colocated":
+            return ["colocated"] * self.num_workers
+        return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
+
+    @property
+    def label(self) -> str:
+        if self.policy == "fastdllm":
+            core = "fastdllm"
+        elif self.policy == "prefill_first" or math.isinf(self.token_budget):
+            core = "prefill-first"
+        else:
+            core = f"tau={int(self.token_budget)}"
+        if self.mode == "colocated":
+            where = f"{self.num_workers}C"
+        else:
+            where = f"{self.prefill_workers}P{self.decode_workers}" + (
+                "D" if self.mode == "disaggregated" else "C")
+        return f"{where} {core}" + (" lw" if self.layerwise_kv_streaming else "")
+
+
+# The builder with disaggregation's two hand-offs.
+class _Builder(BatchBuilder):
+    """``BatchBuilder`` plus bookkeeping-only moves in and out (see the module docstring)."""
+
+    def seat(self, req: Request) -> None:
+        """``req`` (DECODE, K/V in this pool's pages) joins the seated decodes."""
+        if req.status is not RequestStatus.DECODE or req.request_id in self._requests:
+            raise ValueError(f"seat: {req!r} is not a DECODE request new to this builder")
+        self._requests[req.request_id] = req
+        self._seated[req.request_id] = req
+
+    def hand_off(self, req: Request) -> None:
+        """``req`` (WAITING here for its re-prefill) leaves; its pages stay allocated."""
+        if self._waiting.get(req.request_id) is not req:
+            raise ValueError(f"hand_off: {req!r} is not waiting here")
+        del self._requests[req.request_id]
+        del self._waiting[req.request_id]
+        self._queue.remove((req.arrival_time, req.seq, req))
+        heapq.heapify(self._queue)
+
+
+@dataclass
+class _Worker:
+    index: int
+    role: str
+    allocator: PageAllocator
+    builder: _Builder
+    batch: ScheduledBatch | None = None  # the iteration in flight
+    started: float = 0.0
+    landing: deque = field(default_factory=deque)  # K/V arrived, waiting for a seat
+    send_free: float = 0.0  # when the outbound link is next free
+    recv_free: float = 0.0  # when the inbound link is next free
+    busy_s: float = 0.0
+    iterations: int = 0
+    batch_sum: int = 0
+    prefill_tokens: int = 0
+
+
+@dataclass
+class _Live:
+    """The simulator's view of one request."""
+
+    index: int
+    request: Request
+    gen_len: int
+    blocks_to_decode: int  # the request stops after this block (its output ends there)
+    commits: deque = field(default_factory=deque)  # tokens the next steps of this block commit
+    masks_left: int = 0
+    transfer_s: float = 0.0  # exposed K/V transfer time, summed over blocks
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    qps: float
+    records: list[dict]
+    workers: list[dict]
+    makespan: float
+
+
+_ITER_DONE, _LANDED, _ARRIVAL = 0, 1, 2  # event kinds; at equal times, in this order
+
+
+class Simulator:
+    def __init__(self, config: SimConfig, coefficients: Coefficients | None = None,
+                 steps: StepModel | None = None):
+        self.config = config
+        self.geom = MODELS[config.model]
+        gpu = GPUS[config.gpu]
+        self.cost = CostModel(self.geom, coefficients or Coefficients.defaults(gpu))
+        self.steps = steps or GeometricSteps()
+        self.num_pages = config.num_pages or kv_pool_pages(
+            self.geom, gpu, config.page_size, config.memory_fraction)
+        self.link_bw = LINKS[config.link]
+
+    # One run.
+    def run(self, trace: Sequence[TraceRequest], qps: float = math.nan) -> SimResult:
+        cfg = self.config
+        self._rng = random.Random(cfg.seed)
+        self._workers = []
+        for i, role in enumerate(cfg.roles):
+            alloc = PageAllocator(self.num_pages)
+            # Decode workers in pure disaggregation never prefill: no budget to keep.
+            budget = math.inf if (role == "decode" and cfg.mode == "disaggregated") \
+                else cfg.token_budget
+            policy = "prefill_first" if math.isinf(budget) and cfg.policy == "deficit" \
+                else cfg.policy
+            self._workers.append(_Worker(i, role, alloc, _Builder(
+                alloc, cfg.page_size, policy, budget, cfg.max_batch_size)))
+        self._router = Router(cfg.mode, cfg.roles, cfg.overflow_threshold, cfg.seed,
+                              cfg.page_size)
+        self._events: list = []
+        self._seq = 0
+        self._proxies: dict[str, _Live] = {}
+        self._pending: deque[_Live] = deque()
+        self._records: list[dict] = []
+        self._now = 0.0
+        lives = [self._make_live(i, t) for i, t in enumerate(trace)]
+        self._lives = {live.request.request_id: live for live in lives}
+        for live in lives:
+            self._push(live.request.arrival_time, _ARRIVAL, live)
+        while self._events:
+            now, kind, _, payload = heapq.heappop(self._events)
+            self._now = now
+            if kind == _ARRIVAL:
+                self._arrive(payload)
+            elif kind == _LANDED:
+                self._land(payload)
+            else:
+                self._iteration_done(payload)
+            self._kick()
+        if len(self._records) != len(lives):
+            raise RuntimeError(f"simulation stalled with {len(lives) - len(self._records)} of "
+                               f"{len(lives)} requests unfinished (KV pool too small?)")
+        makespan = self._now
+        workers = [{"worker": w.index, "role": w.role, "iterations": w.iterations,
+                    "busy_s": w.busy_s, "utilization": w.busy_s / makespan if makespan else 0,
+                    "mean_batch": w.batch_sum / w.iterations if w.iterations else 0,
+                    "prefill_tokens": w.prefill_tokens} for w in self._workers]
+        return SimResult(cfg, qps, sorted(self._records, key=lambda r: r["id"]), workers,
+                         makespan)
+
+    def _make_live(self, index: int, t: TraceRequest) -> _Live:
+        cfg = self.config
+        b = cfg.block_length
+        out = t.gen_len if cfg.max_tokens is None else min(t.gen_len, cfg.max_tokens)
+        canvas = -(-(out if cfg.max_tokens is None else cfg.max_tokens) // b) * b
+        req = Request(f"r{index}", t.arrival_time, t.prompt_len, canvas, b, cfg.cache)
+        if req.pages_needed(cfg.page_size) > self.num_pages:
+            raise ValueError(f"request {index} ({req.total_len} tokens) can never fit a worker's "
+                             f"KV pool of {self.num_pages} pages")
+        return _Live(index, req, out, -(-out // b))
+
+    def _push(self, t: float, kind: int, payload) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, kind, self._seq, payload))
+
+    def _free_pages(self) -> list[int]:
+        return [w.allocator.num_free for w in self._workers]
+
+    # Placement.
+    def _arrive(self, live: _Live) -> None:
+        if self._pending or not self._place_new(live):
+            self._pending.append(live)  # FIFO behind requests already waiting for pages
+
+    def _place_new(self, live: _Live) -> bool:
+        """Route a new request's first refresh; False if no decode worker has room yet."""
+        req = live.request
+        free = self._free_pages()
+        w = self._router.route_prefill(req, free)
+        if self._workers[w].role != "prefill":  # colocated, or hybrid overflow: refresh here
+            req.worker = w
+            self._workers[w].builder.add(req)
+            return True
+        d = self._router.route_decode(req, free, req.pages_needed(self.config.page_size))
+        if d is None:
+            self._router.done(w, req.prefill_cost)  # not placed after all
+            return False
+        req.pages = self._workers[d].allocator.allocate(req.pages_needed(self.config.page_size))
+        req.worker = d
+        self._to_prefill_worker(live, w)
+        return True
+
+    def _retry_pending(self) -> None:
+        while self._pending and self._place_new(self._pending[0]):
+            self._pending.popleft()
+
+    def _to_prefill_worker(self, live: _Live, w: int) -> None:
+        """Queue a stand-in for ``live``'s refresh on prefill worker ``w``: same priority and
+        span; it gets transient pages for the sequence's K/V while it runs."""
+        r = live.request
+        proxy = Request(f"{r.request_id}/b{r.block}", r.arrival_time, r.prompt_len,
+                        r.canvas_len, r.block_length, r.cache)
+        self._proxies[proxy.request_id] = live
+        self._workers[w].builder.add(proxy)
+
+    def _route_reprefill(self, live: _Live, queued_on: int | None) -> None:
+        """``live``'s block ended; place its next refresh. ``queued_on``: the worker whose
+        builder re-queued it (``step_done`` does that), or None."""
+        req = live.request
+        w = self._router.route_prefill(req, self._free_pages())
+        if w == queued_on:  # colocated, or a hybrid overflow onto the worker holding it
+            return
+        if w == req.worker:  # hybrid overflow onto its decode worker, from a prefill worker
+            self._workers[w].builder.add(req)
+            return
+        if queued_on is not None:
+            self._workers[queued_on].builder.hand_off(req)
+        self._to_prefill_worker(live, w)
+
+    # Iterations.
+    def _kick(self) -> None:
+        """Start an iteration on every idle worker that has something to run."""
+        now = self._now
+        for w in self._workers:
+            if w.batch is not None:
+                continue
+            while w.landing and w.builder.num_seated < w.builder.max_batch_size:
+                w.builder.seat(w.landing.popleft())
+            if not w.builder.has_work:
+                continue
+            batch = w.builder.schedule(now)
+            if batch.is_empty:
+                continue  # memory-blocked; a later event frees pages
+            for p in batch.prefills:
+                live = self._proxies.get(p.request_id)
+                if live is not None:
+                    live.request.mark_admitted(now)  # the stand-in's admission is the refresh's
+            spans = [Span(r.prefill_cost, r.total_len, r.block_length) for r in batch.prefills]
+            for r in batch.decodes:
+                spans.append(Span(r.decode_span, r.total_len, self._live(r).masks_left))
+            dt = self.cost.iteration_time(spans)
+            w.batch, w.started = batch, now
+            w.iterations += 1
+            w.busy_s += dt
+            w.batch_sum += len(spans)
+            w.prefill_tokens += batch.prefill_tokens
+            self._push(now + dt, _ITER_DONE, w)
+
+    def _live(self, req: Request) -> _Live:
+        return self._lives[req.request_id]
+
+    def _iteration_done(self, w: _Worker) -> None:
+        now = self._now
+        batch, w.batch = w.batch, None
+        for req in batch.prefills:
+            self._router.done(w.index, req.prefill_cost)
+            live = self._proxies.pop(req.request_id, None)
+            if live is not None:
+                w.builder.step_done(req, now, block_done=False, finished=True)  # pages freed
+                self._refreshed_elsewhere(live, w)
+            else:
+                self._step(w, req, refresh=True)
+        for req in batch.decodes:
+            self._step(w, req, refresh=False)
+
+    def _advance(self, live: _Live, refresh: bool) -> tuple[bool, bool]:
+        """Commit one step's tokens; returns (block done, request finished)."""
+        if refresh:
+            live.commits = deque(self.steps.block_commits(self._rng, live.request.block_length))
+            live.masks_left = live.request.block_length
+        live.masks_left -= live.commits.popleft()
+        block_done = not live.commits
+        return block_done, block_done and live.request.block + 1 == live.blocks_to_decode
+
+    def _step(self, w: _Worker, req: Request, refresh: bool) -> None:
+        live = self._live(req)
+        block_done, finished = self._advance(live, refresh)
+        w.builder.step_done(req, self._now, block_done, finished)
+        if finished:
+            self._finish(live)
+        elif block_done:
+            self._route_reprefill(live, queued_on=w.index)
+
+    def _refreshed_elsewhere(self, live: _Live, p: _Worker) -> None:
+        """A prefill worker refreshed ``live``: send its K/V to the decode worker."""
+        req, now = live.request, self._now
+        block_done, finished = self._advance(live, refresh=True)
+        req.mark_step_done(now, block_done, finished)
+        if finished:  # the refresh alone finished it: nothing to send, free its canvas
+            self._workers[req.worker].allocator.free(req.pages)
+            req.pages = []
+            self._finish(live)
+            return
+        if block_done:  # the next block needs a fresh refresh anyway: nothing to send
+            self._route_reprefill(live, queued_on=None)
+            return
+        d = self._workers[req.worker]
+        xfer = self.cost.kv_bytes(req.total_len) / self.link_bw
+        if self.config.layerwise_kv_streaming:
+            layer_compute = (now - p.started) / self.geom.layers
+            start = max(p.send_free, d.recv_free, p.started + layer_compute)
+            end = max(start + xfer, now + xfer / self.geom.layers)
+        else:
+            start = max(p.send_free, d.recv_free, now)
+            end = start + xfer
+        p.send_free = d.recv_free = end
+        live.transfer_s += end - now
+        self._push(end, _LANDED, live)
+
+    def _land(self, live: _Live) -> None:
+        self._workers[live.request.worker].landing.append(live.request)
+
+    def _finish(self, live: _Live) -> None:
+        req = live.request
+        m = req.metrics
+        self._records.append({
+            "id": live.index, "arrival": m.arrival_time, "finish": m.finish_time,
+            "latency": m.e2e_latency, "ttfb": m.time_to_first_block,
+            "queueing": m.queueing_time, "decode": m.decode_time, "transfer": live.transfer_s,
+            "forwards": m.num_steps, "prompt_len": req.prompt_len, "gen_len": live.gen_len,
+            "canvas_tokens": live.blocks_to_decode * req.block_length,
+        })
+        del self._lives[req.request_id]
+        self._retry_pending()
+
+
+def simulate(config: SimConfig, trace: Sequence[TraceRequest], qps: float = math.nan,
+             coefficients: Coefficients | None = None, steps: StepModel | None = None
+             ) -> SimResult:
+    return Simulator(config, coefficients, steps).run(trace, qps)
+
+
+# Command line.
+_HELP = {
+    "model": "model geometry (DESIGN.md §6): llada = LLaDA-8B, dream = Dream-7B",
+    "gpu": "GPU of every worker: peak FLOP/s, HBM bandwidth and memory",
+    "mode": "colocated, disaggregated (xPyD) or hybrid (xPyD + overflow onto decode workers)",
+    "num_workers": "workers (GPUs) in colocated mode",
+    "prefill_workers": "prefill workers in disaggregated / hybrid mode",
+    "decode_workers": "decode workers in disaggregated / hybrid mode",
+    "policy": "scheduling policy of every worker",
+    "token_budget": "deficit token budget tau per iteration ('inf' = prefill-first)",
+    "max_batch_size": "most requests in one forward",
+    "overflow_threshold": "hybrid: outstanding prefill tokens (theta) on every prefill worker "
+                          "before a prefill overflows onto a decode worker",
+    "block_length": "block length B",
+    "cache": "dual (span = block), prefix (span = block + rest of canvas) or none (refresh "
+             "every step)",
+    "max_tokens": "fixed max_tokens of every request (canvas size); default: its output length",
+    "page_size": "KV page size in tokens",
+    "num_pages": "KV pages per worker; default: GPU memory left after the weights",
+    "memory_fraction": "fraction of GPU memory for weights + KV pool",
+    "link": "K/V transfer link: nvlink 450 GB/s, pcie 50 GB/s, network 25 GB/s",
+    "layerwise_kv_streaming": "send layer l's K/V while layer l+1 computes",
+    "seed": "seed of router tie-breaks and of the tokens committed per step",
+}
+_CHOICES = {"model": sorted(MODELS), "gpu": sorted(GPUS), "mode": MODES, "link": sorted(LINKS),
+            "policy": ("deficit", "prefill_first", "fastdllm"),
+            "cache": ("dual", "prefix", "none")}
+
+
+def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None:
+    g = p.add_argument_group("deployment (one configuration; --compare adds more)")
+    for f in dataclasses.fields(SimConfig):
+        kind = str(f.type)
+        kw: dict = {"help": _HELP[f.name], "default": f.default}
+        if kind == "bool":
+            kw["action"] = argparse.BooleanOptionalAction
+        elif kind.startswith("float"):
+            kw["type"] = float
+        elif kind.startswith("int"):
+            kw["type"] = int
+        if f.name in _CHOICES:
+            kw["choices"] = _CHOICES[f.name]
+        g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
+    g.add_argument("--compare", nargs="+", default=None, metavar="SPEC",
+                   help="configurations to compare side by side, each a comma-separated list "
+                        "of overrides of the flags above, e.g. 'policy=fastdllm' "
+                        "'mode=hybrid,prefill_workers=5,decode_workers=3'")
+    g.add_argument("--policies", default=None,
+                   help="shorthand for --compare policy=A policy=B ...: comma-separated")
+    g.add_argument("--token-budgets", default=None,
+                   help="shorthand for --compare token_budget=A ...: comma-separated")
+    g.add_argument("--calibration", default=None,
+                   help="JSON of measured cost coefficients (sangam-bench calibrate)")
+    t = p.add_argument_group("workload")
+    t.add_argument("--trace", default="sharegpt",
+                   help="sharegpt or arxiv (seeded synthetic), or a ShareGPT .json / .csv file")
+    t.add_argument("--num-requests", type=int, default=None,
+                   help=f"requests per run (default {DEFAULT_NUM_REQUESTS}; experiments have "
+                        "their own)")
+    t.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    t.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
+    t.add_argument("--trace-seed", type=int, default=0, help="seed of lengths and arrivals")
+    t.add_argument("--tokens-per-step", type=float, default=3.25,
+                   help="mean tokens committed per forward (geometric)")
+    t.add_argument("--step-profile", default=None,
+                   help="forwards-per-block histogram recorded by sangam-bench serve "
+                        "(profile.json); replaces --tokens-per-step")
+    if not for_capacity:
+        t.add_argument("--qps", default=None,
+                       help="offered load(s), comma-separated ('inf': all at once); default 1, "
+                            "experiments have their own grids")
+        p.add_argument("--out", default=None,
+                       help="directory for results.json, summary.csv, requests.csv and the plot")
+        p.add_argument("--experiment", default=None, choices=sorted(EXPERIMENT_NAMES),
+                       help="run one of the paper's experiments (of the deployment flags it "
+                            "takes --gpu, --link, --layerwise-kv-streaming, --calibration and "
+                            "--seed; --num-requests and --qps replace its defaults)")
+
+
+EXPERIMENT_NAMES = ("fastdllm-vs-deficit", "tau-sweep", "modes")  # sangam.bench.experiments
+DEFAULT_NUM_REQUESTS = 300
+
+
+def configs_from_args(args: argparse.Namespace) -> dict[str, SimConfig]:
+    """Label -> configuration: the flags, with each --compare spec applied on top."""
+    base = SimConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig)})
+    specs = list(args.compare or [])
+    policies = args.policies.split(",") if args.policies else [None]
+    budgets = args.token_budgets.split(",") if args.token_budgets else [None]
+    for pol, tau in itertools.product(policies, budgets):
+        parts = ([f"policy={pol}"] if pol else []) + ([f"token_budget={tau}"] if tau else [])
+        if parts:
+            specs.append(",".join(parts))
+    configs = [(s, replace(base, **parse_overrides(s, SimConfig))) for s in specs or [""]]
+    labels = [c.label for _, c in configs]
+    return {(c.label if labels.count(c.label) == 1 else f"{c.label} [{s}]"): c
+            for s, c in configs}
+
+
+def step_model_from_args(args: argparse.Namespace) -> StepModel:
+    if args.step_profile:
+        return load_step_profile(args.step_profile)
+    return GeometricSteps(args.tokens_per_step)
+
+
+def coefficients_from_args(args: argparse.Namespace, config: SimConfig) -> Coefficients:
+    if args.calibration:
+        return Coefficients.load(args.calibration)
+    return Coefficients.defaults(GPUS[config.gpu])
+
+
+def make_trace(lengths: Sequence[LengthSample], qps: float, args: argparse.Namespace
+               ) -> list[TraceRequest]:
+    times = arrivals(len(lengths), qps, args.trace_seed + 1, args.arrival, args.cv)
+    return build_trace(lengths, times)
+
+
+def run_point(config: SimConfig, lengths: Sequence[LengthSample], qps: float,
+              args: argparse.Namespace, label: str) -> tuple[dict, SimResult]:
+    """One simulated run; its summary carries ``config`` (the label) and utilization."""
+    res = simulate(config, make_trace(lengths, qps, args), qps,
+                   coefficients_from_args(args, config), step_model_from_args(args))
+    summary = {"config": label, **summarize(res.records, qps)}
+    summary["utilization"] = sum(w["utilization"] for w in res.workers) / len(res.workers)
+    return summary, res
+
+
+def config_labels(args: argparse.Namespace) -> list[str]:
+    return list(configs_from_args(args))
+
+
+def capacity_probe(args: argparse.Namespace):
+    """For ``sangam-bench capacity``: (qps, label) -> summary of one simulated run."""
+    configs = configs_from_args(args)
+    lengths = load_lengths(args.trace, args.num_requests or DEFAULT_NUM_REQUESTS, args.trace_seed)
+
+    def probe(qps: float, label: str) -> dict:
+        return run_point(configs[label], lengths, qps, args, label)[0]
+
+    return probe
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.experiment:
+        from sangam.bench.experiments import run_experiment
+
+        return run_experiment(args.experiment, args)
+    configs = configs_from_args(args)
+    qps_list = parse_float_list(args.qps or "1")
+    lengths = load_lengths(args.trace, args.num_requests or DEFAULT_NUM_REQUESTS, args.trace_seed)
+    summaries, records = [], []
+    print(f"trace {args.trace}: {len(lengths)} requests, {args.arrival} arrivals; "
+          f"{step_model_from_args(args).describe()}", file=sys.stderr)
+    for label, cfg in configs.items():
+        for qps in qps_list:
+            summary, res = run_point(cfg, lengths, qps, args, label)
+            print(f"  {label} @ {qps:g} QPS: mean {summary['latency_mean']:.2f} s", file=sys.stderr)
+            summaries.append(summary)
+            records += [{"config": label, "qps": qps, **r} for r in res.records]
+    print(format_table(summaries, SUMMARY_COLUMNS + (("utilization", "util", "{:.2f}"),)))
+    if args.out:
+        report = {"kind": "sim", "trace": args.trace, "num_requests": len(lengths),
+                  "configs": configs, "summaries": summaries}
+        paths = write_outputs(args.out, report, summaries, records)
+        by_config: dict[str, list[dict]] = {}
+        for s in summaries:
+            by_config.setdefault(s["config"], []).append(s)
+        paths.append(plot_latency(
+            os.path.join(args.out, "latency_vs_qps.png"),
+            {f"{MODELS[next(iter(configs.values())).model].name}, {args.trace}": by_config}))
+        print("wrote " + ", ".join(paths))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "sim", help="discrete-event simulation of a multi-GPU deployment",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sim_args(p)
+    p.set_defaults(func=run)

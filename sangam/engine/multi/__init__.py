@@ -1,0 +1,23 @@
+"""Multi-worker serving: a front process (router, request table) and one worker process per
+device, over ZeroMQ (control) and torch.distributed (K/V). See ``front.py``."""
+
+from __future__ import annotations
+
+from sangam.config import EngineConfig
+from sangam.engine.engine import Engine
+from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.multi.front import MultiWorkerEngine
+
+
+def make_engine(config: EngineConfig,
+                loaded: LoadedModel | None = None) -> Engine | MultiWorkerEngine:
+    """The engine ``config`` asks for: in-process for one worker, else a front process with
+    worker processes (the two share one interface)."""
+    from sangam.engine.multi.launcher import worker_roles
+
+    if config.is_multi_worker or len(worker_roles(config)) > 1:
+        return MultiWorkerEngine(config, loaded)
+    return Engine(config, loaded)
+
+
+__all__ = ["MultiWorkerEngine", "make_engine"]

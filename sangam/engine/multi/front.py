@@ -1,0 +1,557 @@
+"""``MultiWorkerEngine``: the front process of multi-worker serving (DESIGN.md §4, Modes).
+
+It has the single-worker ``Engine``'s interface (``add_request`` / ``abort_request`` /
+``step`` / ``has_unfinished_requests`` / ``requests`` / ``stats``), so ``LLM`` and
+``AsyncEngine`` drive either. It holds the Router and the request table and never touches the
+model: per request it keeps the ``DecodeState`` as of the start of the block to run next (a
+token array), which is all that recovery needs, because a block's refresh recomputes every
+layer's K/V of every position from the tokens alone.
+
+Who runs what (the worker's side is in ``worker.py``):
+- colocated: each block runs where the request's canvas is (the router keeps re-prefills
+  there); the first goes to the least-loaded worker.
+- disaggregated / hybrid: a new canvas is placed on the decode worker with the most free pages
+  (``route_decode``; the request waits here while none has room); each block's refresh goes to
+  a prefill worker by load (``route_prefill``), which applies the refresh's unmasking step and
+  ships the K/V and the state to the canvas holder; the holder runs the cached steps. Hybrid
+  overflow (``route_prefill`` returns a decode worker) runs the whole block there, on the
+  canvas, with nothing to ship.
+- ``cache="none"`` requests in disaggregated / hybrid mode: every step is a refresh, so there
+  is no cache worth shipping. Each block runs entirely where ``route_prefill`` puts it (a
+  prefill worker, or a decode worker on overflow) on pages held for that block only; decode
+  workers keep running cached steps only.
+
+Memory: the front mirrors every worker's page commitments (canvases held or promised, pages of
+refreshes for other workers) to give the router free-page counts that do not lag behind.
+
+Failures: a worker found dead (its process exited, it reported a failure, or its heartbeats
+stopped) is marked dead in the router and reported in ``dead_workers``; every request that had
+anything on it is taken back to the start of its current block (the snapshot), dropped from
+every other worker, and placed again. Refreshes and noise keys depend only on (tokens, block,
+step), so it finishes with the same tokens. A K/V transfer the receiver could not take is
+retried the same way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from sangam.config import EngineConfig
+from sangam.decoding.state import DecodeState
+from sangam.engine.engine import EngineStats, QueueFull, RequestRejected
+from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.multi import launcher
+from sangam.engine.multi import messages as msg
+from sangam.engine.request import Request
+from sangam.engine.router import Router
+from sangam.models import load_tokenizer, read_config, resolve_dtype, stop_token_ids
+from sangam.sampling_params import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0  # model loading on every worker of every node
+HEARTBEAT_TIMEOUT_S = 30.0  # workers on other nodes (local ones are watched by their process)
+_POLL_MS = 10  # step() waits this long for a worker report when there is nothing to return
+_SHUTDOWN_WAIT_S = 10.0
+
+PENDING = "pending"  # at the front, waiting to be placed
+RUNNING = "running"  # ``worker`` runs this block's refresh (and, without kv_dst, the block)
+TRANSFER = "transfer"  # the refresh's K/V travels from kv_src to kv_dst
+
+
+@dataclass
+class _Entry:
+    request: Request  # the router's view; pages/worker mirror the canvas holder's
+    state: DecodeState  # at the start of the next block to run (or finished)
+    prompt_ids: list[int]
+    pages_needed: int
+    attempt: int = 0
+    phase: str = PENDING
+    worker: int | None = None
+    holder: int | None = None  # holds (or, once admitted there, will hold) the canvas
+    reserved: int | None = None  # decode worker promised the canvas on K/V receipt
+    kv_src: int | None = None
+    kv_dst: int | None = None
+    load_worker: int | None = None  # router load outstanding there
+    kv_bytes: int = 0
+    kv_transfers: int = 0
+    restarts: int = 0
+
+
+@dataclass
+class TransferRecord:
+    request_id: str
+    src: int
+    dst: int
+    num_pages: int
+    bytes_sent: int
+    streamed_layers: int
+    drained: bool  # the receiver was told to discard it
+    bytes_received: int | None = None  # None until the receiver reports; then == bytes_sent
+    ok: bool | None = None
+
+
+@dataclass
+class _WorkerInfo:
+    hello: msg.Hello
+    last_heard: float
+    free_reported: int = 0
+
+
+@dataclass
+class Counters:
+    overflow_prefills: int = 0  # hybrid: prefills placed on decode workers
+    kv_transfers: int = 0
+    kv_bytes: int = 0
+    failed_transfers: int = 0
+    restarts: int = 0  # requests taken back to their block start
+    by_worker_prefills: dict[int, int] = field(default_factory=dict)
+
+
+def _front_model(config: EngineConfig, loaded: LoadedModel | None,
+                 device: str) -> LoadedModel:
+    """Tokenizer, stop tokens and request validation without weights (``model=None``): the
+    workers hold the model."""
+    if loaded is not None:
+        return loaded
+    path = config.model
+    if path is None:
+        from sangam.demo import demo_model_path
+
+        path = demo_model_path()
+    cfg = read_config(path)
+    tokenizer = load_tokenizer(path)
+    dtype = resolve_dtype(None if config.dtype == "auto" else config.dtype, device)
+    return LoadedModel(str(path), None, cfg, tokenizer,
+                       stop_token_ids(cfg.eos_token_id, tokenizer), torch.device(device), dtype)
+
+
+class MultiWorkerEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        if config.node_rank != 0:
+            raise ValueError("the front runs on node 0; start other nodes with "
+                             "`python -m sangam.engine.multi.node --node-rank R ...`")
+        self.config = config
+        self.roles = launcher.validate(config)
+        self.loaded = _front_model(config, loaded, launcher.worker_device(config, 0))
+        self.requests: dict[str, _Entry] = {}
+        self.stats = EngineStats()
+        self.counters = Counters()
+        self.transfers: deque[TransferRecord] = deque(maxlen=100_000)
+        self.dead_workers: list[int] = []
+        self._rng = random.Random(config.seed)
+        self._pending: dict[str, _Entry] = {}
+        self._outputs: list[RequestOutput] = []
+        self._open_transfers: dict[tuple[int, int], TransferRecord] = {}
+        self._closed = False
+        self._procs = {}
+        self._workers: dict[int, _WorkerInfo] = {}
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.LINGER, 2000)
+        self._store: dist.TCPStore | None = None
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+        n = len(self.roles)
+        self._num_pages = [self._workers[w].hello.num_pages for w in range(n)]
+        self._committed = [0] * n
+        self.router = Router(config.mode, self.roles, config.overflow_threshold, config.seed,
+                             config.page_size)
+        atexit.register(self.shutdown)
+
+    # Startup and shutdown.
+    def _start(self) -> None:
+        cfg = self.config
+        if cfg.dist_init_addr:
+            host, port = launcher.split_addr(cfg.dist_init_addr)
+            self._sock.bind(f"tcp://*:{port + 1}")
+            front_addr = f"tcp://{host}:{port + 1}"
+        else:  # one node: loopback, free ports
+            host, port = "127.0.0.1", 0
+            self._sock.bind("tcp://127.0.0.1:*")
+            front_addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        store_addr = None
+        if launcher.needs_data_plane(cfg):
+            # The front hosts the torch.distributed store (it outlives any worker) but is not
+            # a rank: it never touches tensors.
+            self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+            store_addr = (host, self._store.port)
+        specs = launcher.make_specs(cfg, self.roles, 0, front_addr, store_addr)
+        self._procs = {s.worker: p for s, p in zip(specs, launcher.spawn(specs))}
+        self._await_workers()
+
+    def _await_workers(self) -> None:
+        expect = launcher.signature(tuple(self.roles), self.config, self.loaded.config)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        errors: dict[int, str] = {}
+        while len(self._workers) < len(self.roles):
+            for w, p in self._procs.items():
+                if not p.is_alive():
+                    # Its WorkerFailed message may still be in flight: collect it first.
+                    self._drain_startup(errors, expect, 200)
+                    raise RuntimeError(f"worker {w} failed to start (exit code {p.exitcode})"
+                                       + (f":\n{errors[w]}" if w in errors else ""))
+            if errors:
+                w, err = next(iter(errors.items()))
+                raise RuntimeError(f"worker {w} failed to start:\n{err}")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(self.roles))) - set(self._workers))
+                raise TimeoutError(f"workers {missing} did not come up in {STARTUP_TIMEOUT_S}s "
+                                   "(are all nodes started, with the same flags?)")
+            self._drain_startup(errors, expect, 100)
+
+    def _drain_startup(self, errors: dict[int, str], expect: tuple, timeout_ms: int) -> None:
+        if not self._sock.poll(timeout_ms):
+            return
+        while True:
+            try:
+                _, data = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            m = msg.loads(data)
+            if isinstance(m, msg.Hello):
+                if m.signature != expect:
+                    raise RuntimeError(f"worker {m.worker} disagrees on the deployment: "
+                                       f"{m.signature} != {expect} (same flags on every node?)")
+                self._workers[m.worker] = _WorkerInfo(m, time.monotonic(), m.num_pages)
+            elif isinstance(m, msg.WorkerFailed):
+                errors[m.worker] = m.error
+
+    @property
+    def worker_pids(self) -> dict[int, int]:
+        return {w: info.hello.pid for w, info in self._workers.items()}
+
+    def shutdown(self) -> None:
+        """Stop every worker (this node's processes are joined, killed if they linger) and
+        release the sockets. Idempotent; also runs at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        for w in self._workers:
+            if w not in self.dead_workers:
+                self._send(w, msg.Shutdown())
+        for w, p in self._procs.items():
+            if w not in self._workers:  # never came up (failed startup): nothing to wait for
+                p.kill()
+        deadline = time.monotonic() + _SHUTDOWN_WAIT_S
+        for p in self._procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self._procs.values():
+            p.kill()  # only those still running
+            p.join()
+        self._sock.close()  # lingers so that remote workers get their Shutdown
+        self._ctx.term()
+        self._store = None
+
+    # The Engine interface.
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; raises (and changes nothing) if it cannot be served."""
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        if len(self.requests) >= self.config.max_queue_len:
+            raise QueueFull(f"{len(self.requests)} requests in flight (max_queue_len "
+                            f"{self.config.max_queue_len})")
+        state = self.loaded.new_state(prompt_token_ids, params, self._rng)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        req = Request(request_id, now, state.prompt_len, params.canvas_length,
+                      params.block_length, params.cache)
+        need = req.pages_needed(self.config.page_size)
+        self._check_fits(need, state.total_len)
+        entry = _Entry(req, state, list(prompt_token_ids), need)
+        self.requests[request_id] = entry
+        self._pending[request_id] = entry
+
+    def _check_fits(self, need: int, tokens: int) -> None:
+        def biggest(role_ok) -> int:
+            return max((self._num_pages[w] for w, r in enumerate(self.roles)
+                        if role_ok(r) and w not in self.dead_workers), default=0)
+
+        room = min(biggest(lambda r: r != "decode"), biggest(lambda r: r != "prefill"))
+        if need > room:
+            raise RequestRejected(f"request needs {need} KV pages for {tokens} tokens, more "
+                                  f"than the pool's {room}")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        e = self.requests.pop(request_id, None)
+        if e is None:
+            return None
+        self._release(e)
+        self._pending.pop(request_id, None)
+        return self._output(e, finished=True, reason="abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Place waiting blocks, take in the workers' reports (waiting briefly for one when
+        there is nothing else to do), and return an output per completed block."""
+        self._place_pending()
+        self._receive(0 if self._outputs or not self.requests else _POLL_MS)
+        self._check_workers()
+        self._place_pending()
+        out, self._outputs = self._outputs, []
+        return out
+
+    # Placement.
+    def _free_pages(self) -> list[int]:
+        return [0 if w in self.dead_workers else self._num_pages[w] - self._committed[w]
+                for w in range(len(self.roles))]
+
+    def _footprint(self, e: _Entry) -> list[tuple[int, int]]:
+        canvas = e.holder if e.holder is not None else e.reserved
+        out = [] if canvas is None else [(canvas, e.pages_needed)]
+        if e.phase == RUNNING and e.worker != canvas:  # pages for this block only
+            out.append((e.worker, e.pages_needed))
+        return out
+
+    @contextlib.contextmanager
+    def _moving(self, e: _Entry):
+        """Keep the page mirror in step with the entry's placement fields."""
+        for w, n in self._footprint(e):
+            self._committed[w] -= n
+        yield
+        for w, n in self._footprint(e):
+            self._committed[w] += n
+
+    def _place_pending(self) -> None:
+        blocked = False
+        for e in sorted(self._pending.values(), key=lambda e: e.request.priority):
+            # A new canvas that finds no decode memory blocks later new canvases (strict
+            # priority); blocks of requests that hold their canvas never wait for memory.
+            needs_canvas = e.holder is None and self.config.mode != "colocated" \
+                and e.request.cache != "none"
+            if not (blocked and needs_canvas) and self._place(e):
+                del self._pending[e.request.request_id]
+            else:
+                blocked = blocked or needs_canvas
+
+    def _place(self, e: _Entry) -> bool:
+        req = e.request
+        free = self._free_pages()
+        if self.config.mode == "colocated":
+            w = self.router.route_prefill(req, free)
+            self._dispatch(e, w, None, keep=True, holder=w)
+        elif req.cache == "none":
+            self._dispatch(e, self.router.route_prefill(req, free), None, keep=False)
+        else:
+            dest = e.holder
+            if dest is None:
+                dest = self.router.route_decode(req, free, e.pages_needed)
+                if dest is None:
+                    return False
+            w = self.router.route_prefill(req, free)
+            if self.roles[w] == "decode":  # hybrid overflow: the block runs on its canvas
+                self.counters.overflow_prefills += 1
+                self._dispatch(e, w, None, keep=True, holder=w)
+            else:
+                self._dispatch(e, w, dest, keep=False, holder=e.holder,
+                               reserved=dest if e.holder is None else None)
+        return True
+
+    def _dispatch(self, e: _Entry, w: int, kv_dest: int | None, keep: bool,
+                  holder: int | None = None, reserved: int | None = None) -> None:
+        with self._moving(e):
+            e.phase, e.worker, e.holder, e.reserved = RUNNING, w, holder, reserved
+            e.load_worker = w  # route_prefill charged the refresh to w
+        c = self.counters.by_worker_prefills
+        c[w] = c.get(w, 0) + 1
+        self._send(w, msg.Prefill(e.request.request_id, e.attempt, e.state,
+                                  e.request.arrival_time, kv_dest, keep))
+
+    def _release(self, e: _Entry) -> None:
+        """Drop ``e`` from every live worker that may hold part of it; clear its placement."""
+        rid = e.request.request_id
+        for w in {e.worker, e.holder, e.kv_dst} - {None}:
+            if w not in self.dead_workers:
+                self._send(w, msg.Drop(rid))
+        if e.load_worker is not None:
+            self.router.done(e.load_worker, e.request.prefill_cost)
+        with self._moving(e):
+            e.phase = PENDING
+            e.worker = e.holder = e.reserved = e.kv_src = e.kv_dst = e.load_worker = None
+        e.request.pages, e.request.worker = [], None
+
+    def _restart(self, e: _Entry, why: str) -> None:
+        """Take ``e`` back to the start of its current block and place it again."""
+        logger.info("request %s restarts block %d: %s", e.request.request_id, e.state.block, why)
+        self._release(e)
+        e.attempt += 1
+        e.restarts += 1
+        self.counters.restarts += 1
+        self._pending[e.request.request_id] = e
+
+    # Reports.
+    def _send(self, w: int, message: object) -> None:
+        self._sock.send_multipart([f"w{w}".encode(), msg.dumps(message)])
+
+    def _receive(self, timeout_ms: int) -> None:
+        if not self._sock.poll(timeout_ms):
+            return
+        while True:
+            try:
+                ident, data = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            m = msg.loads(data)
+            w = int(ident[1:])
+            if w in self.dead_workers:
+                continue  # whatever it said before dying was taken back
+            self._workers[w].last_heard = time.monotonic()
+            if isinstance(m, msg.Report):
+                self._on_report(m)
+            elif isinstance(m, msg.WorkerFailed):
+                self._on_dead(w, f"it failed:\n{m.error}")
+
+    def _on_report(self, r: msg.Report) -> None:
+        w = r.worker
+        self._workers[w].free_reported = r.free_pages
+        self.stats.iterations.extend(r.iterations)
+        for ev in r.events:
+            e = self.requests.get(ev.request_id)
+            current = e is not None and ev.attempt == e.attempt
+            if isinstance(ev, msg.KVReceived):
+                record = self._open_transfers.pop((ev.src, ev.transfer_id), None)
+                if record is not None:
+                    record.bytes_received, record.ok = ev.nbytes, ev.ok
+                    current = current and not record.drained
+            if isinstance(ev, msg.KVSent):
+                self._on_kv_sent(w, ev, e if current else None)
+            elif not current:
+                continue  # about work that was taken back or aborted
+            elif isinstance(ev, msg.RefreshRan):
+                self._on_refresh(w, ev, e)
+            elif isinstance(ev, msg.KVReceived):
+                self._on_kv_received(w, ev, e)
+            elif isinstance(ev, msg.BlockDone):
+                self._on_block_done(w, ev, e)
+
+    def _on_refresh(self, w: int, ev: msg.RefreshRan, e: _Entry) -> None:
+        if e.load_worker == w:
+            self.router.done(w, e.request.prefill_cost)
+            e.load_worker = None
+        now = time.monotonic()
+        m = e.request.metrics
+        m.prefill_started.append(now - ev.seconds)
+        m.prefill_finished.append(now)
+
+    def _on_kv_sent(self, w: int, ev: msg.KVSent, e: _Entry | None) -> None:
+        drain = e is None or ev.drain
+        record = TransferRecord(ev.request_id, w, ev.dest, ev.num_pages, ev.nbytes,
+                                ev.streamed_layers, drain)
+        self.transfers.append(record)
+        if ev.dest in self.dead_workers:
+            return  # the sender abandons it (PeerDead); the request was taken back
+        self._open_transfers[(w, ev.transfer_id)] = record
+        arrival = e.request.arrival_time if e is not None else 0.0
+        self._send(ev.dest, msg.ReceiveKV(ev.request_id, ev.attempt, w, ev.transfer_id,
+                                          ev.num_pages, None if drain else ev.state, arrival,
+                                          drain))
+        if drain:
+            return
+        with self._moving(e):
+            e.phase, e.worker, e.kv_src, e.kv_dst = TRANSFER, None, w, ev.dest
+        e.kv_bytes += ev.nbytes
+        e.kv_transfers += 1
+        self.counters.kv_transfers += 1
+        self.counters.kv_bytes += ev.nbytes
+
+    def _on_kv_received(self, w: int, ev: msg.KVReceived, e: _Entry) -> None:
+        if not ev.ok:
+            self.counters.failed_transfers += 1
+            self._restart(e, f"K/V transfer {ev.src} -> {w} failed")
+            return
+        with self._moving(e):
+            e.phase, e.worker, e.holder, e.reserved = RUNNING, w, w, None
+            e.kv_src = e.kv_dst = None
+        e.request.pages, e.request.worker = list(ev.pages), w
+
+    def _on_block_done(self, w: int, ev: msg.BlockDone, e: _Entry) -> None:
+        now = time.monotonic()
+        e.state = ev.state
+        m = e.request.metrics
+        m.block_finished.append(now)
+        m.num_steps = ev.state.num_forwards
+        rid = e.request.request_id
+        if ev.state.finished:
+            for other in {e.holder, e.kv_dst} - {None, w}:  # a canvas left elsewhere
+                if other not in self.dead_workers:
+                    self._send(other, msg.Drop(rid))
+            with self._moving(e):
+                e.phase, e.worker, e.holder, e.reserved = PENDING, None, None, None
+            del self.requests[rid]
+            m.finish_time = now
+            self.stats.finished.append(m)
+            self._outputs.append(self._output(e, True, ev.state.finish_reason))
+            return
+        with self._moving(e):
+            e.phase, e.worker, e.reserved = PENDING, None, None
+            if ev.pages:
+                e.holder = w
+        if ev.pages:
+            e.request.pages, e.request.worker = list(ev.pages), w
+        e.request.block = ev.state.block
+        m.prefill_queued.append(now)
+        self._pending[rid] = e
+        self._outputs.append(self._output(e, False, None))
+
+    def _output(self, e: _Entry, finished: bool, reason: str | None) -> RequestOutput:
+        tokens = e.state.output_token_ids()
+        return RequestOutput(
+            request_id=e.request.request_id, prompt_token_ids=e.prompt_ids, token_ids=tokens,
+            text=self.loaded.decode(tokens), num_forwards=e.state.num_forwards,
+            finished=finished, finish_reason=reason if finished else None,
+            metrics={"kv_bytes": e.kv_bytes, "kv_transfers": e.kv_transfers,
+                     "restarts": e.restarts})
+
+    # Failures.
+    def _check_workers(self) -> None:
+        now = time.monotonic()
+        for w, info in self._workers.items():
+            if w in self.dead_workers:
+                continue
+            p = self._procs.get(w)
+            if p is not None:
+                if not p.is_alive():
+                    self._on_dead(w, f"its process exited (code {p.exitcode})")
+            elif now - info.last_heard > HEARTBEAT_TIMEOUT_S:
+                self._on_dead(w, f"no heartbeat for {now - info.last_heard:.0f}s")
+
+    def _on_dead(self, w: int, why: str) -> None:
+        logger.error("worker %d (%s, pid %d on %s) is dead: %s; its requests are taken back",
+                     w, self.roles[w], self._workers[w].hello.pid,
+                     self._workers[w].hello.host, why)
+        self.dead_workers.append(w)
+        self.router.mark_dead(w)
+        p = self._procs.get(w)
+        if p is not None:  # a worker that reported a failure may not have exited yet
+            p.kill()
+        for other in self._workers:
+            if other not in self.dead_workers:
+                self._send(other, msg.PeerDead(w))
+        for e in list(self.requests.values()):
+            if w in (e.worker, e.holder, e.reserved, e.kv_src, e.kv_dst):
+                self._restart(e, f"worker {w} died")
+        if not any(w2 not in self.dead_workers for w2 in range(len(self.roles))):
+            raise RuntimeError("every worker is dead")
+

@@ -1,0 +1,175 @@
+"""The control plane's message set: small dataclasses, pickled over ZeroMQ.
+
+Pickle is acceptable here because every peer is a process of this deployment on a trusted
+network (loopback on one host, the cluster's network across nodes), as with torch.distributed's
+own store. K/V tensors never travel here: they go over torch.distributed (``kv_transfer``).
+
+Every message about a request carries its ``attempt``: the front bumps it whenever it takes
+the request back (worker failure, failed transfer), and drops events of older attempts, so a
+late report about abandoned work can never be mistaken for progress.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+
+from sangam.decoding.state import DecodeState
+from sangam.engine.engine import IterationStats
+
+# Front -> worker.
+
+
+@dataclass
+class Prefill:
+    """Run the next block's refresh of a request (its state is at a block start).
+
+    ``kv_dest`` is None: this worker runs the whole block, refresh and cached steps. At the
+    block's end it keeps the canvas pages (``keep_pages``: it is the request's canvas holder)
+    or frees them. ``kv_dest`` is a worker: run the refresh only, send the K/V there, free.
+    """
+
+    request_id: str
+    attempt: int
+    state: DecodeState
+    arrival: float
+    kv_dest: int | None
+    keep_pages: bool
+
+
+@dataclass
+class ReceiveKV:
+    """Receive a request's K/V from ``src`` (transfer ``transfer_id``), then seat it for its
+    cached steps with ``state`` (the state after the refresh's unmasking step). With ``drain``
+    the K/V is received into scratch memory and discarded: the sender must not hang."""
+
+    request_id: str
+    attempt: int
+    src: int
+    transfer_id: int
+    num_pages: int
+    state: DecodeState | None
+    arrival: float
+    drain: bool
+
+
+@dataclass
+class Drop:
+    """Forget a request entirely and free whatever it holds here (finished elsewhere, aborted,
+    or taken back after a failure). A K/V receive in progress is drained."""
+
+    request_id: str
+
+
+@dataclass
+class PeerDead:
+    """``worker`` died: abandon transfers with it (never start one again)."""
+
+    worker: int
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# Worker -> front.
+
+
+@dataclass
+class Hello:
+    """A worker is up: model loaded, pool allocated, process group joined."""
+
+    worker: int
+    pid: int
+    host: str
+    device: str
+    num_pages: int
+    page_size: int
+    layer_page_bytes: int  # one page of one layer's K (or V)
+    num_layers: int
+    signature: tuple  # the deployment as this worker understands it; must match the front's
+
+
+@dataclass
+class Heartbeat:
+    worker: int
+
+
+@dataclass
+class WorkerFailed:
+    """The worker loop raised; the process exits right after sending this."""
+
+    worker: int
+    error: str
+
+
+@dataclass
+class RefreshRan:
+    """A Prefill's refresh forward ended (its prefill tokens leave the router's load)."""
+
+    request_id: str
+    attempt: int
+    seconds: float  # the forward's duration
+
+
+@dataclass
+class KVSent:
+    """The refresh's K/V went out to ``dest`` (all layers' sends are posted). With ``drain``
+    (the refresh itself completed the block: nothing to decode there) the receiver discards."""
+
+    request_id: str
+    attempt: int
+    dest: int
+    transfer_id: int
+    num_pages: int
+    nbytes: int
+    streamed_layers: int  # layers whose send was posted while the forward still ran
+    state: DecodeState
+    drain: bool
+
+
+@dataclass
+class KVReceived:
+    """A receive finished: ``ok`` -> scattered into ``pages`` and seated; otherwise drained
+    (no pages, dropped meanwhile, or the sender failed)."""
+
+    request_id: str
+    attempt: int
+    src: int
+    transfer_id: int
+    ok: bool
+    nbytes: int
+    pages: list[int]
+
+
+@dataclass
+class BlockDone:
+    """A block completed (or the request finished) here; ``pages`` are the canvas pages this
+    worker keeps for the request (empty when it freed them)."""
+
+    request_id: str
+    attempt: int
+    state: DecodeState
+    pages: list[int]
+
+
+Event = RefreshRan | KVSent | KVReceived | BlockDone
+
+
+@dataclass
+class Report:
+    """What happened on a worker since its last report, in order."""
+
+    worker: int
+    events: list[Event] = field(default_factory=list)
+    iterations: list[IterationStats] = field(default_factory=list)
+    free_pages: int = 0
+
+
+def dumps(msg: object) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> object:
+    return pickle.loads(data)

@@ -1,0 +1,53 @@
+"""Start this node's workers of a multi-node deployment (SGLang-style flags).
+
+Node 0 runs the front (``LLM(..., nnodes=N, dist_init_addr=HOST:PORT)`` or the server with
+``--nnodes N --dist-init-addr HOST:PORT``); every other node runs, with the same engine flags::
+
+    python -m sangam.engine.multi.node --model PATH --mode disaggregated \\
+        --prefill-workers 2 --decode-workers 2 --nnodes 2 --node-rank 1 \\
+        --dist-init-addr HOST:PORT
+
+Its workers connect to the front over ZeroMQ (``HOST:PORT+1``) and join the torch.distributed
+group through the TCP store at ``HOST:PORT``. The process exits when its workers do: after the
+front's shutdown, or when the front goes away (each worker watches its connection). Ctrl-C or
+SIGTERM stops them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from sangam.config import EngineConfig
+from sangam.engine.multi import launcher
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sangam.engine.multi.node",
+                                     description=__doc__.split("\n\n")[0])
+    EngineConfig.add_cli_args(parser)
+    config = EngineConfig.from_cli_args(parser.parse_args(argv))
+    if config.node_rank == 0 or config.nnodes < 2:
+        parser.error("node 0 runs the front (LLM or the server); this entry point is for "
+                     "--node-rank 1 .. nnodes-1")
+    roles = launcher.validate(config)
+    host, port = launcher.split_addr(config.dist_init_addr)
+    store = (host, port) if launcher.needs_data_plane(config) else None
+    specs = launcher.make_specs(config, roles, config.node_rank, f"tcp://{host}:{port + 1}",
+                                store)
+    procs = launcher.spawn(specs)
+
+    def stop(signum, frame):
+        for p in procs:
+            p.kill()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for p in procs:
+        p.join()
+    return 0 if all(p.exitcode == 0 for p in procs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

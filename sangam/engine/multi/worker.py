@@ -1,0 +1,385 @@
+"""A worker process: one device's KV pool, batch builder and model runner, driven by the front.
+
+The worker is the single-worker engine's pieces (``LoadedModel``, ``KVPool``, ``BatchBuilder``,
+``ModelRunner``) composed with a control socket and a K/V transport. It never routes: the
+front tells it what to run (``Prefill``), what to receive (``ReceiveKV``) and what to forget
+(``Drop``); it schedules that work locally under its own deficit budget and reports what
+happened (``Report``), one message per loop turn.
+
+A request's work here is one of:
+- a whole block (``Prefill`` with ``kv_dest=None``): refresh then cached steps. At the block's
+  end the request leaves the builder; its canvas pages stay here (``keep_pages``: this worker
+  holds the canvas, the request is *parked* until its next Prefill or ReceiveKV) or are freed;
+- a refresh for another worker (``kv_dest`` set): temporary pages for the whole canvas, one
+  forward (whose unmasking step is applied here), the K/V sent to ``kv_dest``, pages freed;
+- cached steps after a received refresh: the K/V is scattered into the canvas pages and the
+  request is seated (``BatchBuilder.seat``) with the state the sender shipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from sangam.decoding.state import DecodeState
+from sangam.engine.engine import IterationStats
+from sangam.engine.kv_pool import KVPool, pool_num_pages
+from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.model_runner import ModelRunner
+from sangam.engine.multi import messages as msg
+from sangam.engine.multi.kv_transfer import Done, KVTransport, LayerHook, layer_page_bytes
+from sangam.engine.multi.launcher import WorkerSpec, signature
+from sangam.engine.request import Request
+from sangam.engine.scheduler import BatchBuilder
+
+HEARTBEAT_S = 0.5
+STORE_TIMEOUT_S = 300  # joining the process group: every worker of every node must come up
+# A send waits for its receiver to post; a receiver posts when the front forwards the
+# transfer, between two of its forwards. Generous, because a timeout breaks the connection.
+TRANSFER_TIMEOUT_S = 1800
+_IDLE_POLL_MS = 100
+
+
+@dataclass
+class _Task:
+    """A request this worker is running (in the builder) or about to seat."""
+
+    request: Request
+    state: DecodeState
+    attempt: int
+    kv_dest: int | None
+    keep_pages: bool
+
+
+@dataclass
+class _Receive:
+    message: msg.ReceiveKV
+    pages: list[int] | None  # None: drain (no room, dropped meanwhile, or asked to)
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, sock: zmq.Socket):
+        self.spec = spec
+        self.index = spec.worker
+        self.sock = sock
+        config = dataclasses.replace(spec.config, device=spec.device, devices=None)
+        device = torch.device(spec.device)
+        if device.type == "cpu":
+            torch.set_num_threads(spec.num_threads)
+        else:
+            torch.cuda.set_device(device)
+        self.loaded = LoadedModel.load(config)
+        num_pages = pool_num_pages(self.loaded.config, config, self.loaded.dtype,
+                                   self.loaded.device)
+        self.pool = KVPool(self.loaded.config, num_pages, config.page_size, self.loaded.dtype,
+                           self.loaded.device)
+        self.builder = BatchBuilder(self.pool.allocator, config.page_size, config.policy,
+                                    config.effective_token_budget, config.max_batch_size)
+        self.runner = ModelRunner(self.loaded, self.pool)
+        self.streaming = config.layerwise_kv_streaming
+        self.transport: KVTransport | None = None
+        if spec.store_addr is not None:
+            self._join_process_group(spec, device)
+            self.transport = KVTransport(self.pool.kv.buffer)
+        self.tasks: dict[str, _Task] = {}  # in the builder
+        self.ready: dict[str, _Task] = {}  # K/V received, waiting for a free seat
+        self.parked: dict[str, list[int]] = {}  # canvas pages kept between blocks
+        self.receiving: dict[tuple[int, int], _Receive] = {}  # (src, transfer id)
+        self.events: list[msg.Event] = []
+        self.iterations: list[IterationStats] = []
+        self._stalled = False  # the last schedule() found nothing to run
+        self._send(msg.Hello(
+            self.index, os.getpid(), socket.gethostname(), spec.device, num_pages,
+            config.page_size, layer_page_bytes(self.pool.kv.buffer),
+            self.loaded.config.num_layers,
+            signature(spec.roles, spec.config, self.loaded.config)))
+
+    def _join_process_group(self, spec: WorkerSpec, device: torch.device) -> None:
+        host, port = spec.store_addr
+        store = dist.TCPStore(host, port, is_master=False,
+                              timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=store, rank=spec.worker,
+            world_size=len(spec.roles), timeout=datetime.timedelta(seconds=TRANSFER_TIMEOUT_S))
+
+    def _send(self, message: object) -> None:
+        self.sock.send(msg.dumps(message))
+
+    # The loop.
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while True:
+            if poller.poll(self._poll_timeout_ms()):
+                while True:
+                    try:
+                        data = self.sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    message = msg.loads(data)
+                    if isinstance(message, msg.Shutdown):
+                        return
+                    self._handle(message)
+                    self._stalled = False
+            if self.transport is not None:
+                for done in self.transport.poll():
+                    self._transfer_done(done)
+            self._seat_ready()
+            if self.builder.has_work:
+                self._iterate()
+            self._flush()
+
+    def _poll_timeout_ms(self) -> int:
+        if self.builder.has_work and not self._stalled:
+            return 0
+        if self.transport is not None and self.transport.num_open:
+            return 1  # completions arrive through a queue, not the socket
+        return _IDLE_POLL_MS
+
+    def _flush(self) -> None:
+        if self.events or self.iterations:
+            self._send(msg.Report(self.index, self.events, self.iterations,
+                                  self.pool.allocator.num_free))
+            self.events, self.iterations = [], []
+
+    # Control messages.
+    def _handle(self, m: object) -> None:
+        if isinstance(m, msg.Prefill):
+            self._on_prefill(m)
+        elif isinstance(m, msg.ReceiveKV):
+            self._on_receive(m)
+        elif isinstance(m, msg.Drop):
+            self._on_drop(m.request_id)
+        elif isinstance(m, msg.PeerDead):
+            if self.transport is not None:
+                self.transport.peer_dead(m.worker)
+        else:
+            raise TypeError(f"worker {self.index}: unexpected message {m!r}")
+
+    def _on_prefill(self, m: msg.Prefill) -> None:
+        rid = m.request_id
+        if rid in self.tasks or rid in self.ready:
+            raise RuntimeError(f"worker {self.index}: {rid!r} is already running here")
+        req = _request(rid, m.arrival, m.state)
+        req.pages = self.parked.pop(rid, [])  # this worker holds its canvas: refresh in place
+        self.builder.add(req)
+        self.tasks[rid] = _Task(req, m.state, m.attempt, m.kv_dest, m.keep_pages)
+
+    def _on_receive(self, m: msg.ReceiveKV) -> None:
+        pages = None
+        if not m.drain:
+            pages = self.parked.pop(m.request_id, None)
+            if pages is None and self.pool.allocator.can_allocate(m.num_pages):
+                pages = self.pool.allocator.allocate(m.num_pages)
+        self.receiving[(m.src, m.transfer_id)] = _Receive(m, pages)
+        self.transport.receive(m.src, m.transfer_id, m.num_pages)
+
+    def _on_drop(self, rid: str) -> None:
+        task = self.ready.pop(rid, None)
+        if task is not None:
+            self.pool.allocator.free(task.request.pages)
+        if self.tasks.pop(rid, None) is not None:
+            self.builder.abort(rid)  # frees its pages
+        pages = self.parked.pop(rid, None)
+        if pages:
+            self.pool.allocator.free(pages)
+        for r in self.receiving.values():
+            if r.message.request_id == rid and r.pages is not None:
+                self.pool.allocator.free(r.pages)  # the receive itself goes on, as a drain
+                r.pages = None
+
+    def _transfer_done(self, done: Done) -> None:
+        if done.is_send:
+            return  # the buffer is released; a failed send is the front's business
+        r = self.receiving.pop((done.peer, done.transfer_id))
+        m = r.message
+        ok = done.ok and r.pages is not None
+        if ok:
+            self.transport.scatter_into(done.buffer, torch.tensor(r.pages, dtype=torch.int64))
+            req = _request(m.request_id, m.arrival, m.state)
+            req.pages = r.pages
+            now = time.monotonic()
+            req.mark_admitted(now)  # the refresh ran on the sender
+            req.mark_step_done(now, block_done=False, finished=False)
+            self.ready[m.request_id] = _Task(req, m.state, m.attempt, None, True)
+        elif r.pages is not None:
+            self.pool.allocator.free(r.pages)
+        self.events.append(msg.KVReceived(m.request_id, m.attempt, m.src, m.transfer_id, ok,
+                                          done.nbytes, list(r.pages) if ok else []))
+
+    def _seat_ready(self) -> None:
+        while self.ready and self.builder.num_seated < self.builder.max_batch_size:
+            rid = next(iter(self.ready))
+            task = self.ready.pop(rid)
+            self.builder.seat(task.request)
+            self.tasks[rid] = task
+
+    # One iteration.
+    def _iterate(self) -> None:
+        start = time.monotonic()
+        batch = self.builder.schedule(start)
+        self._stalled = batch.is_empty
+        if batch.is_empty:
+            return
+        reqs = batch.decodes + batch.prefills
+        tasks = [self.tasks[r.request_id] for r in reqs]
+        senders = [t for t in tasks[len(batch.decodes):] if t.kv_dest is not None]
+        streams = self._open_streams(senders) if self.streaming else {}
+        states = [t.state for t in tasks]
+        pages = [r.pages for r in reqs]
+        if streams:
+            block_done = self._execute_streaming(states, pages, streams)
+        else:
+            block_done = self.runner.execute(states, pages)
+        end = time.monotonic()
+        for r in batch.prefills:
+            self.events.append(msg.RefreshRan(r.request_id, self.tasks[r.request_id].attempt,
+                                              end - start))
+        for t in senders:
+            self._ship(t, block_done[reqs.index(t.request)], streams.get(t.request.request_id))
+        for req, t, done in zip(reqs, tasks, block_done):
+            self._after_step(req, t, done, end)
+        self.iterations.append(IterationStats(
+            batch.prefill_tokens, batch.decode_tokens, batch.deficit, len(reqs),
+            len(batch.prefills), end - start))
+
+    def _open_streams(self, senders: list[_Task]) -> dict[str, tuple[int, torch.Tensor, list]]:
+        """Layer-wise streaming: open each sender's transfer before the forward."""
+        return {t.request.request_id: (self.transport.open_send(t.kv_dest),
+                                       torch.tensor(t.request.pages, dtype=torch.int64), [0])
+                for t in senders}
+
+    def _execute_streaming(self, states, pages, streams) -> list[bool]:
+        dests = {rid: self.tasks[rid].kv_dest for rid in streams}
+
+        def on_layer(layer: int) -> None:
+            for rid, (tid, page_ids, streamed) in streams.items():
+                self.transport.send_layers(dests[rid], tid, page_ids, range(layer, layer + 1))
+                streamed[0] += 1
+
+        model = self.loaded.model
+        inner = model.attention_backend
+        model.attention_backend = LayerHook(inner, on_layer)
+        try:
+            return self.runner.execute(states, pages)
+        finally:
+            model.attention_backend = inner
+
+    def _ship(self, t: _Task, block_done: bool, stream) -> None:
+        """Send a refresh's K/V to the canvas holder (or finish the streamed send). A refresh
+        that completed its block leaves nothing to decode: no send, or a streamed one that the
+        receiver drains."""
+        req = t.request
+        n = len(req.pages)
+        if stream is None:
+            if block_done:
+                return
+            tid = self.transport.open_send(t.kv_dest)
+            self.transport.send_layers(t.kv_dest, tid, torch.tensor(req.pages, dtype=torch.int64),
+                                       range(self.pool.kv.buffer.shape[0]))
+            streamed = 0
+        else:
+            tid, _, count = stream
+            streamed = count[0]
+        nbytes = self.transport.close_send(t.kv_dest, tid)
+        self.events.append(msg.KVSent(req.request_id, t.attempt, t.kv_dest, tid, n, nbytes,
+                                      streamed, t.state, block_done))
+
+    def _after_step(self, req: Request, t: _Task, block_done: bool, now: float) -> None:
+        st = t.state
+        rid = req.request_id
+        self.builder.step_done(req, now, block_done, st.finished)
+        if t.kv_dest is not None:  # a refresh for another worker: its pages were temporary
+            self.builder.abort(rid)
+            del self.tasks[rid]
+            if block_done:
+                self.events.append(msg.BlockDone(rid, t.attempt, st, []))
+            return
+        if not block_done:
+            return
+        del self.tasks[rid]
+        kept: list[int] = []
+        if st.finished:
+            pass  # the builder freed the pages
+        elif t.keep_pages:  # park the canvas: the next block's refresh is routed again
+            kept = self.builder.detach(rid).pages
+            self.parked[rid] = kept
+        else:
+            self.builder.abort(rid)
+        self.events.append(msg.BlockDone(rid, t.attempt, st, list(kept)))
+
+
+def _request(rid: str, arrival: float, st: DecodeState) -> Request:
+    """This worker's scheduler view of a request at ``st``'s block."""
+    p = st.params
+    req = Request(rid, arrival, st.prompt_len, p.canvas_length, p.block_length, p.cache)
+    req.block = st.block
+    return req
+
+
+def _watchdog(ctx: zmq.Context, spec: WorkerSpec) -> None:
+    """Heartbeats to the front, and exit when the parent or the front is gone (a SIGKILLed
+    front runs no cleanup: its workers must notice by themselves)."""
+    hb = ctx.socket(zmq.DEALER)
+    hb.setsockopt(zmq.IDENTITY, f"h{spec.worker}".encode())
+    hb.setsockopt(zmq.LINGER, 0)
+    monitor = hb.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    hb.connect(spec.front_addr)
+    beat = msg.dumps(msg.Heartbeat(spec.worker))
+    connected = False
+    while True:
+        if os.getppid() != spec.parent_pid:
+            os._exit(1)
+        try:
+            hb.send(beat, zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # not connected yet
+        deadline = time.monotonic() + HEARTBEAT_S
+        while (left := deadline - time.monotonic()) > 0 and monitor.poll(int(left * 1000) + 1):
+            event = parse_monitor_message(monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_CONNECTED:
+                connected = True
+            elif event == zmq.EVENT_DISCONNECTED and connected:
+                os._exit(1)
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """Process entry point. Never returns: the process ends with os._exit, skipping teardown
+    that could block on a dead peer (destroying a process group talks to every rank)."""
+    # Ctrl-C reaches the whole foreground process group; the front shuts workers down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"w{spec.worker}".encode())
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(spec.front_addr)
+    threading.Thread(target=_watchdog, args=(ctx, spec), daemon=True,
+                     name="sangam-watchdog").start()
+    code = 0
+    try:
+        Worker(spec, sock).serve()
+    except BaseException:
+        sock.send(msg.dumps(msg.WorkerFailed(spec.worker, traceback.format_exc())))
+        code = 1
+    sock.close()  # lingers until the last report is out
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    run_worker(pickle.load(sys.stdin.buffer))

@@ -1,0 +1,327 @@
+"""The HTTP server through the official ``openai`` client: completions, chat, streaming, the
+diffusion options as extra body fields, and exact agreement with ``LLM`` (float64, CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import string
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from sangam import LLM, EngineConfig, SamplingParams
+from sangam.demo.tokenizer import VOCAB_SIZE, write_tokenizer
+from sangam.engine.async_engine import AsyncEngine
+from sangam.serve import ServerConfig, build_app
+from sangam.serve.server import add_cli_args, uvicorn_server
+from sangam.testing import make_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "tiny"
+# Server defaults the tests rely on (requests that leave these out get them).
+DEFAULTS = dict(block_length=4, max_tokens=16)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_subprocess(args: list[str], log: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``python -m sangam.serve ARGS`` on a free loopback port, once /health answers."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny model: threads only add overhead
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "sangam.serve", "--port", str(port),
+                                 *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited {proc.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory) -> str:
+    """A tiny LLaDA checkpoint with the demo's char-level tokenizer and chat template."""
+    path = tmp_path_factory.mktemp("llada_tok")
+    make_tiny_checkpoint(path, arch="llada", seed=3, vocab_size=VOCAB_SIZE)
+    write_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(chat_ckpt, tmp_path_factory) -> str:
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    args = ["--model", chat_ckpt, "--device", "cpu", "--dtype", "float64",
+            "--served-model-name", MODEL, "--block-length", str(DEFAULTS["block_length"]),
+            "--max-tokens-default", str(DEFAULTS["max_tokens"]), "--num-pages", "1024"]
+    with serve_subprocess(args, log) as (_, base):
+        yield base
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    # The server process competes for the same cores; OpenMP threads that spin-wait under
+    # oversubscription slow every in-process forward a hundredfold.
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def llm(chat_ckpt) -> LLM:
+    return LLM(chat_ckpt, device="cpu", dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="dummy", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def aclient(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="dummy", max_retries=0)
+
+
+def _params(**kw) -> SamplingParams:
+    return SamplingParams(**{**DEFAULTS, **kw})
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_matches_llm(client, llm):
+    opts = dict(block_length=4, unmasking="factor", factor=1.0, cache="prefix", stop_at_eos=False)
+    res = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=10, seed=5,
+                                    temperature=0.0, extra_body=opts)
+    ref = llm.generate(["Hello there"], _params(max_tokens=10, seed=5, **opts))[0]
+    choice = res.choices[0]
+    assert choice.text == ref.text
+    assert choice.token_ids == ref.token_ids
+    assert choice.finish_reason == "length"
+    assert res.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert res.usage.completion_tokens == len(ref.token_ids) == 10
+    assert res.usage.total_tokens == res.usage.prompt_tokens + 10
+    assert res.usage.num_forwards == ref.num_forwards
+
+
+def test_server_defaults_apply(client, llm):
+    res = client.completions.create(model=MODEL, prompt="abc", extra_body={"stop_at_eos": False})
+    ref = llm.generate(["abc"], _params(stop_at_eos=False))[0]
+    assert res.choices[0].token_ids == ref.token_ids
+    assert res.usage.completion_tokens == DEFAULTS["max_tokens"]
+
+
+def test_batched_prompts(client, llm):
+    prompts = ["first prompt", "second"]
+    res = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, seed=1)
+    refs = llm.generate(prompts, _params(max_tokens=6, seed=1))
+    assert [c.index for c in res.choices] == [0, 1]
+    assert [c.token_ids for c in res.choices] == [r.token_ids for r in refs]
+    assert res.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
+
+
+def test_batched_streaming(client, llm):
+    prompts = ["one", "two two"]
+    stream = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"stop_at_eos": False, "block_length": 2})
+    chunks = list(stream)
+    refs = llm.generate(prompts, _params(max_tokens=6, block_length=2, stop_at_eos=False))
+    for i, ref in enumerate(refs):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert len(mine) == 3
+        assert "".join(c.text for c in mine) == ref.text
+        assert [t for c in mine for t in c.token_ids] == ref.token_ids
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def _chat_ids(llm: LLM, messages: list[dict]) -> list[int]:
+    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+    return llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_chat_matches_llm(client, llm):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is 2+2?"}]
+    res = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, seed=2,
+                                         extra_body={"threshold": 0.5, "stop_at_eos": False})
+    ids = _chat_ids(llm, messages)
+    ref = llm.generate(prompt_token_ids=[ids],
+                       sampling_params=_params(max_tokens=12, seed=2, threshold=0.5,
+                                               stop_at_eos=False))[0]
+    assert res.choices[0].message.role == "assistant"
+    assert res.choices[0].message.content == ref.text
+    assert res.choices[0].finish_reason == "length"
+    assert res.usage.prompt_tokens == len(ids)
+    assert res.usage.num_forwards == ref.num_forwards
+
+
+def test_chat_streaming(client, llm):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Tell me "},
+                                             {"type": "text", "text": "a story"}]}]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=11, stream=True,
+        stream_options={"include_usage": True}, extra_body={"block_length": 3,
+                                                             "stop_at_eos": False})
+    chunks = list(stream)
+    ids = _chat_ids(llm, [{"role": "user", "content": "Tell me a story"}])
+    ref = llm.generate(prompt_token_ids=[ids], sampling_params=_params(
+        max_tokens=11, block_length=3, stop_at_eos=False))[0]
+    content = [c for c in chunks if c.choices]
+    assert len(content) == 4  # one chunk per committed block: ceil(11 / 3)
+    assert content[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in content) == ref.text
+    assert [c.choices[0].finish_reason for c in content] == [None, None, None, "length"]
+    assert all(c.usage is None for c in content)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 11
+    assert chunks[-1].usage.num_forwards == ref.num_forwards
+
+
+def test_completion_streaming_blocks(client, llm):
+    stream = client.completions.create(model=MODEL, prompt="Stream me", max_tokens=10,
+                                       stream=True, extra_body={"stop_at_eos": False})
+    chunks = list(stream)
+    ref = llm.generate(["Stream me"], _params(max_tokens=10, stop_at_eos=False))[0]
+    assert [len(c.choices[0].token_ids) for c in chunks] == [4, 4, 2]
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+
+
+def _workload(n: int) -> list[tuple[str, dict]]:
+    rng = random.Random(0)
+    rules = [dict(unmasking="threshold", threshold=0.9), dict(unmasking="threshold",
+                                                                threshold=0.3),
+             dict(unmasking="factor", factor=2.0), dict(unmasking="topk", tokens_per_step=2)]
+    reqs = []
+    for i in range(n):
+        prompt = "".join(rng.choice(string.ascii_letters + " ,.")
+                         for _ in range(rng.randint(1, 40)))
+        opts = dict(max_tokens=rng.choice([5, 8, 13, 20]), block_length=rng.choice([2, 4, 8]),
+                    cache=rng.choice(["dual", "prefix", "none"]),
+                    temperature=rng.choice([0.0, 0.0, 1.5]), seed=1000 + i,
+                    stop_at_eos=rng.random() < 0.5, **rng.choice(rules))
+        reqs.append((prompt, opts))
+    return reqs
+
+
+async def _stream(aclient: openai.AsyncOpenAI, prompt: str, opts: dict):
+    std = {k: opts[k] for k in ("max_tokens", "temperature", "seed")}
+    extra = {k: v for k, v in opts.items() if k not in std}
+    stream = await aclient.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                              extra_body=extra, **std)
+    return [chunk.choices[0] async for chunk in stream]
+
+
+def test_concurrent_streams_match_llm(aclient, llm):
+    reqs = _workload(20)
+
+    async def run_all():
+        return await asyncio.gather(*(_stream(aclient, p, o) for p, o in reqs))
+
+    streamed = asyncio.run(run_all())
+    refs = llm.generate([p for p, _ in reqs], [SamplingParams(**o) for _, o in reqs])
+    for (_, opts), chunks, ref in zip(reqs, streamed, refs):
+        assert "".join(c.text for c in chunks) == ref.text
+        assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+        assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + [
+            ref.finish_reason]
+        # Every chunk but the last is one whole committed block.
+        assert all(len(c.token_ids) == opts["block_length"] for c in chunks[:-1])
+        if not opts["stop_at_eos"]:
+            assert len(chunks) == -(-opts["max_tokens"] // opts["block_length"])
+
+
+def test_metrics_after_traffic(server):
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("sangam_requests_waiting", "sangam_requests_seated", "sangam_deficit_tokens",
+                 "sangam_iteration_tokens_bucket", "sangam_iteration_seconds_bucket",
+                 "sangam_request_latency_seconds_bucket", "sangam_kv_pool_usage_ratio",
+                 'sangam_requests_finished_total{finish_reason="length"}',
+                 "sangam_requests_aborted_total", "sangam_time_to_first_block_seconds_count"):
+        assert name in text, name
+    assert "sangam_kv_pool_pages_used 0.0" in text
+
+
+# A checkpoint without a tokenizer (Dream), served from a thread of this process.
+@pytest.fixture(scope="module")
+def tokenless_server(dream_path) -> Iterator[str]:
+    engine = AsyncEngine(EngineConfig(model=dream_path, device="cpu", dtype="float64",
+                                      num_pages=256))
+    config = ServerConfig(port=0, served_model_name=MODEL, block_length=4, log_level="warning")
+    server = uvicorn_server(build_app(engine, config), config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=30)
+    assert engine.dead is None
+
+
+def test_token_id_prompt_without_tokenizer(tokenless_server, dream_path):
+    client = openai.OpenAI(base_url=f"{tokenless_server}/v1", api_key="x", max_retries=0)
+    prompt = [5, 17, 42, 99, 3]
+    res = client.completions.create(model=MODEL, prompt=prompt, max_tokens=9, seed=4,
+                                    extra_body={"stop_at_eos": False, "cache": "dual"})
+    ref = LLM(dream_path, device="cpu", dtype="float64").generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(
+            max_tokens=9, block_length=4, seed=4, stop_at_eos=False))[0]
+    assert res.choices[0].token_ids == ref.token_ids
+    assert res.choices[0].text == ""
+    assert res.usage.prompt_tokens == 5 and res.usage.completion_tokens == 9
+    with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+        client.chat.completions.create(model=MODEL, max_tokens=4,
+                                       messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+        client.completions.create(model=MODEL, prompt="text", max_tokens=4)
+
+
+def test_every_config_field_is_a_flag():
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args([])
+    assert EngineConfig.from_cli_args(args) == EngineConfig()
+    assert ServerConfig.from_cli_args(args) == ServerConfig()
+    args = parser.parse_args(["--token-budget", "512", "--api-key", "k", "--port", "9"])
+    assert EngineConfig.from_cli_args(args).token_budget == 512
+    assert ServerConfig.from_cli_args(args).api_key == "k"

@@ -1,0 +1,284 @@
+"""Simulator, cost model, traces and capacity search on cases computable by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from sangam.bench.capacity import find_capacity
+from sangam.bench.cli import main
+from sangam.bench.cost_model import (
+    GPUS,
+    MODELS,
+    Coefficients,
+    CostModel,
+    Span,
+    fit_coefficients,
+)
+from sangam.bench.sim import (
+    FixedSteps,
+    GeometricSteps,
+    ProfileSteps,
+    SimConfig,
+    simulate,
+)
+from sangam.bench.traces import (
+    TraceRequest,
+    arrivals,
+    gamma_arrivals,
+    load_csv,
+    load_lengths,
+    load_sharegpt,
+    poisson_arrivals,
+    synthetic_lengths,
+)
+
+TICK = 0.1
+# Rates so high that the roofline terms vanish: every iteration lasts exactly the overhead.
+CONSTANT = Coefficients(1e40, 1e40, 1e40, TICK, 0.0)
+
+
+def run(cfg: SimConfig, trace: list[TraceRequest], tokens_per_step: int = 2):
+    return simulate(cfg, trace, coefficients=CONSTANT, steps=FixedSteps(tokens_per_step))
+
+
+def by_id(res) -> dict[int, dict]:
+    return {r["id"]: r for r in res.records}
+
+
+def test_one_request_alone_iterations_and_latency():
+    # P=10, G=16, B=8, 2 tokens per step: each block is a refresh + 3 cached steps, 2 blocks.
+    cfg = SimConfig(block_length=8, token_budget=1024)
+    r = by_id(run(cfg, [TraceRequest(1.0, 10, 16)]))[0]
+    assert r["forwards"] == 8
+    assert r["latency"] == pytest.approx(8 * TICK)
+    assert r["finish"] == pytest.approx(1.0 + 8 * TICK)
+    assert r["queueing"] == pytest.approx(0.0)  # both refreshes start as soon as queued
+    assert r["decode"] == pytest.approx(6 * TICK)  # 3 cached steps per block
+    assert r["ttfb"] == pytest.approx(4 * TICK)
+    assert r["canvas_tokens"] == 16
+
+
+def test_output_shorter_than_canvas_stops_after_its_block():
+    cfg = SimConfig(block_length=8, max_tokens=64)  # canvas 64, output 12: blocks 0 and 1
+    r = by_id(run(cfg, [TraceRequest(0.0, 10, 12)], tokens_per_step=8))[0]
+    assert r["forwards"] == 2 and r["latency"] == pytest.approx(2 * TICK)
+
+
+def test_deficit_budget_delays_a_large_prefill_by_known_iterations():
+    # A (T=40) is seated from t=0 with a 32-token decode span, so each iteration adds
+    # tau - 32 = 68 tokens to the budget; B (T=200) arrives at 0.05.
+    # it0 (t=0):   A admitted, deficit = 100 - 40 = 60
+    # it1 (t=0.1): remaining 68 + 60 = 128 < 200 -> wait
+    # it2 (t=0.2): 68 + 128 = 196 < 200 -> wait
+    # it3 (t=0.3): 68 + 196 = 264 >= 200 -> B admitted
+    trace = [TraceRequest(0.0, 8, 32), TraceRequest(0.05, 168, 32)]
+    cfg = SimConfig(block_length=32, token_budget=100)
+    recs = by_id(run(cfg, trace, tokens_per_step=1))
+    assert recs[1]["queueing"] == pytest.approx(0.3 - 0.05)
+    assert recs[0]["latency"] == pytest.approx(32 * TICK)  # never displaced: 32 forwards
+    assert recs[1]["finish"] == pytest.approx(0.3 + 32 * TICK)
+    # Prefill-first admits B at the first iteration after it arrives.
+    first = by_id(run(SimConfig(block_length=32, policy="prefill_first"), trace, 1))
+    assert first[1]["queueing"] == pytest.approx(0.1 - 0.05)
+
+
+def test_fastdllm_runs_one_request_at_a_time():
+    trace = [TraceRequest(0.0, 10, 16), TraceRequest(0.0, 10, 16)]
+    recs = by_id(run(SimConfig(block_length=8, policy="fastdllm"), trace))
+    assert sorted(r["finish"] for r in recs.values()) == pytest.approx([8 * TICK, 16 * TICK])
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_disaggregated_transfer_time(layerwise):
+    # 1P1D: per block, a refresh on the prefill worker, the K/V transfer, 3 cached steps.
+    cfg = SimConfig(mode="disaggregated", prefill_workers=1, decode_workers=1, block_length=8,
+                    link="network", layerwise_kv_streaming=layerwise)
+    r = by_id(run(cfg, [TraceRequest(0.0, 10, 16)]))[0]
+    xfer = 26 * MODELS["llada"].kv_bytes_per_token() / 25e9
+    # Streamed: the last layer's share is all that outlasts the (longer) refresh forward.
+    exposed = xfer / MODELS["llada"].layers if layerwise else xfer
+    assert r["transfer"] == pytest.approx(2 * exposed)
+    assert r["latency"] == pytest.approx(8 * TICK + 2 * exposed)
+    assert r["forwards"] == 8
+
+
+def test_hybrid_overflows_onto_the_decode_worker():
+    # theta = 1: once the prefill worker holds any outstanding prefill, the next one overflows
+    # onto the idle decode worker and refreshes there (no transfer).
+    cfg = SimConfig(mode="hybrid", prefill_workers=1, decode_workers=1, block_length=8,
+                    overflow_threshold=1)
+    trace = [TraceRequest(0.0, 10, 8), TraceRequest(0.0, 10, 8)]
+    res = run(cfg, trace, tokens_per_step=8)  # one refresh finishes each request
+    recs = by_id(res)
+    assert recs[0]["latency"] == pytest.approx(TICK) and recs[1]["latency"] == pytest.approx(TICK)
+    assert [w["iterations"] for w in res.workers] == [1, 1]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "hybrid"])
+def test_small_kv_pool_finishes_everything(mode):
+    """Memory-blocked admissions (colocated) and requests waiting for a decode worker's pages
+    (disaggregated) still all finish, in any mode."""
+    lengths = synthetic_lengths("sharegpt", 40, seed=3, max_total=1024)
+    times = arrivals(40, 50.0, seed=4)
+    trace = [TraceRequest(t, s.prompt_len, s.gen_len) for s, t in zip(lengths, times)]
+    cfg = SimConfig(mode=mode, num_workers=2, prefill_workers=1, decode_workers=1,
+                    num_pages=200, overflow_threshold=512)  # 200 pages: ~3 canvases
+    res = simulate(cfg, trace, steps=GeometricSteps(3.25))
+    assert len(res.records) == 40
+    assert all(r["latency"] > 0 for r in res.records)
+
+
+def test_request_that_can_never_fit_is_refused():
+    with pytest.raises(ValueError, match="never fit"):
+        run(SimConfig(num_pages=2), [TraceRequest(0.0, 100, 32)])
+
+
+def test_simulation_is_seeded():
+    lengths = synthetic_lengths("arxiv", 30, seed=1)
+    trace = [TraceRequest(t, s.prompt_len, s.gen_len)
+             for s, t in zip(lengths, arrivals(30, 2.0, seed=2))]
+    cfg = SimConfig(mode="hybrid", overflow_threshold=2048)
+    a = simulate(cfg, trace).records
+    assert a == simulate(cfg, trace).records
+    assert a != simulate(SimConfig(mode="hybrid", overflow_threshold=2048, seed=9), trace).records
+
+
+# Step models.
+def test_step_models_cover_the_block():
+    rng = random.Random(0)
+    geo = GeometricSteps(3.25)
+    blocks = [geo.block_commits(rng, 32) for _ in range(4000)]
+    assert all(sum(b) == 32 and min(b) >= 1 for b in blocks)
+    steps = np.mean([len(b) for b in blocks])
+    assert 9.5 < steps < 11  # ~32 / 3.25 plus the truncated last step
+    assert FixedSteps(5).block_commits(rng, 12) == [5, 5, 2]
+    prof = ProfileSteps({4: 1})
+    assert prof.block_commits(rng, 10) == [3, 3, 2, 2]
+
+
+# Cost model.
+def test_cost_model_roofline_regimes():
+    geom, gpu = MODELS["llada"], GPUS["h100"]
+    cm = CostModel(geom, Coefficients.defaults(gpu))
+    c = cm.coeffs
+    one = cm.iteration_time([Span(32, 1024, 32)])
+    # A single cached step is memory-bound: reading the weights dominates.
+    weights = geom.layers * geom.layer_params * 2 / c.hbm_bytes_per_s
+    assert weights < one < weights * 1.8 + c.iteration_overhead_s
+    # A long refresh is compute-bound: time ~ linearly in tokens.
+    t2k = cm.iteration_time([Span(2048, 2048, 32)])
+    t4k = cm.iteration_time([Span(4096, 4096, 32)])
+    assert 2.0 < t4k / t2k < 2.6  # linear part doubles, attention quadruples
+    # Batching decodes is nearly free while memory-bound.
+    assert cm.iteration_time([Span(32, 1024, 32)] * 8) < 1.5 * one
+    assert geom.kv_bytes_per_token() == 512 * 1024
+    assert MODELS["dream"].kv_bytes_per_token() == 56 * 1024
+
+
+def test_fit_recovers_known_coefficients():
+    geom = MODELS["dream"]
+    truth = Coefficients(6e14, 3e14, 2.5e12, 4e-3, 2e-5)
+    cm = CostModel(geom, truth)
+    comps = [[Span(t, t, 32)] for t in (256, 1024, 4096)]
+    comps += [[Span(32, kv, 32)] * n for kv in (512, 2048) for n in (1, 16, 64)]
+    comps += [[Span(1024, 1024, 32)] + [Span(32, 1024, 32)] * 16]
+    points = [(c, cm.iteration_time(c)) for c in comps]
+    fitted, err = fit_coefficients(geom, points, Coefficients.defaults(GPUS["h200"]))
+    assert err < 0.02
+    fit_cm = CostModel(geom, fitted)
+    for c, t in points:
+        assert fit_cm.iteration_time(c) == pytest.approx(t, rel=0.05)
+
+
+def test_calibration_file_round_trip(tmp_path):
+    path = tmp_path / "calib.json"
+    coeffs = Coefficients(1e14, 5e13, 1e12, 1e-3, 1e-5)
+    path.write_text(json.dumps({"coefficients": coeffs.to_dict()}))
+    assert Coefficients.load(path) == coeffs
+
+
+# Traces.
+@pytest.mark.parametrize("shape, prompt, gen", [("sharegpt", 795, 266), ("arxiv", 2827, 162)])
+def test_synthetic_traces_have_the_paper_medians(shape, prompt, gen):
+    s = synthetic_lengths(shape, 20000, seed=0)
+    assert np.median([x.prompt_len for x in s]) == pytest.approx(prompt, rel=0.05)
+    assert np.median([x.gen_len for x in s]) == pytest.approx(gen, rel=0.05)
+    assert max(x.prompt_len + x.gen_len for x in s) <= 4096
+    assert min(min(x.prompt_len, x.gen_len) for x in s) >= 4
+    assert synthetic_lengths(shape, 50, seed=0) == s[:50]  # seeded: a prefix of the same draw
+    assert synthetic_lengths(shape, 50, seed=1) != s[:50]
+
+
+def test_arrival_processes_are_seeded_with_the_right_rate():
+    t = poisson_arrivals(20000, 4.0, seed=0)
+    gaps = np.diff([0.0, *t])
+    assert np.mean(gaps) == pytest.approx(0.25, rel=0.03)
+    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, rel=0.05)
+    assert t == poisson_arrivals(20000, 4.0, seed=0)
+    g = np.diff([0.0, *gamma_arrivals(20000, 4.0, cv=3.0, seed=0)])
+    assert np.mean(g) == pytest.approx(0.25, rel=0.1)
+    assert np.std(g) / np.mean(g) == pytest.approx(3.0, rel=0.1)
+    assert arrivals(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+
+
+def test_sharegpt_and_csv_loaders(tmp_path):
+    convs = [
+        {"conversations": [{"from": "human", "value": "x" * 40},
+                           {"from": "gpt", "value": "y" * 81}]},
+        {"conversations": [{"from": "human", "value": "too short reply"},
+                           {"from": "gpt", "value": "no"}]},  # dropped: reply < 4 tokens
+        {"conversations": [{"from": "gpt", "value": "starts with the model"}]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    got = load_sharegpt(path)
+    assert [(s.prompt_len, s.gen_len) for s in got] == [(10, 21)]  # ceil(chars / 4)
+    words = load_sharegpt(path, count_tokens=lambda text: len(text) // 10 + 3)
+    assert [(s.prompt_len, s.gen_len, s.prompt) for s in words] == [(7, 11, "x" * 40)]
+    csv_path = tmp_path / "trace.csv"
+    csv_path.write_text('prompt_len,gen_len,messages\n5,7,"[{""role"": ""user"", '
+                        '""content"": ""hi""}]"\n9,3,\n')
+    rows = load_csv(csv_path)
+    assert [(s.prompt_len, s.gen_len, s.prompt) for s in rows] == [(5, 7, "hi"), (9, 3, None)]
+    many = load_lengths(str(csv_path), 5, seed=0)  # reused in a seeded order
+    assert len(many) == 5 and {s.prompt_len for s in many} == {5, 9}
+
+
+# Capacity search.
+def test_capacity_finds_a_known_threshold():
+    cap = 7.3  # latency 1 / (cap - q): the SLO of 2 s holds up to q = cap - 0.5
+    latency = lambda q: 1.0 / (cap - q) if q < cap else math.inf  # noqa: E731
+    res = find_capacity(latency, 2.0, qps_start=1.0, rel_tol=0.01)
+    assert 6.8 * 0.99 <= res.qps <= 6.8
+    assert [round(q) for q, _, _ in res.probes[:4]] == [1, 2, 4, 8]  # doubling first
+    low = find_capacity(latency, 2.0, qps_start=50.0, rel_tol=0.01)  # halving down first
+    assert 6.8 * 0.99 <= low.qps <= 6.8
+    assert find_capacity(lambda q: 0.0, 1.0, max_qps=64).qps == 64
+    assert find_capacity(lambda q: 10.0, 1.0).qps == 0.0
+
+
+# Command line.
+def test_sim_cli_writes_outputs(tmp_path, capsys):
+    out = tmp_path / "sim"
+    assert main(["sim", "--num-requests", "20", "--qps", "1,4", "--policies", "deficit,fastdllm",
+                 "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "1C tau=1024" in table and "1C fastdllm" in table
+    report = json.loads((out / "results.json").read_text())
+    assert len(report["summaries"]) == 4
+    assert (out / "latency_vs_qps.png").stat().st_size > 1000
+    assert len((out / "requests.csv").read_text().splitlines()) == 1 + 4 * 20
+
+
+def test_capacity_cli_on_the_simulator(tmp_path, capsys):
+    path = tmp_path / "cap.json"
+    assert main(["capacity", "--slo-mean", "5", "--qps-start", "0.5", "--rel-tol", "0.2",
+                 "--json", str(path), "sim", "--num-requests", "30"]) == 0
+    result = json.loads(path.read_text())["results"]["1C tau=1024"]
+    assert result["qps"] > 0
+    assert all(p["value"] <= 5 for p in result["probes"] if p["qps"] <= result["qps"])
