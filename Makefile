@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py pyproject.toml
+$(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q "$(TORCH_SPEC)"

@@ -192,17 +192,17 @@ bool set_attr_i64(PyObject* obj, PyObject* name, int64_t value) {
 
 // One request's step plan (DecodeState.plan), plus what packing it needs.
 struct Plan {
-  Array<int64_t> tokens;  // the canvas: prompt + response, MASK where not yet committed
-  Ref pages;              // the request's page list, as a PySequence_Fast
-  int64_t total_len = 0;
-  int64_t mask = 0;
-  int64_t shift = 0;       // Dream: position p is predicted by hidden row p - 1
-  int64_t s = 0, e = 0;    // the current block [s, e)
+  Array<int64_t> tokens;       // the canvas: prompt + response, MASK where not yet committed
+  Ref pages;                   // the request's page list, as a PySequence_Fast
+  int64_t total_len = 0;       // T
+  int64_t mask = 0;            // the mask token id
+  int64_t shift = 0;           // Dream: position p is predicted by hidden row p - 1
+  int64_t s = 0, e = 0;        // the current block [s, e)
   int64_t start = 0, end = 0;  // the span fed to the model
-  int64_t num_forced = 0;  // Dream's refresh commits position s regardless of the rule
-  int64_t num_rows = 0;    // forced rows + rule candidates
+  int64_t num_forced = 0;      // Dream's refresh commits position s regardless of the rule
+  int64_t num_rows = 0;        // forced rows + rule candidates
   double temperature = 0.0;
-  uint32_t key = 0;  // the step's noise key (only drawn when temperature > 0)
+  uint32_t key = 0;            // the step's noise key (only drawn when temperature > 0)
 };
 
 bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
@@ -229,7 +229,8 @@ bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
   p->s = prompt_len + block * block_length;  // block_bounds
   p->e = p->s + block_length;
   if (p->s < 0 || p->e <= p->s || p->e > T) {
-    PyErr_Format(PyExc_ValueError, "DecodeState: block [%lld, %lld) lies outside its canvas of %lld",
+    PyErr_Format(PyExc_ValueError,
+                 "DecodeState: block [%lld, %lld) lies outside its canvas of %lld",
                  static_cast<long long>(p->s), static_cast<long long>(p->e),
                  static_cast<long long>(T));
     return false;
@@ -260,16 +261,16 @@ bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
 
 // The arena's arrays, in the order build() takes them (sangam/engine/host_batch.py: _FIELDS).
 struct Arena {
-  Array<int64_t> input_ids, positions, slot_mapping;            // [num_tokens]
-  Array<int32_t> block_tables;                                  // [n * width]
-  Array<int32_t> cu_seqlens_q;                                  // [n + 1]
-  Array<int32_t> kv_lens;                                       // [n]
-  Array<int64_t> logits_indices;                                // [num_rows]
-  Array<int64_t> cu_rows;                                       // [n + 1]
-  Array<int64_t> row_keys;                                      // [num_rows]
-  Array<double> temperatures;                                   // [num_rows]
-  Array<int64_t> cand_positions;                                // [num_rows]
-  Array<int64_t> num_forced;                                    // [n]
+  Array<int64_t> input_ids, positions, slot_mapping;  // [num_tokens]
+  Array<int32_t> block_tables;                        // [n * width]
+  Array<int32_t> cu_seqlens_q;                        // [n + 1]
+  Array<int32_t> kv_lens;                             // [n]
+  Array<int64_t> logits_indices;                      // [num_rows]
+  Array<int64_t> cu_rows;                             // [n + 1]
+  Array<int64_t> row_keys;                            // [num_rows]
+  Array<double> temperatures;                         // [num_rows]
+  Array<int64_t> cand_positions;                      // [num_rows]
+  Array<int64_t> num_forced;                          // [n]
   static constexpr Py_ssize_t kCount = 12;
 
   bool acquire(PyObject* arrays) {
@@ -320,9 +321,11 @@ bool pack_one(const Plan& p, int64_t r, int64_t width, int64_t page_size, int64_
   for (int64_t j = num_pages; j < width; ++j) table[j] = 0;
 
   const int64_t* tok = p.tokens.data();
+  // (page_index, offset) = divmod(pos, page_size), stepped along the span: a 64-bit division
+  // per token was the loop's main cost.
+  int64_t page_index = p.start / page_size, offset = p.start % page_size;
   for (int64_t pos = p.start; pos < p.end; ++pos) {
     const int64_t i = tok_off + pos - p.start;
-    const int64_t page_index = pos / page_size;
     if (page_index >= num_pages) {
       PyErr_Format(PyExc_IndexError, "position %lld needs page %lld, but the request holds %zd",
                    static_cast<long long>(pos), static_cast<long long>(page_index), num_pages);
@@ -330,7 +333,11 @@ bool pack_one(const Plan& p, int64_t r, int64_t width, int64_t page_size, int64_
     }
     out.positions[i] = pos;
     out.input_ids[i] = tok[pos];
-    out.slot_mapping[i] = static_cast<int64_t>(table[page_index]) * page_size + pos % page_size;
+    out.slot_mapping[i] = static_cast<int64_t>(table[page_index]) * page_size + offset;
+    if (++offset == page_size) {
+      offset = 0;
+      ++page_index;
+    }
   }
   out.cu_seqlens_q[r + 1] = static_cast<int32_t>(tok_off + p.end - p.start);
   out.kv_lens[r] = static_cast<int32_t>(p.total_len);
@@ -425,7 +432,9 @@ bool holds_stop_id(PyObject* st, const int64_t* tokens, int64_t from, int64_t to
   if (PyErr_Occurred()) return false;
   *out = false;
   for (int64_t i = from; i < to && !*out; ++i) {
-    for (const int64_t id : ids) *out = *out || tokens[i] == id;
+    for (const int64_t id : ids) {
+      if (tokens[i] == id) *out = true;
+    }
   }
   return true;
 }
@@ -457,6 +466,10 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
       !attr_i64(st, names.mask_token_id, &mask) || !attr_i64(st, names.prompt_len, &prompt_len) ||
       !attr_i64(st, names.block, &block) || !attr_i64(st, names.step, &step) ||
       !attr_i64(st, names.num_forwards, &num_forwards)) {
+    return false;
+  }
+  if (block_length < 1) {  // SamplingParams forbids it; checked so the division below is safe
+    PyErr_SetString(PyExc_ValueError, "SamplingParams: block_length must be >= 1");
     return false;
   }
   const int64_t num_cands = num_rows - num_forced;

@@ -78,3 +78,23 @@ def test_triton_backend_decodes_like_torch(checkpoints, arch, device, dtype, min
         assert got == want and got_forwards == want_forwards
     else:
         assert agree >= min_agree, f"only {agree:.0%} of tokens agree"
+
+
+@_CPU
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_llm_triton_backend_matches_reference_backend(checkpoints, arch):
+    """The whole engine path: packed batch, Triton attention, fused unmasking kernel."""
+    from sangam import LLM
+
+    prompts = [[5, 6, 7], list(range(10, 29)), [42] * 9]
+    params = [SamplingParams(max_tokens=12, block_length=4, cache=cache, unmasking=rule,
+                             temperature=temp, tokens_per_step=k, seed=i, stop_at_eos=False)
+              for i, (cache, rule, temp, k) in enumerate(MODES)]
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(checkpoints[arch], device="cpu", dtype="float64", attention_backend=backend,
+                  page_size=4, num_pages=64)
+        assert llm.engine.runner.fused_scoring == (backend == "triton")
+        outs[backend] = [(o.token_ids, o.num_forwards)
+                         for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert outs["triton"] == outs["torch"]

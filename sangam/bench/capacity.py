@@ -23,7 +23,7 @@ class CapacityResult:
     probes: list[tuple[float, float, bool]] = field(default_factory=list)  # (qps, metric, ok)
 
 
-def find_capacity(measure: Callable[[float], float], slo: float, qps_start: float = 1.0,
+def find_capacity(measure: Callable[[float], float | None], slo: float, qps_start: float = 1.0,
                   rel_tol: float = 0.05, max_qps: float = 1e4, min_qps: float = 1e-3
                   ) -> CapacityResult:
     """Highest QPS with ``measure(qps) <= slo``, by doubling then bisection.
@@ -91,9 +91,10 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     for label in target.config_labels(args):
         def measure(q: float, label: str = label) -> float:
-            summary = measure_all(q, label)
-            print(f"  [{label}] qps {q:.4g}: {key} {summary.get(key)}", flush=True)
-            return summary.get(key)
+            value = measure_all(q, label).get(key)
+            shown = "-" if value is None else f"{value:.3f} s"
+            print(f"  [{label}] qps {q:.4g}: {key} {shown}", flush=True)
+            return value
 
         print(f"{label}: searching for the highest QPS with {key} <= {slo} s", flush=True)
         res = find_capacity(measure, slo, args.qps_start, args.rel_tol, args.max_qps)

@@ -35,7 +35,7 @@ import os
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -268,13 +268,9 @@ async def _http_run(url: str, requests: Sequence[Prepared], args: argparse.Names
 
 
 # Driving runs.
-def base_engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig.from_cli_args(args)
-
-
 def configs_from_args(args: argparse.Namespace) -> dict[str, EngineConfig]:
     """Label -> engine configuration: the flags, with each --compare spec applied on top."""
-    base = base_engine_config(args)
+    base = EngineConfig.from_cli_args(args)
     specs = list(args.compare or [])
     policies = args.policies.split(",") if args.policies else [None]
     budgets = args.token_budgets.split(",") if args.token_budgets else [None]
@@ -351,7 +347,7 @@ class Bench:
         return summary, res
 
 
-def capacity_probe(args: argparse.Namespace):
+def capacity_probe(args: argparse.Namespace) -> Callable[[float, str], dict]:
     """For ``sangam-bench capacity``: (qps, label) -> summary of one real run."""
     _set_threads(args)
     bench = Bench(args)
@@ -370,11 +366,15 @@ def run(args: argparse.Namespace) -> int:
     bench = Bench(args)
     qps_list = parse_float_list(args.qps)
     summaries, records = [], []
-    for label in config_labels(args):
-        for qps in qps_list:
+    # Configurations alternate at each load, so that a shared machine's drifting background
+    # load biases all of them alike.
+    labels = config_labels(args)
+    for qps in qps_list:
+        for label in labels:
             summary, res = bench.run(label, qps)
             summaries.append(summary)
             records += [{"config": label, "qps": qps, **r} for r in res.records]
+    summaries.sort(key=lambda s: labels.index(s["config"]))  # stable: by config, then QPS
     columns = SUMMARY_COLUMNS + (("mean_batch", "batch", "{:.2f}"),)
     print(format_table(summaries, columns))
     if args.out:

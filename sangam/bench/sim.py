@@ -45,7 +45,7 @@ import os
 import random
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from sangam.bench.cost_model import (
@@ -653,7 +653,7 @@ def config_labels(args: argparse.Namespace) -> list[str]:
     return list(configs_from_args(args))
 
 
-def capacity_probe(args: argparse.Namespace):
+def capacity_probe(args: argparse.Namespace) -> Callable[[float, str], dict]:
     """For ``sangam-bench capacity``: (qps, label) -> summary of one simulated run."""
     configs = configs_from_args(args)
     lengths = load_lengths(args.trace, args.num_requests or DEFAULT_NUM_REQUESTS, args.trace_seed)

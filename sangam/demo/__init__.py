@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "model"
-DEMO_MAX_TOKENS = 32  # the response length it was trained with
-DEMO_BLOCK_LENGTH = 8  # four blocks per response
+DEMO_MAX_TOKENS = 24  # the response length it was trained with
+DEMO_BLOCK_LENGTH = 8  # three blocks per response
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 

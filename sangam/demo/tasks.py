@@ -1,6 +1,6 @@
 """Seeded generators of the demo model's tasks: short chat prompts with checkable answers.
 
-Six families, each answer at most 10 characters: addition and subtraction of 1-3 digit numbers,
+Six families, each answer at most 8 characters: addition and subtraction of numbers below 100,
 reversing, sorting and copying short lowercase strings, and counting a letter in a string.
 Every possible instance belongs to exactly one split, decided by a hash of its prompt (one
 instance in ``EVAL_MODULUS`` is held out), so evaluation instances never appear in training
@@ -20,7 +20,8 @@ SPLITS = ("train", "eval")
 EVAL_MODULUS = 8
 EVAL_SEED = 1_000_003  # default seed of the held-out instances reported by `sangam-bench quality`
 LETTERS = string.ascii_lowercase
-COUNT_LETTERS = "abcde"  # a small alphabet, so letters repeat and counts are not all 0 or 1
+COUNT_LETTERS = "abcd"  # a small alphabet, so letters repeat and counts are not all 0 or 1
+MAX_DIGITS = 2
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,7 @@ class Task:
 
 
 def _number(rng: random.Random) -> int:
-    digits = rng.randint(1, 3)
-    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+    return rng.randint(0, 10**MAX_DIGITS - 1)
 
 
 def _word(rng: random.Random, lo: int, hi: int, alphabet: str = LETTERS) -> str:
@@ -51,13 +51,13 @@ def sample_task(family: str, rng: random.Random) -> Task:
         w = _word(rng, 3, 8)
         return Task(family, f"Reverse: {w}", w[::-1])
     if family == "sort":
-        w = _word(rng, 3, 8)
+        w = _word(rng, 3, 6)
         return Task(family, f"Sort: {w}", "".join(sorted(w)))
     if family == "copy":
-        w = _word(rng, 3, 10)
+        w = _word(rng, 3, 8)
         return Task(family, f"Repeat: {w}", w)
     if family == "count":
-        w = _word(rng, 4, 10, COUNT_LETTERS)
+        w = _word(rng, 4, 8, COUNT_LETTERS)
         c = rng.choice(COUNT_LETTERS)
         return Task(family, f"How many {c}'s in {w}?", str(w.count(c)))
     raise ValueError(f"unknown task family {family!r}; choose from {FAMILIES}")

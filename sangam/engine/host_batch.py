@@ -6,7 +6,7 @@ One API, two implementations:
 - ``PythonHostBatcher``: ``DecodeState.plan`` / ``DecodeState.commit`` and
   ``PackedBatch.from_plans``. The readable reference, and what runs without a compiler.
 - ``CHostBatcher``: the C++ extension ``sangam._host`` (csrc/host_batch.cpp), which mirrors the
-  reference step for step and is ~20x faster at batch 64; used whenever it was built.
+  reference step for step and is an order of magnitude faster; used whenever it was built.
   tests/test_host_batch.py checks that both produce identical arrays and states.
 
 ``SANGAM_NO_CEXT=1`` forces the Python path (tests, A/B measurement).
@@ -36,7 +36,8 @@ def cext_available() -> bool:
 
 
 def default_impl() -> str:
-    """"cext" when the extension is built and ``SANGAM_NO_CEXT`` is unset (or "0")."""
+    """The implementation runners use: "cext" when the extension is built and
+    ``SANGAM_NO_CEXT`` is unset (or "0"), else "python"."""
     if os.environ.get("SANGAM_NO_CEXT", "0") not in ("", "0") or _host is None:
         return "python"
     return "cext"

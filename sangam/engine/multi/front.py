@@ -38,6 +38,7 @@ import atexit
 import contextlib
 import logging
 import random
+import subprocess
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -105,7 +106,23 @@ class TransferRecord:
 class _WorkerInfo:
     hello: msg.Hello
     last_heard: float
-    free_reported: int = 0
+    free_pages: int  # as last reported
+    open_transfers: int = 0
+
+
+@dataclass
+class WorkerState:
+    """One worker as the front last heard of it."""
+
+    role: str
+    alive: bool
+    pid: int
+    host: str
+    device: str
+    num_pages: int
+    layer_page_bytes: int
+    free_pages: int
+    open_transfers: int
 
 
 @dataclass
@@ -154,7 +171,8 @@ class MultiWorkerEngine:
         self._outputs: list[RequestOutput] = []
         self._open_transfers: dict[tuple[int, int], TransferRecord] = {}
         self._closed = False
-        self._procs = {}
+        self._zygote: subprocess.Popen | None = None
+        self._procs: dict[int, launcher.ProcessHandle] = {}  # this node's workers
         self._workers: dict[int, _WorkerInfo] = {}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -192,7 +210,8 @@ class MultiWorkerEngine:
             self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
             store_addr = (host, self._store.port)
         specs = launcher.make_specs(cfg, self.roles, 0, front_addr, store_addr)
-        self._procs = {s.worker: p for s, p in zip(specs, launcher.spawn(specs))}
+        self._zygote, handles = launcher.start_local_workers(specs)
+        self._procs = {s.worker: h for s, h in zip(specs, handles)}
         self._await_workers()
 
     def _await_workers(self) -> None:
@@ -204,7 +223,7 @@ class MultiWorkerEngine:
                 if not p.is_alive():
                     # Its WorkerFailed message may still be in flight: collect it first.
                     self._drain_startup(errors, expect, 200)
-                    raise RuntimeError(f"worker {w} failed to start (exit code {p.exitcode})"
+                    raise RuntimeError(f"worker {w} failed to start"
                                        + (f":\n{errors[w]}" if w in errors else ""))
             if errors:
                 w, err = next(iter(errors.items()))
@@ -232,9 +251,12 @@ class MultiWorkerEngine:
             elif isinstance(m, msg.WorkerFailed):
                 errors[m.worker] = m.error
 
-    @property
-    def worker_pids(self) -> dict[int, int]:
-        return {w: info.hello.pid for w, info in self._workers.items()}
+    def worker_states(self) -> list[WorkerState]:
+        h = [i.hello for _, i in sorted(self._workers.items())]
+        return [WorkerState(self.roles[w], w not in self.dead_workers, h[w].pid, h[w].host,
+                            h[w].device, h[w].num_pages, h[w].layer_page_bytes,
+                            self._workers[w].free_pages, self._workers[w].open_transfers)
+                for w in range(len(h))]
 
     def shutdown(self) -> None:
         """Stop every worker (this node's processes are joined, killed if they linger) and
@@ -254,7 +276,13 @@ class MultiWorkerEngine:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self._procs.values():
             p.kill()  # only those still running
-            p.join()
+            p.close()
+        if self._zygote is not None:  # it exits once its workers are reaped
+            try:
+                self._zygote.wait(5)
+            except subprocess.TimeoutExpired:
+                self._zygote.kill()
+                self._zygote.wait()
         self._sock.close()  # lingers so that remote workers get their Shutdown
         self._ctx.term()
         self._store = None
@@ -425,7 +453,8 @@ class MultiWorkerEngine:
 
     def _on_report(self, r: msg.Report) -> None:
         w = r.worker
-        self._workers[w].free_reported = r.free_pages
+        info = self._workers[w]
+        info.free_pages, info.open_transfers = r.free_pages, r.open_transfers
         self.stats.iterations.extend(r.iterations)
         for ev in r.events:
             e = self.requests.get(ev.request_id)
@@ -533,7 +562,7 @@ class MultiWorkerEngine:
             p = self._procs.get(w)
             if p is not None:
                 if not p.is_alive():
-                    self._on_dead(w, f"its process exited (code {p.exitcode})")
+                    self._on_dead(w, "its process exited")
             elif now - info.last_heard > HEARTBEAT_TIMEOUT_S:
                 self._on_dead(w, f"no heartbeat for {now - info.last_heard:.0f}s")
 
@@ -543,9 +572,15 @@ class MultiWorkerEngine:
                      self._workers[w].hello.host, why)
         self.dead_workers.append(w)
         self.router.mark_dead(w)
+        # It may still run (it failed, or its heartbeats were late): nothing it does counts now.
+        self._send(w, msg.Shutdown())
         p = self._procs.get(w)
-        if p is not None:  # a worker that reported a failure may not have exited yet
+        if p is not None:
             p.kill()
+        for key, record in list(self._open_transfers.items()):
+            if record.dst == w:  # its report will never come
+                record.ok = False
+                del self._open_transfers[key]
         for other in self._workers:
             if other not in self.dead_workers:
                 self._send(other, msg.PeerDead(w))

@@ -105,14 +105,10 @@ class KVTransport:
         self._open: dict[tuple[int, int, bool], _Transfer] = {}  # (peer, id, is_send)
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._dead: set[int] = set()
-        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
     def num_open(self) -> int:
         return len(self._open)
-
-    def is_dead(self, peer: int) -> bool:
-        return peer in self._dead
 
     def _tag(self, transfer_id: int, layer: int) -> int:
         return (transfer_id * self.num_layers + layer) % _TAG_SPACE
@@ -197,12 +193,14 @@ class KVTransport:
     def _wait(self, t: _Transfer) -> None:
         error = None
         try:
-            if self._side_stream is not None:
-                # NCCL's wait() only orders streams: sync a private stream, not the model's.
-                with torch.cuda.stream(self._side_stream):
+            if self.device.type == "cuda":
+                # NCCL's wait() only orders streams: make a private stream wait and sync it,
+                # never the model's.
+                side = torch.cuda.Stream(self.device)
+                with torch.cuda.stream(side):
                     for w in t.works:
                         w.wait()
-                    self._side_stream.synchronize()
+                side.synchronize()
             else:
                 for w in t.works:
                     w.wait()

@@ -13,12 +13,15 @@ and the front's ZeroMQ socket on ``port + 1``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 from sangam.config import EngineConfig
@@ -27,7 +30,7 @@ from sangam.engine.loaded_model import default_device
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker process needs to start; pickled to it by the spawn context."""
+    """Everything a worker process needs to start (pickled to the zygote on node 0)."""
 
     worker: int
     roles: tuple[str, ...]
@@ -35,7 +38,6 @@ class WorkerSpec:
     device: str
     front_addr: str  # ZeroMQ endpoint of the front
     store_addr: tuple[str, int] | None  # torch.distributed TCP store; None: no K/V transfers
-    parent_pid: int  # the worker exits when this process is gone
     num_threads: int  # torch intra-op threads (CPU): the host's cores shared among its workers
 
 
@@ -103,49 +105,109 @@ def split_addr(addr: str) -> tuple[str, int]:
 def make_specs(config: EngineConfig, roles: list[str], node_rank: int, front_addr: str,
                store_addr: tuple[str, int] | None) -> list[WorkerSpec]:
     workers = node_workers(len(roles), config.nnodes, node_rank)
-    threads = max(1, (os.cpu_count() or 1) // max(1, len(workers)))
+    threads = max(1, len(os.sched_getaffinity(0)) // max(1, len(workers)))
     return [WorkerSpec(w, tuple(roles), config, worker_device(config, i), front_addr,
-                       store_addr, os.getpid(), threads)
+                       store_addr, threads)
             for i, w in enumerate(workers)]
 
 
-class WorkerProcess:
-    """A worker started as ``python -m sangam.engine.multi.worker`` with its spec on stdin.
+def warm_up() -> None:
+    """Import what a worker needs, once, in the process that forks the workers: torch, the
+    models and the engine, and what building a model imports lazily (nn.init on the meta
+    device pulls in torch._dynamo: seconds per process otherwise), by building a tiny model
+    of each architecture on the meta device. CUDA is not touched: the children may use it."""
+    import torch
 
-    Not multiprocessing's spawn: that re-imports the parent's ``__main__``, so a user script
-    without an ``if __name__ == "__main__":`` guard would start engines recursively. Workers
-    outlive nobody: the front stops them on shutdown and at exit, and each worker exits by
-    itself when its parent disappears (see ``worker._watchdog``).
-    """
+    import sangam.engine.multi.worker  # noqa: F401
+    from sangam.models import ARCHITECTURES, parse_config
+    from sangam.testing import tiny_config
 
-    def __init__(self, spec: WorkerSpec):
-        self.worker = spec.worker
-        self._popen = subprocess.Popen([sys.executable, "-m", "sangam.engine.multi.worker"],
-                                       stdin=subprocess.PIPE)
-        self._popen.stdin.write(pickle.dumps(spec))
-        self._popen.stdin.close()
+    with torch.device("meta"):
+        for arch in ("llada", "dream"):
+            cfg = parse_config(tiny_config(arch))
+            ARCHITECTURES[cfg.architecture](cfg)
 
-    @property
-    def pid(self) -> int:
-        return self._popen.pid
 
-    @property
-    def exitcode(self) -> int | None:
-        return self._popen.poll()
+def fork_workers(specs: list[WorkerSpec]) -> list[int]:
+    """Fork one worker per spec from this (warmed-up) process; returns their pids."""
+    from sangam.engine.multi.worker import run_worker
+
+    parent = os.getpid()
+    pids = []
+    for spec in specs:
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(2, 1)  # stdout may be the launcher's pipe to the front: nobody reads it
+            run_worker(spec, parent)  # never returns
+        pids.append(pid)
+    return pids
+
+
+def supervise(pids: list[int], front_pid: int | None = None) -> int:
+    """Reap the forked workers until all have exited; 0 if all exited cleanly. When
+    ``front_pid`` (this process's parent) is gone, kill them: nobody else would."""
+    live = set(pids)
+    failed = False
+    while live:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if front_pid is not None and os.getppid() != front_pid:
+                kill_all(live)
+            time.sleep(0.1)
+            continue
+        if pid in live:
+            live.discard(pid)
+            failed = failed or os.waitstatus_to_exitcode(status) != 0
+    return 1 if failed else 0
+
+
+def kill_all(pids) -> None:
+    """SIGKILL our own children (not yet reaped, so their pids cannot have been reused)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class ProcessHandle:
+    """A local worker process that is not our child (the zygote forked it): liveness and
+    SIGKILL through a pidfd, which cannot be confused by pid reuse."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        try:
+            self._fd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._fd = None  # already gone
 
     def is_alive(self) -> bool:
-        return self._popen.poll() is None
+        return self._fd is not None and not select.select([self._fd], [], [], 0)[0]
 
-    def join(self, timeout: float | None = None) -> None:
-        try:
-            self._popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
+    def join(self, timeout: float) -> None:
+        if self._fd is not None:
+            select.select([self._fd], [], [], max(0.0, timeout))
 
     def kill(self) -> None:
-        """SIGKILL if still running; does not wait (safe in a signal handler)."""
-        self._popen.send_signal(signal.SIGKILL)
+        if self.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._fd, signal.SIGKILL)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
-def spawn(specs: list[WorkerSpec]) -> list[WorkerProcess]:
-    return [WorkerProcess(spec) for spec in specs]
+def start_local_workers(specs: list[WorkerSpec]) -> tuple[subprocess.Popen, list[ProcessHandle]]:
+    """Start this node's workers: ``python -m sangam.engine.multi.zygote`` imports everything
+    once and forks them (much cheaper than one interpreter per worker, and unlike
+    multiprocessing's spawn it never re-imports the user's ``__main__``, so scripts without a
+    ``__main__`` guard work). Returns the zygote and a handle per worker, in spec order."""
+    zygote = subprocess.Popen([sys.executable, "-m", "sangam.engine.multi.zygote"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    zygote.stdin.write(pickle.dumps(specs))
+    zygote.stdin.close()
+    line = zygote.stdout.readline()  # the pids, once forked
+    if not line:
+        zygote.wait()
+        raise RuntimeError(f"the worker launcher failed (exit code {zygote.returncode})")
+    return zygote, [ProcessHandle(int(p)) for p in line.split()]

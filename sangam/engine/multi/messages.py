@@ -85,9 +85,7 @@ class Hello:
     host: str
     device: str
     num_pages: int
-    page_size: int
-    layer_page_bytes: int  # one page of one layer's K (or V)
-    num_layers: int
+    layer_page_bytes: int  # one page of one layer's K (or V): a transfer moves L * 2 per page
     signature: tuple  # the deployment as this worker understands it; must match the front's
 
 
@@ -159,12 +157,14 @@ Event = RefreshRan | KVSent | KVReceived | BlockDone
 
 @dataclass
 class Report:
-    """What happened on a worker since its last report, in order."""
+    """What happened on a worker since its last report, in order; also sent when only its
+    free pages or open transfers changed, so the front's view of them settles."""
 
     worker: int
     events: list[Event] = field(default_factory=list)
     iterations: list[IterationStats] = field(default_factory=list)
     free_pages: int = 0
+    open_transfers: int = 0  # K/V sends and receives not yet complete
 
 
 def dumps(msg: object) -> bytes:

@@ -36,17 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     store = (host, port) if launcher.needs_data_plane(config) else None
     specs = launcher.make_specs(config, roles, config.node_rank, f"tcp://{host}:{port + 1}",
                                 store)
-    procs = launcher.spawn(specs)
-
-    def stop(signum, frame):
-        for p in procs:
-            p.kill()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    for p in procs:
-        p.join()
-    return 0 if all(p.exitcode == 0 for p in procs) else 1
+    launcher.warm_up()
+    pids = launcher.fork_workers(specs)
+    signal.signal(signal.SIGTERM, lambda signum, frame: launcher.kill_all(pids))
+    signal.signal(signal.SIGINT, lambda signum, frame: launcher.kill_all(pids))
+    return launcher.supervise(pids)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import pickle
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -101,11 +99,11 @@ class Worker:
         self.receiving: dict[tuple[int, int], _Receive] = {}  # (src, transfer id)
         self.events: list[msg.Event] = []
         self.iterations: list[IterationStats] = []
-        self._stalled = False  # the last schedule() found nothing to run
+        self._stalled = False  # the last schedule() found nothing, and nothing changed since
+        self._reported = (-1, -1)  # (free pages, open transfers) in the last report
         self._send(msg.Hello(
             self.index, os.getpid(), socket.gethostname(), spec.device, num_pages,
-            config.page_size, layer_page_bytes(self.pool.kv.buffer),
-            self.loaded.config.num_layers,
+            layer_page_bytes(self.pool.kv.buffer),
             signature(spec.roles, spec.config, self.loaded.config)))
 
     def _join_process_group(self, spec: WorkerSpec, device: torch.device) -> None:
@@ -138,6 +136,7 @@ class Worker:
             if self.transport is not None:
                 for done in self.transport.poll():
                     self._transfer_done(done)
+                    self._stalled = False
             self._seat_ready()
             if self.builder.has_work:
                 self._iterate()
@@ -151,10 +150,11 @@ class Worker:
         return _IDLE_POLL_MS
 
     def _flush(self) -> None:
-        if self.events or self.iterations:
-            self._send(msg.Report(self.index, self.events, self.iterations,
-                                  self.pool.allocator.num_free))
-            self.events, self.iterations = [], []
+        now = (self.pool.allocator.num_free,
+               self.transport.num_open if self.transport is not None else 0)
+        if self.events or self.iterations or now != self._reported:
+            self._send(msg.Report(self.index, self.events, self.iterations, *now))
+            self.events, self.iterations, self._reported = [], [], now
 
     # Control messages.
     def _handle(self, m: object) -> None:
@@ -302,7 +302,7 @@ class Worker:
     def _after_step(self, req: Request, t: _Task, block_done: bool, now: float) -> None:
         st = t.state
         rid = req.request_id
-        self.builder.step_done(req, now, block_done, st.finished)
+        self.builder.step_done(req, now, block_done, st.finished, st.finish_reason)
         if t.kv_dest is not None:  # a refresh for another worker: its pages were temporary
             self.builder.abort(rid)
             del self.tasks[rid]
@@ -331,7 +331,7 @@ def _request(rid: str, arrival: float, st: DecodeState) -> Request:
     return req
 
 
-def _watchdog(ctx: zmq.Context, spec: WorkerSpec) -> None:
+def _watchdog(ctx: zmq.Context, spec: WorkerSpec, parent_pid: int) -> None:
     """Heartbeats to the front, and exit when the parent or the front is gone (a SIGKILLed
     front runs no cleanup: its workers must notice by themselves)."""
     hb = ctx.socket(zmq.DEALER)
@@ -342,7 +342,7 @@ def _watchdog(ctx: zmq.Context, spec: WorkerSpec) -> None:
     beat = msg.dumps(msg.Heartbeat(spec.worker))
     connected = False
     while True:
-        if os.getppid() != spec.parent_pid:
+        if os.getppid() != parent_pid:
             os._exit(1)
         try:
             hb.send(beat, zmq.NOBLOCK)
@@ -357,9 +357,10 @@ def _watchdog(ctx: zmq.Context, spec: WorkerSpec) -> None:
                 os._exit(1)
 
 
-def run_worker(spec: WorkerSpec) -> None:
-    """Process entry point. Never returns: the process ends with os._exit, skipping teardown
-    that could block on a dead peer (destroying a process group talks to every rank)."""
+def run_worker(spec: WorkerSpec, parent_pid: int) -> None:
+    """Entry point of a forked worker process (its parent is ``parent_pid``). Never returns:
+    the process ends with os._exit, skipping teardown that could block on a dead peer
+    (destroying a process group talks to every rank)."""
     # Ctrl-C reaches the whole foreground process group; the front shuts workers down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
@@ -369,7 +370,7 @@ def run_worker(spec: WorkerSpec) -> None:
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(spec.front_addr)
-    threading.Thread(target=_watchdog, args=(ctx, spec), daemon=True,
+    threading.Thread(target=_watchdog, args=(ctx, spec, parent_pid), daemon=True,
                      name="sangam-watchdog").start()
     code = 0
     try:
@@ -380,6 +381,3 @@ def run_worker(spec: WorkerSpec) -> None:
     sock.close()  # lingers until the last report is out
     os._exit(code)
 
-
-if __name__ == "__main__":
-    run_worker(pickle.load(sys.stdin.buffer))

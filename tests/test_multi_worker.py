@@ -1,0 +1,418 @@
+"""Multi-worker serving: worker processes, every mode, K/V transfer, failures, shutdown.
+
+Everything runs in float64 on CPU and must give exactly the single-request reference's tokens
+(DESIGN.md §2, batch invariance: not even the serving mode may change them).
+"""
+
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sangam import LLM
+from sangam.config import EngineConfig
+from sangam.decoding import ReferenceDecoder
+from sangam.engine.async_engine import AsyncEngine
+from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.multi import MultiWorkerEngine, make_engine
+from sangam.engine.page_allocator import PageAllocator
+from sangam.engine.request import Request, RequestStatus
+from sangam.engine.scheduler import BatchBuilder
+from sangam.sampling_params import SamplingParams
+
+PAGE_SIZE = 4
+NUM_PAGES = 48  # three of the largest canvases (64 tokens): decode workers run out of room
+RULES = [dict(unmasking="threshold", threshold=0.9), dict(unmasking="threshold", threshold=0.5),
+         dict(unmasking="factor", factor=1.0), dict(unmasking="topk", tokens_per_step=2)]
+LAYOUTS = {
+    "colocated": dict(num_workers=3),
+    "1P2D": dict(mode="disaggregated", prefill_workers=1, decode_workers=2),
+    "2P1D-streaming": dict(mode="disaggregated", prefill_workers=2, decode_workers=1,
+                           layerwise_kv_streaming=True),
+    "hybrid-2P1C": dict(mode="hybrid", prefill_workers=2, decode_workers=1,
+                        overflow_threshold=8),
+}
+
+
+def _options(path, **layout):
+    return dict(model=path, device="cpu", dtype="float64", page_size=PAGE_SIZE,
+                num_pages=NUM_PAGES, **layout)
+
+
+def _workload(n: int, seed: int):
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        prompt = [rng.randrange(2, 150) for _ in range(rng.choice([1, 5, 15, 16, 17, 31, 40]))]
+        params = SamplingParams(
+            max_tokens=rng.choice([8, 13, 24]), block_length=rng.choice([4, 8]),
+            cache=rng.choice(["dual", "dual", "prefix", "none"]), seed=i,
+            temperature=rng.choice([0.0, 0.0, 2.0]), stop_at_eos=rng.random() < 0.5,
+            **rng.choice(RULES))
+        reqs.append((f"r{i}", prompt, params))
+    return reqs
+
+
+# One workload per architecture; tests use all of it or a part, so that the (slow) reference
+# decoding runs once per architecture.
+WORKLOADS = {"llada": _workload(26, seed=7), "dream": _workload(26, seed=8)}
+
+
+@pytest.fixture(scope="module")
+def paths(llada_path, dream_path):
+    return {"llada": llada_path, "dream": dream_path}
+
+
+_REFERENCES = {}
+
+
+def _reference(path, arch):
+    """(tokens, forwards) per request of WORKLOADS[arch], from the single-request reference
+    decoder."""
+    if arch not in _REFERENCES:
+        lm = LoadedModel.load(EngineConfig(model=path, device="cpu", dtype="float64"))
+        out = {}
+        for rid, prompt, params in WORKLOADS[arch]:
+            st = lm.new_state(prompt, params, random.Random(0))
+            ReferenceDecoder(lm.model).run(st)
+            out[rid] = (st.output_token_ids(), st.num_forwards)
+        _REFERENCES[arch] = out
+    return _REFERENCES[arch]
+
+
+def _run(engine, reqs, seed=3, on_output=None, timeout=120.0):
+    """Submit a few requests between steps; return the final outputs by request id."""
+    rng = random.Random(seed)
+    pending = list(reqs)
+    done = {}
+    deadline = time.monotonic() + timeout
+    while pending or engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, f"stuck; unfinished: {list(engine.requests)}"
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                engine.add_request(*pending.pop(0))
+        for out in engine.step():
+            if on_output is not None:
+                on_output(out)
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def _settle(engine, timeout=20.0):
+    """Wait until every live worker has freed all pages and finished every transfer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        engine.step()
+        states = [s for s in engine.worker_states() if s.alive]
+        if all(s.free_pages == s.num_pages and s.open_transfers == 0 for s in states):
+            return
+        assert time.monotonic() < deadline, f"workers did not settle: {states}"
+
+
+def _tokens(outs):
+    return {rid: (o.token_ids, o.num_forwards) for rid, o in outs.items()}
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live process below ``root`` (workers, and the launcher that forked them)."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    out, frontier = set(), {root}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - out
+        out |= frontier
+    return {p for p in out if _pid_alive(p)}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while any(_pid_alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"orphan workers: {[p for p in pids if _pid_alive(p)]}"
+        time.sleep(0.1)
+
+
+def _check_transfers(engine, outs, reqs):
+    """Bytes of every transfer = pages x layers x 2 (K, V) x bytes of one layer's page."""
+    cfg = engine.loaded.config
+    page_bytes = PAGE_SIZE * cfg.num_kv_heads * cfg.head_dim * 8  # float64
+    assert all(s.layer_page_bytes == page_bytes for s in engine.worker_states())
+    per_page = cfg.num_layers * 2 * page_bytes
+    total = {rid: len(prompt) + params.canvas_length for rid, prompt, params in reqs}
+    records = [r for r in engine.transfers if not r.drained]
+    assert records, "no K/V was transferred"
+    for r in records:
+        assert r.num_pages == math.ceil(total[r.request_id] / PAGE_SIZE)
+        assert r.bytes_sent == r.num_pages * per_page
+        assert r.ok and r.bytes_received == r.bytes_sent
+    for rid, out in outs.items():
+        pages = math.ceil(total[rid] / PAGE_SIZE)
+        assert out.metrics["kv_bytes"] == out.metrics["kv_transfers"] * pages * per_page
+    assert sum(o.metrics["kv_bytes"] for o in outs.values()) == engine.counters.kv_bytes
+
+
+# Scheduler additions for multi-worker serving (no processes).
+
+
+def test_builder_seat_and_detach():
+    alloc = PageAllocator(16)
+    b = BatchBuilder(alloc, page_size=4, max_batch_size=1)
+    req = Request("a", 0.0, prompt_len=3, canvas_len=8, block_length=4)
+    req.pages = alloc.allocate(req.pages_needed(4))
+    with pytest.raises(ValueError, match="DECODE"):
+        b.seat(req)
+    req.mark_admitted(0.0)
+    req.mark_step_done(0.0, block_done=False, finished=False)
+    b.seat(req)
+    other = Request("b", 0.0, 3, 8, 4)
+    other.pages, other.status = alloc.allocate(3), RequestStatus.DECODE
+    with pytest.raises(ValueError, match="no free seat"):
+        b.seat(other)
+    batch = b.schedule(1.0)
+    assert batch.decodes == [req] and not batch.prefills
+    with pytest.raises(ValueError, match="last scheduled batch"):
+        b.detach("a")
+    b.step_done(req, 1.0, block_done=True, finished=False)  # block 0 done: WAITING again
+    pages = list(req.pages)
+    assert b.detach("a") is req and req.pages == pages  # forgotten, pages kept
+    assert not b.has_work and alloc.num_used == 6
+    b.add(req)  # the next block's re-prefill, on the pages it holds
+    assert b.schedule(2.0).prefills == [req] and alloc.num_used == 6
+
+
+# Every mode gives the reference tokens.
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_modes_match_reference(paths, arch, layout):
+    reqs = WORKLOADS[arch]
+    want = _reference(paths[arch], arch)
+    opts = _options(paths[arch], **LAYOUTS[layout])
+    if layout == "colocated":  # through the public API, shutdown included
+        before = _descendants(os.getpid())
+        llm = LLM(**opts)
+        pids = _descendants(os.getpid()) - before  # the workers and their launcher
+        assert {s.pid for s in llm.engine.worker_states()} < pids and len(pids) == 4
+        assert isinstance(llm.engine, MultiWorkerEngine)
+        outs = llm.generate(prompt_token_ids=[r[1] for r in reqs],
+                            sampling_params=[r[2] for r in reqs])
+        got = {rid: (o.token_ids, o.num_forwards) for (rid, _, _), o in zip(reqs, outs)}
+        by_worker = llm.engine.counters.by_worker_prefills
+        assert len(by_worker) == 3 and min(by_worker.values()) > 0  # all three worked
+        llm.shutdown()
+        _wait_gone(pids, timeout=5)
+        assert got == want
+        return
+    engine = make_engine(EngineConfig(**opts))
+    try:
+        outs = _run(engine, reqs)
+        assert _tokens(outs) == want
+        _check_transfers(engine, outs, reqs)
+        if "streaming" in layout:  # every layer's send was posted during the forward
+            assert all(r.streamed_layers == engine.loaded.config.num_layers
+                       for r in engine.transfers)
+        if layout.startswith("hybrid"):
+            assert engine.counters.overflow_prefills > 0
+        assert engine.dead_workers == []
+        _settle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_failed_transfer_is_retried(paths):
+    """A decode worker that cannot take a transfer drains it; the refresh is redone."""
+    reqs = WORKLOADS["llada"][:16]
+    want = {rid: _reference(paths["llada"], "llada")[rid] for rid, _, _ in reqs}
+    engine = make_engine(EngineConfig(**_options(paths["llada"], mode="disaggregated",
+                                                 prefill_workers=1, decode_workers=1)))
+    try:
+        engine._num_pages[1] = 10 * NUM_PAGES  # a stale view: the front overcommits worker 1
+        outs = _run(engine, reqs)
+        assert _tokens(outs) == want
+        assert engine.counters.failed_transfers > 0 and engine.counters.restarts > 0
+        _settle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_aborts_free_everything(paths):
+    """Aborts at any point (queued, refreshing, K/V in flight, decoding) leak no page and
+    leave no transfer hanging; the other requests are unaffected."""
+    reqs = WORKLOADS["dream"]
+    want = _reference(paths["dream"], "dream")
+    engine = make_engine(EngineConfig(**_options(paths["dream"], mode="hybrid",
+                                                 prefill_workers=1, decode_workers=2,
+                                                 overflow_threshold=40)))
+    rng = random.Random(4)
+    aborted = set()
+
+    def maybe_abort(out):
+        live = sorted(engine.requests)
+        if live and rng.random() < 0.3:
+            rid = rng.choice(live)
+            assert engine.abort_request(rid).finish_reason == "abort"
+            aborted.add(rid)
+
+    try:
+        outs = _run(engine, reqs, on_output=maybe_abort)
+        assert aborted and len(outs) + len(aborted) == len(reqs)
+        assert _tokens(outs) == {rid: want[rid] for rid in outs}
+        _settle(engine)
+    finally:
+        engine.shutdown()
+
+
+# Failures and shutdown.
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,layout", [("llada", "1P2D"), ("dream", "colocated")])
+def test_killed_worker_loses_nothing(paths, arch, layout):
+    reqs = WORKLOADS[arch]
+    want = _reference(paths[arch], arch)
+    engine = make_engine(EngineConfig(**_options(paths[arch], **LAYOUTS[layout])))
+    victim = 1  # a decode worker in 1P2D
+    blocks = []
+
+    def kill_midway(out):
+        blocks.append(out)
+        if len(blocks) == 8:  # requests hold canvases and blocks are in flight everywhere
+            os.kill(engine.worker_states()[victim].pid, signal.SIGKILL)
+
+    try:
+        outs = _run(engine, reqs, on_output=kill_midway)
+        assert engine.dead_workers == [victim]
+        assert _tokens(outs) == want
+        assert engine.counters.restarts > 0
+        assert not engine.worker_states()[victim].alive
+        _settle(engine)
+    finally:
+        engine.shutdown()
+
+
+_FRONT_SCRIPT = """
+import sys
+from sangam import LLM, SamplingParams
+# No __main__ guard on purpose: workers must not re-run the user's script.
+llm = LLM(model=sys.argv[1], device="cpu", dtype="float32", num_workers=2, page_size=4,
+          num_pages=64)
+print(" ".join(str(s.pid) for s in llm.engine.worker_states()), flush=True)
+while True:
+    llm.generate(prompt_token_ids=[[5, 6, 7]] * 4,
+                 sampling_params=SamplingParams(max_tokens=8, block_length=4))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_no_orphans_when_the_front_dies(paths, tmp_path, sig):
+    script = tmp_path / "front.py"
+    script.write_text(_FRONT_SCRIPT)
+    front = subprocess.Popen([sys.executable, str(script), paths["llada"]],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in front.stdout.readline().split()]
+        pids = _descendants(front.pid)  # the workers and their launcher
+        assert len(workers) == 2 and set(workers) < pids
+        time.sleep(1.0)  # generating
+        front.send_signal(sig)
+        front.wait(timeout=30)
+        _wait_gone(pids)
+    finally:
+        front.kill()
+        front.wait()
+
+
+def _free_port_pair() -> int:
+    """A port p with p + 1 free too (TCP store, ZeroMQ)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback(paths):
+    """Node 1's workers join node 0's front (ZeroMQ) and process group (TCP store)."""
+    reqs = WORKLOADS["llada"][:12]
+    want = {rid: _reference(paths["llada"], "llada")[rid] for rid, _, _ in reqs}
+    port = _free_port_pair()
+    layout = dict(mode="disaggregated", prefill_workers=1, decode_workers=2, nnodes=2,
+                  dist_init_addr=f"127.0.0.1:{port}")
+    opts = _options(paths["llada"], **layout)
+    flags = []
+    for k, v in opts.items():
+        flags += [f"--{k.replace('_', '-')}", str(v)]
+    node1 = subprocess.Popen([sys.executable, "-m", "sangam.engine.multi.node", *flags,
+                              "--node-rank", "1"])
+    try:
+        llm = LLM(**opts)
+        states = llm.engine.worker_states()
+        remote = states[2].pid  # node 0 runs workers 0 (prefill) and 1, node 1 runs worker 2
+        with open(f"/proc/{remote}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == node1.pid
+        outs = llm.generate(prompt_token_ids=[r[1] for r in reqs],
+                            sampling_params=[r[2] for r in reqs])
+        assert {rid: (o.token_ids, o.num_forwards) for (rid, _, _), o in zip(reqs, outs)} == want
+        assert any(r.dst == 2 for r in llm.engine.transfers)  # K/V crossed the "nodes"
+        llm.shutdown()
+        assert node1.wait(timeout=30) == 0
+        _wait_gone([s.pid for s in states] + list(_descendants(os.getpid())))
+    finally:
+        node1.kill()
+        node1.wait()
+
+
+@pytest.mark.slow
+def test_async_engine_on_workers(paths):
+    import asyncio
+
+    reqs = WORKLOADS["dream"][:8]
+    want = {rid: _reference(paths["dream"], "dream")[rid] for rid, _, _ in reqs}
+    engine = AsyncEngine(EngineConfig(**_options(paths["dream"], mode="disaggregated",
+                                                 prefill_workers=1, decode_workers=1)))
+
+    async def one(rid, prompt, params):
+        outs = [o async for o in engine.generate(prompt, params, rid)]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        for a, b in zip(outs, outs[1:]):  # one output per block, each extending the last
+            assert b.token_ids[:len(a.token_ids)] == a.token_ids
+        return rid, (outs[-1].token_ids, outs[-1].num_forwards)
+
+    async def main():
+        return dict(await asyncio.gather(*(one(*r) for r in reqs)))
+
+    pids = _descendants(os.getpid())
+    try:
+        assert asyncio.run(main()) == want
+    finally:
+        engine.shutdown()
+    _wait_gone(pids, timeout=5)
