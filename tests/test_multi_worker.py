@@ -258,25 +258,32 @@ def test_failed_transfer_is_retried(paths):
 
 def test_aborts_free_everything(paths):
     """Aborts at any point (queued, refreshing, K/V in flight, decoding) leak no page and
-    leave no transfer hanging; the other requests are unaffected."""
+    leave no transfer hanging; the other requests are unaffected, and so is a request
+    resubmitted under an aborted one's id while news of the old one is still in flight."""
     reqs = WORKLOADS["dream"]
     want = _reference(paths["dream"], "dream")
+    by_id = {r[0]: r for r in reqs}
     engine = make_engine(EngineConfig(**_options(paths["dream"], mode="hybrid",
                                                  prefill_workers=1, decode_workers=2,
                                                  overflow_threshold=40)))
     rng = random.Random(4)
-    aborted = set()
+    aborted, resubmitted = set(), set()
 
     def maybe_abort(out):
         live = sorted(engine.requests)
         if live and rng.random() < 0.3:
             rid = rng.choice(live)
             assert engine.abort_request(rid).finish_reason == "abort"
-            aborted.add(rid)
+            if rid not in resubmitted and rng.random() < 0.5:
+                engine.add_request(*by_id[rid])
+                resubmitted.add(rid)
+            else:
+                aborted.add(rid)
 
     try:
         outs = _run(engine, reqs, on_output=maybe_abort)
-        assert aborted and len(outs) + len(aborted) == len(reqs)
+        assert aborted and resubmitted - aborted
+        assert len(outs) + len(aborted) == len(reqs)
         assert _tokens(outs) == {rid: want[rid] for rid in outs}
         _settle(engine)
     finally:
@@ -325,7 +332,7 @@ while True:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_no_orphans_when_the_front_dies(paths, tmp_path, sig):
     script = tmp_path / "front.py"
     script.write_text(_FRONT_SCRIPT)

@@ -121,28 +121,36 @@ def plot_latency(path: str | os.PathLike, panels: dict[str, dict[str, list[dict]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     n = len(panels)
     cols = min(n, 2)
     rows = -(-n // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
     for ax, (panel, configs) in zip(axes.flat, panels.items()):
+        values = []
         for i, (name, sums) in enumerate(configs.items()):
             pts = sorted((s["qps"], s.get("latency_mean"), s.get("latency_p99")) for s in sums
                          if s.get("latency_mean") is not None)
             if not pts:
                 continue
             q, mean, p99 = zip(*pts)
+            values += [*mean, *p99]
             color = f"C{i}"
             ax.plot(q, mean, "o-", color=color, label=f"{name} mean")
             ax.plot(q, p99, "x--", color=color, alpha=0.6, label=f"{name} p99")
         ax.set_xlabel("offered load (QPS)")
         ax.set_ylabel("end-to-end latency (s)")
-        ax.set_yscale("log")  # overloaded points grow without bound: keep the rest readable
-        ax.yaxis.set_major_formatter(ScalarFormatter())
-        ax.yaxis.set_minor_formatter(NullFormatter())
-        ax.set_title(panel, fontsize=10)
+        if values and min(values) > 0 and max(values) / min(values) > 20:
+            # Overloaded points grow without bound: a log axis keeps the rest readable.
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        else:
+            ax.set_ylim(bottom=0)
+        if n > 1 or not title:
+            ax.set_title(panel, fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[n:]:

@@ -27,10 +27,9 @@ Modes (DESIGN.md §4):
   prefill worker has ``theta`` outstanding tokens; those refresh in place, under the decode
   worker's deficit budget.
 
-The one thing the BatchBuilder's public API lacks for disaggregation is moving a request in or
-out without a refresh on that worker: :class:`_Builder` adds ``seat`` (K/V arrived: join the
-decodes) and ``hand_off`` (next refresh runs elsewhere: leave, keeping the pages). Both only
-move a request between the builder's books; every scheduling decision is the engine's.
+Requests move between workers as in the multi-worker engine: ``BatchBuilder.seat`` when the
+K/V lands (join the decodes), ``BatchBuilder.detach`` when a block ends and the next refresh is
+routed elsewhere (leave, keeping the canvas pages).
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ from sangam.bench.report import (
 )
 from sangam.bench.traces import LengthSample, TraceRequest, arrivals, build_trace, load_lengths
 from sangam.engine.page_allocator import PageAllocator
-from sangam.engine.request import Request, RequestStatus
+from sangam.engine.request import Request
 from sangam.engine.router import Router
 from sangam.engine.scheduler import BatchBuilder, ScheduledBatch
 
@@ -151,12 +150,17 @@ class ProfileSteps(StepModel):
         return f"profile, mean {mean:.2f} forwards/block over {n} blocks"
 
 
-def load_step_profile(path: str) -> ProfileSteps:
+def load_step_profile(path: str, block_length: int | None = None) -> ProfileSteps:
+    """A ``profile.json`` of ``sangam-bench serve``; it must have been recorded at
+    ``block_length`` when one is given (forwards per block depend on it)."""
     with open(path) as f:
         data = json.load(f)
     hist = data.get("steps_per_block")
     if not isinstance(hist, dict):
         raise ValueError(f"{path}: no 'steps_per_block' histogram")
+    recorded = data.get("block_length")
+    if block_length is not None and recorded is not None and recorded != block_length:
+        raise ValueError(f"{path} was recorded at block length {recorded}, not {block_length}")
     return ProfileSteps({int(k): int(v) for k, v in hist.items()})
 
 
@@ -219,33 +223,12 @@ class SimConfig:
         return f"{where} {core}" + (" lw" if self.layerwise_kv_streaming else "")
 
 
-# The builder with disaggregation's two hand-offs.
-class _Builder(BatchBuilder):
-    """``BatchBuilder`` plus bookkeeping-only moves in and out (see the module docstring)."""
-
-    def seat(self, req: Request) -> None:
-        """``req`` (DECODE, K/V in this pool's pages) joins the seated decodes."""
-        if req.status is not RequestStatus.DECODE or req.request_id in self._requests:
-            raise ValueError(f"seat: {req!r} is not a DECODE request new to this builder")
-        self._requests[req.request_id] = req
-        self._seated[req.request_id] = req
-
-    def hand_off(self, req: Request) -> None:
-        """``req`` (WAITING here for its re-prefill) leaves; its pages stay allocated."""
-        if self._waiting.get(req.request_id) is not req:
-            raise ValueError(f"hand_off: {req!r} is not waiting here")
-        del self._requests[req.request_id]
-        del self._waiting[req.request_id]
-        self._queue.remove((req.arrival_time, req.seq, req))
-        heapq.heapify(self._queue)
-
-
 @dataclass
 class _Worker:
     index: int
     role: str
     allocator: PageAllocator
-    builder: _Builder
+    builder: BatchBuilder
     batch: ScheduledBatch | None = None  # the iteration in flight
     started: float = 0.0
     landing: deque = field(default_factory=deque)  # K/V arrived, waiting for a seat
@@ -306,7 +289,7 @@ class Simulator:
                 else cfg.token_budget
             policy = "prefill_first" if math.isinf(budget) and cfg.policy == "deficit" \
                 else cfg.policy
-            self._workers.append(_Worker(i, role, alloc, _Builder(
+            self._workers.append(_Worker(i, role, alloc, BatchBuilder(
                 alloc, cfg.page_size, policy, budget, cfg.max_batch_size)))
         self._router = Router(cfg.mode, cfg.roles, cfg.overflow_threshold, cfg.seed,
                               cfg.page_size)
@@ -405,8 +388,8 @@ class Simulator:
         if w == req.worker:  # hybrid overflow onto its decode worker, from a prefill worker
             self._workers[w].builder.add(req)
             return
-        if queued_on is not None:
-            self._workers[queued_on].builder.hand_off(req)
+        if queued_on is not None:  # leaves that builder; its canvas pages stay allocated
+            self._workers[queued_on].builder.detach(req.request_id)
         self._to_prefill_worker(live, w)
 
     # Iterations.
@@ -623,7 +606,7 @@ def configs_from_args(args: argparse.Namespace) -> dict[str, SimConfig]:
 
 def step_model_from_args(args: argparse.Namespace) -> StepModel:
     if args.step_profile:
-        return load_step_profile(args.step_profile)
+        return load_step_profile(args.step_profile, args.block_length)
     return GeometricSteps(args.tokens_per_step)
 
 
@@ -669,12 +652,18 @@ def run(args: argparse.Namespace) -> int:
         from sangam.bench.experiments import run_experiment
 
         return run_experiment(args.experiment, args)
-    configs = configs_from_args(args)
-    qps_list = parse_float_list(args.qps or "1")
-    lengths = load_lengths(args.trace, args.num_requests or DEFAULT_NUM_REQUESTS, args.trace_seed)
+    try:  # the user's inputs, checked before any run: a clear message instead of a traceback
+        configs = configs_from_args(args)
+        qps_list = parse_float_list(args.qps or "1")
+        lengths = load_lengths(args.trace, args.num_requests or DEFAULT_NUM_REQUESTS,
+                               args.trace_seed)
+        steps = step_model_from_args(args)
+        coefficients_from_args(args, next(iter(configs.values())))
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"sangam-bench sim: {e}") from e
     summaries, records = [], []
     print(f"trace {args.trace}: {len(lengths)} requests, {args.arrival} arrivals; "
-          f"{step_model_from_args(args).describe()}", file=sys.stderr)
+          f"{steps.describe()}", file=sys.stderr)
     for label, cfg in configs.items():
         for qps in qps_list:
             summary, res = run_point(cfg, lengths, qps, args, label)

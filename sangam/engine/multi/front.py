@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import random
 import subprocess
@@ -76,7 +77,7 @@ class _Entry:
     state: DecodeState  # at the start of the next block to run (or finished)
     prompt_ids: list[int]
     pages_needed: int
-    attempt: int = 0
+    attempt: int  # unique over the engine's life: a reused request id never matches old news
     phase: str = PENDING
     worker: int | None = None
     holder: int | None = None  # holds (or, once admitted there, will hold) the canvas
@@ -167,6 +168,7 @@ class MultiWorkerEngine:
         self.transfers: deque[TransferRecord] = deque(maxlen=100_000)
         self.dead_workers: list[int] = []
         self._rng = random.Random(config.seed)
+        self._attempts = itertools.count()
         self._pending: dict[str, _Entry] = {}
         self._outputs: list[RequestOutput] = []
         self._open_transfers: dict[tuple[int, int], TransferRecord] = {}
@@ -302,7 +304,7 @@ class MultiWorkerEngine:
                       params.block_length, params.cache)
         need = req.pages_needed(self.config.page_size)
         self._check_fits(need, state.total_len)
-        entry = _Entry(req, state, list(prompt_token_ids), need)
+        entry = _Entry(req, state, list(prompt_token_ids), need, next(self._attempts))
         self.requests[request_id] = entry
         self._pending[request_id] = entry
 
@@ -424,7 +426,7 @@ class MultiWorkerEngine:
         """Take ``e`` back to the start of its current block and place it again."""
         logger.info("request %s restarts block %d: %s", e.request.request_id, e.state.block, why)
         self._release(e)
-        e.attempt += 1
+        e.attempt = next(self._attempts)
         e.restarts += 1
         self.counters.restarts += 1
         self._pending[e.request.request_id] = e

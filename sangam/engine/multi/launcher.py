@@ -143,10 +143,10 @@ def fork_workers(specs: list[WorkerSpec]) -> list[int]:
     return pids
 
 
-def supervise(pids: list[int], front_pid: int | None = None) -> int:
-    """Reap the forked workers until all have exited; 0 if all exited cleanly. When
-    ``front_pid`` (this process's parent) is gone, kill them: nobody else would."""
-    live = set(pids)
+def supervise(live: set[int], front_pid: int | None = None) -> int:
+    """Reap the forked workers ``live`` (removed as they exit, so that a signal handler may
+    kill what is left) until none is left; 0 if all exited cleanly. When ``front_pid`` (this
+    process's parent) is gone, kill them: nobody else would."""
     failed = False
     while live:
         pid, status = os.waitpid(-1, os.WNOHANG)

@@ -4,9 +4,10 @@ Pickle is acceptable here because every peer is a process of this deployment on 
 network (loopback on one host, the cluster's network across nodes), as with torch.distributed's
 own store. K/V tensors never travel here: they go over torch.distributed (``kv_transfer``).
 
-Every message about a request carries its ``attempt``: the front bumps it whenever it takes
-the request back (worker failure, failed transfer), and drops events of older attempts, so a
-late report about abandoned work can never be mistaken for progress.
+Every message about a request carries its ``attempt``, a number the front draws afresh (never
+reused, even for a reused request id) whenever it takes the request back (worker failure,
+failed transfer); it drops events of other attempts, so a late report about abandoned work can
+never be mistaken for progress.
 """
 
 from __future__ import annotations

@@ -37,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     specs = launcher.make_specs(config, roles, config.node_rank, f"tcp://{host}:{port + 1}",
                                 store)
     launcher.warm_up()
-    pids = launcher.fork_workers(specs)
-    signal.signal(signal.SIGTERM, lambda signum, frame: launcher.kill_all(pids))
-    signal.signal(signal.SIGINT, lambda signum, frame: launcher.kill_all(pids))
-    return launcher.supervise(pids)
+    live = set(launcher.fork_workers(specs))
+    signal.signal(signal.SIGTERM, lambda signum, frame: launcher.kill_all(set(live)))
+    signal.signal(signal.SIGINT, lambda signum, frame: launcher.kill_all(set(live)))
+    return launcher.supervise(live)
 
 
 if __name__ == "__main__":

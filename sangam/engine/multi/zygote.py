@@ -21,7 +21,7 @@ def main() -> int:
     pids = launcher.fork_workers(specs)
     print(" ".join(map(str, pids)), flush=True)
     os.dup2(2, 1)
-    return launcher.supervise(pids, front)
+    return launcher.supervise(set(pids), front)
 
 
 if __name__ == "__main__":
