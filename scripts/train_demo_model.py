@@ -4,10 +4,10 @@
 
 Masked-diffusion SFT as in LLaDA: the prompt stays clean; the response (answer, <|eot_id|>, then
 <|endoftext|> padding up to the batch's length, at least ``--response-length``) is masked with
-probability t ~ U(0, 1) per sequence; the loss is the cross-entropy on masked positions weighted
-by 1/t, normalised by the response length. Full bidirectional attention (``forward_dense``).
-Everything is seeded and the data order is fixed, so a rerun with the same arguments on the
-same machine reproduces the weights bit for bit (one thread: ``--threads``).
+probability t ~ U(0, 1) per sequence (stratified over the batch); the loss is the cross-entropy
+on masked positions weighted by 1/t, normalised by the response length. Full bidirectional
+attention (``forward_dense``). Everything is seeded and the data order is fixed, so a rerun with
+the same arguments on the same machine reproduces the weights bit for bit (``--threads 1``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ MASK_EPS = 1e-3  # t is drawn from U(eps, 1) so the 1/t weight stays bounded (as
 class TrainConfig:
     steps: int = 5000
     batch_size: int = 32
-    lr: float = 2e-3
+    lr: float = 1e-3
     warmup: int = 200
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -106,7 +106,9 @@ def diffusion_loss(model: LLaDAModel, ids: torch.Tensor, prompt_lens: torch.Tens
     """LLaDA's SFT loss on one batch; masks are drawn from ``gen``."""
     batch, total = ids.shape
     response = torch.arange(total)[None, :] >= prompt_lens[:, None]
-    p_mask = (1 - MASK_EPS) * torch.rand(batch, generator=gen) + MASK_EPS
+    # Each t is U(0, 1); stratified over the batch (one per 1/batch interval) for lower variance.
+    t = (torch.arange(batch) + torch.rand(batch, generator=gen)) / batch
+    p_mask = (1 - MASK_EPS) * t + MASK_EPS
     masked = (torch.rand(batch, total, generator=gen) < p_mask[:, None]) & response
     logits = model.forward_dense(torch.where(masked, MASK_ID, ids))
     ce = F.cross_entropy(logits[masked].float(), ids[masked], reduction="none")

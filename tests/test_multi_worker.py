@@ -218,7 +218,7 @@ def test_modes_match_reference(paths, arch, layout):
         outs = llm.generate(prompt_token_ids=[r[1] for r in reqs],
                             sampling_params=[r[2] for r in reqs])
         got = {rid: (o.token_ids, o.num_forwards) for (rid, _, _), o in zip(reqs, outs)}
-        by_worker = llm.engine.counters.by_worker_prefills
+        by_worker = llm.engine.counters.prefills_by_worker
         assert len(by_worker) == 3 and min(by_worker.values()) > 0  # all three worked
         llm.shutdown()
         _wait_gone(pids, timeout=5)

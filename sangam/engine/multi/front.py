@@ -42,6 +42,7 @@ import random
 import subprocess
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -133,7 +134,7 @@ class Counters:
     kv_bytes: int = 0
     failed_transfers: int = 0
     restarts: int = 0  # requests taken back to their block start
-    by_worker_prefills: dict[int, int] = field(default_factory=dict)
+    prefills_by_worker: dict[int, int] = field(default_factory=dict)
 
 
 def _front_model(config: EngineConfig, loaded: LoadedModel | None,
@@ -356,7 +357,7 @@ class MultiWorkerEngine:
         return out
 
     @contextlib.contextmanager
-    def _moving(self, e: _Entry):
+    def _moving(self, e: _Entry) -> Iterator[None]:
         """Keep the page mirror in step with the entry's placement fields."""
         for w, n in self._footprint(e):
             self._committed[w] -= n
@@ -404,7 +405,7 @@ class MultiWorkerEngine:
         with self._moving(e):
             e.phase, e.worker, e.holder, e.reserved = RUNNING, w, holder, reserved
             e.load_worker = w  # route_prefill charged the refresh to w
-        c = self.counters.by_worker_prefills
+        c = self.counters.prefills_by_worker
         c[w] = c.get(w, 0) + 1
         self._send(w, msg.Prefill(e.request.request_id, e.attempt, e.state,
                                   e.request.arrival_time, kv_dest, keep))
@@ -445,7 +446,7 @@ class MultiWorkerEngine:
                 return
             m = msg.loads(data)
             w = int(ident[1:])
-            if w in self.dead_workers:
+            if w in self.dead_workers or w not in self._workers:
                 continue  # whatever it said before dying was taken back
             self._workers[w].last_heard = time.monotonic()
             if isinstance(m, msg.Report):

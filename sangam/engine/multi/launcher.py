@@ -6,6 +6,9 @@ contiguous slice ``[r*k, (r+1)*k)`` with ``k = ceil(total / nnodes)``; node 0 al
 front. A node's i-th worker uses ``devices[i]`` when a device list is given, else ``cuda:i``
 on GPU or the CPU.
 
+Processes: a node's workers are forked from one process that imported everything once (the
+"zygote" on node 0, the node entry point elsewhere), which needs Linux (fork, pidfd).
+
 Addresses: on one node everything binds to loopback on free ports. Across nodes,
 ``dist_init_addr = host:port`` is node 0's: the torch.distributed TCP store listens on ``port``
 and the front's ZeroMQ socket on ``port + 1``.

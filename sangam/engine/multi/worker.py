@@ -64,6 +64,16 @@ class _Task:
 
 
 @dataclass
+class _Stream:
+    """A transfer posted layer by layer during the forward (layer-wise streaming)."""
+
+    dest: int
+    transfer_id: int
+    page_ids: torch.Tensor
+    layers_sent: int = 0
+
+
+@dataclass
 class _Receive:
     message: msg.ReceiveKV
     pages: list[int] | None  # None: drain (no room, dropped meanwhile, or asked to)
@@ -257,19 +267,20 @@ class Worker:
             batch.prefill_tokens, batch.decode_tokens, batch.deficit, len(reqs),
             len(batch.prefills), end - start))
 
-    def _open_streams(self, senders: list[_Task]) -> dict[str, tuple[int, torch.Tensor, list]]:
+    def _open_streams(self, senders: list[_Task]) -> dict[str, _Stream]:
         """Layer-wise streaming: open each sender's transfer before the forward."""
-        return {t.request.request_id: (self.transport.open_send(t.kv_dest),
-                                       torch.tensor(t.request.pages, dtype=torch.int64), [0])
+        return {t.request.request_id: _Stream(
+                    t.kv_dest, self.transport.open_send(t.kv_dest),
+                    torch.tensor(t.request.pages, dtype=torch.int64))
                 for t in senders}
 
-    def _execute_streaming(self, states, pages, streams) -> list[bool]:
-        dests = {rid: self.tasks[rid].kv_dest for rid in streams}
-
+    def _execute_streaming(self, states: list[DecodeState], pages: list[list[int]],
+                           streams: dict[str, _Stream]) -> list[bool]:
         def on_layer(layer: int) -> None:
-            for rid, (tid, page_ids, streamed) in streams.items():
-                self.transport.send_layers(dests[rid], tid, page_ids, range(layer, layer + 1))
-                streamed[0] += 1
+            for s in streams.values():
+                self.transport.send_layers(s.dest, s.transfer_id, s.page_ids,
+                                           range(layer, layer + 1))
+                s.layers_sent += 1
 
         model = self.loaded.model
         inner = model.attention_backend
@@ -279,7 +290,7 @@ class Worker:
         finally:
             model.attention_backend = inner
 
-    def _ship(self, t: _Task, block_done: bool, stream) -> None:
+    def _ship(self, t: _Task, block_done: bool, stream: _Stream | None) -> None:
         """Send a refresh's K/V to the canvas holder (or finish the streamed send). A refresh
         that completed its block leaves nothing to decode: no send, or a streamed one that the
         receiver drains."""
@@ -293,8 +304,7 @@ class Worker:
                                        range(self.pool.kv.buffer.shape[0]))
             streamed = 0
         else:
-            tid, _, count = stream
-            streamed = count[0]
+            tid, streamed = stream.transfer_id, stream.layers_sent
         nbytes = self.transport.close_send(t.kv_dest, tid)
         self.events.append(msg.KVSent(req.request_id, t.attempt, t.kv_dest, tid, n, nbytes,
                                       streamed, t.state, block_done))
