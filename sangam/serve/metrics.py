@@ -19,8 +19,8 @@ _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 
 
 class _EngineGauges:
-    """Read at scrape time, so the values are current. The scheduler and KV pool gauges exist
-    for the in-process engine; a multi-worker front reports requests in flight only."""
+    """Read at scrape time, so the values are current. Scheduler gauges exist for the
+    in-process engine; a multi-worker front reports its workers' pools."""
 
     def __init__(self, engine: AsyncEngine):
         self._engine = engine.engine
@@ -41,6 +41,17 @@ class _EngineGauges:
                 ("sangam_kv_pool_usage_ratio", "Fraction of KV pages in use", e.pool.usage),
                 ("sangam_kv_pool_pages_used", "KV pages in use", alloc.num_used),
                 ("sangam_kv_pool_pages", "KV pages in the pool", alloc.num_pages),
+            ]
+        else:  # multi-worker front: pool gauges summed over live workers, as last reported
+            live = [w for w in e.worker_states() if w.alive]
+            pages = sum(w.num_pages for w in live)
+            used = pages - sum(w.free_pages for w in live)
+            gauges += [
+                ("sangam_kv_pool_usage_ratio", "Fraction of KV pages in use",
+                 used / pages if pages else 0.0),
+                ("sangam_kv_pool_pages_used", "KV pages in use", used),
+                ("sangam_kv_pool_pages", "KV pages in the pool", pages),
+                ("sangam_workers_alive", "Worker processes alive", len(live)),
             ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=float(value))
