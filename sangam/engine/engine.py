@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sangam.config import EngineConfig
@@ -55,6 +56,34 @@ class EngineStats:
     finished: deque = field(default_factory=lambda: deque(maxlen=10_000))  # per-request metrics
 
 
+def build_worker_parts(config: EngineConfig,
+                       loaded: LoadedModel) -> tuple[KVPool, BatchBuilder, ModelRunner]:
+    """What every worker owns: its KV pool, its scheduler over that pool, its model runner."""
+    num_pages = pool_num_pages(loaded.config, config, loaded.dtype, loaded.device)
+    pool = KVPool(loaded.config, num_pages, config.page_size, loaded.dtype, loaded.device)
+    builder = BatchBuilder(pool.allocator, config.page_size, config.policy,
+                           config.effective_token_budget, config.max_batch_size)
+    return pool, builder, ModelRunner(loaded, pool)
+
+
+def new_request(in_flight: Mapping[str, object], config: EngineConfig, loaded: LoadedModel,
+                rng: random.Random, request_id: str, prompt_token_ids: list[int],
+                params: SamplingParams,
+                arrival_time: float | None) -> tuple[Request, DecodeState]:
+    """The checks every engine makes at submission, then the request's scheduling object and
+    its canvas. Raises (RequestRejected, QueueFull, ValueError) without side effects."""
+    if request_id in in_flight:
+        raise RequestRejected(f"request id {request_id!r} is already in use")
+    if len(in_flight) >= config.max_queue_len:
+        raise QueueFull(f"{len(in_flight)} requests in flight (max_queue_len "
+                        f"{config.max_queue_len})")
+    state = loaded.new_state(prompt_token_ids, params, rng)
+    now = time.monotonic() if arrival_time is None else arrival_time
+    req = Request(request_id, now, state.prompt_len, params.canvas_length, params.block_length,
+                  params.cache)
+    return req, state
+
+
 def request_metrics(m: RequestMetrics, state: DecodeState) -> dict:
     """Per-request latency breakdown (seconds) and parallelism, as reported to users."""
     committed = int((state.tokens[state.prompt_len:] != state.mask_token_id).sum())
@@ -73,13 +102,7 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
         self.loaded = loaded or LoadedModel.load(config)
-        num_pages = pool_num_pages(self.loaded.config, config, self.loaded.dtype,
-                                   self.loaded.device)
-        self.pool = KVPool(self.loaded.config, num_pages, config.page_size, self.loaded.dtype,
-                           self.loaded.device)
-        self.builder = BatchBuilder(self.pool.allocator, config.page_size, config.policy,
-                                    config.effective_token_budget, config.max_batch_size)
-        self.runner = ModelRunner(self.loaded, self.pool)
+        self.pool, self.builder, self.runner = build_worker_parts(config, self.loaded)
         self.requests: dict[str, _Tracked] = {}
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
@@ -88,15 +111,9 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         """Validate and queue a request; raises (and changes nothing) if it cannot be served."""
-        if request_id in self.requests:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
-        if len(self.requests) >= self.config.max_queue_len:
-            raise QueueFull(f"{len(self.requests)} requests in flight (max_queue_len "
-                            f"{self.config.max_queue_len})")
-        state = self.loaded.new_state(prompt_token_ids, params, self._rng)
-        now = time.monotonic() if arrival_time is None else arrival_time
-        req = Request(request_id, now, state.prompt_len, params.canvas_length,
-                      params.block_length, params.cache)
+        req, state = new_request(self.requests, self.config, self.loaded, self._rng, request_id,
+                                 prompt_token_ids, params, arrival_time)
+        now = req.arrival_time
         if not self.builder.fits_ever(req):
             raise RequestRejected(
                 f"request needs {self.pool.pages_for(state.total_len)} KV pages for "

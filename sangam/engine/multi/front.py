@@ -51,7 +51,7 @@ import zmq
 
 from sangam.config import EngineConfig
 from sangam.decoding.state import DecodeState
-from sangam.engine.engine import EngineStats, QueueFull, RequestRejected
+from sangam.engine.engine import EngineStats, RequestRejected, new_request
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import launcher
 from sangam.engine.multi import messages as msg
@@ -294,15 +294,8 @@ class MultiWorkerEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         """Validate and queue a request; raises (and changes nothing) if it cannot be served."""
-        if request_id in self.requests:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
-        if len(self.requests) >= self.config.max_queue_len:
-            raise QueueFull(f"{len(self.requests)} requests in flight (max_queue_len "
-                            f"{self.config.max_queue_len})")
-        state = self.loaded.new_state(prompt_token_ids, params, self._rng)
-        now = time.monotonic() if arrival_time is None else arrival_time
-        req = Request(request_id, now, state.prompt_len, params.canvas_length,
-                      params.block_length, params.cache)
+        req, state = new_request(self.requests, self.config, self.loaded, self._rng, request_id,
+                                 prompt_token_ids, params, arrival_time)
         need = req.pages_needed(self.config.page_size)
         self._check_fits(need, state.total_len)
         entry = _Entry(req, state, list(prompt_token_ids), need, next(self._attempts))

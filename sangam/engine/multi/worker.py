@@ -34,15 +34,12 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from sangam.decoding.state import DecodeState
-from sangam.engine.engine import IterationStats
-from sangam.engine.kv_pool import KVPool, pool_num_pages
+from sangam.engine.engine import IterationStats, build_worker_parts
 from sangam.engine.loaded_model import LoadedModel
-from sangam.engine.model_runner import ModelRunner
 from sangam.engine.multi import messages as msg
 from sangam.engine.multi.kv_transfer import Done, KVTransport, LayerHook, layer_page_bytes
 from sangam.engine.multi.launcher import WorkerSpec, signature
 from sangam.engine.request import Request
-from sangam.engine.scheduler import BatchBuilder
 
 HEARTBEAT_S = 0.5
 STORE_TIMEOUT_S = 300  # joining the process group: every worker of every node must come up
@@ -91,13 +88,7 @@ class Worker:
         else:
             torch.cuda.set_device(device)
         self.loaded = LoadedModel.load(config)
-        num_pages = pool_num_pages(self.loaded.config, config, self.loaded.dtype,
-                                   self.loaded.device)
-        self.pool = KVPool(self.loaded.config, num_pages, config.page_size, self.loaded.dtype,
-                           self.loaded.device)
-        self.builder = BatchBuilder(self.pool.allocator, config.page_size, config.policy,
-                                    config.effective_token_budget, config.max_batch_size)
-        self.runner = ModelRunner(self.loaded, self.pool)
+        self.pool, self.builder, self.runner = build_worker_parts(config, self.loaded)
         self.streaming = config.layerwise_kv_streaming
         self.transport: KVTransport | None = None
         if spec.store_addr is not None:
@@ -112,7 +103,7 @@ class Worker:
         self._stalled = False  # the last schedule() found nothing, and nothing changed since
         self._reported = (-1, -1)  # (free pages, open transfers) in the last report
         self._send(msg.Hello(
-            self.index, os.getpid(), socket.gethostname(), spec.device, num_pages,
+            self.index, os.getpid(), socket.gethostname(), spec.device, self.pool.num_pages,
             layer_page_bytes(self.pool.kv.buffer),
             signature(spec.roles, spec.config, self.loaded.config)))
 
