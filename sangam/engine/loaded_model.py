@@ -37,7 +37,7 @@ def make_attention_backend(name: str | None, device: torch.device):
 @dataclass
 class LoadedModel:
     path: str
-    model: DiffusionLM
+    model: DiffusionLM | None  # None in a multi-worker front, which never runs the model
     config: ModelConfig
     tokenizer: object | None
     stop_ids: frozenset[int]
