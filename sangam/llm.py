@@ -68,10 +68,9 @@ class LLM:
             return [self.loaded.encode(p) for p in prompts]
         return [list(p) for p in prompt_token_ids]
 
-    @staticmethod
-    def _params(sampling_params, n: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * n
+    def _params(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:  # the checkpoint's generation_config.json, if any
+            return [self.loaded.default_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         sampling_params = list(sampling_params)

@@ -189,3 +189,20 @@ def test_input_validation(llms):
         SamplingParams(unmasking="greedy")
     with pytest.raises(TypeError, match="unknown options"):
         LLM(llm.loaded.path, tau=3)
+
+
+def test_checkpoint_generation_config_sets_defaults(llada_path, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(llada_path, path)
+    (path / "generation_config.json").write_text(json.dumps(
+        {"max_new_tokens": 6, "block_length": 2, "do_sample": False}))
+    llm = LLM(str(path), device="cpu", dtype="float64")
+    out = llm.generate(prompt_token_ids=[[5, 6]])[0]
+    assert len(out.token_ids) <= 6 and out.num_forwards <= 6
+    assert llm.loaded.default_params(max_tokens=9).block_length == 2
+    (path / "generation_config.json").write_text(json.dumps({"block_length": 0}))
+    with pytest.raises(ValueError, match="block_length"):
+        LLM(str(path), device="cpu")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -34,6 +36,25 @@ def make_attention_backend(name: str | None, device: torch.device):
     return TritonAttentionBackend()
 
 
+GENERATION_CONFIG = "generation_config.json"
+# generation_config.json keys that become SamplingParams defaults (HF name -> ours).
+GENERATION_KEYS = {"max_new_tokens": "max_tokens", "block_length": "block_length",
+                   "unmasking": "unmasking", "threshold": "threshold", "factor": "factor",
+                   "tokens_per_step": "tokens_per_step", "cache": "cache"}
+
+
+def read_generation_defaults(path: str | Path) -> dict:
+    """SamplingParams defaults a checkpoint suggests in its ``generation_config.json`` (e.g. a
+    model trained on short responses): only the keys Sangam understands, validated."""
+    f = Path(path) / GENERATION_CONFIG
+    if not f.is_file():
+        return {}
+    raw = json.loads(f.read_text())
+    defaults = {ours: raw[theirs] for theirs, ours in GENERATION_KEYS.items() if theirs in raw}
+    SamplingParams(**defaults)  # a broken file fails at load time, naming the key
+    return defaults
+
+
 @dataclass
 class LoadedModel:
     path: str
@@ -43,6 +64,7 @@ class LoadedModel:
     stop_ids: frozenset[int]
     device: torch.device
     dtype: torch.dtype
+    generation_defaults: dict = field(default_factory=dict)
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> LoadedModel:
@@ -57,7 +79,12 @@ class LoadedModel:
         tokenizer = load_tokenizer(path)
         p = next(model.parameters())
         return cls(str(path), model, model.config, tokenizer,
-                   stop_token_ids(model.config.eos_token_id, tokenizer), p.device, p.dtype)
+                   stop_token_ids(model.config.eos_token_id, tokenizer), p.device, p.dtype,
+                   read_generation_defaults(path))
+
+    def default_params(self, **overrides) -> SamplingParams:
+        """SamplingParams from the checkpoint's suggested defaults, with ``overrides`` on top."""
+        return SamplingParams(**{**self.generation_defaults, **overrides})
 
     @property
     def context_length(self) -> int:

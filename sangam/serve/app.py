@@ -238,7 +238,8 @@ class _Server:
                            "logprobs, stop strings, penalties or tools",
                            param=unsupported[0], code="unsupported_parameter")
         try:
-            return self.config.default_params(**body.sampling_overrides())
+            return self.config.default_params(self.loaded.generation_defaults,
+                                              **body.sampling_overrides())
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 

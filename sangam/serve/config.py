@@ -23,15 +23,19 @@ class ServerConfig:
         "Require 'Authorization: Bearer KEY' on /v1/* requests"))
     served_model_name: str | None = field(default=None, metadata=_meta(
         "Model name in the API (default: the --model path, or 'sangam-demo')"))
-    # Defaults for requests that leave the diffusion options out.
-    max_tokens_default: int = field(default=256, metadata=_meta(
-        "max_tokens of requests that do not set it"))
-    block_length: int = field(default=32, metadata=_meta("Default block length B"))
-    unmasking: str = field(default="threshold", metadata=_meta(
-        "Default unmasking rule", choices=UNMASKING_RULES))
-    threshold: float = field(default=0.9, metadata=_meta("Default confidence threshold"))
-    cache: str = field(default="dual", metadata=_meta("Default KV cache mode",
-                                                      choices=CACHE_MODES))
+    # Defaults for requests that leave the diffusion options out. Unset (None): the
+    # checkpoint's generation_config.json, else SamplingParams' own defaults.
+    max_tokens_default: int | None = field(default=None, metadata=_meta(
+        "max_tokens of requests that do not set it (default: the checkpoint's "
+        "generation_config.json max_new_tokens, else 256)"))
+    block_length: int | None = field(default=None, metadata=_meta(
+        "Default block length B (default: generation_config.json, else 32)"))
+    unmasking: str | None = field(default=None, metadata=_meta(
+        "Default unmasking rule (default: threshold)", choices=UNMASKING_RULES))
+    threshold: float | None = field(default=None, metadata=_meta(
+        "Default confidence threshold (default: 0.9)"))
+    cache: str | None = field(default=None, metadata=_meta(
+        "Default KV cache mode (default: dual)", choices=CACHE_MODES))
     shutdown_grace: float = field(default=5.0, metadata=_meta(
         "On SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are "
         "aborted"))
@@ -45,11 +49,14 @@ class ServerConfig:
             raise ValueError("ServerConfig: shutdown_grace must be >= 0")
         self.default_params()  # raises ValueError for bad defaults, at startup
 
-    def default_params(self, **overrides) -> SamplingParams:
-        """SamplingParams from the server defaults, with a request's fields on top."""
-        defaults = dict(max_tokens=self.max_tokens_default, block_length=self.block_length,
-                        unmasking=self.unmasking, threshold=self.threshold, cache=self.cache)
-        return SamplingParams(**{**defaults, **overrides})
+    def default_params(self, checkpoint_defaults: dict | None = None,
+                       **overrides) -> SamplingParams:
+        """SamplingParams from the checkpoint's defaults, then the server's flags, then a
+        request's own fields."""
+        flags = dict(max_tokens=self.max_tokens_default, block_length=self.block_length,
+                     unmasking=self.unmasking, threshold=self.threshold, cache=self.cache)
+        flags = {k: v for k, v in flags.items() if v is not None}
+        return SamplingParams(**{**(checkpoint_defaults or {}), **flags, **overrides})
 
     def model_name(self, model_path: str | None) -> str:
         return self.served_model_name or model_path or DEMO_MODEL_NAME
@@ -60,6 +67,10 @@ class ServerConfig:
             kw = dict(f.metadata)
             if isinstance(f.default, (int, float)):
                 kw["type"] = type(f.default)
+            elif f.name in ("max_tokens_default", "block_length"):
+                kw["type"] = int
+            elif f.name == "threshold":
+                kw["type"] = float
             parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default,
                                 **kw)
 

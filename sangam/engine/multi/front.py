@@ -52,7 +52,7 @@ import zmq
 from sangam.config import EngineConfig
 from sangam.decoding.state import DecodeState
 from sangam.engine.engine import EngineStats, RequestRejected, new_request
-from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.loaded_model import LoadedModel, read_generation_defaults
 from sangam.engine.multi import launcher
 from sangam.engine.multi import messages as msg
 from sangam.engine.request import Request
@@ -152,7 +152,8 @@ def _front_model(config: EngineConfig, loaded: LoadedModel | None,
     tokenizer = load_tokenizer(path)
     dtype = resolve_dtype(None if config.dtype == "auto" else config.dtype, device)
     return LoadedModel(str(path), None, cfg, tokenizer,
-                       stop_token_ids(cfg.eos_token_id, tokenizer), torch.device(device), dtype)
+                       stop_token_ids(cfg.eos_token_id, tokenizer), torch.device(device), dtype,
+                       read_generation_defaults(path))
 
 
 class MultiWorkerEngine:
