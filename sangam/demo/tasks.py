@@ -1,10 +1,10 @@
 """Seeded generators of the demo model's tasks: short chat prompts with checkable answers.
 
-Six families, each answer at most 8 characters: addition and subtraction of numbers below 100,
-reversing, sorting and copying short lowercase strings, and counting a letter in a string.
-Every possible instance belongs to exactly one split, decided by a hash of its prompt (one
-instance in ``EVAL_MODULUS`` is held out), so evaluation instances never appear in training
-whatever seeds are used.
+Six families, each answer at most 8 characters: addition and subtraction of two-digit numbers
+(two-digit results), reversing, sorting and copying short lowercase strings, and counting a
+letter in a six-letter string. Every possible instance belongs to exactly one split, decided by
+a hash of its prompt (one instance in ``EVAL_MODULUS`` is held out), so evaluation instances
+never appear in training whatever seeds are used.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ SPLITS = ("train", "eval")
 EVAL_MODULUS = 8
 EVAL_SEED = 1_000_003  # default seed of the held-out instances reported by `sangam-bench quality`
 LETTERS = string.ascii_lowercase
-COUNT_LETTERS = "abcd"  # a small alphabet, so letters repeat and counts are not all 0 or 1
-MAX_DIGITS = 2
+COUNT_LETTERS = "abc"  # a small alphabet, so letters repeat and counts are not all 0 or 1
+COUNT_LENGTH = 6
 
 
 @dataclass(frozen=True)
@@ -31,21 +31,19 @@ class Task:
     answer: str
 
 
-def _number(rng: random.Random) -> int:
-    return rng.randint(0, 10**MAX_DIGITS - 1)
-
-
 def _word(rng: random.Random, lo: int, hi: int, alphabet: str = LETTERS) -> str:
     return "".join(rng.choice(alphabet) for _ in range(rng.randint(lo, hi)))
 
 
 def sample_task(family: str, rng: random.Random) -> Task:
     """One instance of ``family`` drawn from ``rng`` (either split)."""
-    if family == "add":
-        a, b = _number(rng), _number(rng)
+    if family == "add":  # 10 <= a, b and a + b <= 99
+        a = rng.randint(10, 89)
+        b = rng.randint(10, 99 - a)
         return Task(family, f"What is {a}+{b}?", str(a + b))
-    if family == "sub":
-        a, b = sorted((_number(rng), _number(rng)), reverse=True)
+    if family == "sub":  # a - b >= 10
+        a = rng.randint(20, 99)
+        b = rng.randint(10, a - 10)
         return Task(family, f"What is {a}-{b}?", str(a - b))
     if family == "reverse":
         w = _word(rng, 3, 8)
@@ -57,7 +55,7 @@ def sample_task(family: str, rng: random.Random) -> Task:
         w = _word(rng, 3, 8)
         return Task(family, f"Repeat: {w}", w)
     if family == "count":
-        w = _word(rng, 4, 8, COUNT_LETTERS)
+        w = _word(rng, COUNT_LENGTH, COUNT_LENGTH, COUNT_LETTERS)
         c = rng.choice(COUNT_LETTERS)
         return Task(family, f"How many {c}'s in {w}?", str(w.count(c)))
     raise ValueError(f"unknown task family {family!r}; choose from {FAMILIES}")
@@ -95,7 +93,8 @@ def eval_set(n_per_family: int, seed: int = EVAL_SEED,
 
 
 def training_stream(seed: int, families: tuple[str, ...] = FAMILIES) -> Iterator[Task]:
-    """Endless training instances; the family of each is drawn uniformly. Deterministic."""
+    """Endless training instances; the family of each is drawn uniformly from ``families`` (name
+    a family twice to draw it twice as often). Deterministic."""
     for f in families:
         _check(f, "train")
     rng = random.Random(f"train-stream/{seed}")
