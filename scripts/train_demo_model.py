@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sangam.demo import DEMO_BLOCK_LENGTH
 from sangam.demo.tasks import FAMILIES, Task, eval_set, training_stream
 from sangam.demo.tokenizer import (
     EOS_ID,
@@ -194,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.time() - start
     save_checkpoint(model.to(getattr(torch, args.save_dtype)), raw, args.out)
     write_tokenizer(args.out)
+    generation = {"max_new_tokens": cfg.response_length, "block_length": DEMO_BLOCK_LENGTH}
+    (Path(args.out) / "generation_config.json").write_text(json.dumps(generation) + "\n")
     info = {"train_config": asdict(cfg), "save_dtype": args.save_dtype,
             "num_parameters": sum(p.numel() for p in model.parameters()),
             "args": sys.argv[1:] if argv is None else argv,

@@ -4,9 +4,9 @@ answers held-out task prompts correctly through the OpenAI API."""
 from __future__ import annotations
 
 import openai
+from test_serve_openai import serve_subprocess
 
 from sangam.demo.tasks import generate
-from test_serve_openai import serve_subprocess
 
 
 def test_demo_model_answers_over_http(tmp_path):
