@@ -34,6 +34,8 @@ setup(
         "jinja2",
         "fastapi",
         "uvicorn",
+        "prometheus-client",
+        "httpx",
         "pyzmq",
         "matplotlib",
     ],
