@@ -48,6 +48,9 @@ class EngineConfig:
         "Deficit token budget tau per iteration ('inf' = prefill-first)"))
     max_batch_size: int = field(default=256, metadata=_meta(
         "Most requests in one forward (seated decodes plus admitted prefills)"))
+    enforce_eager: bool = field(default=False, metadata=_meta(
+        "Never capture CUDA graphs (by default decode batches of the model's block length "
+        "replay graphs on GPU with the triton backend)"))
     max_queue_len: int = field(default=1024, metadata=_meta(
         "Most requests waiting or running; beyond it new requests are refused (HTTP 503)"))
     mode: str = field(default="colocated", metadata=_meta(

@@ -3,9 +3,12 @@
 import random
 
 import pytest
+import torch
 
+from sangam import LLM
 from sangam.config import EngineConfig
 from sangam.decoding import ReferenceDecoder
+from sangam.engine.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
 from sangam.engine.engine import Engine, QueueFull, RequestRejected
 from sangam.engine.loaded_model import LoadedModel
 from sangam.sampling_params import SamplingParams
@@ -20,14 +23,14 @@ def loaded(llada_path, dream_path):
             for arch, p in (("llada", llada_path), ("dream", dream_path))}
 
 
-def _workload(n: int, seed: int):
+def _workload(n: int, seed: int, block_lengths=(4, 8), caches=("dual", "prefix", "none")):
     rng = random.Random(seed)
     reqs = []
     for i in range(n):
         prompt = [rng.randrange(2, 150) for _ in range(rng.choice([1, 5, 15, 16, 17, 31, 40]))]
         params = SamplingParams(
-            max_tokens=rng.choice([8, 13, 24]), block_length=rng.choice([4, 8]),
-            cache=rng.choice(["dual", "prefix", "none"]), seed=i,
+            max_tokens=rng.choice([8, 13, 24]), block_length=rng.choice(block_lengths),
+            cache=rng.choice(caches), seed=i,
             temperature=rng.choice([0.0, 0.0, 2.0]), stop_at_eos=rng.random() < 0.5,
             **rng.choice(RULES))
         reqs.append((f"r{i}", prompt, params))
@@ -130,3 +133,46 @@ def test_rejections_change_nothing(loaded):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.pool.allocator.num_free == 8
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(256)[-3:] == [224, 240, 256]
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+def test_padded_decode_batches_match_reference(loaded, arch):
+    # The CUDA-graph path's padding and static buffers, run eagerly on CPU: batches of 8-token
+    # DualCache steps are padded to buckets 1, 2, 4, 6 and must still give the reference tokens.
+    lm = loaded[arch]
+    reqs = _workload(14, seed=21, block_lengths=(8,), caches=("dual",))
+    cfg = EngineConfig(model=lm.path, device="cpu", dtype="float64", page_size=4, num_pages=400,
+                       max_batch_size=6)
+    engine = Engine(cfg, lm)
+    graphs = DecodeGraphRunner(lm.model, engine.pool.kv, span=8, max_batch_size=6,
+                               max_pages=-(-lm.context_length // 4), device=lm.device,
+                               use_graphs=False)
+    engine.runner.graphs = graphs
+    assert _run_staggered(engine, reqs, seed=4) == _reference(lm, reqs)
+    assert graphs.runs > 5, graphs.runs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_match_eager(llada_path):
+    prompts = [[3 + i] * (5 + 7 * i) for i in range(11)]
+    params = SamplingParams(max_tokens=64, block_length=32, cache="dual",
+                            unmasking="threshold", threshold=0.9)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(model=llada_path, device="cuda", dtype="float64", enforce_eager=eager)
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == eager
+        outs[eager] = [(o.token_ids, o.num_forwards)
+                       for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        if not eager:
+            assert graphs.runs > 0
+        llm.shutdown()
+    assert outs[True] == outs[False]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from sangam.config import EngineConfig
 from sangam.decoding.state import DecodeState
+from sangam.engine.cuda_graphs import DecodeGraphRunner
 from sangam.engine.kv_pool import KVPool, pool_num_pages
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.model_runner import ModelRunner
@@ -63,7 +64,21 @@ def build_worker_parts(config: EngineConfig,
     pool = KVPool(loaded.config, num_pages, config.page_size, loaded.dtype, loaded.device)
     builder = BatchBuilder(pool.allocator, config.page_size, config.policy,
                            config.effective_token_budget, config.max_batch_size)
-    return pool, builder, ModelRunner(loaded, pool)
+    return pool, builder, ModelRunner(loaded, pool, graphs=decode_graphs(config, loaded, pool))
+
+
+def decode_graphs(config: EngineConfig, loaded: LoadedModel,
+                  pool: KVPool) -> DecodeGraphRunner | None:
+    """CUDA graphs for decode steps at the model's default block length, when they can run:
+    on a GPU, with the Triton backend (the reference backend reads host-side lengths), unless
+    ``enforce_eager``."""
+    model = loaded.model
+    if (config.enforce_eager or loaded.device.type != "cuda"
+            or model.attention_backend.name != "triton"):
+        return None
+    max_pages = -(-loaded.context_length // config.page_size)
+    return DecodeGraphRunner(model, pool.kv, loaded.default_params().block_length,
+                             config.max_batch_size, max_pages, loaded.device)
 
 
 def new_request(in_flight: Mapping[str, object], config: EngineConfig, loaded: LoadedModel,

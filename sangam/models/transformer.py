@@ -42,10 +42,20 @@ class RotaryEmbedding:
         self.head_dim = head_dim
         self.theta = theta
         self._table: torch.Tensor | None = None  # [max_pos, head_dim] cos | sin, compute dtype
+        self._reserved = False
+
+    def reserve(self, num_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Build the table for positions ``< num_positions`` once; lookups then skip the
+        ``positions.max()`` device sync that CUDA graph capture forbids. The caller guarantees
+        positions stay below ``num_positions``."""
+        self._cos_sin(torch.tensor([num_positions - 1], device=device), dtype)
+        self._reserved = True
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        need = int(positions.max()) + 1 if positions.numel() else 1
         t = self._table
+        if self._reserved and t.dtype == dtype and t.device == positions.device:
+            return t[0][positions], t[1][positions]
+        need = int(positions.max()) + 1 if positions.numel() else 1
         if t is None or t.shape[1] < need or t.dtype != dtype or t.device != positions.device:
             n = max(need, 2048, 0 if t is None else t.shape[1])
             inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64)
@@ -117,6 +127,13 @@ class DiffusionLM(nn.Module):
         input_ids/positions ``[N]``; returns logits ``[M, vocab]`` for the hidden rows
         ``logits_indices`` only (the LM head never runs over all N rows).
         """
+        return self.logits(self.hidden_states(input_ids, positions, meta, kv), logits_indices)
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, kv: PagedKV) -> torch.Tensor:
+        """The body of :meth:`forward`: final-norm hidden states ``[N, hidden]``, storing each
+        span's K/V on the way. No host syncs once the RoPE table is reserved (CUDA graphs)."""
         backend = self.attention_backend
         if backend is None:
             raise RuntimeError("no attention backend set on the model")
@@ -124,13 +141,19 @@ class DiffusionLM(nn.Module):
         def attend(i, q, k, v):
             return backend.forward(q, k, v, kv.k[i], kv.v[i], meta, self.scale)
 
-        hidden = self._layers(self.embed(input_ids), positions, attend)
+        return self._layers(self.embed(input_ids), positions, attend)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The LM head on the rows ``logits_indices`` of ``hidden`` only."""
         return self.output_head()(hidden[logits_indices])
 
-    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_dense(self, input_ids: torch.Tensor,
+                      key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Plain full-sequence bidirectional forward, ``[B, T] -> [B, T, vocab]``, with autograd.
 
         No cache and no paging: the oracle for tests and the forward used for training.
+        ``key_mask [B, T]`` (bool) hides the False positions from every query (padding).
         """
         cfg = self.config
         group = cfg.num_heads // cfg.num_kv_heads
@@ -140,7 +163,8 @@ class DiffusionLM(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+            mask = None if key_mask is None else key_mask[:, None, None, :]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             return out.transpose(1, 2)
 
         return self.output_head()(self._layers(self.embed(input_ids), positions, attend))

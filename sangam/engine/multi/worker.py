@@ -277,7 +277,7 @@ class Worker:
         inner = model.attention_backend
         model.attention_backend = LayerHook(inner, on_layer)
         try:
-            return self.runner.execute(states, pages)
+            return self.runner.execute(states, pages, allow_graphs=False)  # graphs skip hooks
         finally:
             model.attention_backend = inner
 

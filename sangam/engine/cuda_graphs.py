@@ -1,0 +1,114 @@
+"""CUDA graphs for decode batches: one captured transformer body per batch-size bucket.
+
+A cached decode step is small (one block of queries per request), so on a GPU its cost is
+dominated by launching ~10 kernels per layer from Python. Batches whose requests all run spans
+of exactly ``span`` query tokens (DualCache steps at the default block length; refreshes are
+never that short in practice, and if one is, the graph computes it just as well) are padded to
+the next captured batch size and replayed from one graph. The LM head stays eager: how many
+logits rows a step needs varies.
+
+Padding requests have ``kv_len`` 0 (attention gives them zeros), store nothing (slot -1) and are
+never read back, so real rows see exactly the computation the eager path does. Graphs replay
+with the shapes and host values of their capture: ``query_lens`` is ``[span] * bucket`` and the
+block-table width is the most pages any request can hold, so only the Triton backend (which
+reads kv_lens and tables on the device) can be captured; the PyTorch backend runs the same
+padded batches eagerly, which is how the padding is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sangam.engine.host_batch import PackedBatch
+from sangam.models.attention import AttentionMetadata, PagedKV
+from sangam.models.transformer import DiffusionLM, compute_dtype
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """Captured batch sizes: 1, 2, 4, 8, then every multiple of 16 up to ``max_batch_size``
+    (which is always included), as vLLM does — padding wastes at most 15 requests' work."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch_size]
+    sizes += list(range(16, max_batch_size, 16))
+    return [*sizes, max_batch_size]
+
+
+class DecodeGraphRunner:
+    """Runs :meth:`DiffusionLM.hidden_states` for uniform-span batches from static buffers,
+    replaying a CUDA graph per batch-size bucket (``use_graphs``) or eagerly."""
+
+    def __init__(self, model: DiffusionLM, kv: PagedKV, span: int, max_batch_size: int,
+                 max_pages: int, device: torch.device, use_graphs: bool = True):
+        self.model = model
+        self.kv = kv
+        self.span = span
+        self.sizes = graph_batch_sizes(max_batch_size)
+        self.max_pages = max_pages
+        self.use_graphs = use_graphs
+        self.runs = 0  # batches served from the static buffers (observability, tests)
+        most, n = self.sizes[-1], self.sizes[-1] * span
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.cu_seqlens_q = torch.arange(0, n + 1, span, dtype=torch.int32, device=device)
+        self.kv_lens = torch.zeros(most, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(most, max_pages, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if use_graphs:
+            self._capture()
+
+    def can_run(self, batch: PackedBatch) -> bool:
+        n = len(batch.kv_lens)
+        return (0 < n <= self.sizes[-1] and batch.block_tables.shape[1] <= self.max_pages
+                and bool((np.diff(batch.cu_seqlens_q) == self.span).all()))
+
+    def run(self, batch: PackedBatch) -> torch.Tensor:
+        """Hidden states ``[N, hidden]`` of the batch's N query rows. With graphs, a view of the
+        bucket's output buffer: valid until the next call."""
+        n = len(batch.kv_lens)
+        bucket = next(b for b in self.sizes if b >= n)
+        rows, width = n * self.span, batch.block_tables.shape[1]
+        self.input_ids[:rows].copy_(torch.from_numpy(batch.input_ids))
+        self.positions[:rows].copy_(torch.from_numpy(batch.positions))
+        self.slot_mapping[:rows].copy_(torch.from_numpy(batch.slot_mapping))
+        self.slot_mapping[rows:bucket * self.span].fill_(-1)
+        self.kv_lens[:n].copy_(torch.from_numpy(batch.kv_lens))
+        self.kv_lens[n:bucket].zero_()
+        self.block_tables[:n, :width].copy_(torch.from_numpy(batch.block_tables))
+        self.runs += 1
+        if self.use_graphs:
+            self.graphs[bucket].replay()
+            return self.outputs[bucket][:rows]
+        kv_host = [*batch.kv_lens.tolist(), *[0] * (bucket - n)]
+        return self._body(bucket, kv_host)[:rows]
+
+    def _body(self, bucket: int, kv_lens_host: list[int]) -> torch.Tensor:
+        rows = bucket * self.span
+        meta = AttentionMetadata(
+            cu_seqlens_q=self.cu_seqlens_q[:bucket + 1], kv_lens=self.kv_lens[:bucket],
+            block_tables=self.block_tables[:bucket], slot_mapping=self.slot_mapping[:rows],
+            query_lens=[self.span] * bucket, kv_lens_host=kv_lens_host)
+        return self.model.hidden_states(self.input_ids[:rows], self.positions[:rows], meta,
+                                        self.kv)
+
+    def _capture(self) -> None:
+        dtype = next(self.model.parameters()).dtype
+        self.model.rope.reserve(self.model.config.max_position, compute_dtype(dtype),
+                                self.input_ids.device)
+        pool = None
+        # Largest first, so the smaller graphs fit in the memory pool the largest reserved.
+        for bucket in reversed(self.sizes):
+            kv_host = [0] * bucket  # unused by the Triton backend; kv_lens are read on device
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                for _ in range(2):
+                    self._body(bucket, kv_host)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bucket] = self._body(bucket, kv_host)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize()
