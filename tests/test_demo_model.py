@@ -14,6 +14,7 @@ import torch
 from sangam import LLM, SamplingParams
 from sangam.demo import DEMO_BLOCK_LENGTH, DEMO_MAX_TOKENS, DEMO_MODEL_DIR, demo_model_path
 from sangam.demo.tasks import (
+    DEMO_FAMILIES,
     FAMILIES,
     eval_set,
     generate,
@@ -141,9 +142,8 @@ def test_task_answers_are_right_and_short():
     dict(unmasking="threshold", threshold=0.9, cache="dual"),
 ], ids=["vanilla", "dual-0.9"])
 def test_demo_model_answers_held_out_tasks(demo_llm, tokenizer, options):
-    # The shipped model has learned copying and reversing (100% on held-out instances in
-    # `sangam-bench quality`); arithmetic, sorting and counting are not reliable yet.
-    tasks = eval_set(4, families=("copy", "reverse"))
+    # `sangam-bench quality` measures 96% exact match on 240 held-out instances; here 24.
+    tasks = eval_set(6, families=DEMO_FAMILIES)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t.prompt}],
                                              add_generation_prompt=True, tokenize=False)
                for t in tasks]
@@ -151,19 +151,35 @@ def test_demo_model_answers_held_out_tasks(demo_llm, tokenizer, options):
                             **options)
     outs = demo_llm.generate(prompts, params)
     right = [o.text == t.answer for o, t in zip(outs, tasks)]
-    assert sum(right) >= len(tasks) - 1, [(t.prompt, o.text) for o, t in zip(outs, tasks)]
+    assert sum(right) >= 0.9 * len(tasks), [(t.prompt, o.text) for o, t in zip(outs, tasks)]
     assert all(o.finish_reason == "stop" for o in outs)
 
 
 def test_encode_batch_layout(trainer):
-    tasks = [sample_task("add", random.Random(1)) for _ in range(2)]
-    ids, prompt_lens = trainer.encode_batch(tasks, response_length=16)
-    for row, n, task in zip(ids.tolist(), prompt_lens.tolist(), tasks):
+    tasks = [sample_task(f, random.Random(1)) for f in ("copy", "count", "add")]
+    ids, prompt_lens, valid = trainer.encode_batch(tasks, response_length=16)
+    for row, n, ok, task in zip(ids.tolist(), prompt_lens.tolist(), valid.tolist(), tasks):
         assert row[:n] == encode(chat_prompt(task.prompt))
         answer = encode(task.answer)
         assert row[n:n + len(answer) + 1] == answer + [EOT_ID]
-        assert set(row[n + len(answer) + 1:]) == {EOS_ID}
-        assert len(row) - n >= 16
+        assert set(row[n + len(answer) + 1:n + 16]) == {EOS_ID}
+        assert ok == [True] * (n + 16) + [False] * (len(row) - n - 16)  # the serving canvas
+
+
+def test_padded_rows_see_exactly_their_own_canvas(trainer):
+    # Training batches mix prompt lengths; the key mask must make each row's logits those of the
+    # row alone, as LLM.generate decodes it.
+    cfg = trainer.TrainConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    model = LLaDAModel(trainer.parse_config(trainer.model_config(cfg)))
+    tasks = [sample_task(f, random.Random(2)) for f in ("copy", "count", "reverse")]
+    ids, _, valid = trainer.encode_batch(tasks, response_length=8)
+    with torch.no_grad():
+        batched = model.forward_dense(ids, key_mask=valid)
+        for i in range(len(tasks)):
+            n = int(valid[i].sum())
+            alone = model.forward_dense(ids[i:i + 1, :n])[0]
+            torch.testing.assert_close(batched[i, :n], alone)
 
 
 def test_training_is_bit_reproducible(trainer):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import openai
 from test_serve_openai import serve_subprocess
 
-from sangam.demo.tasks import generate
+from sangam.demo.tasks import DEMO_FAMILIES, generate
 
 
 def test_demo_model_answers_over_http(tmp_path):
-    tasks = generate("copy", 2, seed=11) + generate("reverse", 2, seed=12)
+    tasks = [t for i, f in enumerate(DEMO_FAMILIES) for t in generate(f, 1, seed=11 + i)]
     with serve_subprocess(["--device", "cpu"], tmp_path / "server.log") as (_, base):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="dummy", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["sangam-demo"]

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from sangam.demo import DEMO_BLOCK_LENGTH, DEMO_MAX_TOKENS
-from sangam.demo.tasks import EVAL_SEED, FAMILIES, Task, eval_set
+from sangam.demo.tasks import DEMO_FAMILIES, EVAL_SEED, FAMILIES, Task, eval_set
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 
@@ -88,7 +88,7 @@ def format_table(results: dict[str, dict]) -> str:
 def run(args: argparse.Namespace) -> int:
     from sangam import LLM
 
-    families = tuple(args.families.split(",")) if args.families else FAMILIES
+    families = tuple(args.families.split(",")) if args.families else DEMO_FAMILIES
     per_family = max(1, args.num_instances // len(families))
     tasks = eval_set(per_family, args.seed, families)
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
@@ -127,7 +127,8 @@ def register(subparsers) -> None:
     p.add_argument("--num-instances", type=int, default=240,
                    help="held-out instances in total, split evenly over the families")
     p.add_argument("--families", default=None,
-                   help=f"comma-separated subset of {','.join(FAMILIES)}")
+                   help=f"comma-separated subset of {','.join(FAMILIES)} (default: the demo "
+                   f"model's, {','.join(DEMO_FAMILIES)})")
     p.add_argument("--modes", default=None,
                    help="comma-separated subset of: " + ",".join(m.name for m in MODES))
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="seed of the held-out instances")

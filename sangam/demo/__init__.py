@@ -2,10 +2,11 @@
 
 A small masked-diffusion model in the LLaDA layout (config keys and tensor names as
 LLaDA-8B-Instruct's), trained from scratch by ``scripts/train_demo_model.py`` on the toy chat
-tasks of :mod:`sangam.demo.tasks` (arithmetic, reversing, sorting, copying, counting) with a
-character-level tokenizer (:mod:`sangam.demo.tokenizer`). Its prompts are chat-formatted
-(``tokenizer.apply_chat_template``); it answers in a few tokens, so decode it with a small canvas,
-e.g. ``SamplingParams(max_tokens=DEMO_MAX_TOKENS, block_length=DEMO_BLOCK_LENGTH)``.
+tasks of :mod:`sangam.demo.tasks` it can learn in that budget (reversing, sorting, copying and
+counting: ``DEMO_FAMILIES``) with a character-level tokenizer (:mod:`sangam.demo.tokenizer`).
+Its prompts are chat-formatted (``tokenizer.apply_chat_template``); it answers in a few tokens,
+so decode it with a small canvas, e.g.
+``SamplingParams(max_tokens=DEMO_MAX_TOKENS, block_length=DEMO_BLOCK_LENGTH)``.
 """
 
 from __future__ import annotations
