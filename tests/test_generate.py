@@ -22,14 +22,14 @@ def llms(llada_path, dream_path):
 def _count_forwards(llm):
     model = llm.loaded.model
     calls = []
-    orig = model.forward
+    orig = model.hidden_states  # the body of every engine forward
 
     def counted(*a, **k):
         calls.extend(a[2].query_lens)  # one span per request in this forward
         return orig(*a, **k)
 
-    model.forward = counted
-    return calls, lambda: setattr(model, "forward", orig)
+    model.hidden_states = counted
+    return calls, lambda: setattr(model, "hidden_states", orig)
 
 
 @pytest.mark.parametrize("arch", ["llada", "dream"])
