@@ -319,8 +319,9 @@ def test_killed_worker_loses_nothing(paths, arch, layout):
 
 
 _FRONT_SCRIPT = """
-import sys
+import faulthandler, signal, sys
 from sangam import LLM, SamplingParams
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 # No __main__ guard on purpose: workers must not re-run the user's script.
 llm = LLM(model=sys.argv[1], device="cpu", dtype="float32", num_workers=2, page_size=4,
           num_pages=64)
@@ -344,7 +345,12 @@ def test_no_orphans_when_the_front_dies(paths, tmp_path, sig):
         assert len(workers) == 2 and set(workers) < pids
         time.sleep(1.0)  # generating
         front.send_signal(sig)
-        front.wait(timeout=30)
+        try:
+            front.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # show where the front is stuck (stderr is captured)
+            front.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            raise
         _wait_gone(pids)
     finally:
         front.kill()
