@@ -322,6 +322,9 @@ _FRONT_SCRIPT = """
 import faulthandler, signal, sys
 from sangam import LLM, SamplingParams
 faulthandler.register(signal.SIGUSR1, all_threads=True)
+# Ctrl-C as in a terminal: a test runner may hand its children SIGINT ignored (SIG_IGN survives
+# exec, and Python then installs no KeyboardInterrupt handler).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 # No __main__ guard on purpose: workers must not re-run the user's script.
 llm = LLM(model=sys.argv[1], device="cpu", dtype="float32", num_workers=2, page_size=4,
           num_pages=64)
@@ -348,6 +351,8 @@ def test_no_orphans_when_the_front_dies(paths, tmp_path, sig):
         try:
             front.wait(timeout=30)
         except subprocess.TimeoutExpired:  # show where the front is stuck (stderr is captured)
+            with open(f"/proc/{front.pid}/status") as f:
+                print(*[x for x in f if x.startswith("Sig")], file=sys.stderr)
             front.send_signal(signal.SIGUSR1)
             time.sleep(1.0)
             raise
