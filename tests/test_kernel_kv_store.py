@@ -73,11 +73,10 @@ def test_store_casts_to_cache_dtype(device, dtype):
 @pytest.mark.parametrize("hkv,d", [(2, 16), (3, 8)])
 def test_store_with_fused_rope(device, dtype, hkv, d):
     """K before RoPE, rotated on the way in, equals the model's RoPE followed by a plain store."""
-    rope = RotaryEmbedding(d, 10000.0)
+    rope = RotaryEmbedding(d, 10000.0, max_positions=64)
     cdt = torch.float64 if dtype == torch.float64 else torch.float32
     positions = torch.tensor([0, 3, 17, 40, 41, 5, 9], device=device)
-    rope._cos_sin(positions, cdt)  # build the table
-    cos, sin = rope._table[0], rope._table[1]
+    cos, sin = rope.table(cdt, positions.device)
     g = torch.Generator().manual_seed(d)
     k = torch.randn(7, hkv, d, generator=g).to(device, dtype)
     v = torch.randn(7, hkv, d, generator=g).to(device, dtype)
@@ -85,7 +84,7 @@ def test_store_with_fused_rope(device, dtype, hkv, d):
     caches = [torch.zeros(4, 4, hkv, d, dtype=dtype, device=device) for _ in range(6)]
     store_kv_rope(k, v, caches[0], caches[1], slots, positions, cos, sin)
     store_kv_rope_ref(k, v, caches[2], caches[3], slots, positions, cos, sin)
-    store_kv(rope.apply(k, positions), v, caches[4], caches[5], slots)
+    store_kv(rope.apply(k, *rope.cos_sin(positions, cdt)), v, caches[4], caches[5], slots)
     assert torch.equal(caches[1], caches[3]) and torch.equal(caches[3], caches[5])
     if device == "cpu":
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[2], caches[4])

@@ -22,7 +22,7 @@ import torch
 
 from sangam.engine.host_batch import PackedBatch
 from sangam.models.attention import AttentionMetadata, PagedKV
-from sangam.models.transformer import DiffusionLM, compute_dtype
+from sangam.models.transformer import DiffusionLM
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -93,9 +93,6 @@ class DecodeGraphRunner:
                                         self.kv)
 
     def _capture(self) -> None:
-        dtype = next(self.model.parameters()).dtype
-        self.model.rope.reserve(self.model.config.max_position, compute_dtype(dtype),
-                                self.input_ids.device)
         pool = None
         # Largest first, so the smaller graphs fit in the memory pool the largest reserved.
         for bucket in reversed(self.sizes):

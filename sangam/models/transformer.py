@@ -36,42 +36,41 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding:
-    """Rotate-half (NeoX / HF Llama) RoPE with a cos/sin table grown on demand."""
+    """Rotate-half (NeoX / HF Llama) RoPE over a cos/sin table of every position the model
+    allows, built once per dtype and device: lookups never read positions back to the host (no
+    device sync, so CUDA graphs can capture them). Callers keep positions below
+    ``max_positions``; the engine rejects longer requests at submission."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, max_positions: int):
         self.head_dim = head_dim
         self.theta = theta
-        self._table: torch.Tensor | None = None  # [max_pos, head_dim] cos | sin, compute dtype
-        self._reserved = False
+        self.max_positions = max_positions
+        self._table: torch.Tensor | None = None  # [2, max_positions, head_dim] cos | sin
 
-    def reserve(self, num_positions: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Build the table for positions ``< num_positions`` once; lookups then skip the
-        ``positions.max()`` device sync that CUDA graph capture forbids. The caller guarantees
-        positions stay below ``num_positions``."""
-        self._cos_sin(torch.tensor([num_positions - 1], device=device), dtype)
-        self._reserved = True
-
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+    def table(self, dtype: torch.dtype,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin tables ``[max_positions, head_dim]`` (what the fused RoPE store
+        kernel reads)."""
         t = self._table
-        if self._reserved and t.dtype == dtype and t.device == positions.device:
-            return t[0][positions], t[1][positions]
-        need = int(positions.max()) + 1 if positions.numel() else 1
-        if t is None or t.shape[1] < need or t.dtype != dtype or t.device != positions.device:
-            n = max(need, 2048, 0 if t is None else t.shape[1])
+        if t is None or t.dtype != dtype or t.device != device:
             inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64)
                                         / self.head_dim))
-            freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv)
+            freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float64), inv)
             emb = torch.cat([freqs, freqs], dim=-1)
-            t = torch.stack([emb.cos(), emb.sin()]).to(dtype=dtype, device=positions.device)
+            t = torch.stack([emb.cos(), emb.sin()]).to(dtype=dtype, device=device)
             self._table = t
-        return t[0][positions], t[1][positions]
+        return t[0], t[1]
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x ``[..., H, D]`` with positions ``[...]``."""
-        cdt = compute_dtype(x.dtype)
-        cos, sin = self._cos_sin(positions, cdt)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        xf = x.to(cdt)
+    def cos_sin(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[..., 1, head_dim]`` for positions ``[...]``, ready to broadcast over
+        heads in :meth:`apply`."""
+        cos, sin = self.table(dtype, positions.device)
+        return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x ``[..., H, D]`` by :meth:`cos_sin` of its positions, in their dtype."""
+        xf = x.to(cos.dtype)
         half = self.head_dim // 2
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
         return (xf * cos + rotated * sin).to(x.dtype)
@@ -86,7 +85,7 @@ class DiffusionLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.attention_backend: AttentionBackend | None = None
 
@@ -108,11 +107,12 @@ class DiffusionLM(nn.Module):
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         cfg = self.config
         lead = h.shape[:-1]
+        cos, sin = self.rope.cos_sin(positions, compute_dtype(h.dtype))  # once, for all layers
         for i in range(cfg.num_layers):
             attn_norm, q_p, k_p, v_p, o_p, mlp_norm, gate, up, down = self.layer_parts(i)
             x = attn_norm(h)
-            q = self.rope.apply(q_p(x).view(*lead, cfg.num_heads, cfg.head_dim), positions)
-            k = self.rope.apply(k_p(x).view(*lead, cfg.num_kv_heads, cfg.head_dim), positions)
+            q = self.rope.apply(q_p(x).view(*lead, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = self.rope.apply(k_p(x).view(*lead, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v_p(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
             h = h + o_p(attend(i, q, k, v).reshape(*lead, cfg.hidden_size))
             x = mlp_norm(h)
@@ -133,7 +133,7 @@ class DiffusionLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata, kv: PagedKV) -> torch.Tensor:
         """The body of :meth:`forward`: final-norm hidden states ``[N, hidden]``, storing each
-        span's K/V on the way. No host syncs once the RoPE table is reserved (CUDA graphs)."""
+        span's K/V on the way. No host syncs (CUDA graphs capture it)."""
         backend = self.attention_backend
         if backend is None:
             raise RuntimeError("no attention backend set on the model")
