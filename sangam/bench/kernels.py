@@ -18,18 +18,25 @@ the speedup over it, and FlashInfer's paged attention where it is importable. Re
 a table; --json FILE writes them with the device and versions.
 
 Without a GPU, timings are meaningless: the command says so, runs a correctness pass of every
-kernel at tiny shapes under the Triton interpreter, and exits 0.
+kernel at tiny shapes under the Triton interpreter, then compiles every launch of the suites
+above (and the engine's K/V store at the same shapes) for the GPU named by --gpu (default H200)
+with Triton's own ptxas, printing each build's registers per thread, spilled bytes and shared
+memory, and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import datetime
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -231,30 +238,95 @@ def _print_row(row: dict) -> None:
           f" {_fmt(row['max_abs_err'], '8.2g'):>8}", flush=True)
 
 
+@dataclass(frozen=True)
+class Shapes:
+    """The serving shapes every suite runs at (timed on a GPU, cross-compiled without one)."""
+
+    batches: tuple[int, ...]  # cached steps: requests of 32 queries
+    kvs: tuple[int, ...]  # their KV lengths
+    refresh: tuple[int, ...]  # refresh lengths (queries = keys)
+    gather: tuple[int, ...]  # requests of GATHER_TOKENS tokens per gather
+    unmask: tuple[int, ...]  # logits rows
+
+    @classmethod
+    def of(cls, quick: bool) -> Shapes:
+        if quick:
+            return cls((1, 16, 64), (512, 4096), (512, 4096), (1, 4, 16), (32, 2048))
+        return cls((1, 4, 16, 64), (512, 1024, 2048, 4096), (512, 1024, 2048, 4096),
+                   (1, 2, 4, 8, 16), (32, 256, 2048))
+
+
+STEP_QUERIES = 32
+GATHER_TOKENS = 1024
+
+
 def run_gpu(args: argparse.Namespace, save: Callable[[list[dict]], None]) -> list[dict]:
     """Every selected suite; ``save(rows)`` after each, so a run cut short keeps its numbers."""
     suites = args.suites.split(",")
-    models = args.models.split(",")
-    quick = args.quick
-    batches = [1, 16, 64] if quick else [1, 4, 16, 64]
-    kvs = [512, 4096] if quick else [512, 1024, 2048, 4096]
-    refresh = [512, 4096] if quick else [512, 1024, 2048, 4096]
+    shapes = Shapes.of(args.quick)
     print(_HEADER)
     rows: list[dict] = []
-    for model in models:
+    for model in args.models.split(","):
         if "attention" in suites:
-            rows += _attention_rows(model, batches, kvs, 32, "attention", args)
+            rows += _attention_rows(model, shapes.batches, shapes.kvs, STEP_QUERIES,
+                                    "attention", args)
             save(rows)
         if "refresh" in suites:
-            rows += _attention_rows(model, [1], refresh, None, "refresh", args)
+            rows += _attention_rows(model, [1], shapes.refresh, None, "refresh", args)
             save(rows)
         if "gather" in suites:
-            rows += _gather_rows(model, [1, 4, 16] if quick else [1, 2, 4, 8, 16], 1024, args)
+            rows += _gather_rows(model, shapes.gather, GATHER_TOKENS, args)
             save(rows)
     if "unmask" in suites:
-        rows += _unmask_rows([32, 2048] if quick else [32, 256, 2048], args)
+        rows += _unmask_rows(shapes.unmask, args)
         save(rows)
     return rows
+
+
+# ----------------------------------------------------------------------------- cross-compile
+
+def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream",
+                         quick: bool = False) -> list[dict]:
+    """Compile, for ``gpu`` (a name in ``GPUS``), every launch the suites and the engine's
+    Triton backend make at the serving shapes, on meta tensors. Needs compiled kernels (no
+    ``TRITON_INTERPRET``); no GPU. Returns one dict per distinct build."""
+    from sangam.kernels import fused_unmask, gather_pages, paged_attention, scatter_pages, store_kv
+    from sangam.kernels.cross_compile import GPUS, cross_compiling
+
+    if gpu not in GPUS:
+        raise ValueError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+
+    meta, bf16, i32, i64 = torch.device("meta"), torch.bfloat16, torch.int32, torch.int64
+
+    def empty(*shape, dtype=bf16):
+        return torch.empty(shape, dtype=dtype, device=meta)
+
+    shapes = Shapes.of(quick)
+    with cross_compiling(GPUS[gpu]) as builds:
+        for model in models.split(","):
+            hq, hkv, d, layers = MODELS[model]
+            spans = [(r, kv, STEP_QUERIES) for r in shapes.batches for kv in shapes.kvs]
+            spans += [(1, kv, kv) for kv in shapes.refresh]
+            for r, kv, n_q in spans:
+                pages = r * (kv // PAGE)
+                kv_buf = empty(layers, 2, pages, PAGE, hkv, d)  # a PagedKV buffer's layout
+                q, k = empty(r * n_q, hq, d), empty(r * n_q, hkv, d)
+                store_kv(k, k, kv_buf[0, 0], kv_buf[0, 1], empty(r * n_q, dtype=i64))
+                paged_attention(q, kv_buf[0, 0], kv_buf[0, 1], empty(r + 1, dtype=i32),
+                                empty(r, kv // PAGE, dtype=i32), empty(r, dtype=i32),
+                                d ** -0.5, max_query_len=n_q)
+            for n_req in shapes.gather:
+                pages = n_req * GATHER_TOKENS // PAGE
+                kv_buf, ids = empty(layers, 2, pages, PAGE, hkv, d), empty(pages, dtype=i64)
+                scatter_pages(gather_pages(kv_buf, ids), kv_buf, ids)
+        for m in shapes.unmask:
+            r = max(1, m // STEP_QUERIES)
+            per_req_f64 = empty(r, dtype=torch.float64)
+            fused_unmask(empty(m, VOCAB), VOCAB - 128, empty(r + 1, dtype=i32),
+                         empty(r, dtype=i32), empty(r, dtype=i32), per_req_f64, per_req_f64,
+                         empty(r, dtype=i32), per_req_f64, empty(m, dtype=i64))
+    return [dataclasses.asdict(b) | {"constants": {k: str(v) for k, v in b.constants.items()},
+                                     "text": b.describe()} for b in builds]
 
 
 # ----------------------------------------------------------------------------- CPU check
@@ -324,29 +396,50 @@ def cpu_selfcheck() -> list[dict]:
     return results
 
 
+def _isolated(function: str, interpret: bool, **kwargs) -> list[dict] | None:
+    """``function(**kwargs)`` of this module in a fresh Python with or without the interpreter
+    (Triton picks interpreted or compiled kernels at import time). None if it crashed."""
+    if interpret == (os.environ.get("TRITON_INTERPRET") == "1"):
+        return globals()[function](**kwargs)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        code = ("import json, sys; from sangam.bench import kernels; "
+                f"json.dump(kernels.{function}(**{kwargs!r}), open(sys.argv[1], 'w'))")
+        proc = subprocess.run([sys.executable, "-c", code, out], env=env)
+        if proc.returncode != 0 or not os.path.exists(out):
+            return None
+        with open(out) as f:
+            return json.load(f)
+
+
 def _run_cpu(args: argparse.Namespace) -> int:
-    print("No CUDA GPU: kernel timings need one. Running a correctness pass of every kernel at "
-          "tiny shapes under the Triton interpreter instead.")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        results = cpu_selfcheck()
-    else:
-        # Triton picks interpreted or compiled kernels when they are defined, at import time,
-        # so the interpreter needs a fresh process.
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        code = ("import json, sys; from sangam.bench.kernels import cpu_selfcheck; "
-                "json.dump(cpu_selfcheck(), sys.stderr)")
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True)
-        print(proc.stdout, end="")
-        try:
-            results = json.loads(proc.stderr.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            print(proc.stderr, file=sys.stderr)
-            results = [{"check": "interpreter run", "ok": False, "detail": "crashed"}]
-    ok = all(r["ok"] for r in results)
+    print("No CUDA GPU: kernel timings need one. Instead: a correctness pass of every kernel at "
+          "tiny shapes under the Triton interpreter, then every serving-shape launch compiled "
+          f"for the {args.gpu} (registers, spills, shared memory).")
+    checks = _isolated("cpu_selfcheck", interpret=True)
+    if checks is None:
+        checks = [{"check": "interpreter run", "ok": False, "detail": "crashed"}]
+    ok = all(r["ok"] for r in checks)
     print("all kernels match their references" if ok else "SOME KERNELS DISAGREE")
+    print(f"\nCompiling for the {args.gpu} (no GPU needed; Triton's ptxas):")
+    builds = _isolated("cross_compile_builds", interpret=False, gpu=args.gpu,
+                       models=args.models, quick=args.quick)
+    if builds is None:
+        print("CROSS-COMPILE FAILED (see the error above)")
+    else:
+        # Builds that differ only in argument specialization (alignment, ints equal to 1)
+        # print once.
+        for text, count in collections.Counter(b["text"] for b in builds).items():
+            print(f"  {text}" + (f"  ({count} specializations)" if count > 1 else ""))
+        spilled = [b["kernel"] for b in builds if b["spill_bytes"]]
+        print(f"{len(builds)} builds; " + (f"SPILLS in {', '.join(sorted(set(spilled)))}"
+                                            if spilled else "no register spills"))
     if args.json:
-        _write_json(args.json, {"gpu": None, "cpu_selfcheck": results})
+        _write_json(args.json, {"gpu": None, "cpu_selfcheck": checks,
+                                "cross_compile": {"gpu": args.gpu, "builds": builds}})
         print(f"wrote {args.json}")
     return 0
 
@@ -387,5 +480,7 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer shapes (about a minute)")
     p.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=50, help="do_bench measuring time, ms")
+    p.add_argument("--gpu", default="H200", help="without a GPU: the GPU to compile every "
+                   "launch for (H200, H100, A100)")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.set_defaults(func=run)

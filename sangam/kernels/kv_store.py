@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sangam.kernels.platform import compiled
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -73,7 +75,7 @@ def _launch(k, v, k_cache, v_cache, slot_mapping, rope) -> None:
     block_e = triton.next_power_of_2(hkv * d)
     # Interpreter: one program for the whole span (its cost is per program). GPU: ~4K elements
     # per program, so a long refresh still spreads over many SMs.
-    target = 1 << 16 if k.device.type == "cpu" else 4096
+    target = 4096 if compiled(k.device) else 1 << 16
     block_t = max(1, min(triton.next_power_of_2(n), target // block_e))
     _store_kv_kernel[(triton.cdiv(n, block_t),)](
         k, v, k_cache, v_cache, slot_mapping.contiguous(), pos, cos, sin,

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sangam.kernels.platform import compiled
 from sangam.kernels.reference import layer_indices
 
 # Elements per program: a 16-token bf16 page of LLaDA (32 heads x 128) is 64K elements, so each
@@ -62,7 +63,7 @@ def _launch(pool: torch.Tensor, buf: torch.Tensor, page_ids: torch.Tensor, lr: r
     if n == 0 or len(lr) == 0:
         return
     page_numel = pool[0, 0, 0].numel()
-    block = _CPU_BLOCK if pool.device.type == "cpu" else _GPU_BLOCK
+    block = _GPU_BLOCK if compiled(pool.device) else _CPU_BLOCK
     block = min(block, triton.next_power_of_2(page_numel))
     grid = (n, 2 * len(lr), triton.cdiv(page_numel, block))
     _page_copy_kernel[grid](

@@ -15,12 +15,11 @@ results (normalized output + log-sum-exp) and a reduce kernel merges them (flash
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from sangam.kernels.platform import compiled, num_sms
 
 _LOG2E = 1.4426950408889634
 
@@ -135,15 +134,6 @@ def _merge_splits_kernel(
              mask=offs_d < head_dim)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _tile_config(rows: int, head_dim: int, on_gpu: bool) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) for the longest span's flattened (query, head-in-group) row count."""
     block_m = max(16, min(128, triton.next_power_of_2(max(rows, 1))))
@@ -165,9 +155,9 @@ def _launch_config(block_m: int, head_dim: int, on_gpu: bool) -> tuple[int, int]
 
 def _auto_splits(programs: int, max_kv: int, device: torch.device) -> int:
     """Split the KV loop only when the tiles alone leave most SMs idle (flash-decoding)."""
-    if device.type != "cuda":
+    if not compiled(device):
         return 1
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    sms = num_sms(device)
     if programs >= sms or max_kv < 512:
         return 1
     return max(1, min(triton.cdiv(2 * sms, programs), max_kv // 256, 32))
@@ -205,7 +195,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if n_tok == 0 or num_requests == 0:
         return out
 
-    on_gpu = q.device.type == "cuda" and not _interpreting()
+    on_gpu = compiled(q.device)
     rows = (max_query_len if max_query_len is not None else n_tok) * group
     bm, bn = _tile_config(rows, d, on_gpu)
     bm = block_m or bm

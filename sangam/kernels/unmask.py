@@ -17,12 +17,11 @@ The result equals ``sangam.decoding.score_logits`` + ``select_commits`` (see
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from sangam.kernels.platform import compiled, num_sms
 
 
 @triton.jit
@@ -193,15 +192,6 @@ def _rule_kernel(
         tl.store(commit_ptr + i, commit, mask=i < b)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def fused_unmask(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor,
                  num_forced: torch.Tensor, rule: torch.Tensor, threshold: torch.Tensor,
                  factor: torch.Tensor, tokens_per_step: torch.Tensor, temperature: torch.Tensor,
@@ -233,7 +223,7 @@ def fused_unmask(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor
         return tokens, conf, commit
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    on_gpu = dev.type == "cuda" and not _interpreting()
+    on_gpu = compiled(dev)
     cu = cu_rows.to(torch.int32)
     tl_cdt = tl.float64 if cdt == torch.float64 else tl.float32
 
@@ -243,8 +233,7 @@ def fused_unmask(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor
     if num_splits is None:
         num_splits = 1
         if on_gpu:
-            sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-            num_splits = max(1, min(triton.cdiv(4 * sms, m_rows), vocab // (4 * block_v)))
+            num_splits = max(1, min(triton.cdiv(4 * num_sms(dev), m_rows), vocab // (4 * block_v)))
     split = num_splits > 1
     if split:
         pm, ps, pkey, px = (torch.empty(m_rows, num_splits, dtype=cdt, device=dev)

@@ -1,12 +1,20 @@
 """Multi-worker serving: a front process (router, request table) and one worker process per
-device, over ZeroMQ (control) and torch.distributed (K/V). See ``front.py``."""
+device, over ZeroMQ (control) and torch.distributed (K/V). See ``front.py``.
+
+ZeroMQ is imported only when a multi-worker engine is built, so single-worker use (and the GPU
+kernel checks, on machines without pyzmq) needs nothing beyond the model's own dependencies.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from sangam.config import EngineConfig
 from sangam.engine.engine import Engine
 from sangam.engine.loaded_model import LoadedModel
-from sangam.engine.multi.front import MultiWorkerEngine
+
+if TYPE_CHECKING:
+    from sangam.engine.multi.front import MultiWorkerEngine
 
 
 def make_engine(config: EngineConfig,
@@ -16,8 +24,18 @@ def make_engine(config: EngineConfig,
     from sangam.engine.multi.launcher import worker_roles
 
     if config.is_multi_worker or len(worker_roles(config)) > 1:
+        from sangam.engine.multi.front import MultiWorkerEngine
+
         return MultiWorkerEngine(config, loaded)
     return Engine(config, loaded)
+
+
+def __getattr__(name: str):
+    if name == "MultiWorkerEngine":
+        from sangam.engine.multi.front import MultiWorkerEngine
+
+        return MultiWorkerEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["MultiWorkerEngine", "make_engine"]

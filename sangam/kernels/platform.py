@@ -1,0 +1,51 @@
+"""Where kernel launches go: compiled for a GPU, or run by Triton's CPU interpreter.
+
+Wrappers size tiles, warps and splits for the one or the other. ``assume_gpu`` makes them size
+for a GPU that is not here, which is how ``sangam.kernels.cross_compile`` compiles exactly what
+a GPU would launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+_assumed_sms: int | None = None  # set inside ``assume_gpu``
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def compiled(device: torch.device) -> bool:
+    """Whether launches for tensors on ``device`` compile for a GPU."""
+    return _assumed_sms is not None or (device.type == "cuda" and not interpreting())
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU that launches on ``device`` run on."""
+    if _assumed_sms is not None:
+        return _assumed_sms
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@contextmanager
+def assume_gpu(sms: int) -> Iterator[None]:
+    """Within the block, wrappers size every launch for a GPU with ``sms`` SMs, whatever the
+    tensors' device."""
+    global _assumed_sms
+    previous, _assumed_sms = _assumed_sms, sms
+    try:
+        yield
+    finally:
+        _assumed_sms = previous

@@ -1,0 +1,63 @@
+"""Every serving-shape kernel launch compiles for the H200 (sm_90) without a GPU.
+
+`sangam-bench kernels` on a machine without CUDA runs the interpreter correctness pass and then
+cross-compiles each launch of its suites with Triton's ptxas. The interpreter cannot see code
+generation failures, register spills or shared memory over the chip's limit; this can.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sangam.kernels.cross_compile import H200
+
+KERNELS = {"_attn_kernel", "_merge_splits_kernel", "_store_kv_kernel", "_page_copy_kernel",
+           "_score_kernel", "_merge_kernel", "_rule_kernel"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU path times instead")
+def test_serving_launches_compile_for_h200_without_spills(tmp_path):
+    out = tmp_path / "kernels.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "sangam.bench.cli", "kernels", "--quick",
+                           "--json", str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["cpu_selfcheck"] and all(c["ok"] for c in report["cpu_selfcheck"])
+    builds = report["cross_compile"]["builds"]
+    assert builds is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {b["kernel"] for b in builds} == KERNELS
+    # Cached steps (32-query tiles) and refreshes (128-query tiles), with and without split-KV.
+    attn = {(b["constants"]["BLOCK_M"], b["constants"]["SPLIT"]) for b in builds
+            if b["kernel"] == "_attn_kernel"}
+    assert attn == {("32", "True"), ("32", "False"), ("128", "True"), ("128", "False")}
+    for b in builds:
+        assert b["spill_bytes"] == 0, b["text"]
+        assert b["shared_bytes"] <= H200.max_shared_bytes, b["text"]
+        assert 0 < b["registers"] <= 255, b["text"]
+    assert "no register spills" in proc.stdout
+
+
+def test_gpu_check_needs_only_what_the_gpu_machine_has():
+    """microbench/gpu_check.sh runs on a machine with torch, triton, transformers and pytest
+    only: its tests and the benchmark must import without the serving extras."""
+    missing = ["zmq", "fastapi", "uvicorn", "prometheus_client", "httpx", "hypothesis",
+               "matplotlib", "openai", "pytest_benchmark"]
+    code = ("import sys\n"
+            f"for name in {missing!r}: sys.modules[name] = None  # import fails\n"
+            "import pytest, sangam.bench.cli, sangam.bench.kernels\n"
+            "sys.exit(pytest.main(['-q', '--collect-only', '-p', 'no:cacheprovider', "
+            "*sys.argv[1:]]))")
+    tests = ["tests/test_kernel_attention.py", "tests/test_kernel_kv_store.py",
+             "tests/test_kernel_page_copy.py", "tests/test_kernel_unmask.py",
+             "tests/test_triton_backend.py", "tests/test_engine.py"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # plugins of missing packages
+    proc = subprocess.run([sys.executable, "-c", code, *tests], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
