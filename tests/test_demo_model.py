@@ -5,6 +5,7 @@ import importlib.util
 import json
 import random
 import string
+import subprocess
 import sys
 from pathlib import Path
 
@@ -69,6 +70,20 @@ def test_demo_checkpoint_loads_as_llada(tokenizer):
     assert tokenizer.mask_token_id == MASK_ID and tokenizer.eos_token_id == EOS_ID
     assert len(tokenizer) == VOCAB_SIZE
     assert stop_token_ids(cfg.eos_token_id, load_tokenizer(path)) == {EOS_ID, EOT_ID}
+
+
+def test_loading_the_demo_is_quiet_and_skips_weight_init():
+    """Loading builds the model on meta tensors without random init (which would import
+    torch._dynamo, about a second) and prints no transformers warning about the model type."""
+    code = ("import sys; from sangam.demo import demo_model_path; "
+            "from sangam.models import load_model, load_tokenizer; "
+            "load_model(demo_model_path()); load_tokenizer(demo_model_path()); "
+            "print('torch._dynamo' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+    assert "model of type" not in proc.stderr, proc.stderr
 
 
 def test_missing_demo_files_raise_a_clear_error(monkeypatch, tmp_path):

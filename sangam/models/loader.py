@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.overrides import TorchFunctionMode
 
 from sangam.models.config import CheckpointError, ModelConfig, parse_config
 from sangam.models.dream import DreamModel
@@ -80,13 +81,24 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return files
 
 
+class _SkipInit(TorchFunctionMode):
+    """Inside, ``torch.nn.init`` functions leave their tensor as it is: weights about to be
+    loaded need no random init (and ``normal_`` on meta tensors imports torch._dynamo, ~1 s).
+    A mode is thread-local, so other threads building modules meanwhile are unaffected."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None) -> DiffusionLM:
     """Build the architecture named by config.json and load its weights, checking every tensor."""
     path = Path(path)
     config = read_config(path)
     torch_dtype = resolve_dtype(dtype, device)
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model = ARCHITECTURES[config.architecture](config)
     expected = {k: tuple(t.shape) for k, t in model.state_dict().items()}
     files = _tensor_files(path)

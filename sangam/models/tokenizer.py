@@ -19,6 +19,10 @@ def load_tokenizer(path: str | os.PathLike):
         return None
     from transformers import AutoTokenizer
 
+    # AutoTokenizer reads config.json as a transformers model config and warns that the model
+    # type (llada, dream) is not one it knows; Sangam never builds a transformers model.
+    config_log = logging.getLogger("transformers.configuration_utils")
+    config_log.addFilter(_not_a_transformers_model)
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # e.g. a tokenizer class defined by remote code
@@ -28,6 +32,12 @@ def load_tokenizer(path: str | os.PathLike):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    finally:
+        config_log.removeFilter(_not_a_transformers_model)
+
+
+def _not_a_transformers_model(record: logging.LogRecord) -> bool:
+    return "to instantiate a model of type" not in record.getMessage()
 
 
 def stop_token_ids(eos_token_id: int, tokenizer) -> frozenset[int]:
