@@ -74,6 +74,9 @@ class EngineConfig:
         "This node's rank; node 0 runs the front process"))
     dist_init_addr: str | None = field(default=None, metadata=_meta(
         "host:port of node 0 for joining workers across nodes"))
+    watchdog_timeout: float = field(default=300.0, metadata=_meta(
+        "Multi-worker: seconds a worker with work may go without reporting progress before it "
+        "is declared hung, stopped, and its requests are placed elsewhere"))
     seed: int = field(default=0, metadata=_meta(
         "Seed of the engine's own randomness (router tie-breaks, seeds for unseeded sampling)"))
 
@@ -101,6 +104,7 @@ class EngineConfig:
         need(self.prefill_workers >= 1 and self.decode_workers >= 1,
              "prefill_workers and decode_workers must be >= 1")
         need(self.overflow_threshold >= 0, "overflow_threshold must be >= 0")
+        need(self.watchdog_timeout > 0, "watchdog_timeout must be > 0")
         need(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
              f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
         need(self.nnodes == 1 or self.dist_init_addr is not None,

@@ -294,21 +294,34 @@ def test_aborts_free_everything(paths):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,layout", [("llada", "1P2D"), ("dream", "colocated")])
-def test_killed_worker_loses_nothing(paths, arch, layout):
+@pytest.mark.parametrize("arch,layout,sig", [
+    pytest.param("llada", "1P2D", signal.SIGKILL, id="llada-1P2D-killed"),
+    pytest.param("dream", "colocated", signal.SIGKILL, id="dream-colocated-killed"),
+    # Hung: alive and silent. Only the watchdog can notice.
+    pytest.param("llada", "1P2D", signal.SIGSTOP, id="llada-1P2D-hung"),
+])
+def test_killed_worker_loses_nothing(paths, arch, layout, sig):
     reqs = WORKLOADS[arch]
     want = _reference(paths[arch], arch)
-    engine = make_engine(EngineConfig(**_options(paths[arch], **LAYOUTS[layout])))
+    watchdog = 5.0
+    engine = make_engine(EngineConfig(**_options(paths[arch], **LAYOUTS[layout]),
+                                      watchdog_timeout=watchdog))
     victim = 1  # a decode worker in 1P2D
     blocks = []
 
     def kill_midway(out):
         blocks.append(out)
         if len(blocks) == 8:  # requests hold canvases and blocks are in flight everywhere
-            os.kill(engine.worker_states()[victim].pid, signal.SIGKILL)
+            os.kill(engine.worker_states()[victim].pid, sig)
 
     try:
-        outs = _run(engine, reqs, on_output=kill_midway)
+        outs = {}
+        if sig == signal.SIGSTOP:  # first: workers idle after work are not hung
+            outs = _run(engine, reqs[:3])
+            time.sleep(watchdog + 1)
+            engine.step()
+            assert engine.dead_workers == []
+        outs |= _run(engine, reqs[len(outs):], on_output=kill_midway)
         assert engine.dead_workers == [victim]
         assert _tokens(outs) == want
         assert engine.counters.restarts > 0

@@ -24,9 +24,10 @@ Who runs what (the worker's side is in ``worker.py``):
 Memory: the front mirrors every worker's page commitments (canvases held or promised, pages of
 refreshes for other workers) to give the router free-page counts that do not lag behind.
 
-Failures: a worker found dead (its process exited, it reported a failure, or its heartbeats
-stopped) is marked dead in the router and reported in ``dead_workers``; every request that had
-anything on it is taken back to the start of its current block (the snapshot), dropped from
+Failures: a worker found dead (its process exited, it reported a failure, its heartbeats
+stopped, or it had work and reported nothing for ``watchdog_timeout`` seconds) is marked dead
+in the router and reported in ``dead_workers``; every request that had anything on it is taken
+back to the start of its current block (the snapshot), dropped from
 every other worker, and placed again. Refreshes and noise keys depend only on (tokens, block,
 step), so it finishes with the same tokens. A K/V transfer the receiver could not take is
 retried the same way.
@@ -110,6 +111,10 @@ class _WorkerInfo:
     last_heard: float
     free_pages: int  # as last reported
     open_transfers: int = 0
+    sent: int = 0  # control messages sent to it
+    # Since when it owes progress: it has work (or unhandled messages) and has not reported
+    # since. None while idle.
+    owes_progress_since: float | None = None
 
 
 @dataclass
@@ -429,6 +434,11 @@ class MultiWorkerEngine:
     # Reports.
     def _send(self, w: int, message: object) -> None:
         self._sock.send_multipart([f"w{w}".encode(), msg.dumps(message)])
+        info = self._workers.get(w)
+        if info is not None and not isinstance(message, msg.Shutdown):
+            info.sent += 1
+            if info.owes_progress_since is None:
+                info.owes_progress_since = time.monotonic()
 
     def _receive(self, timeout_ms: int) -> None:
         if not self._sock.poll(timeout_ms):
@@ -452,6 +462,8 @@ class MultiWorkerEngine:
         w = r.worker
         info = self._workers[w]
         info.free_pages, info.open_transfers = r.free_pages, r.open_transfers
+        owes = r.busy or r.handled < info.sent
+        info.owes_progress_since = time.monotonic() if owes else None
         self.stats.iterations.extend(r.iterations)
         for ev in r.events:
             e = self.requests.get(ev.request_id)
@@ -557,11 +569,16 @@ class MultiWorkerEngine:
             if w in self.dead_workers:
                 continue
             p = self._procs.get(w)
-            if p is not None:
-                if not p.is_alive():
-                    self._on_dead(w, "its process exited")
-            elif now - info.last_heard > HEARTBEAT_TIMEOUT_S:
+            since = info.owes_progress_since
+            if p is not None and not p.is_alive():
+                self._on_dead(w, "its process exited")
+            elif p is None and now - info.last_heard > HEARTBEAT_TIMEOUT_S:
                 self._on_dead(w, f"no heartbeat for {now - info.last_heard:.0f}s")
+            elif since is not None and now - since > self.config.watchdog_timeout:
+                # Alive (its heartbeat thread may still run) but stuck, e.g. in a collective
+                # whose peer is gone.
+                self._on_dead(w, f"hung: no progress for {now - since:.0f}s with work to do "
+                                 "(--watchdog-timeout)")
 
     def _on_dead(self, w: int, why: str) -> None:
         logger.error("worker %d (%s, pid %d on %s) is dead: %s; its requests are taken back",

@@ -166,6 +166,8 @@ class Report:
     iterations: list[IterationStats] = field(default_factory=list)
     free_pages: int = 0
     open_transfers: int = 0  # K/V sends and receives not yet complete
+    handled: int = 0  # control messages handled so far (the front's watchdog counts them)
+    busy: bool = False  # it has work: requests to run or wait for, or open transfers
 
 
 def dumps(msg: object) -> bytes:

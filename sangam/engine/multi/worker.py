@@ -101,7 +101,8 @@ class Worker:
         self.events: list[msg.Event] = []
         self.iterations: list[IterationStats] = []
         self._stalled = False  # the last schedule() found nothing, and nothing changed since
-        self._reported = (-1, -1)  # (free pages, open transfers) in the last report
+        self._handled = 0  # control messages handled
+        self._reported = (-1, -1, -1, False)  # (free pages, open transfers, handled, busy)
         self._send(msg.Hello(
             self.index, os.getpid(), socket.gethostname(), spec.device, self.pool.num_pages,
             layer_page_bytes(self.pool.kv.buffer),
@@ -133,6 +134,7 @@ class Worker:
                     if isinstance(message, msg.Shutdown):
                         return
                     self._handle(message)
+                    self._handled += 1
                     self._stalled = False
             if self.transport is not None:
                 for done in self.transport.poll():
@@ -151,8 +153,9 @@ class Worker:
         return _IDLE_POLL_MS
 
     def _flush(self) -> None:
-        now = (self.pool.allocator.num_free,
-               self.transport.num_open if self.transport is not None else 0)
+        open_transfers = self.transport.num_open if self.transport is not None else 0
+        busy = bool(self.tasks or self.ready or self.receiving or open_transfers)
+        now = (self.pool.allocator.num_free, open_transfers, self._handled, busy)
         if self.events or self.iterations or now != self._reported:
             self._send(msg.Report(self.index, self.events, self.iterations, *now))
             self.events, self.iterations, self._reported = [], [], now
