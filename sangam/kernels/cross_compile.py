@@ -60,12 +60,17 @@ class KernelBuild:
     registers: int  # per thread
     spill_bytes: int  # per thread: ptxas stack frame + local memory
     shared_bytes: int  # per program
+    # Global-memory load instructions in the PTX: 16-byte ones (ld.global.v4 of 32-bit words,
+    # cp.async of 16 bytes), and all others. Memory-bound kernels want the first kind.
+    wide_loads: int
+    narrow_loads: int
 
     def describe(self) -> str:
         consts = " ".join(f"{k}={_short(v)}" for k, v in self.constants.items())
         return (f"{self.kernel}[{consts} warps={self.num_warps} stages={self.num_stages}]: "
                 f"{self.registers} regs, {self.spill_bytes} B spilled, "
-                f"{self.shared_bytes / 1024:.1f} KiB shared")
+                f"{self.shared_bytes / 1024:.1f} KiB shared, "
+                f"{self.wide_loads} 16-byte / {self.narrow_loads} narrower global loads")
 
 
 def _short(value: object) -> str:
@@ -121,6 +126,19 @@ def _resources(cubin: bytes) -> tuple[int, int]:
     return regs, stack + local
 
 
+_WIDE_LOAD = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld\.global(?:\.\w+)*\.v4\.(?:b|u|s|f)32|"
+                        r"cp\.async\.c[ga]\.shared\.global\s[^,]*,[^,]*,\s*(?:16|0x10)\b)",
+                        re.MULTILINE)
+_ANY_LOAD = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld\.global|cp\.async\.c[ga]\.shared\.global)",
+                       re.MULTILINE)
+
+
+def _load_widths(ptx: str) -> tuple[int, int]:
+    """(16-byte, narrower) global load instructions in ``ptx``."""
+    wide = len(_WIDE_LOAD.findall(ptx))
+    return wide, len(_ANY_LOAD.findall(ptx)) - wide
+
+
 @contextmanager
 def cross_compiling(gpu: GPUSpec = H200) -> Iterator[list[KernelBuild]]:
     """Within the block, kernel launches compile for ``gpu`` instead of running; yields the list
@@ -147,7 +165,7 @@ def cross_compiling(gpu: GPUSpec = H200) -> Iterator[list[KernelBuild]]:
                       if len(path) == 1 and jit.params[path[0]].is_constexpr}
             builds.append(KernelBuild(jit.__name__, consts, options["num_warps"],
                                       options["num_stages"], regs, spilled,
-                                      kernel.metadata.shared))
+                                      kernel.metadata.shared, *_load_widths(kernel.asm["ptx"])))
         return True  # handled: the JIT neither compiles nor launches
 
     runtime, drivers = triton.knobs.runtime, triton.runtime.driver

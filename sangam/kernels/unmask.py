@@ -79,9 +79,12 @@ def _score_kernel(
     best_idx = tl.zeros([], tl.int32)
     best_x = tl.full([], float("-inf"), CDT)  # the logit at best_idx
     for start in range(v_lo, v_hi, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        ok = (offs < v_hi) & (offs != mask_token_id)
-        x = tl.load(base + offs, mask=ok, other=float("-inf")).to(CDT)
+        # Tiles start at multiples of BLOCK_V and only the vocabulary end masks the load, so
+        # the compiler can use 16-byte vector loads (a per-element mask would make them
+        # scalar); the mask token is excluded after the load.
+        offs = tl.multiple_of(start, BLOCK_V) + tl.arange(0, BLOCK_V)
+        x = tl.load(base + offs, mask=offs < v_hi, other=float("-inf")).to(CDT)
+        x = tl.where(offs == mask_token_id, float("-inf"), x)
         m_new = tl.maximum(m, tl.max(x, 0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no inf - inf
         s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(x - m_ref), 0)
