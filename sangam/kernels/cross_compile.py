@@ -64,13 +64,15 @@ class KernelBuild:
     # cp.async of 16 bytes), and all others. Memory-bound kernels want the first kind.
     wide_loads: int
     narrow_loads: int
+    mma: str  # tensor-core instructions: "wgmma" (Hopper, async), "mma.sync", or "none"
 
     def describe(self) -> str:
         consts = " ".join(f"{k}={_short(v)}" for k, v in self.constants.items())
         return (f"{self.kernel}[{consts} warps={self.num_warps} stages={self.num_stages}]: "
                 f"{self.registers} regs, {self.spill_bytes} B spilled, "
                 f"{self.shared_bytes / 1024:.1f} KiB shared, "
-                f"{self.wide_loads} 16-byte / {self.narrow_loads} narrower global loads")
+                f"{self.wide_loads} 16-byte / {self.narrow_loads} narrower global loads"
+                + ("" if self.mma == "none" else f", {self.mma}"))
 
 
 def _short(value: object) -> str:
@@ -133,10 +135,11 @@ _ANY_LOAD = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld\.global|cp\.async\.c[ga]\.share
                        re.MULTILINE)
 
 
-def _load_widths(ptx: str) -> tuple[int, int]:
-    """(16-byte, narrower) global load instructions in ``ptx``."""
+def _ptx_facts(ptx: str) -> tuple[int, int, str]:
+    """(16-byte, narrower) global load instructions in ``ptx``, and its tensor-core kind."""
     wide = len(_WIDE_LOAD.findall(ptx))
-    return wide, len(_ANY_LOAD.findall(ptx)) - wide
+    mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
+    return wide, len(_ANY_LOAD.findall(ptx)) - wide, mma
 
 
 @contextmanager
@@ -165,7 +168,7 @@ def cross_compiling(gpu: GPUSpec = H200) -> Iterator[list[KernelBuild]]:
                       if len(path) == 1 and jit.params[path[0]].is_constexpr}
             builds.append(KernelBuild(jit.__name__, consts, options["num_warps"],
                                       options["num_stages"], regs, spilled,
-                                      kernel.metadata.shared, *_load_widths(kernel.asm["ptx"])))
+                                      kernel.metadata.shared, *_ptx_facts(kernel.asm["ptx"])))
         return True  # handled: the JIT neither compiles nor launches
 
     runtime, drivers = triton.knobs.runtime, triton.runtime.driver
