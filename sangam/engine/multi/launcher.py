@@ -116,19 +116,8 @@ def make_specs(config: EngineConfig, roles: list[str], node_rank: int, front_add
 
 def warm_up() -> None:
     """Import what a worker needs, once, in the process that forks the workers: torch, the
-    models and the engine, and what building a model imports lazily (nn.init on the meta
-    device pulls in torch._dynamo: seconds per process otherwise), by building a tiny model
-    of each architecture on the meta device. CUDA is not touched: the children may use it."""
-    import torch
-
+    models and the engine. CUDA is not touched: the children may use it."""
     import sangam.engine.multi.worker  # noqa: F401
-    from sangam.models import ARCHITECTURES, parse_config
-    from sangam.testing import tiny_config
-
-    with torch.device("meta"):
-        for arch in ("llada", "dream"):
-            cfg = parse_config(tiny_config(arch))
-            ARCHITECTURES[cfg.architecture](cfg)
 
 
 def fork_workers(specs: list[WorkerSpec]) -> list[int]:
