@@ -287,14 +287,14 @@ def run_gpu(args: argparse.Namespace, save: Callable[[list[dict]], None]) -> lis
 
 def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream",
                          quick: bool = False) -> list[dict]:
-    """Compile, for ``gpu`` (a name in ``GPUS``), every launch the suites and the engine's
-    Triton backend make at the serving shapes, on meta tensors. Needs compiled kernels (no
-    ``TRITON_INTERPRET``); no GPU. Returns one dict per distinct build."""
+    """Compile, for ``gpu`` (a name in ``cross_compile.TARGETS``), every launch the suites and
+    the engine's Triton backend make at the serving shapes, on meta tensors. Needs compiled
+    kernels (no ``TRITON_INTERPRET``); no GPU. Returns one dict per distinct build."""
     from sangam.kernels import fused_unmask, gather_pages, paged_attention, scatter_pages, store_kv
-    from sangam.kernels.cross_compile import GPUS, cross_compiling
+    from sangam.kernels.cross_compile import TARGETS, cross_compiling
 
-    if gpu not in GPUS:
-        raise ValueError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+    if gpu not in TARGETS:
+        raise ValueError(f"unknown GPU {gpu!r}; known: {', '.join(TARGETS)}")
 
     meta, bf16, i32, i64 = torch.device("meta"), torch.bfloat16, torch.int32, torch.int64
 
@@ -302,7 +302,7 @@ def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream",
         return torch.empty(shape, dtype=dtype, device=meta)
 
     shapes = Shapes.of(quick)
-    with cross_compiling(GPUS[gpu]) as builds:
+    with cross_compiling(TARGETS[gpu]) as builds:
         for model in models.split(","):
             hq, hkv, d, layers = MODELS[model]
             spans = [(r, kv, STEP_QUERIES) for r in shapes.batches for kv in shapes.kvs]

@@ -32,7 +32,7 @@ from sangam.kernels.platform import assume_gpu, interpreting
 
 
 @dataclass(frozen=True)
-class GPUSpec:
+class CompileTarget:
     """What a cross-compile targets: the compute capability and the limits a launch must fit."""
 
     name: str
@@ -41,11 +41,11 @@ class GPUSpec:
     max_shared_bytes: int  # per program (thread block), opt-in maximum
 
 
-H200 = GPUSpec("H200", arch=90, sms=132, max_shared_bytes=227 * 1024)
-GPUS = {spec.name: spec for spec in (
+H200 = CompileTarget("H200", arch=90, sms=132, max_shared_bytes=227 * 1024)
+TARGETS = {spec.name: spec for spec in (
     H200,
-    GPUSpec("H100", arch=90, sms=132, max_shared_bytes=227 * 1024),
-    GPUSpec("A100", arch=80, sms=108, max_shared_bytes=163 * 1024),
+    CompileTarget("H100", arch=90, sms=132, max_shared_bytes=227 * 1024),
+    CompileTarget("A100", arch=80, sms=108, max_shared_bytes=163 * 1024),
 )}
 
 
@@ -143,12 +143,12 @@ def _ptx_facts(ptx: str) -> tuple[int, int, str]:
 
 
 @contextmanager
-def cross_compiling(gpu: GPUSpec = H200) -> Iterator[list[KernelBuild]]:
-    """Within the block, kernel launches compile for ``gpu`` instead of running; yields the list
+def cross_compiling(target: CompileTarget = H200) -> Iterator[list[KernelBuild]]:
+    """Within the block, kernel launches compile for ``target`` instead of running; yields the list
     of distinct builds, filled as launches happen. A launch that fails to compile raises."""
     if interpreting():
         raise RuntimeError("cross-compiling needs compiled kernels: run without TRITON_INTERPRET")
-    target = GPUTarget("cuda", gpu.arch, 32)
+    triton_target = GPUTarget("cuda", target.arch, 32)
     builds: list[KernelBuild] = []
     seen: set = set()
 
@@ -160,7 +160,7 @@ def cross_compiling(gpu: GPUSpec = H200) -> Iterator[list[KernelBuild]]:
                        ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")}
             kernel = triton.compile(
                 ASTSource(jit, compile["signature"], compile["constants"], compile["configs"][0]),
-                target=target, options=options)
+                target=triton_target, options=options)
             regs, spilled = _resources(kernel.asm["cubin"])
             # The declared constexprs only (Triton also folds integer arguments equal to 1).
             consts = {jit.params[path[0]].name: value
@@ -174,10 +174,10 @@ def cross_compiling(gpu: GPUSpec = H200) -> Iterator[list[KernelBuild]]:
     runtime, drivers = triton.knobs.runtime, triton.runtime.driver
     # Restored as found: reset_active() would look for a real driver, and there may be none.
     previous_hook, previous_driver = runtime.jit_cache_hook, drivers._active
-    drivers.set_active(_OfflineDriver(gpu.arch))
+    drivers.set_active(_OfflineDriver(target.arch))
     runtime.jit_cache_hook = compile_instead_of_launching
     try:
-        with assume_gpu(gpu.sms):
+        with assume_gpu(target.sms):
             yield builds
     finally:
         runtime.jit_cache_hook = previous_hook
