@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of the Triton kernels: the kernel tests in bf16 on CUDA, then `sangam-bench kernels`.
+# GPU check: the kernel tests in bf16 on CUDA and the CUDA-graph test, then `sangam-bench
+# kernels` and `sangam-bench graphs` (decode iterations with and without CUDA graphs).
 # Usage: microbench/gpu_check.sh [OUTDIR]   (default ./gpu-results; finishes in < 8 minutes)
 # Needs only torch, triton, pytest and safetensors: runs from the checkout with PYTHONPATH=.
 set -u
@@ -20,15 +21,21 @@ torch.cuda.get_device_name())"
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-# Tests: ~4.5 minutes at most; the benchmark gets the rest. Each step is cut by `timeout`.
-timeout 270 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernel_*.py \
+# Tests: 3.5 minutes at most; the benchmarks get the rest. Each step is cut by `timeout`.
+timeout 210 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernel_*.py \
   tests/test_triton_backend.py "tests/test_engine.py::test_cuda_graphs_match_eager" --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 # The benchmark rewrites kernels.json after each suite, so a cut run keeps what it measured.
-timeout 180 "$PY" -m sangam.bench.cli kernels --json "$OUT/kernels.json" 2>&1 \
+timeout 150 "$PY" -m sangam.bench.cli kernels --json "$OUT/kernels.json" 2>&1 \
   | tee "$OUT/kernels.log"
 bench_rc=${PIPESTATUS[0]}
 
-echo "tests rc=$tests_rc  bench rc=$bench_rc  (124 = timed out)" | tee "$OUT/summary.txt"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+# LLaDA-8B's shape with random weights: two engines (graphs, eager) over one model.
+timeout 90 "$PY" -m sangam.bench.cli graphs --json "$OUT/graphs.json" 2>&1 \
+  | tee "$OUT/graphs.log"
+graphs_rc=${PIPESTATUS[0]}
+
+echo "tests rc=$tests_rc  kernels rc=$bench_rc  graphs rc=$graphs_rc  (124 = timed out)" \
+  | tee "$OUT/summary.txt"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$graphs_rc" -eq 0 ]

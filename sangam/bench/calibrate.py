@@ -56,7 +56,7 @@ def _geometry_of(cfg, name: str) -> ModelGeometry:
                          cfg.intermediate_size, cfg.vocab_size)
 
 
-def _random_model(geom_key: str, device, dtype):
+def random_model(geom_key: str, device, dtype):
     """The real geometry with random weights, built straight on the device in ``dtype``."""
     import torch
 
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.torch_threads)
     dtype = resolve_dtype(args.dtype, device)
     if args.model is None and args.geometry and device.type == "cuda":
-        model, cfg = _random_model(args.geometry, device, dtype)
+        model, cfg = random_model(args.geometry, device, dtype)
         name = f"{MODELS[args.geometry].name} (random weights)"
     else:
         path = args.model

@@ -10,7 +10,8 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("kernels", "host", "quality", "serve", "sim", "capacity", "calibrate")
+SUBCOMMANDS = ("kernels", "graphs", "host", "quality", "serve", "sim", "capacity",
+               "calibrate")
 
 
 def build_parser() -> argparse.ArgumentParser:
