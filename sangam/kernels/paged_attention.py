@@ -153,6 +153,27 @@ def _launch_config(block_m: int, head_dim: int, on_gpu: bool) -> tuple[int, int]
     return num_warps, 2 if head_dim > 64 else 3
 
 
+# Shared memory a program may plan for: under the H100/H200 limit of 227 KiB per block.
+_SHARED_BUDGET = 200 * 1024
+
+
+def _fit_shared(block_m: int, block_n: int, head_dim: int, num_stages: int,
+                elem_bytes: int) -> tuple[int, int]:
+    """(BLOCK_N, num_stages) whose shared memory fits ``_SHARED_BUDGET``: each pipeline stage
+    holds a K and a V tile, and the Q tile may be staged too (an upper bound). Only wide
+    elements need this (fp64, or fp32 at head_dim 256): fewer stages first, then narrower
+    K/V tiles."""
+    def need(bn: int, stages: int) -> int:
+        return (stages * 2 * bn + block_m) * head_dim * elem_bytes
+
+    while need(block_n, num_stages) > _SHARED_BUDGET and (num_stages > 1 or block_n > 16):
+        if num_stages > 1:
+            num_stages -= 1
+        else:
+            block_n //= 2
+    return block_n, num_stages
+
+
 def _auto_splits(programs: int, max_kv: int, device: torch.device) -> int:
     """Split the KV loop only when the tiles alone leave most SMs idle (flash-decoding)."""
     if not compiled(device):
@@ -201,6 +222,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     bm = block_m or bm
     bn = block_n or bn
     num_warps, num_stages = _launch_config(bm, d, on_gpu)
+    if on_gpu and block_n is None:
+        bn, num_stages = _fit_shared(bm, bn, d, num_stages, q.element_size())
     if num_splits is None:
         est_programs = triton.cdiv(n_tok * group, bm) * hkv
         num_splits = _auto_splits(est_programs, block_tables.shape[1] * page_size, q.device)
