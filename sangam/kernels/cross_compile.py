@@ -177,7 +177,7 @@ def cross_compiling(target: CompileTarget = H200) -> Iterator[list[KernelBuild]]
     drivers.set_active(_OfflineDriver(target.arch))
     runtime.jit_cache_hook = compile_instead_of_launching
     try:
-        with assume_gpu(target.sms):
+        with assume_gpu(target.sms, target.max_shared_bytes):
             yield builds
     finally:
         runtime.jit_cache_hook = previous_hook

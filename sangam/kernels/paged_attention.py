@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sangam.kernels.platform import compiled, num_sms
+from sangam.kernels.platform import compiled, max_shared_bytes, num_sms
 
 _LOG2E = 1.4426950408889634
 
@@ -153,25 +153,28 @@ def _launch_config(block_m: int, head_dim: int, on_gpu: bool) -> tuple[int, int]
     return num_warps, 2 if head_dim > 64 else 3
 
 
-# Shared memory a program may plan for: under the H100/H200 limit of 227 KiB per block.
-_SHARED_BUDGET = 200 * 1024
+_SHARED_SLACK = 8 * 1024  # what the compiler may add for reductions and layout changes
 
 
-def _fit_shared(block_m: int, block_n: int, head_dim: int, num_stages: int,
-                elem_bytes: int) -> tuple[int, int]:
-    """(BLOCK_N, num_stages) whose shared memory fits ``_SHARED_BUDGET``: each pipeline stage
-    holds a K and a V tile, and the Q tile may be staged too (an upper bound). Only wide
-    elements need this (fp64, or fp32 at head_dim 256): fewer stages first, then narrower
-    K/V tiles."""
-    def need(bn: int, stages: int) -> int:
-        return (stages * 2 * bn + block_m) * head_dim * elem_bytes
+def _fit_shared(block_m: int, block_n: int, head_dim: int, num_stages: int, elem_bytes: int,
+                budget: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_stages) whose shared memory fits ``budget`` bytes: each pipeline
+    stage holds a K and a V tile, and the Q tile may be staged too (an upper bound). Only wide
+    elements need this (fp64, fp32 on smaller chips): fewer stages first, then narrower K/V
+    tiles, then fewer query rows."""
+    def need() -> int:
+        return (num_stages * 2 * block_n + block_m) * head_dim * elem_bytes + _SHARED_SLACK
 
-    while need(block_n, num_stages) > _SHARED_BUDGET and (num_stages > 1 or block_n > 16):
+    while need() > budget:
         if num_stages > 1:
             num_stages -= 1
-        else:
+        elif block_n > 16:
             block_n //= 2
-    return block_n, num_stages
+        elif block_m > 16:
+            block_m //= 2
+        else:
+            break
+    return block_m, block_n, num_stages
 
 
 def _auto_splits(programs: int, max_kv: int, device: torch.device) -> int:
@@ -222,8 +225,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     bm = block_m or bm
     bn = block_n or bn
     num_warps, num_stages = _launch_config(bm, d, on_gpu)
-    if on_gpu and block_n is None:
-        bn, num_stages = _fit_shared(bm, bn, d, num_stages, q.element_size())
+    if on_gpu and block_m is None and block_n is None:
+        bm, bn, num_stages = _fit_shared(bm, bn, d, num_stages, q.element_size(),
+                                         max_shared_bytes(q.device))
     if num_splits is None:
         est_programs = triton.cdiv(n_tok * group, bm) * hkv
         num_splits = _auto_splits(est_programs, block_tables.shape[1] * page_size, q.device)
