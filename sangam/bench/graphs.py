@@ -111,10 +111,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{batch:>5} {'-' if g is None else f'{g:.3f}':>10} {e:>10.3f} "
               f"{'-' if g is None else f'{e - g:.3f}':>9} "
               f"{'-' if g is None else f'{e / g:.2f}':>12}", flush=True)
+        if args.json:  # after every batch size, so a run cut short keeps its numbers
+            with open(args.json, "w") as f:
+                json.dump({"setup": label, "prompt_len": args.prompt_len,
+                           "block_length": args.block_length, "rows": rows}, f, indent=2)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"setup": label, "prompt_len": args.prompt_len,
-                       "block_length": args.block_length, "rows": rows}, f, indent=2)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
