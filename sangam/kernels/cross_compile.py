@@ -9,7 +9,9 @@ GPU would launch. Inputs may be meta tensors: nothing is read or written.
 This catches what the CPU interpreter cannot: code generation failures, shared memory over the
 chip's limit, and register spills. It needs compiled kernels (``TRITON_INTERPRET`` unset when
 Triton is first imported) and the ``ptxas``/``cuobjdump`` that ship with Triton; no GPU and no
-CUDA driver. Timings still need the GPU.
+CUDA driver. Timings still need the GPU. Run it in a process that launches no kernels of its
+own (``sangam-bench kernels`` and the tests use a subprocess): Triton's JIT remembers the
+target it saw per device.
 """
 
 from __future__ import annotations
