@@ -6,7 +6,12 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint bench-kernels clean
+# The GPU machine's Triton, in a venv of its own: the kernel tests under its interpreter and the
+# cross-compile checks with its compiler. Triton 3.6's interpreter needs numpy < 2.4.
+COMPAT_VENV ?= .venv-triton36
+TRITON_COMPAT ?= triton==3.6.0
+
+.PHONY: install serve test test-compat lint bench-kernels clean
 
 install: $(VENV)/.installed
 
@@ -24,6 +29,17 @@ test: install
 	$(BIN)/ruff check .
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+test-compat: $(COMPAT_VENV)/.installed
+	TRITON_INTERPRET=1 PYTHONPATH=. $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/test_kernel_*.py tests/test_triton_backend.py
+
+$(COMPAT_VENV)/.installed:
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install -q --upgrade pip
+	$(COMPAT_VENV)/bin/pip install -q "$(TORCH_SPEC)" "$(TRITON_COMPAT)" "numpy<2.4" pytest \
+		safetensors transformers
+	touch $@
+
 lint: install
 	$(BIN)/ruff check .
 
@@ -31,4 +47,4 @@ bench-kernels: install
 	$(BIN)/sangam-bench kernels
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info
