@@ -31,6 +31,7 @@ test: install
 
 test-compat: $(COMPAT_VENV)/.installed
 	TRITON_INTERPRET=1 PYTHONPATH=. $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		-W "ignore:Conversion of an array:DeprecationWarning" \
 		tests/test_kernel_*.py tests/test_triton_backend.py
 
 $(COMPAT_VENV)/.installed:
