@@ -167,7 +167,10 @@ def test_cuda_graphs_match_eager(llada_path):
                             unmasking="threshold", threshold=0.9)
     outs = {}
     for eager in (True, False):
-        llm = LLM(model=llada_path, device="cuda", dtype="float64", enforce_eager=eager)
+        # An explicit pool: by default each LLM takes 90% of the GPU's free memory, and the
+        # second is built while the first still holds its pool.
+        llm = LLM(model=llada_path, device="cuda", dtype="float64", enforce_eager=eager,
+                  num_pages=512)
         graphs = llm.engine.runner.graphs
         assert (graphs is None) == eager
         outs[eager] = [(o.token_ids, o.num_forwards)
