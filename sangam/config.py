@@ -75,9 +75,9 @@ class EngineConfig:
     dist_init_addr: str | None = field(default=None, metadata=_meta(
         "host:port of node 0 for joining workers across nodes"))
     watchdog_timeout: float = field(default=300.0, metadata=_meta(
-        "Multi-worker: seconds a worker with work may go without reporting progress (an "
-        "iteration, a finished K/V transfer) before it is declared hung, stopped, and its "
-        "requests are placed elsewhere; keep it above the longest single K/V transfer"))
+        "Multi-worker: seconds a worker with work may go without a report from its loop "
+        "(which reports at least every second while it has work) before it is declared hung, "
+        "stopped, and its requests are placed elsewhere; keep it above the longest forward"))
     seed: int = field(default=0, metadata=_meta(
         "Seed of the engine's own randomness (router tie-breaks, seeds for unseeded sampling)"))
 

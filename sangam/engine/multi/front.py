@@ -25,10 +25,10 @@ Memory: the front mirrors every worker's page commitments (canvases held or prom
 refreshes for other workers) to give the router free-page counts that do not lag behind.
 
 Failures: a worker found dead (its process exited, it reported a failure, its heartbeats
-stopped, or it had work and reported nothing for ``watchdog_timeout`` seconds) is marked dead
-in the router and reported in ``dead_workers``; every request that had anything on it is taken
-back to the start of its current block (the snapshot), dropped from
-every other worker, and placed again. Refreshes and noise keys depend only on (tokens, block,
+stopped, or it had work and its loop reported nothing for ``watchdog_timeout`` seconds) is
+marked dead in the router and reported in ``dead_workers``; every request that had anything on
+it is taken back to the start of its current block (the snapshot), dropped from every other
+worker, and placed again. Refreshes and noise keys depend only on (tokens, block,
 step), so it finishes with the same tokens. A K/V transfer the receiver could not take is
 retried the same way.
 """
@@ -112,8 +112,8 @@ class _WorkerInfo:
     free_pages: int  # as last reported
     open_transfers: int = 0
     sent: int = 0  # control messages sent to it
-    # Since when it owes progress: it has work (or unhandled messages) and has not reported
-    # since. None while idle.
+    # Since when it owes a report: it has work (or unhandled messages) and has not reported
+    # since; a live worker loop with work reports at least every second. None while idle.
     owes_progress_since: float | None = None
 
 
@@ -575,10 +575,10 @@ class MultiWorkerEngine:
             elif p is None and now - info.last_heard > HEARTBEAT_TIMEOUT_S:
                 self._on_dead(w, f"no heartbeat for {now - info.last_heard:.0f}s")
             elif since is not None and now - since > self.config.watchdog_timeout:
-                # Alive (its heartbeat thread may still run) but stuck, e.g. in a collective
-                # whose peer is gone.
-                self._on_dead(w, f"hung: no progress for {now - since:.0f}s with work to do "
-                                 "(--watchdog-timeout)")
+                # Alive (its heartbeat thread may still run) but its loop is stuck, e.g. in a
+                # blocking call. A loop merely waiting on a slow peer keeps reporting.
+                self._on_dead(w, f"hung: its loop has not reported for {now - since:.0f}s "
+                                 "with work to do (--watchdog-timeout)")
 
     def _on_dead(self, w: int, why: str) -> None:
         logger.error("worker %d (%s, pid %d on %s) is dead: %s; its requests are taken back",

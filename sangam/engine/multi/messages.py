@@ -159,7 +159,8 @@ Event = RefreshRan | KVSent | KVReceived | BlockDone
 @dataclass
 class Report:
     """What happened on a worker since its last report, in order; also sent when only its
-    free pages or open transfers changed, so the front's view of them settles."""
+    free pages or open transfers changed, so the front's view of them settles, and at least
+    every second while it has work (the front's watchdog)."""
 
     worker: int
     events: list[Event] = field(default_factory=list)

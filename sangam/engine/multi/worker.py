@@ -47,6 +47,9 @@ STORE_TIMEOUT_S = 300  # joining the process group: every worker of every node m
 # transfer, between two of its forwards. Generous, because a timeout breaks the connection.
 TRANSFER_TIMEOUT_S = 1800
 _IDLE_POLL_MS = 100
+# While it has work, the loop reports at least this often even when nothing changed: the
+# front's watchdog tells a live loop waiting on a peer from a hung one by these reports.
+_KEEPALIVE_S = 1.0
 
 
 @dataclass
@@ -103,6 +106,7 @@ class Worker:
         self._stalled = False  # the last schedule() found nothing, and nothing changed since
         self._handled = 0  # control messages handled
         self._reported = (-1, -1, -1, False)  # (free pages, open transfers, handled, busy)
+        self._reported_at = 0.0
         self._send(msg.Hello(
             self.index, os.getpid(), socket.gethostname(), spec.device, self.pool.num_pages,
             layer_page_bytes(self.pool.kv.buffer),
@@ -156,9 +160,12 @@ class Worker:
         open_transfers = self.transport.num_open if self.transport is not None else 0
         busy = bool(self.tasks or self.ready or self.receiving or open_transfers)
         now = (self.pool.allocator.num_free, open_transfers, self._handled, busy)
-        if self.events or self.iterations or now != self._reported:
+        t = time.monotonic()
+        if (self.events or self.iterations or now != self._reported
+                or (busy and t - self._reported_at >= _KEEPALIVE_S)):
             self._send(msg.Report(self.index, self.events, self.iterations, *now))
             self.events, self.iterations, self._reported = [], [], now
+            self._reported_at = t
 
     # Control messages.
     def _handle(self, m: object) -> None:
