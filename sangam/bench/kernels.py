@@ -20,8 +20,8 @@ a table; --json FILE writes them with the device and versions.
 Without a GPU, timings are meaningless: the command says so, runs a correctness pass of every
 kernel at tiny shapes under the Triton interpreter, then compiles every launch of the suites
 above (and the engine's K/V store at the same shapes) for the GPU named by --gpu (default H200)
-with Triton's own ptxas, printing each build's registers per thread, spilled bytes and shared
-memory, and exits 0.
+with Triton's own ptxas, printing each build's registers per thread, spilled bytes, shared
+memory, 16-byte vs narrower global loads and tensor-core instructions, and exits 0.
 """
 
 from __future__ import annotations
