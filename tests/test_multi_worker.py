@@ -20,7 +20,8 @@ from sangam.config import EngineConfig
 from sangam.decoding import ReferenceDecoder
 from sangam.engine.async_engine import AsyncEngine
 from sangam.engine.loaded_model import LoadedModel
-from sangam.engine.multi import MultiWorkerEngine, make_engine
+from sangam.engine.multi import make_engine
+from sangam.engine.multi.front import MultiWorkerEngine
 from sangam.engine.page_allocator import PageAllocator
 from sangam.engine.request import Request, RequestStatus
 from sangam.engine.scheduler import BatchBuilder

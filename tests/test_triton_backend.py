@@ -98,3 +98,24 @@ def test_llm_triton_backend_matches_reference_backend(checkpoints, arch):
         outs[backend] = [(o.token_ids, o.num_forwards)
                          for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert outs["triton"] == outs["torch"]
+
+
+@_CPU
+def test_attention_is_planned_once_per_forward(checkpoints, monkeypatch):
+    """Tiles, splits and the tile -> request map are the same in every layer: one plan per
+    forward, not one per layer."""
+    import sangam.models.triton_attention as ta
+
+    plans, plan = [], ta.plan_attention
+
+    def counting_plan(*args, **kwargs):
+        plans.append(1)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(ta, "plan_attention", counting_plan)
+    model = load_model(checkpoints["llada"], "cpu", "float64")
+    assert model.config.num_layers > 1
+    params = SamplingParams(max_tokens=8, block_length=8, cache="none", unmasking="topk",
+                            tokens_per_step=4, stop_at_eos=False)
+    _, forwards = _decode(model, TritonAttentionBackend(), params, [5, 6, 7])
+    assert len(plans) == forwards == 2

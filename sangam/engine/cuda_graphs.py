@@ -72,9 +72,10 @@ class DecodeGraphRunner:
         self.input_ids[:rows].copy_(torch.from_numpy(batch.input_ids))
         self.positions[:rows].copy_(torch.from_numpy(batch.positions))
         self.slot_mapping[:rows].copy_(torch.from_numpy(batch.slot_mapping))
-        self.slot_mapping[rows:bucket * self.span].fill_(-1)
         self.kv_lens[:n].copy_(torch.from_numpy(batch.kv_lens))
-        self.kv_lens[n:bucket].zero_()
+        if n < bucket:  # padding requests: store nothing, attend to nothing
+            self.slot_mapping[rows:bucket * self.span].fill_(-1)
+            self.kv_lens[n:bucket].zero_()
         self.block_tables[:n, :width].copy_(torch.from_numpy(batch.block_tables))
         self.runs += 1
         if self.use_graphs:

@@ -15,6 +15,8 @@ results (normalized output + log-sum-exp) and a reduce kernel merges them (flash
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -187,38 +189,36 @@ def _auto_splits(programs: int, max_kv: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(2 * sms, programs), max_kv // 256, 32))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
-                    kv_lens: torch.Tensor, scale: float, *, max_query_len: int | None = None,
-                    num_splits: int | None = None, block_m: int | None = None,
-                    block_n: int | None = None) -> torch.Tensor:
-    """Bidirectional paged attention for packed spans; returns ``[N, Hq, D]`` in q's dtype.
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What a batch's attention launch needs beyond the tensors of one layer, the same for every
+    layer of a forward: tiles, warps, KV splits, the tile -> request map and the split buffers.
+    ``plan_attention`` makes it once; every layer's ``paged_attention`` call reuses it."""
 
-    q ``[N, Hq, D]``; k_cache/v_cache ``[num_pages, page_size, Hkv, D]`` (head dim contiguous;
-    per-layer views of a ``PagedKV`` buffer are fine); cu_seqlens_q int32 ``[R+1]``;
-    block_tables int32 ``[R, max_pages]``; kv_lens int32 ``[R]``. ``max_query_len`` (host int,
-    optional) only sharpens the tile choice; ``num_splits`` forces the number of KV splits
-    (default: chosen from the batch shape, 1 off-GPU); ``block_m``/``block_n`` force tile sizes
-    (powers of two >= 16). Accumulates in fp32 (fp64 for fp64 inputs).
-    """
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+    on_gpu: bool
+    dot_dtype: tl.dtype
+    acc_dtype: tl.dtype
+    cu_q: torch.Tensor  # int32 [R + 1]
+    cu_tiles: torch.Tensor  # int32 [R + 1]: first query tile of each request
+    grid: tuple[int, int, int]
+    part: torch.Tensor | None  # [splits, N, Hq, D] partial outputs (split-KV only)
+    lse: torch.Tensor | None  # [splits, N, Hq] their log-sum-exps
+
+
+def plan_attention(q: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   block_tables: torch.Tensor, *, max_query_len: int | None = None,
+                   num_splits: int | None = None, block_m: int | None = None,
+                   block_n: int | None = None) -> AttentionPlan:
+    """The launch plan of :func:`paged_attention` for a batch (arguments as there)."""
     n_tok, hq, d = q.shape
-    num_pages, page_size, hkv, dk = k_cache.shape
-    if v_cache.shape != k_cache.shape or dk != d or hq % hkv:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
-                         f"v_cache {tuple(v_cache.shape)}")
-    if page_size & (page_size - 1) or d & (d - 1) or d > 256:
-        raise ValueError(f"page_size and head_dim must be powers of two (head_dim <= 256), "
-                         f"got {page_size} and {d}")
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("the caches' head dim must be contiguous")
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     num_requests = cu_seqlens_q.numel() - 1
-    out = torch.empty((n_tok, hq, d), dtype=q.dtype, device=q.device)
-    if n_tok == 0 or num_requests == 0:
-        return out
-
     on_gpu = compiled(q.device)
     rows = (max_query_len if max_query_len is not None else n_tok) * group
     bm, bn = _tile_config(rows, d, on_gpu)
@@ -246,36 +246,74 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cu_tiles = torch.zeros(num_requests + 1, dtype=torch.int32, device=q.device)
     cu_tiles[1:] = torch.cumsum(tiles, 0)
     grid = (n_tok * group // bm + num_requests, hkv, num_splits)
-
-    split = num_splits > 1
-    if split:
+    part = lse = None
+    if num_splits > 1:
         part_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         part = torch.empty((num_splits, n_tok, hq, d), dtype=part_dtype, device=q.device)
         lse = torch.empty((num_splits, n_tok, hq), dtype=part_dtype, device=q.device)
-    else:
-        part, lse = out, out  # lse is unused without splits
-    _attn_kernel[grid](
+    return AttentionPlan(bm, bn, num_warps, num_stages, num_splits, on_gpu, dot_dtype, acc_dtype,
+                         cu_q, cu_tiles, grid, part, lse)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
+                    kv_lens: torch.Tensor, scale: float, *, max_query_len: int | None = None,
+                    num_splits: int | None = None, block_m: int | None = None,
+                    block_n: int | None = None, plan: AttentionPlan | None = None
+                    ) -> torch.Tensor:
+    """Bidirectional paged attention for packed spans; returns ``[N, Hq, D]`` in q's dtype.
+
+    q ``[N, Hq, D]``; k_cache/v_cache ``[num_pages, page_size, Hkv, D]`` (head dim contiguous;
+    per-layer views of a ``PagedKV`` buffer are fine); cu_seqlens_q int32 ``[R+1]``;
+    block_tables int32 ``[R, max_pages]``; kv_lens int32 ``[R]``. ``max_query_len`` (host int,
+    optional) only sharpens the tile choice; ``num_splits`` forces the number of KV splits
+    (default: chosen from the batch shape, 1 off-GPU); ``block_m``/``block_n`` force tile sizes
+    (powers of two >= 16). ``plan`` (from :func:`plan_attention` for this batch) replaces those
+    four and saves re-planning in every layer. Accumulates in fp32 (fp64 for fp64 inputs).
+    """
+    n_tok, hq, d = q.shape
+    num_pages, page_size, hkv, dk = k_cache.shape
+    if v_cache.shape != k_cache.shape or dk != d or hq % hkv:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    if page_size & (page_size - 1) or d & (d - 1) or d > 256:
+        raise ValueError(f"page_size and head_dim must be powers of two (head_dim <= 256), "
+                         f"got {page_size} and {d}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("the caches' head dim must be contiguous")
+    num_requests = cu_seqlens_q.numel() - 1
+    out = torch.empty((n_tok, hq, d), dtype=q.dtype, device=q.device)
+    if n_tok == 0 or num_requests == 0:
+        return out
+    p = plan or plan_attention(q, k_cache, cu_seqlens_q, block_tables,
+                               max_query_len=max_query_len, num_splits=num_splits,
+                               block_m=block_m, block_n=block_n)
+    split = p.num_splits > 1
+    part, lse = (p.part, p.lse) if split else (out, out)  # lse is unused without splits
+    _attn_kernel[p.grid](
         q, k_cache, v_cache, part, lse,
-        cu_q, cu_tiles, block_tables, kv_lens.to(torch.int32),
-        num_requests, num_requests.bit_length(), group, d, num_splits, scale * _LOG2E,
+        p.cu_q, p.cu_tiles, block_tables, kv_lens.to(torch.int32),
+        num_requests, num_requests.bit_length(), hq // hkv, d, p.num_splits, scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         part.stride(0) if split else 0, part.stride(-3), part.stride(-2),
         lse.stride(0) if split else 0, lse.stride(-2) if split else 0,
-        PAGE_SIZE=page_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, d), SPLIT=split,
-        DOT_DTYPE=dot_dtype, ACC_DTYPE=acc_dtype,
+        PAGE_SIZE=page_size, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=max(16, d),
+        SPLIT=split, DOT_DTYPE=p.dot_dtype, ACC_DTYPE=p.acc_dtype,
         # fp32/fp64 dots in full precision (no TF32); half types use the tensor cores as is.
-        DOT_PREC="ieee" if dot_dtype in (tl.float32, tl.float64) else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_PREC="ieee" if p.dot_dtype in (tl.float32, tl.float64) else "tf32",
+        num_warps=p.num_warps, num_stages=p.num_stages,
     )
     if split:
         _merge_splits_kernel[(n_tok, hq)](
-            part, lse, out, num_splits, d,
+            part, lse, out, p.num_splits, d,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=max(16, d),
-            ACC_DTYPE=acc_dtype, num_warps=4 if on_gpu else 1,
+            BLOCK_S=triton.next_power_of_2(p.num_splits), BLOCK_D=max(16, d),
+            ACC_DTYPE=p.acc_dtype, num_warps=4 if p.on_gpu else 1,
         )
     return out

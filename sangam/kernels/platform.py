@@ -17,9 +17,14 @@ import torch
 _assumed: tuple[int, int] | None = None  # (SMs, shared bytes per program) inside assume_gpu
 
 
+# Triton picks interpreted or compiled kernels when they are defined (at import), so this is
+# read once too: every launch asks.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return _INTERPRETING
 
 
 def compiled(device: torch.device) -> bool:

@@ -5,21 +5,29 @@ from __future__ import annotations
 import torch
 
 from sangam.kernels.kv_store import store_kv
-from sangam.kernels.paged_attention import paged_attention
+from sangam.kernels.paged_attention import AttentionPlan, paged_attention, plan_attention
 from sangam.models.attention import AttentionBackend, AttentionMetadata
 
 
 class TritonAttentionBackend(AttentionBackend):
     """Stores the span's K/V with one kernel and attends with the paged kernel.
 
-    Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (slow; for tests).
+    The attention launch is planned once per forward (its metadata object) and reused by every
+    layer. Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (slow; for
+    tests).
     """
 
     name = "triton"
 
+    def __init__(self) -> None:
+        self._planned: tuple[AttentionMetadata, AttentionPlan] | None = None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
                 v_pages: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         store_kv(k, v, k_pages, v_pages, meta.slot_mapping)
-        max_q = max(meta.query_lens, default=0)
+        if self._planned is None or self._planned[0] is not meta:
+            plan = plan_attention(q, k_pages, meta.cu_seqlens_q, meta.block_tables,
+                                  max_query_len=max(meta.query_lens, default=0))
+            self._planned = (meta, plan)
         return paged_attention(q, k_pages, v_pages, meta.cu_seqlens_q, meta.block_tables,
-                               meta.kv_lens, scale, max_query_len=max_q)
+                               meta.kv_lens, scale, plan=self._planned[1])

@@ -30,12 +30,4 @@ def make_engine(config: EngineConfig,
     return Engine(config, loaded)
 
 
-def __getattr__(name: str):
-    if name == "MultiWorkerEngine":
-        from sangam.engine.multi.front import MultiWorkerEngine
-
-        return MultiWorkerEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["MultiWorkerEngine", "make_engine"]
+__all__ = ["make_engine"]
