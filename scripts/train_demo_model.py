@@ -3,7 +3,8 @@
     .venv/bin/python scripts/train_demo_model.py --out sangam/demo/model
 
 Masked-diffusion SFT as in LLaDA: the prompt stays clean; the response (answer, <|eot_id|>, then
-<|endoftext|> padding up to the batch's length, at least ``--response-length``) is masked with
+<|endoftext|> up to exactly ``--response-length`` tokens, the served canvas; rows shorter than
+the batch are padded after that, and the pad is masked out of attention and loss) is masked with
 probability t ~ U(0, 1) per sequence; the loss is the cross-entropy on masked positions weighted
 by 1/t, normalised by the response length. The batch's t are stratified (one per 1/B-wide slice
 of (0, 1), as MDLM's low-discrepancy sampler): the same expectation, a less noisy gradient.
