@@ -6,8 +6,10 @@ generation failures, register spills, shared memory over the chip's limit, or lo
 compiler could not vectorize; this can.
 """
 
+import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -60,10 +62,11 @@ def test_gpu_check_needs_only_what_the_gpu_machine_has():
             "import pytest, sangam.bench.cli, sangam.bench.kernels\n"
             "sys.exit(pytest.main(['-q', '--collect-only', '-p', 'no:cacheprovider', "
             "*sys.argv[1:]]))")
-    tests = ["tests/test_kernel_attention.py", "tests/test_kernel_kv_store.py",
-             "tests/test_kernel_page_copy.py", "tests/test_kernel_unmask.py",
-             "tests/test_triton_backend.py", "tests/test_engine.py"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "microbench", "gpu_check.sh")) as f:
+        named = re.findall(r"tests/[\w*]+\.py", f.read())  # the script's own test list
+    tests = sorted({t for pattern in named for t in glob.glob(pattern, root_dir=root)})
+    assert "tests/test_device_batch.py" in tests and len(tests) >= 7, tests
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # plugins of missing packages
     proc = subprocess.run([sys.executable, "-c", code, *tests], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -97,6 +97,8 @@ def test_llm_triton_backend_matches_reference_backend(checkpoints, arch):
         assert llm.engine.runner.fused_scoring == (backend == "triton")
         outs[backend] = [(o.token_ids, o.num_forwards)
                          for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        # Every input of a forward, the unmasking parameters included, in one upload.
+        assert llm.engine.runner.uploader.copies == len(llm.engine.stats.iterations) > 0
     assert outs["triton"] == outs["torch"]
 
 

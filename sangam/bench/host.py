@@ -1,5 +1,6 @@
-"""``sangam-bench host``: host-side time per iteration (scheduling, batch assembly, unmasking
-bookkeeping) at several batch sizes, with the model forward replaced by a stub.
+"""``sangam-bench host``: host-side time per iteration (scheduling, batch assembly and staging
+for the device, unmasking bookkeeping) at several batch sizes, with the model forward replaced
+by a stub.
 
 The forward is excluded so the number is what the CPU adds to every GPU iteration; the target
 is < 0.5 ms at batch 64 (engine issue). Requests are seated decodes of a DualCache block.
@@ -15,10 +16,11 @@ import json
 import time
 
 import numpy as np
-import torch
 
 from sangam.decoding.state import DecodeState
+from sangam.engine.device_batch import BatchUploader
 from sangam.engine.host_batch import IMPLS, cext_available, make_host_batcher
+from sangam.engine.model_runner import unmask_arrays
 from sangam.engine.page_allocator import PageAllocator
 from sangam.engine.request import Request
 from sangam.engine.scheduler import BatchBuilder
@@ -47,6 +49,7 @@ def measure(batch: int, iters: int, impl: str = "python", prompt_len: int = 512,
     with the ``impl`` host batcher."""
     builder, states = _seated(batch, prompt_len, gen_len, block, page_size)
     host = make_host_batcher(page_size, impl)
+    uploader = BatchUploader("cpu")  # the staging a GPU runner does; a memcpy stands in for DMA
     phases = {"schedule": 0.0, "assemble": 0.0, "apply": 0.0}
     rng = np.random.default_rng(0)
     n = 0
@@ -59,7 +62,8 @@ def measure(batch: int, iters: int, impl: str = "python", prompt_len: int = 512,
         sts = [states[r.request_id] for r in reqs]
         t1 = time.perf_counter()
         pb = host.build(sts, [r.pages for r in reqs])
-        pb.metadata(torch.device("cpu"))
+        dev = uploader.upload(pb.device_arrays() | unmask_arrays(pb, sts))
+        pb.metadata(dev)
         t2 = time.perf_counter()
         m = pb.num_rows
         tokens = rng.integers(2, MASK, m)

@@ -63,20 +63,21 @@ class DecodeGraphRunner:
         return (0 < n <= self.sizes[-1] and batch.block_tables.shape[1] <= self.max_pages
                 and bool((np.diff(batch.cu_seqlens_q) == self.span).all()))
 
-    def run(self, batch: PackedBatch) -> torch.Tensor:
-        """Hidden states ``[N, hidden]`` of the batch's N query rows. With graphs, a view of the
-        bucket's output buffer: valid until the next call."""
+    def run(self, batch: PackedBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Hidden states ``[N, hidden]`` of the batch's N query rows, from ``dev``, its uploaded
+        ``device_arrays()``. With graphs, a view of the bucket's output buffer: valid until the
+        next call."""
         n = len(batch.kv_lens)
         bucket = next(b for b in self.sizes if b >= n)
         rows, width = n * self.span, batch.block_tables.shape[1]
-        self.input_ids[:rows].copy_(torch.from_numpy(batch.input_ids))
-        self.positions[:rows].copy_(torch.from_numpy(batch.positions))
-        self.slot_mapping[:rows].copy_(torch.from_numpy(batch.slot_mapping))
-        self.kv_lens[:n].copy_(torch.from_numpy(batch.kv_lens))
+        self.input_ids[:rows].copy_(dev["input_ids"])
+        self.positions[:rows].copy_(dev["positions"])
+        self.slot_mapping[:rows].copy_(dev["slot_mapping"])
+        self.kv_lens[:n].copy_(dev["kv_lens"])
         if n < bucket:  # padding requests: store nothing, attend to nothing
             self.slot_mapping[rows:bucket * self.span].fill_(-1)
             self.kv_lens[n:bucket].zero_()
-        self.block_tables[:n, :width].copy_(torch.from_numpy(batch.block_tables))
+        self.block_tables[:n, :width].copy_(dev["block_tables"])
         self.runs += 1
         if self.use_graphs:
             self.graphs[bucket].replay()

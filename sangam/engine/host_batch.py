@@ -109,13 +109,18 @@ class PackedBatch:
     def num_rows(self) -> int:
         return len(self.logits_indices)
 
-    def metadata(self, device: torch.device) -> AttentionMetadata:
-        def dev(a):
-            return torch.from_numpy(a).to(device, non_blocking=True)
+    def device_arrays(self) -> dict[str, np.ndarray]:
+        """The arrays the forward reads on the device (``BatchUploader.upload`` moves them)."""
+        return {"input_ids": self.input_ids, "positions": self.positions,
+                "slot_mapping": self.slot_mapping, "block_tables": self.block_tables,
+                "cu_seqlens_q": self.cu_seqlens_q, "kv_lens": self.kv_lens,
+                "logits_indices": self.logits_indices}
 
+    def metadata(self, dev: dict[str, torch.Tensor]) -> AttentionMetadata:
+        """The attention metadata over ``dev``, the uploaded ``device_arrays()``."""
         return AttentionMetadata(
-            cu_seqlens_q=dev(self.cu_seqlens_q), kv_lens=dev(self.kv_lens),
-            block_tables=dev(self.block_tables), slot_mapping=dev(self.slot_mapping),
+            cu_seqlens_q=dev["cu_seqlens_q"], kv_lens=dev["kv_lens"],
+            block_tables=dev["block_tables"], slot_mapping=dev["slot_mapping"],
             query_lens=np.diff(self.cu_seqlens_q).tolist(), kv_lens_host=self.kv_lens.tolist())
 
 

@@ -3,7 +3,8 @@
 Refresh spans (a whole sequence) and cached spans (a block, or block + suffix) of many requests
 are concatenated into one varlen batch; the LM head runs only on rows that predict a masked
 position of a request's current block (DESIGN.md §2). The host work around the forward
-(planning, packing, committing) is the HostBatcher's: C++ when built, else Python. Decode
+(planning, packing, committing) is the HostBatcher's: C++ when built, else Python; the packed
+arrays reach the device in one copy (``device_batch.py``). Decode
 batches of the default block length replay CUDA graphs on GPU (``cuda_graphs.py``).
 """
 
@@ -16,6 +17,7 @@ from sangam.decoding.confidence import score_logits
 from sangam.decoding.rules import RULE_IDS
 from sangam.decoding.state import DecodeState
 from sangam.engine.cuda_graphs import DecodeGraphRunner
+from sangam.engine.device_batch import BatchUploader
 from sangam.engine.host_batch import PackedBatch, make_host_batcher
 from sangam.engine.kv_pool import KVPool
 from sangam.engine.loaded_model import LoadedModel
@@ -29,6 +31,7 @@ class ModelRunner:
         self.device = loaded.device
         self.host = make_host_batcher(pool.page_size, host_impl)
         self.graphs = graphs
+        self.uploader = BatchUploader(self.device)
         # With the Triton backend, scoring is the fused online-softmax kernel (no [rows, vocab]
         # fp32 copy); the host then commits by the same rule, as on the reference path.
         self.fused_scoring = loaded.model.attention_backend.name == "triton"
@@ -40,17 +43,24 @@ class ModelRunner:
         current block was completed. ``allow_graphs=False`` forces the eager forward (e.g. when
         a hook must see every layer)."""
         batch = self.host.build(states, pages)
-        dev = self.device
+        arrays = batch.device_arrays()
+        if self.fused_scoring:
+            arrays.update(unmask_arrays(batch, states))
+        dev = self.uploader.upload(arrays)
         model = self.loaded.model
         if allow_graphs and self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch)
+            hidden = self.graphs.run(batch, dev)
         else:
-            hidden = model.hidden_states(
-                torch.from_numpy(batch.input_ids).to(dev),
-                torch.from_numpy(batch.positions).to(dev), batch.metadata(dev), self.pool.kv)
-        logits = model.logits(hidden, torch.from_numpy(batch.logits_indices).to(dev))
+            hidden = model.hidden_states(dev["input_ids"], dev["positions"],
+                                         batch.metadata(dev), self.pool.kv)
+        logits = model.logits(hidden, dev["logits_indices"])
         if self.fused_scoring:
-            tokens, conf = self._fused_scores(logits, batch, states)
+            from sangam.kernels.unmask import fused_unmask
+
+            tokens, conf, _ = fused_unmask(
+                logits, self.loaded.config.mask_token_id, dev["cu_rows"], dev["num_forced"],
+                dev["rule"], dev["threshold"], dev["factor"], dev["tokens_per_step"],
+                dev["temperature"], dev["row_keys"])
         else:
             tokens, conf = score_logits(logits, self.loaded.config.mask_token_id,
                                         torch.from_numpy(batch.temperatures),
@@ -59,24 +69,18 @@ class ModelRunner:
         conf = conf.cpu().numpy().astype(np.float64)
         return self.host.apply(states, batch, tokens, conf)
 
-    def _fused_scores(self, logits: torch.Tensor, batch: PackedBatch,
-                      states: list[DecodeState]) -> tuple[torch.Tensor, torch.Tensor]:
-        from sangam.kernels.unmask import fused_unmask
 
-        dev = logits.device
-        params = [st.params for st in states]
-
-        def per_request(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
-        tokens, conf, _ = fused_unmask(
-            logits, self.loaded.config.mask_token_id,
-            torch.from_numpy(batch.cu_rows).to(dev, torch.int32),
-            torch.from_numpy(batch.num_forced).to(dev, torch.int32),
-            per_request([RULE_IDS[p.unmasking] for p in params], torch.int32),
-            per_request([p.threshold for p in params], torch.float64),
-            per_request([p.factor for p in params], torch.float64),
-            per_request([p.tokens_per_step for p in params], torch.int32),
-            per_request([p.temperature for p in params], torch.float64),
-            torch.from_numpy(batch.row_keys).to(dev))
-        return tokens, conf
+def unmask_arrays(batch: PackedBatch, states: list[DecodeState]) -> dict[str, np.ndarray]:
+    """The fused unmasking kernel's inputs beyond the logits: row ranges, forced rows, and each
+    request's rule parameters (float64, so the kernel compares exactly as the host rules do)."""
+    params = [st.params for st in states]
+    return {
+        "cu_rows": batch.cu_rows.astype(np.int32),
+        "num_forced": batch.num_forced.astype(np.int32),
+        "rule": np.array([RULE_IDS[p.unmasking] for p in params], dtype=np.int32),
+        "threshold": np.array([p.threshold for p in params], dtype=np.float64),
+        "factor": np.array([p.factor for p in params], dtype=np.float64),
+        "tokens_per_step": np.array([p.tokens_per_step for p in params], dtype=np.int32),
+        "temperature": np.array([p.temperature for p in params], dtype=np.float64),
+        "row_keys": batch.row_keys,
+    }
