@@ -31,7 +31,7 @@ namespace {
 struct Names {
   PyObject *tokens, *params, *mask_token_id, *stop_ids, *shift, *seed, *prompt_len, *block,
       *step, *num_forwards, *finished, *finish_reason, *block_length, *cache, *temperature,
-      *unmasking, *threshold, *factor, *tokens_per_step, *stop_at_eos, *stop, *length;
+      *unmasking, *threshold, *factor, *tokens_per_step, *stop, *length;
 };
 Names names;
 
@@ -59,7 +59,6 @@ bool intern_names() {
       {&names.threshold, "threshold"},
       {&names.factor, "factor"},
       {&names.tokens_per_step, "tokens_per_step"},
-      {&names.stop_at_eos, "stop_at_eos"},
       {&names.stop, "stop"},
       {&names.length, "length"},
   };
@@ -457,12 +456,10 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
                                                                      : sangam::Rule::kUnknown;
   int64_t mask, prompt_len, block, step, num_forwards, block_length, tokens_per_step;
   double threshold, factor;
-  bool stop_at_eos;
   if (!attr_i64(params.get(), names.block_length, &block_length) ||
       !attr_f64(params.get(), names.threshold, &threshold) ||
       !attr_f64(params.get(), names.factor, &factor) ||
       !attr_i64(params.get(), names.tokens_per_step, &tokens_per_step) ||
-      !attr_truth(params.get(), names.stop_at_eos, &stop_at_eos) ||
       !attr_i64(st, names.mask_token_id, &mask) || !attr_i64(st, names.prompt_len, &prompt_len) ||
       !attr_i64(st, names.block, &block) || !attr_i64(st, names.step, &step) ||
       !attr_i64(st, names.num_forwards, &num_forwards)) {
@@ -502,8 +499,8 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
   for (int64_t i = s; i < e && *block_done; ++i) *block_done = canvas[i] != mask;
   if (!*block_done) return true;
   bool stopped = false;
-  if (stop_at_eos &&
-      !holds_stop_id(st, canvas.data(), std::clamp<int64_t>(prompt_len, 0, e), e, &stopped)) {
+  // stop_ids already reflects stop_at_eos (and holds the request's stop_token_ids).
+  if (!holds_stop_id(st, canvas.data(), std::clamp<int64_t>(prompt_len, 0, e), e, &stopped)) {
     return false;
   }
   // tokens holds prompt + canvas, so this is DecodeState.num_blocks.

@@ -24,6 +24,8 @@ class SamplingParams:
     temperature: float = 0.0
     seed: int | None = None
     stop_at_eos: bool = True
+    stop: tuple[str, ...] = ()  # stop strings (a str or list is accepted), as in vLLM
+    stop_token_ids: tuple[int, ...] = ()  # end the response like EOS, even without stop_at_eos
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -50,6 +52,15 @@ class SamplingParams:
         need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
              f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
         need(isinstance(self.stop_at_eos, bool), "stop_at_eos must be a bool")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop or ()
+        need(isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop),
+             f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids or ()
+        need(isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids),
+             f"stop_token_ids must be a list of non-negative integers, got "
+             f"{self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
 
     @property
     def canvas_length(self) -> int:
@@ -75,5 +86,5 @@ class RequestOutput:
     text: str | None
     num_forwards: int
     finished: bool = False
-    finish_reason: str | None = None  # "stop" (EOS), "length", "abort"
+    finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "abort"
     metrics: dict = field(default_factory=dict)

@@ -66,7 +66,8 @@ def _random_state(rng: random.Random) -> DecodeState:
         unmasking=rng.choice(["threshold", "factor", "topk"]),
         threshold=rng.choice([0.5, 0.9, 1.0]), factor=rng.choice([0.5, 1.0, 2.0]),
         tokens_per_step=rng.randint(1, 4), cache=rng.choice(["dual", "prefix", "none"]),
-        temperature=rng.choice([0.0, 0.0, 0.7, 2]), stop_at_eos=rng.random() < 0.7)
+        temperature=rng.choice([0.0, 0.0, 0.7, 2]), stop_at_eos=rng.random() < 0.7,
+        stop_token_ids=rng.choice([(), (), (3,), (3, 4)]))
     prompt = [rng.randrange(VOCAB) for _ in range(rng.choice([1, 2, 5, 17, 40]))]
     seed = rng.choice([0, rng.getrandbits(63), 2**64 + rng.getrandbits(40)])
     stop_ids = rng.choice([frozenset(), frozenset({1}), frozenset({1, 2})])

@@ -223,6 +223,30 @@ def test_completion_streaming_blocks(client, llm):
     assert "".join(c.choices[0].text for c in chunks) == ref.text
 
 
+def test_stop_strings_match_llm(client, llm):
+    """OpenAI's ``stop`` (and vLLM's ``stop_token_ids``): the same response as ``LLM``, and a
+    stream that never sends part of the stop string."""
+    full = llm.generate(["Stop me"], _params(max_tokens=16, stop_at_eos=False))[0]
+    stop = [full.text[6:8], "\u2603"]
+    params = _params(max_tokens=16, stop_at_eos=False, stop=stop)
+    ref = llm.generate(["Stop me"], params)[0]
+    assert ref.finish_reason == "stop" and len(ref.text) < len(full.text)
+    res = client.completions.create(model=MODEL, prompt="Stop me", max_tokens=16, stop=stop,
+                                    extra_body={"stop_at_eos": False})
+    assert (res.choices[0].text, res.choices[0].finish_reason) == (ref.text, "stop")
+    assert res.usage.completion_tokens == len(ref.token_ids)
+    chunks = list(client.completions.create(model=MODEL, prompt="Stop me", max_tokens=16,
+                                            stop=stop, stream=True,
+                                            extra_body={"stop_at_eos": False}))
+    sent = [c.choices[0].text for c in chunks]
+    assert "".join(sent) == ref.text and chunks[-1].choices[0].finish_reason == "stop"
+    tok = full.token_ids[5]
+    res = client.completions.create(model=MODEL, prompt="Stop me", max_tokens=16,
+                                    extra_body={"stop_at_eos": False, "stop_token_ids": [tok]})
+    assert res.choices[0].finish_reason == "stop"
+    assert res.usage.completion_tokens == full.token_ids.index(tok)
+
+
 def _workload(n: int) -> list[tuple[str, dict]]:
     rng = random.Random(0)
     rules = [dict(unmasking="threshold", threshold=0.9), dict(unmasking="threshold",

@@ -39,7 +39,9 @@ class DecodeState:
             raise ValueError("the prompt is empty: a request needs at least one prompt token")
         self.params = params
         self.mask_token_id = mask_token_id
-        self.stop_ids = stop_ids
+        # The ids that end the response: EOS (given) under stop_at_eos, and the request's own.
+        self.stop_ids = ((stop_ids if params.stop_at_eos else frozenset())
+                         | frozenset(params.stop_token_ids))
         self.shift = shift_logits
         self.seed = seed
         self.prompt_len = len(prompt_ids)
@@ -50,6 +52,7 @@ class DecodeState:
         self.num_forwards = 0
         self.finished = False
         self.finish_reason: str | None = None
+        self.stop_len: int | None = None  # response tokens kept when a stop string ended it
 
     # Geometry.
     @property
@@ -116,7 +119,7 @@ class DecodeState:
         s, e = self.block_bounds()
         if self.mask_token_id in self.tokens[s:e]:
             return False
-        if p.stop_at_eos and np.isin(self.tokens[self.prompt_len:e], list(self.stop_ids)).any():
+        if self.stop_ids and np.isin(self.tokens[self.prompt_len:e], list(self.stop_ids)).any():
             self.finished, self.finish_reason = True, "stop"
         elif self.block + 1 == self.num_blocks:
             self.finished, self.finish_reason = True, "length"
@@ -125,14 +128,22 @@ class DecodeState:
             self.step = 0
         return True
 
+    def stop_after(self, num_tokens: int) -> None:
+        """End the request with its first ``num_tokens`` response tokens (a stop string ended
+        there: the engine finds those in text, which this class never sees)."""
+        self.finished, self.finish_reason = True, "stop"
+        self.stop_len = num_tokens
+
     def output_token_ids(self) -> list[int]:
-        """The response decoded so far (whole blocks), cut before EOS and to max_tokens."""
+        """The response decoded so far (whole blocks), cut before the first stop id, to a stop
+        string's end and to max_tokens."""
         s, _ = self.block_bounds()
         end = self.total_len if self.finished else s
         out = self.tokens[self.prompt_len:end].tolist()
-        if self.params.stop_at_eos:
+        if self.stop_ids:
             for i, t in enumerate(out):
                 if t in self.stop_ids:
                     out = out[:i]
                     break
-        return out[: self.params.max_tokens]
+        limit = self.params.max_tokens
+        return out[:limit if self.stop_len is None else min(limit, self.stop_len)]

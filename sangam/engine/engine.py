@@ -21,6 +21,7 @@ from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.model_runner import ModelRunner
 from sangam.engine.request import Request, RequestMetrics
 from sangam.engine.scheduler import BatchBuilder, ScheduledBatch
+from sangam.engine.stop_strings import apply_stop_strings, visible_text
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 
@@ -163,6 +164,9 @@ class Engine:
         reqs = batch.decodes + batch.prefills
         tracked = [self.requests[r.request_id] for r in reqs]
         block_done = self.runner.execute([t.state for t in tracked], [r.pages for r in reqs])
+        for t, done in zip(tracked, block_done):
+            if done:
+                apply_stop_strings(t.state, self.loaded.decode)
         now = time.monotonic()
         outputs = []
         for req, t, done in zip(reqs, tracked, block_done):
@@ -185,6 +189,7 @@ class Engine:
         tokens = t.state.output_token_ids()
         return RequestOutput(
             request_id=t.request.request_id, prompt_token_ids=t.prompt_ids, token_ids=tokens,
-            text=self.loaded.decode(tokens), num_forwards=t.state.num_forwards,
+            text=visible_text(self.loaded.decode(tokens), t.state.params.stop, finished),
+            num_forwards=t.state.num_forwards,
             finished=finished, finish_reason=reason if finished else None,
             metrics=request_metrics(t.request.metrics, t.state))

@@ -118,6 +118,9 @@ class LoadedModel:
                 f"prompt ({len(prompt_ids)} tokens) plus response canvas "
                 f"({params.canvas_length} tokens) is {total} tokens, beyond the model's context "
                 f"of {self.context_length}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer and this checkpoint has none: use "
+                             "stop_token_ids")
         seed = params.seed if params.seed is not None else rng.getrandbits(63)
         return DecodeState(list(prompt_ids), params, self.config.mask_token_id, self.stop_ids,
                            self.config.shift_logits, seed)

@@ -235,7 +235,7 @@ class _Server:
         if unsupported:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
                            "returns one greedy-or-sampled choice per prompt without "
-                           "logprobs, stop strings, penalties or tools",
+                           "logprobs, penalties or tools",
                            param=unsupported[0], code="unsupported_parameter")
         try:
             return self.config.default_params(self.loaded.generation_defaults,

@@ -45,13 +45,14 @@ class _GenerationRequest(BaseModel):
     tokens_per_step: int | None = None
     cache: str | None = None
     stop_at_eos: bool | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extra field
     # OpenAI options Sangam does not implement: accepted only at their neutral values.
     n: int | None = None
     top_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    stop: str | list[str] | None = None
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
@@ -61,14 +62,13 @@ class _GenerationRequest(BaseModel):
             "frequency_penalty": self.frequency_penalty not in (None, 0.0),
             "presence_penalty": self.presence_penalty not in (None, 0.0),
             "logit_bias": bool(self.logit_bias),
-            "stop": bool(self.stop),
         }
         return [name for name, is_bad in bad.items() if is_bad]
 
     def sampling_overrides(self) -> dict[str, object]:
         """The SamplingParams fields this request sets explicitly."""
         names = ("max_tokens", "temperature", "seed", "block_length", "unmasking", "threshold",
-                 "factor", "tokens_per_step", "cache", "stop_at_eos")
+                 "factor", "tokens_per_step", "cache", "stop_at_eos", "stop", "stop_token_ids")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
     @property

@@ -58,6 +58,7 @@ from sangam.engine.multi import launcher
 from sangam.engine.multi import messages as msg
 from sangam.engine.request import Request
 from sangam.engine.router import Router
+from sangam.engine.stop_strings import visible_text
 from sangam.models import load_tokenizer, read_config, resolve_dtype, stop_token_ids
 from sangam.sampling_params import RequestOutput, SamplingParams
 
@@ -557,7 +558,8 @@ class MultiWorkerEngine:
         tokens = e.state.output_token_ids()
         return RequestOutput(
             request_id=e.request.request_id, prompt_token_ids=e.prompt_ids, token_ids=tokens,
-            text=self.loaded.decode(tokens), num_forwards=e.state.num_forwards,
+            text=visible_text(self.loaded.decode(tokens), e.state.params.stop, finished),
+            num_forwards=e.state.num_forwards,
             finished=finished, finish_reason=reason if finished else None,
             metrics={"kv_bytes": e.kv_bytes, "kv_transfers": e.kv_transfers,
                      "restarts": e.restarts})

@@ -1,0 +1,144 @@
+"""Stop strings and stop token ids: where a response ends, what its text shows, what streams
+send, and that stopping early frees the request's pages (float64, CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sangam import LLM, EngineConfig, SamplingParams
+from sangam.demo.tokenizer import VOCAB_SIZE, write_tokenizer
+from sangam.engine.async_engine import AsyncEngine
+from sangam.engine.stop_strings import visible_text
+from sangam.testing import make_tiny_checkpoint
+
+PROMPTS = ["hello", "abc", "Reverse: sangam", "x"]
+BASE = dict(max_tokens=24, block_length=4, stop_at_eos=False, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("stop")
+    make_tiny_checkpoint(path, arch="llada", seed=4, vocab_size=VOCAB_SIZE)
+    write_tokenizer(path)  # the demo's character-level tokenizer
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    llm = LLM(ckpt, device="cpu", dtype="float64", page_size=4, num_pages=256)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """The outputs without any stop, greedy and sampled."""
+    return {temp: llm.generate(PROMPTS, SamplingParams(temperature=temp, **BASE))
+            for temp in (0.0, 1.0)}
+
+
+def _late_stop(text: str, block_chars: int) -> str:
+    """A 2-character string that first occurs after the first ``block_chars`` characters."""
+    for i in range(block_chars, len(text) - 1):
+        s = text[i:i + 2]
+        if text.find(s) == i:
+            return s
+    raise AssertionError(f"no late stop string in {text!r}")
+
+
+def _expected(llm, ref, stop):
+    """Brute force: the response ends at the first token whose prefix's text holds a stop
+    string; the text is cut before the earliest one in it."""
+    decode = llm.engine.loaded.decode
+    for n in range(1, len(ref.token_ids) + 1):
+        text = decode(ref.token_ids[:n])
+        found = [text.find(s) for s in stop if s in text]
+        if found:
+            return ref.token_ids[:n], text[:min(found)]
+    return ref.token_ids, ref.text
+
+
+def test_visible_text():
+    assert visible_text(None, ("x",), True) is None
+    assert visible_text("abc", (), False) == "abc"
+    assert visible_text("ab\nQuestion: c", ("Question:", "\n"), True) == "ab"
+    # Running: a tail that could begin a stop string waits for the next block.
+    assert visible_text("answer Ques", ("Question:",), False) == "answer "
+    assert visible_text("answer Ques", ("Question:",), True) == "answer Ques"
+    assert visible_text("aXb", ("Xb", "bX"), False) == "a"
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_stop_strings_end_the_response(llm, reference, temp):
+    refs = reference[temp]
+    stops = [(_late_stop(r.text, 6),) for r in refs[:3]] + [("\u2603", "never")]
+    params = [SamplingParams(temperature=temp, stop=s, **BASE) for s in stops]
+    outs = llm.generate(PROMPTS, params)
+    for ref, out, stop in zip(refs, outs, stops):
+        tokens, text = _expected(llm, ref, stop)
+        assert (out.token_ids, out.text) == (tokens, text), (ref.text, stop)
+        if len(tokens) < len(ref.token_ids):
+            assert out.finish_reason == "stop"
+            assert out.num_forwards < ref.num_forwards  # later blocks were never decoded
+        else:  # a stop string that never occurs changes nothing
+            assert (out.finish_reason, out.num_forwards) == (ref.finish_reason, ref.num_forwards)
+    assert llm.engine.pool.allocator.num_free == llm.engine.pool.num_pages
+
+
+def test_stop_token_ids_end_the_response_without_stop_at_eos(llm, reference):
+    ref = reference[0.0][0]
+    tok = ref.token_ids[9]  # in the third block
+    first = ref.token_ids.index(tok)
+    out = llm.generate(PROMPTS[:1], SamplingParams(stop_token_ids=[tok], **BASE))[0]
+    assert out.token_ids == ref.token_ids[:first] and out.finish_reason == "stop"
+
+
+def test_streamed_text_never_shows_part_of_a_stop_string(ckpt, reference):
+    ref = reference[0.0][2]
+    stop = (_late_stop(ref.text, 6),)
+    engine = AsyncEngine(EngineConfig(model=ckpt, device="cpu", dtype="float64", page_size=4,
+                                      num_pages=256))
+
+    async def stream():
+        params = SamplingParams(stop=stop, **BASE)
+        return [o async for o in engine.generate(PROMPTS[2], params, "s")]
+
+    try:
+        outs = asyncio.run(stream())
+    finally:
+        engine.shutdown()
+    texts = [o.text for o in outs]
+    assert outs[-1].finished and outs[-1].finish_reason == "stop"
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), texts  # only ever grows
+    assert not any(stop[0] in t for t in texts)
+    assert texts[-1] == ref.text[:ref.text.index(stop[0])]
+
+
+def test_multi_worker_stops_like_one_worker(ckpt, llm, reference):
+    refs = reference[0.0]
+    params = [SamplingParams(stop=(_late_stop(r.text, 6),), **BASE) for r in refs[:3]]
+    want = [(o.token_ids, o.text, o.finish_reason, o.num_forwards)
+            for o in llm.generate(PROMPTS[:3], params)]
+    workers = LLM(ckpt, device="cpu", dtype="float64", page_size=4, num_pages=256,
+                  mode="disaggregated", prefill_workers=1, decode_workers=1)
+    try:
+        got = [(o.token_ids, o.text, o.finish_reason, o.num_forwards)
+               for o in workers.generate(PROMPTS[:3], params)]
+    finally:
+        workers.shutdown()
+    assert got == want
+
+
+def test_bad_stops_are_rejected(llada_path):
+    for bad in (dict(stop=""), dict(stop=[1]), dict(stop=5), dict(stop_token_ids=[-1]),
+                dict(stop_token_ids="7")):
+        with pytest.raises(ValueError, match="stop"):
+            SamplingParams(**bad)
+    assert SamplingParams(stop="\n").stop == ("\n",)
+    assert SamplingParams(stop=None, stop_token_ids=None) == SamplingParams()
+    no_tokenizer = LLM(llada_path, device="cpu", dtype="float64")
+    with pytest.raises(ValueError, match="tokenizer"):
+        no_tokenizer.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(stop="x"))
+    no_tokenizer.shutdown()
