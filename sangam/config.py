@@ -17,8 +17,9 @@ ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 
 
-def _meta(help_: str, **kw) -> dict:
-    return {"help": help_, **kw}
+def _meta(help_: str, aliases: tuple[str, ...] = (), **kw) -> dict:
+    """A field's CLI flag: help, argparse options, and other spellings users know (vLLM's)."""
+    return {"help": help_, "aliases": aliases, **kw}
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class EngineConfig:
         "KV pool size in pages (default: from --gpu-memory-fraction on GPU, "
         "--cpu-kv-cache-gb on CPU)"))
     gpu_memory_fraction: float = field(default=0.9, metadata=_meta(
-        "Fraction of GPU memory for weights + KV pool"))
+        "Fraction of GPU memory for weights + KV pool", aliases=("--gpu-memory-utilization",)))
     cpu_kv_cache_gb: float = field(default=2.0, metadata=_meta(
         "KV pool size on CPU, GiB, when --num-pages is not given"))
     policy: str = field(default="deficit", metadata=_meta(
@@ -47,7 +48,8 @@ class EngineConfig:
     token_budget: float = field(default=1024, metadata=_meta(
         "Deficit token budget tau per iteration ('inf' = prefill-first)"))
     max_batch_size: int = field(default=256, metadata=_meta(
-        "Most requests in one forward (seated decodes plus admitted prefills)"))
+        "Most requests in one forward (seated decodes plus admitted prefills)",
+        aliases=("--max-num-seqs",)))
     enforce_eager: bool = field(default=False, metadata=_meta(
         "Never capture CUDA graphs (by default decode batches of the model's block length "
         "replay graphs on GPU with the triton backend)"))
@@ -121,10 +123,11 @@ class EngineConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """One ``--kebab-case`` flag per field, typed from the default."""
+        """One ``--kebab-case`` flag per field (plus its aliases), typed from the default."""
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             kw = dict(f.metadata)
+            aliases = kw.pop("aliases")
             if f.name == "token_budget":
                 kw["type"] = float
             elif isinstance(f.default, bool):
@@ -133,7 +136,7 @@ class EngineConfig:
                 kw["type"] = type(f.default)
             elif f.name == "num_pages":
                 kw["type"] = int
-            parser.add_argument(flag, dest=f.name, default=f.default, **kw)
+            parser.add_argument(flag, *aliases, dest=f.name, default=f.default, **kw)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

@@ -26,6 +26,14 @@ def test_every_field_is_a_flag_and_round_trips():
     assert EngineConfig.from_cli_args(parser.parse_args([])) == EngineConfig()
 
 
+def test_vllm_flag_spellings_are_aliases():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    cfg = EngineConfig.from_cli_args(parser.parse_args(
+        ["--max-num-seqs", "12", "--gpu-memory-utilization", "0.5"]))
+    assert (cfg.max_batch_size, cfg.gpu_memory_fraction) == (12, 0.5)
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(page_size=12), "power of two"), (dict(policy="fifo"), "policy must be one of"),
     (dict(token_budget=0), "token_budget"), (dict(device="tpu"), "device"),

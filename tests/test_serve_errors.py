@@ -135,7 +135,8 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "max_tokens": CONTEXT}, 400, "context"),
     (CMPL, {"prompt": "hi", "max_tokens": 10**30}, 400, "context"),
     (CMPL, {"prompt": "hi", "max_tokens": POOL_TOKENS + 32}, 400, "KV pages"),
-    (CMPL, {"prompt": "hi", "n": 2}, 400, "unsupported"),
+    (CMPL, {"prompt": "hi", "n": 0}, 400, "n"),
+    (CMPL, {"prompt": "hi", "n": 129}, 400, "n"),
     (CMPL, {"prompt": "hi", "best_of": 3}, 400, "unsupported"),
     (CMPL, {"prompt": "hi", "echo": True}, 400, "unsupported"),
     (CMPL, {"prompt": "hi", "logprobs": 2}, 400, "unsupported"),
@@ -306,7 +307,7 @@ _optional = {
     "stop_token_ids": st.lists(st.integers(0, VOCAB_SIZE), max_size=3),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "n": st.just(1),
+    "n": st.integers(1, 3),
 }
 _names = sorted({*_valid, *_optional, "logprobs", "echo", "best_of", "stop", "top_p"})
 # A plausible body, then 0-3 fields (known or not) replaced by arbitrary JSON.

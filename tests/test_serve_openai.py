@@ -247,6 +247,34 @@ def test_stop_strings_match_llm(client, llm):
     assert res.usage.completion_tokens == full.token_ids.index(tok)
 
 
+def test_n_choices_match_llm(client, llm):
+    """``n`` choices per prompt are independent requests; with a seed, choice j samples with
+    seed + j. Usage counts each prompt once and every choice's tokens."""
+    prompts = ["first", "second prompt"]
+    res = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, n=3, seed=7,
+                                    temperature=1.0, extra_body={"stop_at_eos": False})
+    refs = llm.generate([p for p in prompts for _ in range(3)],
+                        [_params(max_tokens=8, seed=7 + j, temperature=1.0, stop_at_eos=False)
+                         for _ in prompts for j in range(3)])
+    assert [c.index for c in res.choices] == list(range(6))
+    assert [c.text for c in res.choices] == [r.text for r in refs]
+    assert len({c.text for c in res.choices[:3]}) > 1  # the samples differ
+    assert res.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs[::3])
+    assert res.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
+    messages = [{"role": "user", "content": "hi"}]
+    one = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                 n=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for c in chunks[:-1]:
+        texts[c.choices[0].index] += c.choices[0].delta.content
+    # Greedy: both choices are the one-choice decode.
+    assert texts == {0: one.choices[0].message.content, 1: one.choices[0].message.content}
+    assert chunks[-1].usage.prompt_tokens == one.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == 2 * one.usage.completion_tokens
+
+
 def _workload(n: int) -> list[tuple[str, dict]]:
     rng = random.Random(0)
     rules = [dict(unmasking="threshold", threshold=0.9), dict(unmasking="threshold",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import uuid
@@ -204,8 +205,9 @@ def _finish_reason(out: RequestOutput) -> str | None:
     return out.finish_reason if out.finished else None
 
 
-def _usage(outs: list[RequestOutput]) -> Usage:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
+def _usage(outs: list[RequestOutput], n: int) -> Usage:
+    """Token counts of ``outs``, ``n`` choices per prompt: each prompt counts once."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs[::n])
     completion = sum(len(o.token_ids) for o in outs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion, num_forwards=sum(o.num_forwards for o in outs))
@@ -234,7 +236,7 @@ class _Server:
         unsupported = body.unsupported_fields()
         if unsupported:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
-                           "returns one greedy-or-sampled choice per prompt without "
+                           "returns greedy or sampled choices without "
                            "logprobs, penalties or tools",
                            param=unsupported[0], code="unsupported_parameter")
         try:
@@ -310,15 +312,21 @@ class _Server:
         for request_id in list(self.in_flight):
             await self.engine.abort(request_id)
 
-    async def open(self, prompts: list[list[int]], params: SamplingParams,
+    async def open(self, prompts: list[list[int]], params: SamplingParams, n: int,
                    request_id: str) -> list[Stream]:
-        """Submit every prompt and wait for each one's first output, so that a refusal becomes
-        an error status before any response byte is sent. All or nothing."""
+        """Submit ``n`` requests per prompt (choice ``i * n + j`` is prompt i's j-th) and wait
+        for each one's first output, so that a refusal becomes an error status before any
+        response byte is sent. All or nothing."""
         if self.engine.dead is not None:
             raise ApiError(503, f"the engine failed: {self.engine.dead!r}", "server_error",
                            code="engine_dead")
-        gens = [self._generate(ids, params, request_id if len(prompts) == 1 else
-                               f"{request_id}-{i}") for i, ids in enumerate(prompts)]
+        # Choices differ through their noise seeds: seed + j when the request gives a seed
+        # (reproducible), else a random seed each.
+        samples = [params if params.seed is None or j == 0 else
+                   dataclasses.replace(params, seed=(params.seed + j) % 2**63) for j in range(n)]
+        work = [(ids, p) for ids in prompts for p in samples]
+        gens = [self._generate(ids, p, request_id if len(work) == 1 else f"{request_id}-{i}")
+                for i, (ids, p) in enumerate(work)]
         try:
             # return_exceptions: gather returns (or raises CancelledError) only once every
             # generator is idle again, so each can be closed.
@@ -339,25 +347,27 @@ class _Server:
         raise e
 
     # Responses.
-    def completion_response(self, request_id: str, outs: list[RequestOutput]
+    def completion_response(self, request_id: str, outs: list[RequestOutput], n: int
                             ) -> CompletionResponse:
         choices = [CompletionChoice(index=i, text=o.text or "", token_ids=o.token_ids,
                                     finish_reason=o.finish_reason) for i, o in enumerate(outs)]
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                  usage=_usage(outs))
+                                  usage=_usage(outs, n))
 
-    def chat_response(self, request_id: str, out: RequestOutput) -> ChatCompletionResponse:
-        choice = ChatChoice(index=0, message=AssistantMessage(content=out.text or ""),
-                            token_ids=out.token_ids, finish_reason=out.finish_reason)
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice],
-                                      usage=_usage([out]))
+    def chat_response(self, request_id: str, outs: list[RequestOutput]
+                      ) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=o.text or ""),
+                              token_ids=o.token_ids, finish_reason=o.finish_reason)
+                   for i, o in enumerate(outs)]
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=_usage(outs, len(outs)))
 
-    async def events(self, streams: list[Stream], request_id: str, include_usage: bool,
+    async def events(self, streams: list[Stream], request_id: str, n: int, include_usage: bool,
                      chunk: Callable[[int, bool, str, list[int], str | None], BaseModel],
                      usage_chunk: Callable[[Usage], BaseModel]) -> AsyncGenerator[str, None]:
         """SSE: one chunk per committed block per choice, then usage if asked, then [DONE]."""
         deltas = [_Delta() for _ in streams]
-        finals: list[RequestOutput] = []
+        finals: dict[int, RequestOutput] = {}  # by choice index
         try:
             async with contextlib.aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
@@ -365,14 +375,14 @@ class _Server:
                     text, tokens = deltas[i].advance(out)
                     yield _sse(chunk(i, first, text, tokens, _finish_reason(out)))
                     if out.finished:
-                        finals.append(out)
+                        finals[i] = out
         except Exception as e:  # the status line is long gone: report in-band, then end
             logger.exception("stream %s failed", request_id)
             yield _sse(ErrorResponse(error=ErrorInfo(message=f"generation failed: {e}",
                                                      type="server_error")))
             return
         if include_usage:
-            yield _sse(usage_chunk(_usage(finals)))
+            yield _sse(usage_chunk(_usage([finals[i] for i in sorted(finals)], n)))
         yield "data: [DONE]\n\n"
 
 
@@ -420,7 +430,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         params = srv.check(body)
         prompts = srv.completion_prompts(body.prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await _unless_disconnected(request, srv.open(prompts, params, request_id))
+        n = body.n or 1
+        streams = await _unless_disconnected(request, srv.open(prompts, params, n, request_id))
         if body.stream:
             def chunk(i: int, first: bool, text: str, tokens: list[int],
                       reason: str | None) -> BaseModel:
@@ -431,17 +442,18 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                 return CompletionResponse(id=request_id, model=srv.model_name, choices=[],
                                           usage=usage)
 
-            return _EventStream(srv.events(streams, request_id, body.include_usage, chunk,
+            return _EventStream(srv.events(streams, request_id, n, body.include_usage, chunk,
                                            usage_chunk), streams)
         outs = await _unless_disconnected(request, _collect(streams))
-        return JSONResponse(srv.completion_response(request_id, outs).model_dump())
+        return JSONResponse(srv.completion_response(request_id, outs, n).model_dump())
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         params = srv.check(body)
         prompt = srv.chat_prompt(body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await _unless_disconnected(request, srv.open([prompt], params, request_id))
+        n = body.n or 1
+        streams = await _unless_disconnected(request, srv.open([prompt], params, n, request_id))
         if body.stream:
             def chunk(i: int, first: bool, text: str, tokens: list[int],
                       reason: str | None) -> BaseModel:
@@ -454,10 +466,10 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                 return ChatCompletionChunk(id=request_id, model=srv.model_name, choices=[],
                                            usage=usage)
 
-            return _EventStream(srv.events(streams, request_id, body.include_usage, chunk,
+            return _EventStream(srv.events(streams, request_id, n, body.include_usage, chunk,
                                            usage_chunk), streams)
         outs = await _unless_disconnected(request, _collect(streams))
-        return JSONResponse(srv.chat_response(request_id, outs[0]).model_dump())
+        return JSONResponse(srv.chat_response(request_id, outs).model_dump())
 
     return app
 

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 _REQUEST_CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
+MAX_N = 128  # choices per prompt, OpenAI's limit
+
 # Far above any useful value (OpenAI caps at 2), far below where the engine's fp32 tempered
 # logits overflow: at temperature ~3e38 a request never finishes.
 MAX_TEMPERATURE = 100.0
@@ -47,8 +49,8 @@ class _GenerationRequest(BaseModel):
     stop_at_eos: bool | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extra field
+    n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt (None: 1)
     # OpenAI options Sangam does not implement: accepted only at their neutral values.
-    n: int | None = None
     top_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -57,7 +59,6 @@ class _GenerationRequest(BaseModel):
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
         bad = {
-            "n": self.n not in (None, 1),
             "top_p": self.top_p not in (None, 1.0),
             "frequency_penalty": self.frequency_penalty not in (None, 0.0),
             "presence_penalty": self.presence_penalty not in (None, 0.0),
