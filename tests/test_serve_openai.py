@@ -145,6 +145,18 @@ def test_server_defaults_apply(client, llm):
     assert res.usage.completion_tokens == DEFAULTS["max_tokens"]
 
 
+
+def test_ignore_eos_is_the_inverse_of_stop_at_eos(client, llm):
+    """vLLM's spelling, which its benchmark client sends. This prompt and seed meet EOS."""
+    prompt, opts = "MRebhOmMKhzfxhcMbm", dict(temperature=1.5, seed=1)
+    for ignore in (True, False):
+        ref = llm.generate([prompt], _params(stop_at_eos=not ignore, **opts))[0]
+        res = client.completions.create(model=MODEL, prompt=prompt, **opts,
+                                        extra_body={"ignore_eos": ignore})
+        assert res.choices[0].token_ids == ref.token_ids
+        assert len(ref.token_ids) == (DEFAULTS["max_tokens"] if ignore else 11)
+
+
 def test_batched_prompts(client, llm):
     prompts = ["first prompt", "second"]
     res = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, seed=1)

@@ -49,6 +49,7 @@ class _GenerationRequest(BaseModel):
     stop_at_eos: bool | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extra field
+    ignore_eos: bool | None = None  # vLLM's extra field: the inverse of stop_at_eos
     n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt (None: 1)
     # OpenAI options Sangam does not implement: accepted only at their neutral values.
     top_p: float | None = None
@@ -70,7 +71,12 @@ class _GenerationRequest(BaseModel):
         """The SamplingParams fields this request sets explicitly."""
         names = ("max_tokens", "temperature", "seed", "block_length", "unmasking", "threshold",
                  "factor", "tokens_per_step", "cache", "stop_at_eos", "stop", "stop_token_ids")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.ignore_eos is not None:
+            if self.stop_at_eos is not None and self.stop_at_eos == self.ignore_eos:
+                raise ValueError("ignore_eos and stop_at_eos contradict each other: give one")
+            out["stop_at_eos"] = not self.ignore_eos
+        return out
 
     @property
     def include_usage(self) -> bool:
