@@ -59,6 +59,18 @@ class LLM:
                     done[out.request_id] = out
         return [done[rid] for rid in rids]
 
+    def chat(self, messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+             ) -> list[RequestOutput]:
+        """Generate the assistant's turn of one conversation (a list of ``{"role", "content"}``
+        messages) or of several (a list of such lists), through the tokenizer's chat template,
+        as the server's /v1/chat/completions does."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not conversations:
+            raise ValueError("no conversation given")
+        ids = [self.loaded.encode_chat(list(c)) for c in conversations]
+        return self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
+
     def _prompt_ids(self, prompts, prompt_token_ids) -> list[list[int]]:
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts or prompt_token_ids")

@@ -183,6 +183,8 @@ def test_input_validation(llms):
         llm.generate(prompt_token_ids=[[1]], sampling_params=SamplingParams(max_tokens=5000))
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate(["hello"])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.chat([{"role": "user", "content": "hello"}])
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         llm.generate(prompt_token_ids=[[1]], sampling_params=[SamplingParams()] * 2)
     with pytest.raises(ValueError, match="unmasking must be one of"):

@@ -201,6 +201,13 @@ def test_chat_matches_llm(client, llm):
     assert res.choices[0].finish_reason == "length"
     assert res.usage.prompt_tokens == len(ids)
     assert res.usage.num_forwards == ref.num_forwards
+    # The offline API: one conversation, or several.
+    params = _params(max_tokens=12, seed=2, threshold=0.5, stop_at_eos=False)
+    assert llm.chat(messages, params)[0].token_ids == ref.token_ids
+    other = [{"role": "user", "content": "Hi"}]
+    both = llm.chat([messages, other], params)
+    assert [o.prompt_token_ids for o in both] == [ids, _chat_ids(llm, other)]
+    assert both[0].token_ids == ref.token_ids
 
 
 def test_chat_streaming(client, llm):

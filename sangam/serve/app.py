@@ -21,7 +21,6 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -266,17 +265,12 @@ class _Server:
         return ids
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        tokenizer = self._tokenizer("chat (it needs a chat template)")
-        if not body.messages:
-            raise ApiError(400, "messages is empty", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self._tokenizer("chat (it needs a chat template)")
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=False)
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        # The template already wrote the special tokens (BOS...): do not add them again.
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            return self.loaded.encode_chat([{"role": m.role, "content": m.text()}
+                                            for m in body.messages])
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
 
     # Submission.
     async def _generate(self, ids: list[int], params: SamplingParams,
