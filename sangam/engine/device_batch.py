@@ -36,7 +36,8 @@ class BatchUploader:
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
         self._staging = torch.empty(0, dtype=torch.uint8)
-        self._copied: torch.cuda.Event | None = None
+        # Marks the end of the last copy out of the staging buffer (never recorded = done).
+        self._copied = torch.cuda.Event() if self._cuda else None
         self.copies = 0  # host-to-device transfers made (observability, tests)
 
     def upload(self, arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -57,7 +58,6 @@ class BatchUploader:
             host_typed[a.dtype][start:start + a.size] = a.reshape(-1)
         if self._cuda:
             packed = staging.to(self.device, non_blocking=True)
-            self._copied = torch.cuda.Event()
             self._copied.record()
         else:
             packed = staging.clone()
