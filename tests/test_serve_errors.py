@@ -310,8 +310,10 @@ _optional = {
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "n": st.integers(1, 3),
+    "tokens": st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=6),  # /detokenize
 }
-_names = sorted({*_valid, *_optional, "logprobs", "echo", "best_of", "stop", "top_p"})
+_names = sorted({*_valid, *_optional, "logprobs", "echo", "best_of", "stop", "top_p",
+                  "add_special_tokens"})
 # A plausible body, then 0-3 fields (known or not) replaced by arbitrary JSON.
 _bodies = st.tuples(
     st.fixed_dictionaries(_valid, optional=_optional),
@@ -322,7 +324,7 @@ _payloads = _bodies | _bodies | _bodies | _json.map(lambda v: json.dumps(v).enco
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from([CMPL, CHAT]), payload=_payloads)
+@given(path=st.sampled_from([CMPL, CHAT, "/tokenize", "/detokenize"]), payload=_payloads)
 def test_fuzz_never_5xx(http, path, payload):
     r = _post(http, path, payload)
     event(f"status {r.status_code}")  # the mix shows with --hypothesis-show-statistics
@@ -331,7 +333,7 @@ def test_fuzz_never_5xx(http, path, payload):
         _assert_error(r, r.status_code)
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.rstrip().endswith("data: [DONE]"), r.text
-    else:
+    elif path in (CMPL, CHAT):
         assert r.json()["choices"]
 
 

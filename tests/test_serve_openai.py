@@ -118,6 +118,30 @@ def _params(**kw) -> SamplingParams:
     return SamplingParams(**{**DEFAULTS, **kw})
 
 
+def test_tokenize_and_detokenize(server, llm):
+    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize."""
+    tok = llm.tokenizer
+    r = httpx.post(f"{server}/tokenize", json={"prompt": "Hello there"}).json()
+    assert r == {"count": len(r["tokens"]), "max_model_len": llm.loaded.context_length,
+                 "tokens": tok("Hello there")["input_ids"]}
+    bare = httpx.post(f"{server}/tokenize", json={"prompt": "Hello there",
+                                                   "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok("Hello there", add_special_tokens=False)["input_ids"]
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    r = httpx.post(f"{server}/tokenize", json={"messages": messages, "model": MODEL}).json()
+    assert r["tokens"] == _chat_ids(llm, messages)
+    r = httpx.post(f"{server}/detokenize", json={"tokens": bare["tokens"]})
+    assert r.json() == {"prompt": "Hello there"}
+    for path, body, status in (
+            ("/tokenize", {}, 400), ("/tokenize", {"prompt": "a", "messages": messages}, 400),
+            ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404),
+            ("/detokenize", {"tokens": [VOCAB_SIZE]}, 400), ("/detokenize", {"tokens": "a"}, 400)):
+        r = httpx.post(f"{server}{path}", json=body)
+        assert r.status_code == status and r.json()["error"]["message"], (path, body, r.text)
+    from sangam import __version__
+    assert httpx.get(f"{server}/version").json() == {"version": __version__}
+
+
 def test_models(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]

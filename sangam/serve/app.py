@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sangam import __version__
 from sangam.engine.async_engine import AsyncEngine
 from sangam.engine.engine import QueueFull, RequestRejected
 from sangam.sampling_params import RequestOutput, SamplingParams
@@ -41,14 +42,19 @@ from sangam.serve.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     Usage,
 )
 
@@ -228,10 +234,13 @@ class _Server:
         self.in_flight: set[str] = set()  # engine request ids of open generators
 
     # Validation (all before any work is submitted).
-    def check(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
-        if body.model is not None and body.model != self.model_name:
-            raise ApiError(404, f"the model '{body.model}' does not exist; this server serves "
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves "
                            f"'{self.model_name}'", param="model", code="model_not_found")
+
+    def check(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        self.check_model(body.model)
         unsupported = body.unsupported_fields()
         if unsupported:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
@@ -264,13 +273,36 @@ class _Server:
             ids.append(p)
         return ids
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         self._tokenizer("chat (it needs a chat template)")
         try:
             return self.loaded.encode_chat([{"role": m.role, "content": m.text()}
-                                            for m in body.messages])
+                                            for m in messages])
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
+
+    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(body.model)
+        tokenizer = self._tokenizer("/tokenize")
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            ids = self.chat_prompt(body.messages)
+        else:
+            ids = list(tokenizer(body.prompt,
+                                 add_special_tokens=body.add_special_tokens)["input_ids"])
+        return TokenizeResponse(count=len(ids), max_model_len=self.loaded.context_length,
+                                tokens=ids)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        tokenizer = self._tokenizer("/detokenize")
+        vocab = self.loaded.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}",
+                           param="tokens")
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
 
     # Submission.
     async def _generate(self, ids: list[int], params: SamplingParams,
@@ -398,7 +430,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
             task.cancel()
             await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="Sangam", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="Sangam", version=__version__, lifespan=lifespan)
     app.state.server = srv
     if server_config.api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=server_config.api_key)
@@ -413,6 +445,18 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return srv.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return srv.detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -444,7 +488,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         params = srv.check(body)
-        prompt = srv.chat_prompt(body)
+        prompt = srv.chat_prompt(body.messages)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         n = body.n or 1
         streams = await _unless_disconnected(request, srv.open([prompt], params, n, request_id))
