@@ -31,7 +31,7 @@ namespace {
 struct Names {
   PyObject *tokens, *params, *mask_token_id, *stop_ids, *shift, *seed, *prompt_len, *block,
       *step, *num_forwards, *finished, *finish_reason, *block_length, *cache, *temperature,
-      *unmasking, *threshold, *factor, *tokens_per_step, *stop, *length;
+      *unmasking, *threshold, *factor, *tokens_per_step, *stop, *length, *confidence;
 };
 Names names;
 
@@ -61,6 +61,7 @@ bool intern_names() {
       {&names.tokens_per_step, "tokens_per_step"},
       {&names.stop, "stop"},
       {&names.length, "length"},
+      {&names.confidence, "confidence"},
   };
   for (const auto& entry : table) {
     *entry.slot = PyUnicode_InternFromString(entry.text);
@@ -479,6 +480,16 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
   sangam::select_commits(conf + num_forced, num_cands, rule, threshold, factor, tokens_per_step,
                          order, chosen.data() + num_forced);
   const int64_t T = canvas.size();
+  Ref confidence(PyObject_GetAttr(st, names.confidence));
+  Array<double> committed_conf;  // each position's confidence when it was committed
+  if (!confidence ||
+      !committed_conf.acquire(confidence.get(), "DecodeState.confidence", true)) {
+    return false;
+  }
+  if (committed_conf.size() != T) {
+    PyErr_SetString(PyExc_ValueError, "DecodeState.confidence must be as long as its tokens");
+    return false;
+  }
   for (int64_t i = 0; i < num_rows; ++i) {
     if (!chosen[static_cast<size_t>(i)]) continue;
     if (cand[i] < 0 || cand[i] >= T) {
@@ -487,6 +498,7 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
       return false;
     }
     canvas[cand[i]] = tok[i];
+    committed_conf[cand[i]] = conf[i];
   }
   if (!set_attr_i64(st, names.step, step + 1) ||
       !set_attr_i64(st, names.num_forwards, num_forwards + 1)) {

@@ -26,6 +26,9 @@ class SamplingParams:
     stop_at_eos: bool = True
     stop: tuple[str, ...] = ()  # stop strings (a str or list is accepted), as in vLLM
     stop_token_ids: tuple[int, ...] = ()  # end the response like EOS, even without stop_at_eos
+    # 0: return each output token's log-probability at the step that committed it (vLLM's
+    # meaning of 0); None: none. Alternatives (> 0) are not computed.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -61,6 +64,9 @@ class SamplingParams:
              f"stop_token_ids must be a list of non-negative integers, got "
              f"{self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        need(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs == 0),
+             f"logprobs must be None or 0 (the committed token's own; alternatives are not "
+             f"computed), got {self.logprobs!r}")
 
     @property
     def canvas_length(self) -> int:
@@ -87,4 +93,5 @@ class RequestOutput:
     num_forwards: int
     finished: bool = False
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "abort"
+    logprobs: list[float] | None = None  # per token of token_ids, when SamplingParams asked
     metrics: dict = field(default_factory=dict)

@@ -63,10 +63,12 @@ def test_every_rule_and_cache_mode_is_deterministic(llms, arch, cache, rule):
 
 def _llada_reference_generate(model, prompt, gen_length, block_length):
     """LLaDA's reference generate(): steps == gen_length, low-confidence remasking, one token
-    per step, a full forward every step (mask token excluded per DESIGN.md §2)."""
+    per step, a full forward every step (mask token excluded per DESIGN.md §2). Returns the
+    tokens and the probability each had when it was committed."""
     mask = model.config.mask_token_id
     x = torch.tensor([prompt + [mask] * gen_length])
     p0 = len(prompt)
+    committed = torch.zeros(x.shape[1], dtype=torch.float64)
     for b in range(gen_length // block_length):
         s, e = p0 + b * block_length, p0 + (b + 1) * block_length
         for _ in range(block_length):
@@ -81,19 +83,22 @@ def _llada_reference_generate(model, prompt, gen_length, block_length):
             conf[e:] = -torch.inf
             i = int(conf.argmax())
             x[0, i] = x0[i]
-    return x[0, p0:].tolist()
+            committed[i] = conf[i]
+    return x[0, p0:].tolist(), committed[p0:].tolist()
 
 
 def test_topk_no_cache_equals_llada_reference_loop(llms):
     llm = llms["llada"]
     params = SamplingParams(max_tokens=16, block_length=8, unmasking="topk", tokens_per_step=1,
-                            cache="none", stop_at_eos=False)
+                            cache="none", stop_at_eos=False, logprobs=0)
     for prompt in PROMPTS:
         out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
         with torch.no_grad():
-            ref = _llada_reference_generate(llm.loaded.model, prompt, 16, 8)
+            ref, probs = _llada_reference_generate(llm.loaded.model, prompt, 16, 8)
         assert out.token_ids == ref
         assert out.num_forwards == 16
+        # logprobs=0: each token's log-probability at the step that committed it.
+        assert out.logprobs == pytest.approx(np.log(probs).tolist(), rel=1e-9)
 
 
 def test_dream_shift_and_first_position_rule(llms):
@@ -189,6 +194,8 @@ def test_input_validation(llms):
         llm.generate(prompt_token_ids=[[1]], sampling_params=[SamplingParams()] * 2)
     with pytest.raises(ValueError, match="unmasking must be one of"):
         SamplingParams(unmasking="greedy")
+    with pytest.raises(ValueError, match="alternatives are not"):
+        SamplingParams(logprobs=5)
     with pytest.raises(TypeError, match="unknown options"):
         LLM(llm.loaded.path, tau=3)
 

@@ -99,6 +99,7 @@ def _assert_same_batch(a: PackedBatch, b: PackedBatch) -> None:
 
 def _assert_same_state(a: DecodeState, b: DecodeState) -> None:
     np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.confidence, b.confidence)
     for name in ("block", "step", "num_forwards", "finished", "finish_reason"):
         x, y = getattr(a, name), getattr(b, name)
         assert (x, type(x)) == (y, type(y)), name

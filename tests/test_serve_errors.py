@@ -162,7 +162,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": "hi"}, 400, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, ""),
-    (CHAT, {"messages": USER, "logprobs": True}, 400, "unsupported"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 2}, 400, "unsupported"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "unsupported"),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_tokens"),
     (CHAT, {"messages": [{"role": "user", "content": "z" * CONTEXT}]}, 400, "context"),

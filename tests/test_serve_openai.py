@@ -318,6 +318,36 @@ def test_n_choices_match_llm(client, llm):
     assert chunks[-1].usage.completion_tokens == 2 * one.usage.completion_tokens
 
 
+def test_logprobs_match_llm(client, llm):
+    """``logprobs=0`` (completions) and ``logprobs: true`` (chat): each token's log-probability
+    at the step that committed it, equal to ``LLM``'s, in OpenAI's formats."""
+    ref = llm.generate(["Log me"], _params(max_tokens=10, stop_at_eos=False, logprobs=0))[0]
+    res = client.completions.create(model=MODEL, prompt="Log me", max_tokens=10, logprobs=0,
+                                    extra_body={"stop_at_eos": False})
+    lp = res.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(ref.logprobs, rel=1e-12)
+    assert "".join(lp.tokens) == res.choices[0].text == ref.text  # one character per token
+    assert lp.text_offset == list(range(len(ref.token_ids)))
+    assert [list(d) for d in lp.top_logprobs] == [[t] for t in lp.tokens]
+    chunks = list(client.completions.create(model=MODEL, prompt="Log me", max_tokens=10,
+                                            logprobs=0, stream=True,
+                                            extra_body={"stop_at_eos": False}))
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), []) == \
+        lp.token_logprobs
+    assert sum((c.choices[0].logprobs.text_offset for c in chunks), []) == lp.text_offset
+    plain = client.completions.create(model=MODEL, prompt="Log me", max_tokens=10)
+    assert plain.choices[0].logprobs is None
+
+    messages = [{"role": "user", "content": "Log me"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                          logprobs=True, extra_body={"stop_at_eos": False})
+    ref = llm.chat(messages, _params(max_tokens=6, stop_at_eos=False, logprobs=0))[0]
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(ref.logprobs, rel=1e-12)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(c.bytes == list(c.token.encode()) and c.top_logprobs == [] for c in content)
+
+
 def _workload(n: int) -> list[tuple[str, dict]]:
     rng = random.Random(0)
     rules = [dict(unmasking="threshold", threshold=0.9), dict(unmasking="threshold",

@@ -117,18 +117,22 @@ def test_streamed_text_never_shows_part_of_a_stop_string(ckpt, reference):
 
 
 def test_multi_worker_stops_like_one_worker(ckpt, llm, reference):
+    """Stop strings are found on the workers; logprobs travel with the state."""
     refs = reference[0.0]
-    params = [SamplingParams(stop=(_late_stop(r.text, 6),), **BASE) for r in refs[:3]]
-    want = [(o.token_ids, o.text, o.finish_reason, o.num_forwards)
-            for o in llm.generate(PROMPTS[:3], params)]
+    params = [SamplingParams(stop=(_late_stop(r.text, 6),), logprobs=0, **BASE)
+              for r in refs[:3]]
+    want = llm.generate(PROMPTS[:3], params)
     workers = LLM(ckpt, device="cpu", dtype="float64", page_size=4, num_pages=256,
                   mode="disaggregated", prefill_workers=1, decode_workers=1)
     try:
-        got = [(o.token_ids, o.text, o.finish_reason, o.num_forwards)
-               for o in workers.generate(PROMPTS[:3], params)]
+        got = workers.generate(PROMPTS[:3], params)
     finally:
         workers.shutdown()
-    assert got == want
+    for g, w in zip(got, want):
+        assert (g.token_ids, g.text, g.finish_reason, g.num_forwards) == \
+            (w.token_ids, w.text, w.finish_reason, w.num_forwards)
+        assert g.logprobs == pytest.approx(w.logprobs, rel=1e-12)
+        assert len(g.logprobs) == len(g.token_ids)
 
 
 def test_bad_stops_are_rejected(llada_path):

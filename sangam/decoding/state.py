@@ -47,6 +47,8 @@ class DecodeState:
         self.prompt_len = len(prompt_ids)
         self.tokens = np.array(
             list(prompt_ids) + [mask_token_id] * params.canvas_length, dtype=np.int64)
+        # Each response position's confidence (DESIGN.md §2) at the step that committed it.
+        self.confidence = np.zeros(len(self.tokens), dtype=np.float64)
         self.block = 0
         self.step = 0  # steps taken in the current block; 0 = the next forward is a refresh
         self.num_forwards = 0
@@ -114,6 +116,7 @@ class DecodeState:
                                 p.tokens_per_step)
         commit = list(range(k)) + [k + i for i in chosen]
         self.tokens[positions[commit]] = tokens[commit]
+        self.confidence[positions[commit]] = conf[commit]
         self.step += 1
         self.num_forwards += 1
         s, e = self.block_bounds()
@@ -133,6 +136,13 @@ class DecodeState:
         there: the engine finds those in text, which this class never sees)."""
         self.finished, self.finish_reason = True, "stop"
         self.stop_len = num_tokens
+
+    def output_logprobs(self, num_tokens: int) -> list[float]:
+        """Log-probability of each of the first ``num_tokens`` response tokens under the model
+        at the step that committed it (the log of its confidence; floored at the smallest
+        normal double so that it stays finite)."""
+        conf = self.confidence[self.prompt_len:self.prompt_len + num_tokens]
+        return np.log(np.maximum(conf, np.finfo(np.float64).tiny)).tolist()
 
     def output_token_ids(self) -> list[int]:
         """The response decoded so far (whole blocks), cut before the first stop id, to a stop

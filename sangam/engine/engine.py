@@ -191,5 +191,7 @@ class Engine:
             request_id=t.request.request_id, prompt_token_ids=t.prompt_ids, token_ids=tokens,
             text=visible_text(self.loaded.decode(tokens), t.state.params.stop, finished),
             num_forwards=t.state.num_forwards,
+            logprobs=(t.state.output_logprobs(len(tokens))
+                      if t.state.params.logprobs is not None else None),
             finished=finished, finish_reason=reason if finished else None,
             metrics=request_metrics(t.request.metrics, t.state))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import secrets
 import uuid
@@ -42,8 +43,11 @@ from sangam.serve.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessage,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -185,15 +189,29 @@ async def _merge(streams: list[Stream]) -> AsyncGenerator[tuple[int, RequestOutp
         await _close_all([gen for gen, _ in streams])
 
 
-class _Delta:
-    """What one choice has sent so far; ``advance`` gives the new text and tokens."""
+@dataclasses.dataclass
+class _Step:
+    """What one response chunk (or a whole response) adds."""
 
-    def __init__(self) -> None:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None  # per token, when the request asked for them
+    pieces: list[str]  # each token's own text (only with logprobs)
+    offset: int  # characters of the pieces sent before these (legacy text_offset)
+
+
+class _Delta:
+    """What one choice has sent so far; ``advance`` gives what a new output adds.
+    ``pieces`` turns token ids into their texts (needed only for logprobs)."""
+
+    def __init__(self, pieces: Callable[[list[int]], list[str]]) -> None:
+        self.pieces = pieces
         self.text = ""
         self.num_tokens = 0
         self.num_chunks = 0
+        self.offset = 0
 
-    def advance(self, out: RequestOutput) -> tuple[str, list[int]]:
+    def advance(self, out: RequestOutput) -> _Step:
         self.num_chunks += 1
         text = out.text or ""
         if not out.finished:
@@ -202,8 +220,30 @@ class _Delta:
         delta = text[len(self.text):]
         self.text += delta
         tokens = out.token_ids[self.num_tokens:]
+        logprobs = None if out.logprobs is None else out.logprobs[self.num_tokens:]
+        pieces = self.pieces(tokens) if logprobs is not None else []
+        step = _Step(delta, tokens, logprobs, pieces, self.offset)
         self.num_tokens = len(out.token_ids)
-        return delta, tokens
+        self.offset += sum(map(len, pieces))
+        return step
+
+
+def _completion_logprobs(step: _Step) -> CompletionLogprobs | None:
+    if step.logprobs is None:
+        return None
+    offsets = itertools.accumulate(map(len, step.pieces[:-1]), initial=step.offset)
+    return CompletionLogprobs(
+        tokens=step.pieces, token_logprobs=step.logprobs,
+        top_logprobs=[{p: lp} for p, lp in zip(step.pieces, step.logprobs)],
+        text_offset=list(offsets) if step.pieces else [])
+
+
+def _chat_logprobs(step: _Step) -> ChatLogprobs | None:
+    if step.logprobs is None:
+        return None
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(token=p, logprob=lp, bytes=list(p.encode()))
+        for p, lp in zip(step.pieces, step.logprobs)])
 
 
 def _finish_reason(out: RequestOutput) -> str | None:
@@ -244,8 +284,8 @@ class _Server:
         unsupported = body.unsupported_fields()
         if unsupported:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
-                           "returns greedy or sampled choices without "
-                           "logprobs, penalties or tools",
+                           "returns greedy or sampled choices, with each token's own logprob "
+                           "but no alternatives (top_logprobs), penalties or tools",
                            param=unsupported[0], code="unsupported_parameter")
         try:
             return self.config.default_params(self.loaded.generation_defaults,
@@ -280,6 +320,13 @@ class _Server:
                                             for m in messages])
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
+
+    def token_pieces(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (``token_id:N`` without a tokenizer, as vLLM)."""
+        tokenizer = self.loaded.tokenizer
+        if tokenizer is None:
+            return [f"token_id:{t}" for t in token_ids]
+        return [tokenizer.decode([t]) for t in token_ids]
 
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
@@ -375,31 +422,35 @@ class _Server:
     # Responses.
     def completion_response(self, request_id: str, outs: list[RequestOutput], n: int
                             ) -> CompletionResponse:
-        choices = [CompletionChoice(index=i, text=o.text or "", token_ids=o.token_ids,
-                                    finish_reason=o.finish_reason) for i, o in enumerate(outs)]
+        steps = [_Delta(self.token_pieces).advance(o) for o in outs]
+        choices = [CompletionChoice(index=i, text=st.text, token_ids=st.token_ids,
+                                    logprobs=_completion_logprobs(st),
+                                    finish_reason=o.finish_reason)
+                   for i, (o, st) in enumerate(zip(outs, steps))]
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                   usage=_usage(outs, n))
 
     def chat_response(self, request_id: str, outs: list[RequestOutput]
                       ) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=o.text or ""),
-                              token_ids=o.token_ids, finish_reason=o.finish_reason)
-                   for i, o in enumerate(outs)]
+        steps = [_Delta(self.token_pieces).advance(o) for o in outs]
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=st.text),
+                              token_ids=st.token_ids, logprobs=_chat_logprobs(st),
+                              finish_reason=o.finish_reason)
+                   for i, (o, st) in enumerate(zip(outs, steps))]
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=_usage(outs, len(outs)))
 
     async def events(self, streams: list[Stream], request_id: str, n: int, include_usage: bool,
-                     chunk: Callable[[int, bool, str, list[int], str | None], BaseModel],
+                     chunk: Callable[[int, bool, _Step, str | None], BaseModel],
                      usage_chunk: Callable[[Usage], BaseModel]) -> AsyncGenerator[str, None]:
         """SSE: one chunk per committed block per choice, then usage if asked, then [DONE]."""
-        deltas = [_Delta() for _ in streams]
+        deltas = [_Delta(self.token_pieces) for _ in streams]
         finals: dict[int, RequestOutput] = {}  # by choice index
         try:
             async with contextlib.aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
                     first = deltas[i].num_chunks == 0
-                    text, tokens = deltas[i].advance(out)
-                    yield _sse(chunk(i, first, text, tokens, _finish_reason(out)))
+                    yield _sse(chunk(i, first, deltas[i].advance(out), _finish_reason(out)))
                     if out.finished:
                         finals[i] = out
         except Exception as e:  # the status line is long gone: report in-band, then end
@@ -471,10 +522,10 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         n = body.n or 1
         streams = await _unless_disconnected(request, srv.open(prompts, params, n, request_id))
         if body.stream:
-            def chunk(i: int, first: bool, text: str, tokens: list[int],
-                      reason: str | None) -> BaseModel:
+            def chunk(i: int, first: bool, step: _Step, reason: str | None) -> BaseModel:
                 return CompletionResponse(id=request_id, model=srv.model_name, choices=[
-                    CompletionChoice(index=i, text=text, token_ids=tokens, finish_reason=reason)])
+                    CompletionChoice(index=i, text=step.text, token_ids=step.token_ids,
+                                     logprobs=_completion_logprobs(step), finish_reason=reason)])
 
             def usage_chunk(usage: Usage) -> BaseModel:
                 return CompletionResponse(id=request_id, model=srv.model_name, choices=[],
@@ -493,12 +544,11 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         n = body.n or 1
         streams = await _unless_disconnected(request, srv.open([prompt], params, n, request_id))
         if body.stream:
-            def chunk(i: int, first: bool, text: str, tokens: list[int],
-                      reason: str | None) -> BaseModel:
-                delta = DeltaMessage(role="assistant" if first else None, content=text)
+            def chunk(i: int, first: bool, step: _Step, reason: str | None) -> BaseModel:
+                delta = DeltaMessage(role="assistant" if first else None, content=step.text)
                 return ChatCompletionChunk(id=request_id, model=srv.model_name, choices=[
-                    ChatChunkChoice(index=i, delta=delta, token_ids=tokens,
-                                    finish_reason=reason)])
+                    ChatChunkChoice(index=i, delta=delta, token_ids=step.token_ids,
+                                    logprobs=_chat_logprobs(step), finish_reason=reason)])
 
             def usage_chunk(usage: Usage) -> BaseModel:
                 return ChatCompletionChunk(id=request_id, model=srv.model_name, choices=[],

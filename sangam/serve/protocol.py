@@ -95,8 +95,15 @@ class CompletionRequest(_GenerationRequest):
         bad = super().unsupported_fields()
         bad += [name for name, is_bad in (
             ("echo", bool(self.echo)), ("best_of", self.best_of not in (None, 1)),
-            ("logprobs", self.logprobs is not None), ("suffix", bool(self.suffix))) if is_bad]
+            ("logprobs", self.logprobs not in (None, 0)), ("suffix", bool(self.suffix)))
+            if is_bad]
         return bad
+
+    def sampling_overrides(self) -> dict[str, object]:
+        overrides = super().sampling_overrides()
+        if self.logprobs == 0:  # each token's own log-probability; alternatives are refused
+            overrides["logprobs"] = 0
+        return overrides
 
 
 class TextPart(BaseModel):
@@ -128,7 +135,7 @@ class ChatCompletionRequest(_GenerationRequest):
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
         bad += [name for name, is_bad in (
-            ("logprobs", bool(self.logprobs)), ("top_logprobs", self.top_logprobs is not None),
+            ("top_logprobs", self.top_logprobs not in (None, 0)),
             ("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none")),
             ("response_format", self.response_format not in (None, {"type": "text"})))
             if is_bad]
@@ -138,6 +145,8 @@ class ChatCompletionRequest(_GenerationRequest):
         overrides = super().sampling_overrides()
         if self.max_completion_tokens is not None:
             overrides.setdefault("max_tokens", self.max_completion_tokens)
+        if self.logprobs:
+            overrides["logprobs"] = 0
         return overrides
 
 
@@ -153,11 +162,21 @@ class Usage(BaseModel):
     num_forwards: int  # Sangam: model forwards spent (refreshes + cached steps)
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions format. Each token's log-probability is the model's at the
+    step that committed it; top_logprobs holds only that token (alternatives are not kept)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     token_ids: list[int]  # Sangam: the response's token ids (a stream chunk: the new ones)
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -175,11 +194,22 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[dict] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     token_ids: list[int]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -201,7 +231,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     token_ids: list[int]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -560,6 +560,8 @@ class MultiWorkerEngine:
             request_id=e.request.request_id, prompt_token_ids=e.prompt_ids, token_ids=tokens,
             text=visible_text(self.loaded.decode(tokens), e.state.params.stop, finished),
             num_forwards=e.state.num_forwards,
+            logprobs=(e.state.output_logprobs(len(tokens))
+                      if e.state.params.logprobs is not None else None),
             finished=finished, finish_reason=reason if finished else None,
             metrics={"kv_bytes": e.kv_bytes, "kv_transfers": e.kv_transfers,
                      "restarts": e.restarts})
