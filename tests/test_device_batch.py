@@ -71,7 +71,8 @@ def test_gpu_iteration_synchronizes_only_to_read_its_scores(llada_path):
     from sangam import LLM
     from sangam.sampling_params import SamplingParams
 
-    llm = LLM(model=llada_path, device="cuda", dtype="float32", num_pages=512)
+    llm = LLM(model=llada_path, device="cuda", dtype="float32", num_pages=512,
+              max_batch_size=8)  # four graph buckets: quick to capture
     runner = llm.engine.runner
     execute, syncs = runner.execute, []
 
