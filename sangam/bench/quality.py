@@ -66,13 +66,6 @@ def evaluate_mode(llm, tasks: list[Task], prompt_ids: list[list[int]],
     }
 
 
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """The prompt as the model was trained on it: one user turn plus the assistant header."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                         add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def format_table(results: dict[str, dict]) -> str:
     families = list(next(iter(results.values()))["accuracy_by_family"])
     head = ["mode", "exact", *families, "tok/fwd", "fwd/req"]
@@ -94,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
     if llm.tokenizer is None:
         raise SystemExit(f"{args.model}: the checkpoint has no tokenizer; quality needs one")
-    prompt_ids = [chat_ids(llm.tokenizer, t.prompt) for t in tasks]
+    # As the model was trained: one user turn plus the assistant header.
+    prompt_ids = [llm.loaded.encode_chat([{"role": "user", "content": t.prompt}])
+                  for t in tasks]
     modes = [m for m in MODES if not args.modes or m.name in args.modes.split(",")]
     results = {}
     for mode in modes:

@@ -12,6 +12,7 @@ import torch
 from sangam.config import EngineConfig
 from sangam.decoding.state import DecodeState
 from sangam.models import (
+    AttentionBackend,
     DiffusionLM,
     ModelConfig,
     TorchAttentionBackend,
@@ -26,7 +27,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_attention_backend(name: str | None, device: torch.device):
+def make_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
     """``None`` picks triton on GPU and the PyTorch reference on CPU (DESIGN.md §5)."""
     name = name or ("triton" if device.type == "cuda" else "torch")
     if name == "torch":

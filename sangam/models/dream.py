@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from sangam.models.config import ModelConfig
@@ -44,17 +45,17 @@ class DreamModel(DiffusionLM):
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def embed(self, ids):
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 
-    def layer_parts(self, i):
+    def layer_parts(self, i: int) -> tuple[nn.Module, ...]:
         layer = self.model.layers[i]
         a, m = layer.self_attn, layer.mlp
         return (layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
                 layer.post_attention_layernorm, m.gate_proj, m.up_proj, m.down_proj)
 
-    def final_norm(self, h):
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.norm(h)
 
-    def output_head(self):
+    def output_head(self) -> nn.Linear:
         return self.lm_head

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from sangam.models.config import ModelConfig
@@ -34,16 +35,16 @@ class LLaDAModel(DiffusionLM):
         self.model = nn.Module()
         self.model.transformer = transformer
 
-    def embed(self, ids):
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.transformer.wte(ids)
 
-    def layer_parts(self, i):
+    def layer_parts(self, i: int) -> tuple[nn.Module, ...]:
         b = self.model.transformer.blocks[i]
         return (b.attn_norm, b.q_proj, b.k_proj, b.v_proj, b.attn_out,
                 b.ff_norm, b.ff_proj, b.up_proj, b.ff_out)
 
-    def final_norm(self, h):
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.transformer.ln_f(h)
 
-    def output_head(self):
+    def output_head(self) -> nn.Linear:
         return self.model.transformer.ff_out

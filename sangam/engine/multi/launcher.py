@@ -25,10 +25,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sangam.config import EngineConfig
 from sangam.engine.loaded_model import default_device
+from sangam.models import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class WorkerSpec:
     num_threads: int  # torch intra-op threads (CPU): the host's cores shared among its workers
 
 
-def signature(roles: tuple[str, ...], config: EngineConfig, model_config) -> tuple:
+def signature(roles: tuple[str, ...], config: EngineConfig, model_config: ModelConfig) -> tuple:
     """What the front and every worker must agree on (checked at startup)."""
     return (config.mode, roles, config.page_size, model_config.num_layers,
             model_config.num_kv_heads, model_config.head_dim, model_config.vocab_size)
@@ -153,7 +155,7 @@ def supervise(live: set[int], front_pid: int | None = None) -> int:
     return 1 if failed else 0
 
 
-def kill_all(pids) -> None:
+def kill_all(pids: Iterable[int]) -> None:
     """SIGKILL our own children (not yet reaped, so their pids cannot have been reused)."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
