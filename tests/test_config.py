@@ -43,3 +43,14 @@ def test_vllm_flag_spellings_are_aliases():
 def test_invalid_configs_name_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**bad)
+
+
+def test_sangam_serve_takes_the_model_positionally():
+    from sangam.cli import parse_args
+
+    assert parse_args(["serve", "/ckpt", "--port", "9"]).model == "/ckpt"
+    assert parse_args(["serve", "--model", "/ckpt"]).model == "/ckpt"
+    assert parse_args(["serve", "/ckpt", "--model", "/ckpt"]).model == "/ckpt"
+    assert parse_args(["serve"]).model is None  # the demo model
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "/a", "--model", "/b"])

@@ -45,14 +45,15 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, str]]:
-    """``sangam serve`` (the console entry point) on a tiny checkpoint with a tokenizer."""
+    """``sangam serve CKPT`` (the console entry point, model given positionally as with
+    ``vllm serve``) on a tiny checkpoint with a tokenizer."""
     ckpt = tmp_path_factory.mktemp("llada_small")
     make_tiny_checkpoint(ckpt, arch="llada", seed=4, vocab_size=VOCAB_SIZE,
                          max_position=CONTEXT)
     write_tokenizer(ckpt)
     log = tmp_path_factory.mktemp("logs") / "server.log"
     port = _free_port()
-    args = ["--model", str(ckpt), "--device", "cpu", "--port", str(port), "--api-key", KEY,
+    args = [str(ckpt), "--device", "cpu", "--port", str(port), "--api-key", KEY,
             "--served-model-name", MODEL, "--num-pages", "16", "--page-size", "16",
             "--max-queue-len", str(MAX_QUEUE_LEN), "--block-length", "4",
             "--max-tokens-default", "8", "--shutdown-grace", "2", "--log-level", "warning"]
