@@ -324,7 +324,8 @@ _payloads = _bodies | _bodies | _bodies | _json.map(lambda v: json.dumps(v).enco
     | st.binary(max_size=30)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)), deadline=None,
+          suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from([CMPL, CHAT, "/tokenize", "/detokenize"]), payload=_payloads)
 def test_fuzz_never_5xx(http, path, payload):
     r = _post(http, path, payload)
