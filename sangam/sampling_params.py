@@ -8,6 +8,10 @@ UNMASKING_RULES = ("threshold", "factor", "topk")
 CACHE_MODES = ("dual", "prefix", "none")
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily, as in vLLM
 MAX_TEMPERATURE = 1e4  # beyond it logits / t underflow to a uniform draw anyway
+# Stop strings are matched against each block's text (the hold-back scan is quadratic in a
+# string's length): generous bounds that keep a request from stalling the server.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop or ()
         need(isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop),
              f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        need(len(stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in stop),
+             f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+             f"characters")
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids or ()
         need(isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids),

@@ -143,6 +143,7 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "logprobs": 2}, 400, "unsupported"),
     (CMPL, {"prompt": "hi", "stop": [""]}, 400, "stop"),
     (CMPL, {"prompt": "hi", "stop": [7]}, 400, "stop"),
+    (CMPL, {"prompt": "hi", "stop": "x" * 2000}, 400, "at most"),
     (CMPL, {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     (CMPL, {"prompt": "hi", "ignore_eos": True, "stop_at_eos": True}, 400, "contradict"),
     (CMPL, {"prompt": "hi", "top_p": 0.5}, 400, "unsupported"),

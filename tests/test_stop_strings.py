@@ -68,6 +68,8 @@ def test_visible_text():
     assert visible_text("answer Ques", ("Question:",), False) == "answer "
     assert visible_text("answer Ques", ("Question:",), True) == "answer Ques"
     assert visible_text("aXb", ("Xb", "bX"), False) == "a"
+    assert visible_text("xyzab", ("abc", "zabd"), False) == "xy"  # the longer partial wins
+    assert visible_text("aaaa", ("aaaaab",), False) == ""
 
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])
@@ -137,7 +139,7 @@ def test_multi_worker_stops_like_one_worker(ckpt, llm, reference):
 
 def test_bad_stops_are_rejected(llada_path):
     for bad in (dict(stop=""), dict(stop=[1]), dict(stop=5), dict(stop_token_ids=[-1]),
-                dict(stop_token_ids="7")):
+                dict(stop_token_ids="7"), dict(stop="x" * 1025), dict(stop=["x"] * 65)):
         with pytest.raises(ValueError, match="stop"):
             SamplingParams(**bad)
     assert SamplingParams(stop="\n").stop == ("\n",)

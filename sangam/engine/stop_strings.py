@@ -47,7 +47,13 @@ def visible_text(text: str | None, stop: tuple[str, ...], finished: bool) -> str
     cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
     text = text[:cut]
     if not finished:
-        held = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])),
-                   default=0)
-        text = text[:len(text) - held]
+        text = text[:len(text) - max(_partial_match(text, s) for s in stop)]
     return text
+
+
+def _partial_match(text: str, stop: str) -> int:
+    """The longest k < len(stop) such that ``text`` ends with ``stop[:k]`` (0 if none)."""
+    for k in range(min(len(stop) - 1, len(text)), 0, -1):  # longest first: stop at a match
+        if text.endswith(stop[:k]):
+            return k
+    return 0
