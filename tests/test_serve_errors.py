@@ -138,6 +138,7 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "max_tokens": POOL_TOKENS + 32}, 400, "KV pages"),
     (CMPL, {"prompt": "hi", "n": 0}, 400, "n"),
     (CMPL, {"prompt": "hi", "n": 129}, 400, "n"),
+    (CMPL, {"prompt": ["a", "b"], "n": MAX_QUEUE_LEN // 2 + 1}, 400, "max-queue-len"),
     (CMPL, {"prompt": "hi", "best_of": 3}, 400, "unsupported"),
     (CMPL, {"prompt": "hi", "echo": True}, 400, "unsupported"),
     (CMPL, {"prompt": "hi", "logprobs": 2}, 400, "unsupported"),

@@ -397,6 +397,11 @@ class _Server:
         # (reproducible), else a random seed each.
         samples = [params if params.seed is None or j == 0 else
                    dataclasses.replace(params, seed=(params.seed + j) % 2**63) for j in range(n)]
+        limit = self.engine.config.max_queue_len
+        if len(prompts) * n > limit:  # could never all be in flight at once
+            raise ApiError(400, f"{len(prompts)} prompt(s) x n={n} is {len(prompts) * n} "
+                           f"requests, more than the server ever holds (--max-queue-len "
+                           f"{limit})", param="n")
         work = [(ids, p) for ids in prompts for p in samples]
         gens = [self._generate(ids, p, request_id if len(work) == 1 else f"{request_id}-{i}")
                 for i, (ids, p) in enumerate(work)]
