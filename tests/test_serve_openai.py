@@ -80,12 +80,17 @@ def chat_ckpt(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(chat_ckpt, tmp_path_factory) -> str:
-    log = tmp_path_factory.mktemp("logs") / "server.log"
+def server_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("logs") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(chat_ckpt, server_log) -> str:
     args = ["--model", chat_ckpt, "--device", "cpu", "--dtype", "float64",
             "--served-model-name", MODEL, "--block-length", str(DEFAULTS["block_length"]),
-            "--max-tokens-default", str(DEFAULTS["max_tokens"]), "--num-pages", "1024"]
-    with serve_subprocess(args, log) as (_, base):
+            "--max-tokens-default", str(DEFAULTS["max_tokens"]), "--num-pages", "1024",
+            "--log-stats-interval", "1"]
+    with serve_subprocess(args, server_log) as (_, base):
         yield base
 
 
@@ -401,6 +406,40 @@ def test_metrics_after_traffic(server):
                  "sangam_requests_aborted_total", "sangam_time_to_first_block_seconds_count"):
         assert name in text, name
     assert "sangam_kv_pool_pages_used 0.0" in text
+
+
+def test_stats_are_logged_periodically(server, server_log):
+    """--log-stats-interval: a line of throughput, queue and KV use while there is traffic."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    deadline = time.monotonic() + 30
+    while "engine: prefill" not in server_log.read_text():
+        assert time.monotonic() < deadline, server_log.read_text()[-2000:]
+        client.completions.create(model=MODEL, prompt="keep busy", max_tokens=8)
+        time.sleep(0.2)
+    line = next(x for x in server_log.read_text().splitlines() if "engine: prefill" in x)
+    assert "decode" in line and "tok/s" in line and "KV pool" in line and "in flight" in line
+
+
+def test_stats_line_is_quiet_when_idle(dream_path):
+    from sangam.serve.metrics import ServerMetrics
+
+    engine = AsyncEngine(EngineConfig(model=dream_path, device="cpu", dtype="float64",
+                                      num_pages=64))
+    metrics = ServerMetrics(engine)
+
+    async def one_request():
+        params = SamplingParams(max_tokens=4, block_length=4, stop_at_eos=False)
+        return [o async for o in engine.generate([5, 6, 7], params)]
+
+    try:
+        assert metrics.stats_line() is None
+        asyncio.run(one_request())
+        line = metrics.stats_line()
+        assert line is not None and "0 in flight (0 waiting, 0 seated)" in line
+        assert " 0.0 tok/s" not in line.split(",")[1]  # the decode rate counted the request
+        assert metrics.stats_line() is None  # nothing since
+    finally:
+        engine.shutdown()
 
 
 # A checkpoint without a tokenizer (Dream), served from a thread of this process.

@@ -475,9 +475,17 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async def ingest() -> None:
+            interval = server_config.log_stats_interval
+            next_log = asyncio.get_running_loop().time() + interval
             while True:
                 await asyncio.sleep(METRICS_INGEST_PERIOD_S)
                 srv.metrics.ingest()
+                now = asyncio.get_running_loop().time()
+                if interval and now >= next_log:
+                    next_log = now + interval
+                    line = srv.metrics.stats_line()
+                    if line:
+                        logger.info("engine: %s", line)
 
         task = asyncio.create_task(ingest())
         try:

@@ -41,12 +41,16 @@ class ServerConfig:
         "aborted"))
     log_level: str = field(default="info", metadata=_meta(
         "Log level", choices=("critical", "error", "warning", "info", "debug")))
+    log_stats_interval: float = field(default=10.0, metadata=_meta(
+        "Seconds between log lines of engine stats (throughput, queue, KV pool use); 0: none"))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"ServerConfig: port must be in [0, 65536), got {self.port}")
         if self.shutdown_grace < 0:
             raise ValueError("ServerConfig: shutdown_grace must be >= 0")
+        if self.log_stats_interval < 0:
+            raise ValueError("ServerConfig: log_stats_interval must be >= 0")
         self.default_params()  # raises ValueError for bad defaults, at startup
 
     def default_params(self, checkpoint_defaults: dict | None = None,

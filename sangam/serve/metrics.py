@@ -3,6 +3,7 @@ histograms, and request outcome counters (``GET /metrics``, text exposition form
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +27,11 @@ class _EngineGauges:
         self._engine = engine.engine
 
     def collect(self) -> Iterator[Metric]:
+        for name, doc, value in self.values():
+            yield GaugeMetricFamily(name, doc, value=float(value))
+
+    def values(self) -> list[tuple[str, str, float]]:
+        """(name, help, value) of every gauge, now."""
         e = self._engine
         gauges: list[tuple[str, str, float]] = [
             ("sangam_requests_in_flight", "Requests accepted and not finished", e.num_requests)]
@@ -53,8 +59,7 @@ class _EngineGauges:
                 ("sangam_kv_pool_pages", "KV pages in the pool", pages),
                 ("sangam_workers_alive", "Worker processes alive", len(live)),
             ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=float(value))
+        return gauges
 
 
 def _snapshot(items: deque) -> list:
@@ -82,9 +87,13 @@ class ServerMetrics:
         self._stats = engine.engine.stats
         self._last_iteration: Any = None
         self._last_finished: Any = None
+        # Running totals for the periodic log line, and their values at the last line.
+        self._totals = {"prefill": 0, "decode": 0, "finished": 0}
+        self._logged = (time.monotonic(), dict(self._totals))
+        self._gauges = _EngineGauges(engine)
         self.registry = CollectorRegistry()
         r = self.registry
-        r.register(_EngineGauges(engine))
+        r.register(self._gauges)
         self.requests_finished = Counter(
             "sangam_requests_finished", "Requests that completed, by finish reason",
             ["finish_reason"], registry=r)
@@ -116,6 +125,8 @@ class ServerMetrics:
     def ingest(self) -> None:
         iterations = _since(_snapshot(self._stats.iterations), self._last_iteration)
         for it in iterations:
+            self._totals["prefill"] += it.prefill_tokens
+            self._totals["decode"] += it.decode_tokens
             self._iter_prefill.inc(it.prefill_tokens)
             self._iter_decode.inc(it.decode_tokens)
             self._iter_tokens.observe(it.prefill_tokens + it.decode_tokens)
@@ -124,6 +135,7 @@ class ServerMetrics:
         if iterations:
             self._last_iteration = iterations[-1]
         finished = _since(_snapshot(self._stats.finished), self._last_finished)
+        self._totals["finished"] += len(finished)
         for m in finished:
             if m.e2e_latency is not None:
                 self._latency.observe(m.e2e_latency)
@@ -132,6 +144,25 @@ class ServerMetrics:
             self._queueing.observe(m.queueing_time)
         if finished:
             self._last_finished = finished[-1]
+
+    def stats_line(self) -> str | None:
+        """One log line of what happened since the last call (throughput, queue, KV use), as
+        vLLM logs periodically; None when the server was and is idle."""
+        self.ingest()
+        now, totals = time.monotonic(), dict(self._totals)
+        then, before = self._logged
+        self._logged = (now, totals)
+        rate = {k: (totals[k] - before[k]) / max(now - then, 1e-9) for k in totals}
+        gauges = {name: value for name, _, value in self._gauges.values()}
+        in_flight = int(gauges["sangam_requests_in_flight"])
+        if totals == before and in_flight == 0:
+            return None
+        queue = (f" ({int(gauges['sangam_requests_waiting'])} waiting, "
+                 f"{int(gauges['sangam_requests_seated'])} seated)"
+                 if "sangam_requests_waiting" in gauges else "")
+        return (f"prefill {rate['prefill']:.1f} tok/s, decode {rate['decode']:.1f} tok/s, "
+                f"{rate['finished']:.2f} req/s finished; {in_flight} in flight{queue}; "
+                f"KV pool {100 * gauges['sangam_kv_pool_usage_ratio']:.1f}% used")
 
     def render(self) -> bytes:
         self.ingest()
