@@ -47,6 +47,9 @@ class EngineConfig:
         "(batch size 1, each request to completion)", choices=POLICIES))
     token_budget: float = field(default=1024, metadata=_meta(
         "Deficit token budget tau per iteration ('inf' = prefill-first)"))
+    max_model_len: int | None = field(default=None, metadata=_meta(
+        "Longest prompt + response canvas a request may have (default: the model's context); "
+        "CUDA-graph block tables are sized for it"))
     max_batch_size: int = field(default=256, metadata=_meta(
         "Most requests in one forward (seated decodes plus admitted prefills)",
         aliases=("--max-num-seqs",)))
@@ -96,6 +99,7 @@ class EngineConfig:
         need(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
              f"page_size must be a power of two, got {self.page_size}")
         need(self.num_pages is None or self.num_pages >= 1, "num_pages must be >= 1")
+        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         need(0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction must be in (0, 1]")
         need(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
         need(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
@@ -134,7 +138,7 @@ class EngineConfig:
                 kw["action"] = argparse.BooleanOptionalAction
             elif isinstance(f.default, (int, float)) and not isinstance(f.default, bool):
                 kw["type"] = type(f.default)
-            elif f.name == "num_pages":
+            elif f.name in ("num_pages", "max_model_len"):
                 kw["type"] = int
             parser.add_argument(flag, *aliases, dest=f.name, default=f.default, **kw)
 

@@ -200,6 +200,19 @@ def test_input_validation(llms):
         LLM(llm.loaded.path, tau=3)
 
 
+def test_max_model_len_caps_requests(llms):
+    path = llms["llada"].loaded.path
+    capped = LLM(path, device="cpu", dtype="float64", max_model_len=40)
+    assert capped.loaded.context_length == 40
+    ok = SamplingParams(max_tokens=32, block_length=8, stop_at_eos=False)
+    assert len(capped.generate(prompt_token_ids=[[5] * 8], sampling_params=ok)[0].token_ids) == 32
+    with pytest.raises(ValueError, match="beyond the model's context of 40"):
+        capped.generate(prompt_token_ids=[[5] * 9], sampling_params=ok)
+    model_context = llms["llada"].loaded.config.max_position
+    with pytest.raises(ValueError, match=f"beyond the model's context of {model_context}"):
+        LLM(path, device="cpu", max_model_len=model_context + 1)
+
+
 def test_checkpoint_generation_config_sets_defaults(llada_path, tmp_path):
     import json
     import shutil

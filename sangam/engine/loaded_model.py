@@ -27,6 +27,15 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def context_limit(cfg: EngineConfig, model_config: ModelConfig) -> int | None:
+    """``cfg.max_model_len``, checked against the model's context (positions beyond it were
+    never trained and have no RoPE table)."""
+    if cfg.max_model_len is not None and cfg.max_model_len > model_config.max_position:
+        raise ValueError(f"max_model_len {cfg.max_model_len} is beyond the model's context of "
+                         f"{model_config.max_position}")
+    return cfg.max_model_len
+
+
 def make_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
     """``None`` picks triton on GPU and the PyTorch reference on CPU (DESIGN.md §5)."""
     name = name or ("triton" if device.type == "cuda" else "torch")
@@ -66,6 +75,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     generation_defaults: dict = field(default_factory=dict)
+    max_model_len: int | None = None  # EngineConfig.max_model_len, checked by context_limit
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> LoadedModel:
@@ -81,7 +91,7 @@ class LoadedModel:
         p = next(model.parameters())
         return cls(str(path), model, model.config, tokenizer,
                    stop_token_ids(model.config.eos_token_id, tokenizer), p.device, p.dtype,
-                   read_generation_defaults(path))
+                   read_generation_defaults(path), context_limit(cfg, model.config))
 
     def default_params(self, **overrides) -> SamplingParams:
         """SamplingParams from the checkpoint's suggested defaults, with ``overrides`` on top."""
@@ -89,7 +99,8 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int:
-        return self.config.max_position
+        """The longest prompt + canvas a request may have: the model's, or --max-model-len."""
+        return self.max_model_len or self.config.max_position
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:

@@ -53,7 +53,7 @@ import zmq
 from sangam.config import EngineConfig
 from sangam.decoding.state import DecodeState
 from sangam.engine.engine import EngineStats, RequestRejected, new_request
-from sangam.engine.loaded_model import LoadedModel, read_generation_defaults
+from sangam.engine.loaded_model import LoadedModel, context_limit, read_generation_defaults
 from sangam.engine.multi import launcher
 from sangam.engine.multi import messages as msg
 from sangam.engine.request import Request
@@ -159,7 +159,7 @@ def _front_model(config: EngineConfig, loaded: LoadedModel | None,
     dtype = resolve_dtype(None if config.dtype == "auto" else config.dtype, device)
     return LoadedModel(str(path), None, cfg, tokenizer,
                        stop_token_ids(cfg.eos_token_id, tokenizer), torch.device(device), dtype,
-                       read_generation_defaults(path))
+                       read_generation_defaults(path), context_limit(config, cfg))
 
 
 class MultiWorkerEngine:
