@@ -21,7 +21,7 @@ from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.model_runner import ModelRunner
 from sangam.engine.request import Request, RequestMetrics
 from sangam.engine.scheduler import BatchBuilder, ScheduledBatch
-from sangam.engine.stop_strings import apply_stop_strings, visible_text
+from sangam.engine.stop_strings import visible_text
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 
@@ -164,9 +164,6 @@ class Engine:
         reqs = batch.decodes + batch.prefills
         tracked = [self.requests[r.request_id] for r in reqs]
         block_done = self.runner.execute([t.state for t in tracked], [r.pages for r in reqs])
-        for t, done in zip(tracked, block_done):
-            if done:
-                apply_stop_strings(t.state, self.loaded.decode)
         now = time.monotonic()
         outputs = []
         for req, t, done in zip(reqs, tracked, block_done):

@@ -102,11 +102,11 @@ class LoadedModel:
         """The longest prompt + canvas a request may have: the model's, or --max-model-len."""
         return self.max_model_len or self.config.max_position
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer: pass prompt_token_ids instead "
                              "of text prompts")
-        return list(self.tokenizer(prompt)["input_ids"])
+        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template, ready for the

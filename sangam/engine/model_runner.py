@@ -21,6 +21,7 @@ from sangam.engine.device_batch import BatchUploader
 from sangam.engine.host_batch import PackedBatch, make_host_batcher
 from sangam.engine.kv_pool import KVPool
 from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.stop_strings import apply_stop_strings
 
 
 class ModelRunner:
@@ -35,13 +36,18 @@ class ModelRunner:
         # With the Triton backend, scoring is the fused online-softmax kernel (no [rows, vocab]
         # fp32 copy); the host then commits by the same rule, as on the reference path.
         self.fused_scoring = loaded.model.attention_backend.name == "triton"
+        if self.fused_scoring:  # imported here: the CPU reference path never loads Triton
+            from sangam.kernels.unmask import fused_unmask
+
+            self._fused_unmask = fused_unmask
 
     @torch.inference_mode()
     def execute(self, states: list[DecodeState], pages: list[list[int]],
                 allow_graphs: bool = True) -> list[bool]:
         """Run one step of every request in one forward; returns, per request, whether its
-        current block was completed. ``allow_graphs=False`` forces the eager forward (e.g. when
-        a hook must see every layer)."""
+        current block was completed (a completed block's stop strings are checked here, so a
+        request they end is finished on return). ``allow_graphs=False`` forces the eager
+        forward (e.g. when a hook must see every layer)."""
         batch = self.host.build(states, pages)
         arrays = batch.device_arrays()
         if self.fused_scoring:
@@ -55,9 +61,7 @@ class ModelRunner:
                                          batch.metadata(dev), self.pool.kv)
         logits = model.logits(hidden, dev["logits_indices"])
         if self.fused_scoring:
-            from sangam.kernels.unmask import fused_unmask
-
-            tokens, conf, _ = fused_unmask(
+            tokens, conf, _ = self._fused_unmask(
                 logits, self.loaded.config.mask_token_id, dev["cu_rows"], dev["num_forced"],
                 dev["rule"], dev["threshold"], dev["factor"], dev["tokens_per_step"],
                 dev["temperature"], dev["row_keys"])
@@ -67,7 +71,11 @@ class ModelRunner:
                                         torch.from_numpy(batch.row_keys))
         tokens = tokens.cpu().numpy()
         conf = conf.cpu().numpy().astype(np.float64)
-        return self.host.apply(states, batch, tokens, conf)
+        block_done = self.host.apply(states, batch, tokens, conf)
+        for st, done in zip(states, block_done):
+            if done:
+                apply_stop_strings(st, self.loaded.decode)
+        return block_done
 
 
 def unmask_arrays(batch: PackedBatch, states: list[DecodeState]) -> dict[str, np.ndarray]:

@@ -17,8 +17,8 @@ import torch
 _assumed: tuple[int, int] | None = None  # (SMs, shared bytes per program) inside assume_gpu
 
 
-# Triton picks interpreted or compiled kernels when they are defined (at import), so this is
-# read once too: every launch asks.
+# Triton picks interpreted or compiled kernels when they are defined (at import), so the
+# variable is read once, at import, too, not on every launch that asks.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 

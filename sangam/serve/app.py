@@ -330,14 +330,13 @@ class _Server:
 
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
-        tokenizer = self._tokenizer("/tokenize")
+        self._tokenizer("/tokenize")
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             ids = self.chat_prompt(body.messages)
         else:
-            ids = list(tokenizer(body.prompt,
-                                 add_special_tokens=body.add_special_tokens)["input_ids"])
+            ids = self.loaded.encode(body.prompt, body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=self.loaded.context_length,
                                 tokens=ids)
 

@@ -62,6 +62,12 @@ class _EngineGauges:
         return gauges
 
 
+def _total(counter: Counter) -> float:
+    """A counter's value, summed over its label values."""
+    return sum(s.value for family in counter.collect() for s in family.samples
+               if s.name.endswith("_total"))
+
+
 def _snapshot(items: deque) -> list:
     # The engine thread appends while we copy; a copy that raced an append is simply retried.
     while True:
@@ -87,9 +93,6 @@ class ServerMetrics:
         self._stats = engine.engine.stats
         self._last_iteration: Any = None
         self._last_finished: Any = None
-        # Running totals for the periodic log line, and their values at the last line.
-        self._totals = {"prefill": 0, "decode": 0, "finished": 0}
-        self._logged = (time.monotonic(), dict(self._totals))
         self._gauges = _EngineGauges(engine)
         self.registry = CollectorRegistry()
         r = self.registry
@@ -121,12 +124,11 @@ class ServerMetrics:
         self._first_block = Histogram("sangam_time_to_first_block_seconds",
                                       "Arrival to first committed block (streaming TTFT)",
                                       buckets=_REQUEST_BUCKETS, registry=r)
+        self._logged = (time.monotonic(), self._totals())  # when, and the counters, last logged
 
     def ingest(self) -> None:
         iterations = _since(_snapshot(self._stats.iterations), self._last_iteration)
         for it in iterations:
-            self._totals["prefill"] += it.prefill_tokens
-            self._totals["decode"] += it.decode_tokens
             self._iter_prefill.inc(it.prefill_tokens)
             self._iter_decode.inc(it.decode_tokens)
             self._iter_tokens.observe(it.prefill_tokens + it.decode_tokens)
@@ -135,7 +137,6 @@ class ServerMetrics:
         if iterations:
             self._last_iteration = iterations[-1]
         finished = _since(_snapshot(self._stats.finished), self._last_finished)
-        self._totals["finished"] += len(finished)
         for m in finished:
             if m.e2e_latency is not None:
                 self._latency.observe(m.e2e_latency)
@@ -149,7 +150,7 @@ class ServerMetrics:
         """One log line of what happened since the last call (throughput, queue, KV use), as
         vLLM logs periodically; None when the server was and is idle."""
         self.ingest()
-        now, totals = time.monotonic(), dict(self._totals)
+        now, totals = time.monotonic(), self._totals()
         then, before = self._logged
         self._logged = (now, totals)
         rate = {k: (totals[k] - before[k]) / max(now - then, 1e-9) for k in totals}
@@ -163,6 +164,11 @@ class ServerMetrics:
         return (f"prefill {rate['prefill']:.1f} tok/s, decode {rate['decode']:.1f} tok/s, "
                 f"{rate['finished']:.2f} req/s finished; {in_flight} in flight{queue}; "
                 f"KV pool {100 * gauges['sangam_kv_pool_usage_ratio']:.1f}% used")
+
+    def _totals(self) -> dict[str, float]:
+        """The counters the log line reports as rates."""
+        return {"prefill": _total(self._iter_prefill), "decode": _total(self._iter_decode),
+                "finished": _total(self.requests_finished)}
 
     def render(self) -> bytes:
         self.ingest()

@@ -40,7 +40,6 @@ from sangam.engine.multi import messages as msg
 from sangam.engine.multi.kv_transfer import Done, KVTransport, LayerHook, layer_page_bytes
 from sangam.engine.multi.launcher import WorkerSpec, signature
 from sangam.engine.request import Request
-from sangam.engine.stop_strings import apply_stop_strings
 
 HEARTBEAT_S = 0.5
 STORE_TIMEOUT_S = 300  # joining the process group: every worker of every node must come up
@@ -257,9 +256,6 @@ class Worker:
             block_done = self._execute_streaming(states, pages, streams)
         else:
             block_done = self.runner.execute(states, pages)
-        for st, done in zip(states, block_done):
-            if done:  # before anything reports the state: a stop string may end it here
-                apply_stop_strings(st, self.loaded.decode)
         end = time.monotonic()
         for r in batch.prefills:
             self.events.append(msg.RefreshRan(r.request_id, self.tasks[r.request_id].attempt,
