@@ -100,5 +100,5 @@ class RequestOutput:
     num_forwards: int
     finished: bool = False
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "abort"
-    logprobs: list[float] | None = None  # per token of token_ids, when SamplingParams asked
     metrics: dict = field(default_factory=dict)
+    logprobs: list[float] | None = None  # per token of token_ids, when SamplingParams asked
