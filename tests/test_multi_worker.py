@@ -420,20 +420,42 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
+# Node 1 whose worker's loop gets stuck in its third forward (as in a collective that never
+# returns) while its heartbeat thread runs on: only the front's watchdog can tell.
+_HANGING_NODE_SCRIPT = """
+import sys, threading
+from sangam.engine.model_runner import ModelRunner
+from sangam.engine.multi import node
+execute, calls = ModelRunner.execute, []
+def execute_then_hang(self, *args, **kwargs):
+    calls.append(None)
+    if len(calls) == 3:
+        threading.Event().wait()
+    return execute(self, *args, **kwargs)
+ModelRunner.execute = execute_then_hang
+sys.exit(node.main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.slow
-def test_two_nodes_on_loopback(paths):
-    """Node 1's workers join node 0's front (ZeroMQ) and process group (TCP store)."""
+@pytest.mark.parametrize("hang", [False, True], ids=["healthy", "remote-worker-hangs"])
+def test_two_nodes_on_loopback(paths, tmp_path, hang):
+    """Node 1's workers join node 0's front (ZeroMQ) and process group (TCP store). A remote
+    worker declared hung is made to exit (no local parent can kill it) and loses nothing."""
     reqs = WORKLOADS["llada"][:12]
     want = {rid: _reference(paths["llada"], "llada")[rid] for rid, _, _ in reqs}
     port = _free_port_pair()
     layout = dict(mode="disaggregated", prefill_workers=1, decode_workers=2, nnodes=2,
-                  dist_init_addr=f"127.0.0.1:{port}")
+                  dist_init_addr=f"127.0.0.1:{port}", watchdog_timeout=5.0)
     opts = _options(paths["llada"], **layout)
     flags = []
     for k, v in opts.items():
         flags += [f"--{k.replace('_', '-')}", str(v)]
-    node1 = subprocess.Popen([sys.executable, "-m", "sangam.engine.multi.node", *flags,
-                              "--node-rank", "1"])
+    entry = ["-m", "sangam.engine.multi.node"]
+    if hang:
+        (tmp_path / "node.py").write_text(_HANGING_NODE_SCRIPT)
+        entry = [str(tmp_path / "node.py")]
+    node1 = subprocess.Popen([sys.executable, *entry, *flags, "--node-rank", "1"])
     try:
         llm = LLM(**opts)
         states = llm.engine.worker_states()
@@ -444,8 +466,12 @@ def test_two_nodes_on_loopback(paths):
                             sampling_params=[r[2] for r in reqs])
         assert {rid: (o.token_ids, o.num_forwards) for (rid, _, _), o in zip(reqs, outs)} == want
         assert any(r.dst == 2 for r in llm.engine.transfers)  # K/V crossed the "nodes"
+        assert llm.engine.dead_workers == ([2] if hang else [])
+        if hang:  # gone while the front still runs, and node 1 with it (its last worker)
+            _wait_gone([remote], timeout=10)
+            assert node1.wait(timeout=10) == 1
         llm.shutdown()
-        assert node1.wait(timeout=30) == 0
+        assert node1.wait(timeout=30) == (1 if hang else 0)
         _wait_gone([s.pid for s in states] + list(_descendants(os.getpid())))
     finally:
         node1.kill()

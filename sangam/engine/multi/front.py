@@ -26,11 +26,12 @@ refreshes for other workers) to give the router free-page counts that do not lag
 
 Failures: a worker found dead (its process exited, it reported a failure, its heartbeats
 stopped, or it had work and its loop reported nothing for ``watchdog_timeout`` seconds) is
-marked dead in the router and reported in ``dead_workers``; every request that had anything on
-it is taken back to the start of its current block (the snapshot), dropped from every other
-worker, and placed again. Refreshes and noise keys depend only on (tokens, block,
-step), so it finishes with the same tokens. A K/V transfer the receiver could not take is
-retried the same way.
+marked dead in the router and reported in ``dead_workers``, and made to exit if it still runs
+(a worker on this node is killed, one on another node is told to by its heartbeat thread).
+Every request that had anything on it is taken back to the start of its current block (the
+snapshot), dropped from every other worker, and placed again. Refreshes and noise keys depend
+only on (tokens, block, step), so it finishes with the same tokens. A K/V transfer the
+receiver could not take is retried the same way.
 """
 
 from __future__ import annotations
@@ -590,11 +591,15 @@ class MultiWorkerEngine:
                      self._workers[w].hello.host, why)
         self.dead_workers.append(w)
         self.router.mark_dead(w)
-        # It may still run (it failed, or its heartbeats were late): nothing it does counts now.
+        # It may still run (it failed, its heartbeats were late, its loop hung): nothing it
+        # does counts now, and it must exit. A local worker is killed here; one on another node
+        # is told to by its heartbeat thread, which runs even when the loop is stuck.
         self._send(w, msg.Shutdown())
         p = self._procs.get(w)
         if p is not None:
             p.kill()
+        else:
+            self._sock.send_multipart([f"h{w}".encode(), msg.dumps(msg.Kill())])
         for key, record in list(self._open_transfers.items()):
             if record.dst == w:  # its report will never come
                 record.ok = False

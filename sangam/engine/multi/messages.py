@@ -74,6 +74,13 @@ class Shutdown:
     pass
 
 
+@dataclass
+class Kill:
+    """Sent to a worker's heartbeat thread, not its loop: the front declared the worker dead,
+    so the process must exit now even if its loop is stuck (a worker on another node has no
+    local parent to kill it)."""
+
+
 # Worker -> front.
 
 

@@ -344,12 +344,16 @@ def _request(rid: str, arrival: float, st: DecodeState) -> Request:
 
 def _watchdog(ctx: zmq.Context, spec: WorkerSpec, parent_pid: int) -> None:
     """Heartbeats to the front, and exit when the parent or the front is gone (a SIGKILLed
-    front runs no cleanup: its workers must notice by themselves)."""
+    front runs no cleanup: its workers must notice by themselves) or when the front says
+    ``Kill`` (it declared this worker dead, perhaps because the loop hung)."""
     hb = ctx.socket(zmq.DEALER)
     hb.setsockopt(zmq.IDENTITY, f"h{spec.worker}".encode())
     hb.setsockopt(zmq.LINGER, 0)
     monitor = hb.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     hb.connect(spec.front_addr)
+    poller = zmq.Poller()
+    poller.register(monitor, zmq.POLLIN)
+    poller.register(hb, zmq.POLLIN)
     beat = msg.dumps(msg.Heartbeat(spec.worker))
     connected = False
     while True:
@@ -360,12 +364,16 @@ def _watchdog(ctx: zmq.Context, spec: WorkerSpec, parent_pid: int) -> None:
         except zmq.Again:
             pass  # not connected yet
         deadline = time.monotonic() + HEARTBEAT_S
-        while (left := deadline - time.monotonic()) > 0 and monitor.poll(int(left * 1000) + 1):
-            event = parse_monitor_message(monitor.recv_multipart())["event"]
-            if event == zmq.EVENT_CONNECTED:
-                connected = True
-            elif event == zmq.EVENT_DISCONNECTED and connected:
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if hb in ready and isinstance(msg.loads(hb.recv()), msg.Kill):
                 os._exit(1)
+            if monitor in ready:
+                event = parse_monitor_message(monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_CONNECTED:
+                    connected = True
+                elif event == zmq.EVENT_DISCONNECTED and connected:
+                    os._exit(1)
 
 
 def run_worker(spec: WorkerSpec, parent_pid: int) -> None:
