@@ -397,7 +397,10 @@ def test_concurrent_streams_match_llm(aclient, llm):
             assert len(chunks) == -(-opts["max_tokens"] // opts["block_length"])
 
 
-def test_metrics_after_traffic(server):
+def test_metrics_after_traffic(server, client):
+    res = client.completions.create(model=MODEL, prompt="abc", max_tokens=8,
+                                    extra_body={"stop_at_eos": False})
+    assert res.choices[0].finish_reason == "length"
     text = httpx.get(f"{server}/metrics").text
     for name in ("sangam_requests_waiting", "sangam_requests_seated", "sangam_deficit_tokens",
                  "sangam_iteration_tokens_bucket", "sangam_iteration_seconds_bucket",
