@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from sangam.config import EngineConfig
 from sangam.engine.multi import make_engine
+from sangam.models.tokenizer import load_chat_template
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 
@@ -60,15 +61,17 @@ class LLM:
         return [done[rid] for rid in rids]
 
     def chat(self, messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-             ) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """Generate the assistant's turn of one conversation (a list of ``{"role", "content"}``
         messages) or of several (a list of such lists), through the tokenizer's chat template,
-        as the server's /v1/chat/completions does."""
+        as the server's /v1/chat/completions does. ``chat_template`` (a Jinja template, or a
+        file holding one) replaces the tokenizer's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("no conversation given")
-        ids = [self.loaded.encode_chat(list(c)) for c in conversations]
+        template = load_chat_template(chat_template) if chat_template is not None else None
+        ids = [self.loaded.encode_chat(list(c), template) for c in conversations]
         return self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
 
     def _prompt_ids(self, prompts, prompt_token_ids) -> list[list[int]]:

@@ -445,12 +445,13 @@ def test_stats_line_is_quiet_when_idle(dream_path):
         engine.shutdown()
 
 
-# A checkpoint without a tokenizer (Dream), served from a thread of this process.
-@pytest.fixture(scope="module")
-def tokenless_server(dream_path) -> Iterator[str]:
-    engine = AsyncEngine(EngineConfig(model=dream_path, device="cpu", dtype="float64",
+@contextmanager
+def serve_in_thread(model: str, **server_options) -> Iterator[str]:
+    """A server for ``model`` (float64, CPU) in a thread of this process; yields its URL."""
+    engine = AsyncEngine(EngineConfig(model=model, device="cpu", dtype="float64",
                                       num_pages=256))
-    config = ServerConfig(port=0, served_model_name=MODEL, block_length=4, log_level="warning")
+    config = ServerConfig(port=0, served_model_name=MODEL, block_length=4, log_level="warning",
+                          **server_options)
     server = uvicorn_server(build_app(engine, config), config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -463,6 +464,13 @@ def tokenless_server(dream_path) -> Iterator[str]:
     server.should_exit = True
     thread.join(timeout=30)
     assert engine.dead is None
+
+
+# A checkpoint without a tokenizer (Dream).
+@pytest.fixture(scope="module")
+def tokenless_server(dream_path) -> Iterator[str]:
+    with serve_in_thread(dream_path) as url:
+        yield url
 
 
 def test_token_id_prompt_without_tokenizer(tokenless_server, dream_path):
@@ -481,6 +489,43 @@ def test_token_id_prompt_without_tokenizer(tokenless_server, dream_path):
                                        messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="no tokenizer"):
         client.completions.create(model=MODEL, prompt="text", max_tokens=4)
+
+
+# A template of our own, replacing the tokenizer's (vLLM's --chat-template).
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_template_option(chat_ckpt, llm, tmp_path):
+    messages = [{"role": "user", "content": "Say hi"}]
+    ids = llm.tokenizer("<user>Say hi\n<assistant>", add_special_tokens=False)["input_ids"]
+    params = _params(max_tokens=8, stop_at_eos=False)
+    ref = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text(CHAT_TEMPLATE)
+    for given in (CHAT_TEMPLATE, str(template_file)):  # the template, or a file holding it
+        out = llm.chat(messages, params, chat_template=given)[0]
+        assert (out.prompt_token_ids, out.token_ids) == (ids, ref.token_ids)
+    assert llm.chat(messages, params)[0].prompt_token_ids != ids  # the tokenizer's own
+    with serve_in_thread(chat_ckpt, chat_template=str(template_file)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        res = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                             extra_body={"stop_at_eos": False})
+        assert res.choices[0].message.content == ref.text
+        assert res.usage.prompt_tokens == len(ids)
+        tokenized = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+        assert tokenized["tokens"] == ids
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("/no/such/template.jinja", "no such file"),
+    ("{% for m in messages %}{{ m }}", "line 1"),  # unclosed for
+])
+def test_bad_chat_template_is_refused_up_front(llm, bad, match):
+    with pytest.raises(ValueError, match=match):
+        ServerConfig(chat_template=bad)
+    with pytest.raises(ValueError, match=match):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template=bad)
 
 
 def test_every_config_field_is_a_flag():

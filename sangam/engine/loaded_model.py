@@ -108,10 +108,11 @@ class LoadedModel:
                              "of text prompts")
         return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation through the tokenizer's chat template, ready for the
-        assistant's turn. A missing tokenizer or template, or a conversation the template
-        rejects, is a ValueError."""
+    def encode_chat(self, messages: list[dict[str, str]],
+                    chat_template: str | None = None) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template (or
+        ``chat_template``, a Jinja template's text), ready for the assistant's turn. A missing
+        tokenizer or template, or a conversation the template rejects, is a ValueError."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer, so it cannot chat: pass "
                              "prompt_token_ids instead")
@@ -120,8 +121,8 @@ class LoadedModel:
         import jinja2  # transformers renders chat templates with it; only chat needs it
 
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, chat_template=chat_template,
+                                                      add_generation_prompt=True, tokenize=False)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ValueError(f"cannot apply the chat template: {e}") from None
         # The template already wrote the special tokens (BOS...): do not add them again.

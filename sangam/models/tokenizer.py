@@ -36,6 +36,28 @@ def load_tokenizer(path: str | os.PathLike):
         config_log.removeFilter(_not_a_transformers_model)
 
 
+def load_chat_template(template: str) -> str:
+    """A chat template given as a Jinja file's path or as the template itself (vLLM's
+    ``--chat-template``), syntax-checked now rather than at the first chat request."""
+    try:
+        is_file = Path(template).is_file()
+    except (OSError, ValueError):  # a template's text can be no path at all (too long, NUL)
+        is_file = False
+    if is_file:
+        text = Path(template).read_text()
+    elif "{{" in template or "{%" in template:
+        text = template
+    else:
+        raise ValueError(f"chat template {template!r}: no such file, and no Jinja template")
+    import jinja2  # transformers renders chat templates with it
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template {template!r}: line {e.lineno}: {e.message}") from None
+    return text
+
+
 def _not_a_transformers_model(record: logging.LogRecord) -> bool:
     return "to instantiate a model of type" not in record.getMessage()
 

@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sangam import __version__
 from sangam.engine.async_engine import AsyncEngine
 from sangam.engine.engine import QueueFull, RequestRejected
+from sangam.models.tokenizer import load_chat_template
 from sangam.sampling_params import RequestOutput, SamplingParams
 from sangam.serve.config import ServerConfig
 from sangam.serve.metrics import ServerMetrics
@@ -272,6 +273,8 @@ class _Server:
         self.model_name = config.model_name(engine.config.model)
         self.metrics = ServerMetrics(engine)
         self.in_flight: set[str] = set()  # engine request ids of open generators
+        self.chat_template = (load_chat_template(config.chat_template)
+                              if config.chat_template is not None else None)
 
     # Validation (all before any work is submitted).
     def check_model(self, model: str | None) -> None:
@@ -317,7 +320,7 @@ class _Server:
         self._tokenizer("chat (it needs a chat template)")
         try:
             return self.loaded.encode_chat([{"role": m.role, "content": m.text()}
-                                            for m in messages])
+                                            for m in messages], self.chat_template)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
 

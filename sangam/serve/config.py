@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from sangam.models.tokenizer import load_chat_template
 from sangam.sampling_params import CACHE_MODES, UNMASKING_RULES, SamplingParams
 
 DEMO_MODEL_NAME = "sangam-demo"
@@ -36,6 +37,9 @@ class ServerConfig:
         "Default confidence threshold (default: 0.9)"))
     cache: str | None = field(default=None, metadata=_meta(
         "Default KV cache mode (default: dual)", choices=CACHE_MODES))
+    chat_template: str | None = field(default=None, metadata=_meta(
+        "Chat template replacing the tokenizer's: a Jinja file, or the template itself "
+        "(as vLLM's --chat-template)"))
     shutdown_grace: float = field(default=5.0, metadata=_meta(
         "On SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are "
         "aborted"))
@@ -52,6 +56,8 @@ class ServerConfig:
         if self.log_stats_interval < 0:
             raise ValueError("ServerConfig: log_stats_interval must be >= 0")
         self.default_params()  # raises ValueError for bad defaults, at startup
+        if self.chat_template is not None:
+            load_chat_template(self.chat_template)
 
     def default_params(self, checkpoint_defaults: dict | None = None,
                        **overrides) -> SamplingParams:
