@@ -9,22 +9,19 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from test_serve_openai import serve_subprocess
 
 from sangam.demo.tokenizer import VOCAB_SIZE, write_tokenizer
 from sangam.testing import make_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -37,12 +34,6 @@ SLOW = dict(prompt="x", max_tokens=POOL_TOKENS - 16, block_length=1, unmasking="
 MEDIUM = {**SLOW, "max_tokens": 96}  # two fit the pool at once
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, str]]:
     """``sangam serve CKPT`` (the console entry point, model given positionally as with
@@ -52,31 +43,12 @@ def server(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, str]]:
                          max_position=CONTEXT)
     write_tokenizer(ckpt)
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    port = _free_port()
-    args = [str(ckpt), "--device", "cpu", "--port", str(port), "--api-key", KEY,
+    args = [str(ckpt), "--device", "cpu", "--api-key", KEY,
             "--served-model-name", MODEL, "--num-pages", "16", "--page-size", "16",
             "--max-queue-len", str(MAX_QUEUE_LEN), "--block-length", "4",
             "--max-tokens-default", "8", "--shutdown-grace", "2", "--log-level", "warning"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny model: threads only add overhead
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sangam.cli", "serve", *args], cwd=REPO,
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"server exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=30)
+    with serve_subprocess(args, log, entry=("-m", "sangam.cli", "serve")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -42,13 +42,15 @@ def _free_port() -> int:
 
 
 @contextmanager
-def serve_subprocess(args: list[str], log: Path) -> Iterator[tuple[subprocess.Popen, str]]:
-    """``python -m sangam.serve ARGS`` on a free loopback port, once /health answers."""
+def serve_subprocess(args: list[str], log: Path, entry: tuple[str, ...] = ("-m", "sangam.serve")
+                     ) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``python ENTRY ARGS`` (``-m sangam.serve`` by default) on a free loopback port, once
+    /health answers."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny model: threads only add overhead
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sangam.serve", "--port", str(port),
-                                 *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, *entry, "--port", str(port), *args], cwd=REPO,
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

@@ -21,7 +21,6 @@ from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.model_runner import ModelRunner
 from sangam.engine.request import Request, RequestMetrics
 from sangam.engine.scheduler import BatchBuilder, ScheduledBatch
-from sangam.engine.stop_strings import visible_text
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 
@@ -183,12 +182,5 @@ class Engine:
             len(batch.prefills) + len(batch.decodes), len(batch.prefills), seconds))
 
     def _output(self, t: _Tracked, finished: bool, reason: str | None) -> RequestOutput:
-        tokens = t.state.output_token_ids()
-        return RequestOutput(
-            request_id=t.request.request_id, prompt_token_ids=t.prompt_ids, token_ids=tokens,
-            text=visible_text(self.loaded.decode(tokens), t.state.params.stop, finished),
-            num_forwards=t.state.num_forwards,
-            logprobs=(t.state.output_logprobs(len(tokens))
-                      if t.state.params.logprobs is not None else None),
-            finished=finished, finish_reason=reason if finished else None,
-            metrics=request_metrics(t.request.metrics, t.state))
+        return self.loaded.output(t.request.request_id, t.prompt_ids, t.state, finished, reason,
+                                  request_metrics(t.request.metrics, t.state))

@@ -11,6 +11,7 @@ import torch
 
 from sangam.config import EngineConfig
 from sangam.decoding.state import DecodeState
+from sangam.engine.stop_strings import visible_text
 from sangam.models import (
     AttentionBackend,
     DiffusionLM,
@@ -20,7 +21,7 @@ from sangam.models import (
     load_tokenizer,
     stop_token_ids,
 )
-from sangam.sampling_params import SamplingParams
+from sangam.sampling_params import RequestOutput, SamplingParams
 
 
 def default_device() -> str:
@@ -156,3 +157,17 @@ class LoadedModel:
         seed = params.seed if params.seed is not None else rng.getrandbits(63)
         return DecodeState(list(prompt_ids), params, self.config.mask_token_id, self.stop_ids,
                            self.config.shift_logits, seed)
+
+    def output(self, request_id: str, prompt_ids: list[int], state: DecodeState,
+               finished: bool, reason: str | None, metrics: dict) -> RequestOutput:
+        """What the caller sees of a request now: its tokens, their text (which, while the
+        request runs, holds back what could still become a stop string), their logprobs when
+        asked for."""
+        tokens = state.output_token_ids()
+        return RequestOutput(
+            request_id=request_id, prompt_token_ids=prompt_ids, token_ids=tokens,
+            text=visible_text(self.decode(tokens), state.params.stop, finished),
+            num_forwards=state.num_forwards,
+            logprobs=(state.output_logprobs(len(tokens))
+                      if state.params.logprobs is not None else None),
+            finished=finished, finish_reason=reason if finished else None, metrics=metrics)

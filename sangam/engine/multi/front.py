@@ -59,7 +59,6 @@ from sangam.engine.multi import launcher
 from sangam.engine.multi import messages as msg
 from sangam.engine.request import Request
 from sangam.engine.router import Router
-from sangam.engine.stop_strings import visible_text
 from sangam.models import load_tokenizer, read_config, resolve_dtype, stop_token_ids
 from sangam.sampling_params import RequestOutput, SamplingParams
 
@@ -556,16 +555,9 @@ class MultiWorkerEngine:
         self._outputs.append(self._output(e, False, None))
 
     def _output(self, e: _Entry, finished: bool, reason: str | None) -> RequestOutput:
-        tokens = e.state.output_token_ids()
-        return RequestOutput(
-            request_id=e.request.request_id, prompt_token_ids=e.prompt_ids, token_ids=tokens,
-            text=visible_text(self.loaded.decode(tokens), e.state.params.stop, finished),
-            num_forwards=e.state.num_forwards,
-            logprobs=(e.state.output_logprobs(len(tokens))
-                      if e.state.params.logprobs is not None else None),
-            finished=finished, finish_reason=reason if finished else None,
-            metrics={"kv_bytes": e.kv_bytes, "kv_transfers": e.kv_transfers,
-                     "restarts": e.restarts})
+        return self.loaded.output(e.request.request_id, e.prompt_ids, e.state, finished, reason,
+                                  {"kv_bytes": e.kv_bytes, "kv_transfers": e.kv_transfers,
+                                   "restarts": e.restarts})
 
     # Failures.
     def _check_workers(self) -> None:
