@@ -91,7 +91,7 @@ def server(chat_ckpt, server_log) -> str:
     args = ["--model", chat_ckpt, "--device", "cpu", "--dtype", "float64",
             "--served-model-name", MODEL, "--block-length", str(DEFAULTS["block_length"]),
             "--max-tokens-default", str(DEFAULTS["max_tokens"]), "--num-pages", "1024",
-            "--log-stats-interval", "1"]
+            "--log-stats-interval", "1", "--enable-log-requests"]
     with serve_subprocess(args, server_log) as (_, base):
         yield base
 
@@ -425,6 +425,19 @@ def test_stats_are_logged_periodically(server, server_log):
     assert "decode" in line and "tok/s" in line and "KV pool" in line and "in flight" in line
 
 
+def test_requests_are_logged(client, server_log):
+    """--enable-log-requests: a line when a request arrives and one when it ends."""
+    res = client.completions.create(model=MODEL, prompt="log me", max_tokens=8,
+                                    extra_body={"stop_at_eos": False})
+    deadline = time.monotonic() + 10
+    while f"Finished request {res.id}:" not in server_log.read_text():
+        assert time.monotonic() < deadline, server_log.read_text()[-2000:]
+        time.sleep(0.1)
+    log = server_log.read_text()
+    assert f"Received request {res.id}: 6 prompt tokens, SamplingParams(max_tokens=8," in log
+    assert f"Finished request {res.id}: length, 8 tokens, {res.usage.num_forwards} forwards" in log
+
+
 def test_stats_line_is_quiet_when_idle(dream_path):
     from sangam.serve.metrics import ServerMetrics
 
@@ -536,6 +549,8 @@ def test_every_config_field_is_a_flag():
     args = parser.parse_args([])
     assert EngineConfig.from_cli_args(args) == EngineConfig()
     assert ServerConfig.from_cli_args(args) == ServerConfig()
-    args = parser.parse_args(["--token-budget", "512", "--api-key", "k", "--port", "9"])
+    args = parser.parse_args(["--token-budget", "512", "--api-key", "k", "--port", "9",
+                              "--enable-log-requests"])
     assert EngineConfig.from_cli_args(args).token_budget == 512
     assert ServerConfig.from_cli_args(args).api_key == "k"
+    assert ServerConfig.from_cli_args(args).enable_log_requests

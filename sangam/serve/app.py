@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -70,6 +71,7 @@ Stream = tuple[AsyncGenerator[RequestOutput, None], RequestOutput]  # (generator
 
 RETRY_AFTER_S = 1  # a full queue drains at the pace of whole requests: retry soon
 METRICS_INGEST_PERIOD_S = 1.0
+LOGGED_PARAMS_CHARS = 500  # --enable-log-requests: stop strings can make parameters long
 MAX_ERRORS_SHOWN = 4
 
 
@@ -247,6 +249,10 @@ def _chat_logprobs(step: _Step) -> ChatLogprobs | None:
         for p, lp in zip(step.pieces, step.logprobs)])
 
 
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _finish_reason(out: RequestOutput) -> str | None:
     return out.finish_reason if out.finished else None
 
@@ -356,10 +362,16 @@ class _Server:
     # Submission.
     async def _generate(self, ids: list[int], params: SamplingParams,
                         request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        """``engine.generate`` plus outcome counters; closing this closes (aborts) that."""
+        """``engine.generate`` plus outcome counters (and log lines, with
+        --enable-log-requests); closing this closes (aborts) that."""
         m = self.metrics
+        log = self.config.enable_log_requests
         done = rejected = False
         self.in_flight.add(request_id)
+        if log:
+            start = time.monotonic()
+            logger.info("Received request %s: %d prompt tokens, %s", request_id, len(ids),
+                        _clip(repr(params), LOGGED_PARAMS_CHARS))
         try:
             async with contextlib.aclosing(self.engine.generate(ids, params, request_id)) as outs:
                 async for out in outs:
@@ -369,17 +381,26 @@ class _Server:
                             m.requests_aborted.inc()
                         else:
                             m.requests_finished.labels(out.finish_reason).inc()
+                        if log:
+                            logger.info("Finished request %s: %s, %d tokens, %d forwards, "
+                                        "%.3f s", request_id, out.finish_reason,
+                                        len(out.token_ids), out.num_forwards,
+                                        time.monotonic() - start)
                     yield out
         except ValueError as e:  # refused at submission: counted, then mapped to a status
             rejected = True
             reason = ("queue_full" if isinstance(e, QueueFull) else
                       "kv_pool" if isinstance(e, RequestRejected) else "invalid")
             m.requests_rejected.labels(reason).inc()
+            if log:
+                logger.info("Refused request %s (%s): %s", request_id, reason, e)
             raise
         finally:
             self.in_flight.discard(request_id)
             if not done and not rejected:
                 m.requests_aborted.inc()
+                if log:
+                    logger.info("Aborted request %s before it finished", request_id)
 
     async def abort_all(self) -> None:
         """End every request in flight now: each finishes with finish_reason "abort", so its

@@ -47,6 +47,9 @@ class ServerConfig:
         "Log level", choices=("critical", "error", "warning", "info", "debug")))
     log_stats_interval: float = field(default=10.0, metadata=_meta(
         "Seconds between log lines of engine stats (throughput, queue, KV pool use); 0: none"))
+    enable_log_requests: bool = field(default=False, metadata=_meta(
+        "Log a line when each request is received (prompt length, sampling parameters) and "
+        "when it ends (reason, tokens, forwards, seconds), as vLLM's --enable-log-requests"))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -75,7 +78,9 @@ class ServerConfig:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
             kw = dict(f.metadata)
-            if isinstance(f.default, (int, float)):
+            if isinstance(f.default, bool):
+                kw["action"] = argparse.BooleanOptionalAction
+            elif isinstance(f.default, (int, float)):
                 kw["type"] = type(f.default)
             elif f.name in ("max_tokens_default", "block_length"):
                 kw["type"] = int
