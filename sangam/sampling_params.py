@@ -33,6 +33,10 @@ class SamplingParams:
     # 0: return each output token's log-probability at the step that committed it (vLLM's
     # meaning of 0); None: none. Alternatives (> 0) are not computed.
     logprobs: int | None = None
+    # With temperature > 0, sample only among the most probable tokens (vLLM's meaning): the
+    # top_k first (0 or -1: all), and of those the fewest reaching probability top_p (1: all).
+    top_p: float = 1.0
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -74,6 +78,17 @@ class SamplingParams:
         need(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs == 0),
              f"logprobs must be None or 0 (the committed token's own; alternatives are not "
              f"computed), got {self.logprobs!r}")
+        need(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
+             f"top_p must be in (0, 1], got {self.top_p!r}")
+        need(_is_int(self.top_k) and self.top_k >= -1,
+             f"top_k must be an integer >= 0 (0 or -1: all tokens), got {self.top_k!r}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+
+    @property
+    def restricts_sampling(self) -> bool:
+        """Whether top_p / top_k change anything (greedy decoding takes the top token anyway)."""
+        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0)
 
     @property
     def canvas_length(self) -> int:

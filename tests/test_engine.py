@@ -25,6 +25,7 @@ def loaded(llada_path, dream_path):
 
 def _workload(n: int, seed: int, block_lengths=(4, 8), caches=("dual", "prefix", "none")):
     rng = random.Random(seed)
+    nucleus = random.Random(-seed)  # its own stream: the other fields stay as they were
     reqs = []
     for i in range(n):
         prompt = [rng.randrange(2, 150) for _ in range(rng.choice([1, 5, 15, 16, 17, 31, 40]))]
@@ -32,7 +33,8 @@ def _workload(n: int, seed: int, block_lengths=(4, 8), caches=("dual", "prefix",
             max_tokens=rng.choice([8, 13, 24]), block_length=rng.choice(block_lengths),
             cache=rng.choice(caches), seed=i,
             temperature=rng.choice([0.0, 0.0, 2.0]), stop_at_eos=rng.random() < 0.5,
-            logprobs=0 if i % 2 else None, **rng.choice(RULES))
+            logprobs=0 if i % 2 else None, top_p=nucleus.choice([1.0, 0.9, 0.3]),
+            top_k=nucleus.choice([0, 0, 4]), **rng.choice(RULES))
         reqs.append((f"r{i}", prompt, params))
     return reqs
 
@@ -41,7 +43,7 @@ _REFERENCE_CACHE = {}
 
 
 def _reference(lm, reqs):
-    key = (lm.path, tuple(r[0] for r in reqs))
+    key = (lm.path, tuple((rid, tuple(prompt), params) for rid, prompt, params in reqs))
     if key not in _REFERENCE_CACHE:
         _REFERENCE_CACHE[key] = _decode_one_by_one(lm, reqs)
     return _REFERENCE_CACHE[key]
@@ -159,7 +161,7 @@ def test_padded_decode_batches_match_reference(loaded, arch):
     # The CUDA-graph path's padding and static buffers, run eagerly on CPU: batches of 8-token
     # DualCache steps are padded to buckets 1, 2, 4, 6 and must still give the reference tokens.
     lm = loaded[arch]
-    reqs = _workload(14, seed=21, block_lengths=(8,), caches=("dual",))
+    reqs = _workload(18, seed=21, block_lengths=(8,), caches=("dual",))
     cfg = EngineConfig(model=lm.path, device="cpu", dtype="float64", page_size=4, num_pages=400,
                        max_batch_size=6)
     engine = Engine(cfg, lm)

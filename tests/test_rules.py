@@ -82,3 +82,55 @@ def test_temperature_limits():
     for bad in (float("inf"), float("nan"), 1e30, -1.0):
         with pytest.raises(ValueError, match="temperature"):
             SamplingParams(temperature=bad)
+
+
+def _support_by_hand(row: list[float], top_p: float, top_k: int) -> set[int]:
+    """vLLM's rule on one row of probabilities, the slow way."""
+    ranked = sorted(range(len(row)), key=lambda i: (-row[i], i))
+    if top_k > 0:
+        ranked = ranked[:top_k]
+    kept, total = [], 0.0
+    for i in ranked:
+        if kept and total >= top_p:
+            break
+        kept.append(i)
+        total += row[i]
+    return set(kept)
+
+
+@pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.5, 0), (0.9, 0), (1.0, 3), (0.8, 2),
+                                         (1e-9, 0)])
+def test_top_p_top_k_sample_only_the_nucleus(top_p, top_k):
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(400, 9, generator=gen, dtype=torch.float64) * 2
+    logits[:50, 4] = logits[:50, 5]  # ties at the boundary: the lower id ranks first
+    keys = torch.tensor([row_key(noise_key(7, 0, 0), i) for i in range(400)])
+    temp = torch.full((400,), 1.5)
+    tokens, conf = score_logits(logits, 8, temp, keys, torch.full((400,), top_p),
+                                torch.full((400,), top_k))
+    unrestricted, _ = score_logits(logits, 8, temp, keys)
+    x = logits.clone()
+    x[:, 8] = float("-inf")
+    tempered = torch.softmax(x / 1.5, -1)
+    for r in range(400):
+        support = _support_by_hand(tempered[r].tolist(), top_p, top_k)
+        assert tokens[r].item() in support, r
+        if unrestricted[r].item() in support:  # the same Gumbel draw, argmax over fewer tokens
+            assert tokens[r] == unrestricted[r], r
+    assert torch.equal(tokens, unrestricted) == ((top_p, top_k) == (1.0, 0))
+    # Confidence stays the untempered probability of the sampled token (DESIGN §2).
+    torch.testing.assert_close(conf, torch.softmax(x, -1).gather(1, tokens[:, None])[:, 0])
+    if top_p == 1e-9 or top_k == 1:
+        assert torch.equal(tokens, x.argmax(-1))
+
+
+def test_top_p_top_k_validation():
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "all tokens"
+    assert not SamplingParams(top_p=0.5).restricts_sampling  # greedy: the top token anyway
+    assert SamplingParams(top_p=0.5, temperature=1.0).restricts_sampling
+    for bad in (0.0, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(top_p=bad)
+    for bad in (-2, 1.5, True):
+        with pytest.raises(ValueError, match="top_k"):
+            SamplingParams(top_k=bad)

@@ -119,7 +119,10 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "stop": "x" * 2000}, 400, "at most"),
     (CMPL, {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     (CMPL, {"prompt": "hi", "ignore_eos": True, "stop_at_eos": True}, 400, "contradict"),
-    (CMPL, {"prompt": "hi", "top_p": 0.5}, 400, "unsupported"),
+    (CMPL, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    (CMPL, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    (CMPL, {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    (CMPL, {"prompt": "hi", "presence_penalty": 0.5}, 400, "unsupported"),
     (CMPL, {"prompt": "hi", "unmasking": "random"}, 400, "unmasking"),
     (CMPL, {"prompt": "hi", "threshold": 1.5}, 400, "threshold"),
     (CMPL, {"prompt": "hi", "factor": 0}, 400, "factor"),
@@ -270,6 +273,8 @@ _optional = {
     "model": st.just(MODEL),
     "max_tokens": st.integers(1, 12),
     "temperature": st.floats(0, 3),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(-1, 8),
     "seed": st.integers(0, 2**63 - 1),
     "block_length": st.integers(1, 8),
     "unmasking": st.sampled_from(["threshold", "factor", "topk"]),
@@ -287,7 +292,7 @@ _optional = {
     "n": st.integers(1, 3),
     "tokens": st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=6),  # /detokenize
 }
-_names = sorted({*_valid, *_optional, "logprobs", "echo", "best_of", "stop", "top_p",
+_names = sorted({*_valid, *_optional, "logprobs", "echo", "best_of", "stop", "presence_penalty",
                   "add_special_tokens"})
 # A plausible body, then 0-3 fields (known or not) replaced by arbitrary JSON.
 _bodies = st.tuples(

@@ -177,6 +177,19 @@ def test_server_defaults_apply(client, llm):
 
 
 
+def test_top_p_and_top_k(client, llm):
+    """OpenAI's top_p and vLLM's top_k reach the sampler: the same tokens as LLM's."""
+    opts = dict(temperature=1.5, seed=3, top_p=0.4)
+    res = client.completions.create(model=MODEL, prompt="nucleus", max_tokens=12, **opts,
+                                    extra_body={"top_k": 3, "stop_at_eos": False})
+    ref = llm.generate(["nucleus"], _params(max_tokens=12, top_k=3, stop_at_eos=False,
+                                            **opts))[0]
+    assert res.choices[0].token_ids == ref.token_ids
+    free = llm.generate(["nucleus"], _params(max_tokens=12, stop_at_eos=False, temperature=1.5,
+                                             seed=3))[0]
+    assert free.token_ids != ref.token_ids  # and they do restrict the samples
+
+
 def test_ignore_eos_is_the_inverse_of_stop_at_eos(client, llm):
     """vLLM's spelling, which its benchmark client sends. This prompt and seed meet EOS."""
     prompt, opts = "MRebhOmMKhzfxhcMbm", dict(temperature=1.5, seed=1)

@@ -8,13 +8,16 @@ from sangam.decoding.noise import gumbel_noise
 
 
 def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Tensor | None = None,
-                 row_keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 row_keys: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                 top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token and confidence for each row of ``logits [M, V]``.
 
     Temperature 0: token = argmax (first index on ties), confidence = its softmax probability.
-    Temperature t > 0: token = argmax(logits / t + Gumbel noise from ``row_keys``), confidence =
-    the *untempered* probability of that token. The mask token is never chosen. Math runs in
-    fp32, or fp64 for fp64 logits. Returns (int64 tokens, confidences in that dtype).
+    Temperature t > 0: token = argmax(logits / t + Gumbel noise from ``row_keys``) over the
+    tokens :func:`sampling_support` keeps (``top_p`` float ``[M]``, 1 = all; ``top_k`` int
+    ``[M]``, 0 = all), confidence = the *untempered* probability of that token. The mask token
+    is never chosen. Math runs in fp32, or fp64 for fp64 logits. Returns (int64 tokens,
+    confidences in that dtype).
     """
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(cdt, copy=True)
@@ -26,6 +29,26 @@ def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Te
         hot = (temperature > 0).nonzero().flatten()
         t = temperature[hot].to(cdt)[:, None]
         noisy = x[hot] / t + gumbel_noise(row_keys.to(x.device)[hot], x.shape[1], cdt)
+        if top_p is not None or top_k is not None:
+            p = (top_p if top_p is not None else torch.ones(len(x))).to(x.device)[hot]
+            k = (top_k if top_k is not None else torch.zeros(len(x))).to(x.device)[hot]
+            noisy[~sampling_support(x[hot] / t, p, k)] = float("-inf")
         tokens[hot] = noisy.argmax(dim=-1)
     conf = logp.gather(1, tokens[:, None]).squeeze(1).exp()
     return tokens, conf
+
+
+def sampling_support(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+                     ) -> torch.Tensor:
+    """Which tokens each row of tempered logits ``scaled [H, V]`` may sample (bool ``[H, V]``),
+    as in vLLM: rank tokens by probability (ties: lower id first), keep the ``top_k[i]`` first
+    (0: all) and, of those, the shortest prefix whose probability reaches ``top_p[i]`` (1: all).
+    The most probable token is always kept."""
+    order = torch.sort(scaled, dim=-1, descending=True, stable=True).indices
+    probs = torch.softmax(scaled, dim=-1).gather(1, order)
+    before = probs.cumsum(dim=-1) - probs  # probability ranked above each token
+    rank = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
+    keep = (before < top_p[:, None]) | (top_p[:, None] >= 1)
+    keep &= (rank < top_k[:, None]) | (top_k[:, None] <= 0)
+    keep[:, 0] = True
+    return torch.zeros_like(keep).scatter_(1, order, keep)

@@ -44,8 +44,10 @@ class ReferenceDecoder:
             ids = torch.from_numpy(state.tokens[plan.span_start:plan.span_end]).to(self.device)
             logits = self.model(ids, positions, meta, kv,
                                 torch.from_numpy(plan.rows).to(self.device))
+            n = len(plan.rows)
             tokens, conf = score_logits(logits, self.model.config.mask_token_id,
-                                        temp.expand(len(plan.rows)),
-                                        torch.from_numpy(plan.row_keys))
+                                        temp.expand(n), torch.from_numpy(plan.row_keys),
+                                        torch.full((n,), state.params.top_p, dtype=torch.float64),
+                                        torch.full((n,), state.params.top_k))
             state.apply(plan, tokens.cpu().numpy(), conf.cpu().numpy().astype(np.float64))
         return state

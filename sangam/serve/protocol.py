@@ -35,6 +35,8 @@ class _GenerationRequest(BaseModel):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = Field(default=None, le=MAX_TEMPERATURE)
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's extra field
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -52,7 +54,6 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool | None = None  # vLLM's extra field: the inverse of stop_at_eos
     n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt (None: 1)
     # OpenAI options Sangam does not implement: accepted only at their neutral values.
-    top_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -60,7 +61,6 @@ class _GenerationRequest(BaseModel):
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
         bad = {
-            "top_p": self.top_p not in (None, 1.0),
             "frequency_penalty": self.frequency_penalty not in (None, 0.0),
             "presence_penalty": self.presence_penalty not in (None, 0.0),
             "logit_bias": bool(self.logit_bias),
@@ -69,8 +69,9 @@ class _GenerationRequest(BaseModel):
 
     def sampling_overrides(self) -> dict[str, object]:
         """The SamplingParams fields this request sets explicitly."""
-        names = ("max_tokens", "temperature", "seed", "block_length", "unmasking", "threshold",
-                 "factor", "tokens_per_step", "cache", "stop_at_eos", "stop", "stop_token_ids")
+        names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "block_length",
+                 "unmasking", "threshold", "factor", "tokens_per_step", "cache", "stop_at_eos",
+                 "stop", "stop_token_ids")
         out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.ignore_eos is not None:
             if self.stop_at_eos is not None and self.stop_at_eos == self.ignore_eos:
