@@ -69,37 +69,39 @@ class ModelRunner:
             tokens, conf = score_logits(logits, self.loaded.config.mask_token_id,
                                         torch.from_numpy(batch.temperatures),
                                         torch.from_numpy(batch.row_keys))
+        if any(st.params.restricts_sampling for st in states):
+            self._rescore_restricted(logits, batch, states, tokens, conf)
         tokens = tokens.cpu().numpy()
         conf = conf.cpu().numpy().astype(np.float64)
-        if any(st.params.restricts_sampling for st in states):
-            self._resample_restricted(logits, batch, states, tokens, conf)
         block_done = self.host.apply(states, batch, tokens, conf)
         for st, done in zip(states, block_done):
             if done:
                 apply_stop_strings(st, self.loaded.decode)
         return block_done
 
-    def _resample_restricted(self, logits: torch.Tensor, batch: PackedBatch,
-                             states: list[DecodeState], tokens: np.ndarray,
-                             conf: np.ndarray) -> None:
-        """Score again, in place, the rows of requests sampling under top_p / top_k: the fused
-        kernel streams the vocabulary once and cannot rank it, so these rows take the
-        reference path (a [rows, vocab] copy, for those requests only)."""
+    def _rescore_restricted(self, logits: torch.Tensor, batch: PackedBatch,
+                            states: list[DecodeState], tokens: torch.Tensor,
+                            conf: torch.Tensor) -> None:
+        """Score again, in place and on the device, the rows of requests sampling under top_p /
+        top_k: the fused kernel streams the vocabulary once and cannot rank it, so these rows
+        take the reference path (a [rows, vocab] copy, for those requests only)."""
         cu = batch.cu_rows.tolist()
         picked = [i for i, st in enumerate(states) if st.params.restricts_sampling]
+        counts = [cu[i + 1] - cu[i] for i in picked]
         rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in picked])
         if rows.size == 0:
             return
-        counts = [cu[i + 1] - cu[i] for i in picked]
-        top_p = np.repeat([states[i].params.top_p for i in picked], counts)
-        top_k = np.repeat([states[i].params.top_k for i in picked], counts)
-        t, c = score_logits(logits[torch.from_numpy(rows).to(logits.device)],
-                            self.loaded.config.mask_token_id,
-                            torch.from_numpy(batch.temperatures[rows]),
-                            torch.from_numpy(batch.row_keys[rows]),
-                            torch.from_numpy(top_p), torch.from_numpy(top_k))
-        tokens[rows] = t.cpu().numpy()
-        conf[rows] = c.cpu().numpy()
+
+        def dev(a: np.ndarray) -> torch.Tensor:  # never waits for the GPU
+            return torch.from_numpy(np.ascontiguousarray(a)).to(logits.device, non_blocking=True)
+
+        index = dev(rows)
+        t, c = score_logits(logits[index], self.loaded.config.mask_token_id,
+                            dev(batch.temperatures[rows]), dev(batch.row_keys[rows]),
+                            dev(np.repeat([states[i].params.top_p for i in picked], counts)),
+                            dev(np.repeat([states[i].params.top_k for i in picked], counts)))
+        tokens[index] = t.to(tokens.dtype)
+        conf[index] = c.to(conf.dtype)
 
 
 def unmask_arrays(batch: PackedBatch, states: list[DecodeState]) -> dict[str, np.ndarray]:
