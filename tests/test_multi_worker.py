@@ -48,6 +48,7 @@ def _options(path, **layout):
 
 def _workload(n: int, seed: int):
     rng = random.Random(seed)
+    nucleus = random.Random(-seed)  # its own stream: the other fields stay as they were
     reqs = []
     for i in range(n):
         prompt = [rng.randrange(2, 150) for _ in range(rng.choice([1, 5, 15, 16, 17, 31, 40]))]
@@ -55,7 +56,7 @@ def _workload(n: int, seed: int):
             max_tokens=rng.choice([8, 13, 24]), block_length=rng.choice([4, 8]),
             cache=rng.choice(["dual", "dual", "prefix", "none"]), seed=i,
             temperature=rng.choice([0.0, 0.0, 2.0]), stop_at_eos=rng.random() < 0.5,
-            **rng.choice(RULES))
+            top_p=nucleus.choice([1.0, 0.5]), **rng.choice(RULES))
         reqs.append((f"r{i}", prompt, params))
     return reqs
 
