@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 UNMASKING_RULES = ("threshold", "factor", "topk")
@@ -12,6 +14,7 @@ MAX_TEMPERATURE = 1e4  # beyond it logits / t underflow to a uniform draw anyway
 # string's length): generous bounds that keep a request from stalling the server.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024  # biased tokens per request
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,10 @@ class SamplingParams:
     # top_k first (0 or -1: all), and of those the fewest reaching probability top_p (1: all).
     top_p: float = 1.0
     top_k: int = 0
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to this request's logits before
+    # they are scored, so the choice, the sampling and the confidence all see the biased logits.
+    # Kept as sorted (token id, bias) pairs.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -84,11 +91,26 @@ class SamplingParams:
              f"top_k must be an integer >= 0 (0 or -1: all tokens), got {self.top_k!r}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        bias = self.logit_bias or ()
+        pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
+        need(isinstance(pairs, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0
+            and _is_num(p[1]) and math.isfinite(p[1]) and -100 <= p[1] <= 100 for p in pairs),
+            f"logit_bias must map token ids to biases in [-100, 100], got {self.logit_bias!r}")
+        need(len(pairs) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+        need(len({t for t, _ in pairs}) == len(pairs), "logit_bias names a token twice")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
 
     @property
     def restricts_sampling(self) -> bool:
         """Whether top_p / top_k change anything (greedy decoding takes the top token anyway)."""
         return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0)
+
+    @property
+    def needs_full_scoring(self) -> bool:
+        """Whether scoring must rank or reweight the whole vocabulary (top_p / top_k sampling,
+        logit_bias), which the fused unmasking kernel does not do."""
+        return self.restricts_sampling or bool(self.logit_bias)
 
     @property
     def canvas_length(self) -> int:

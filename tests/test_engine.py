@@ -13,6 +13,7 @@ from sangam.engine.engine import Engine, QueueFull, RequestRejected
 from sangam.engine.loaded_model import LoadedModel
 from sangam.sampling_params import SamplingParams
 
+BIAS = {1: -100.0, 7: 3.0, 42: 1.5}  # EOS banned, two tokens favoured
 RULES = [dict(unmasking="threshold", threshold=0.9), dict(unmasking="threshold", threshold=0.5),
          dict(unmasking="factor", factor=1.0), dict(unmasking="topk", tokens_per_step=2)]
 
@@ -34,7 +35,8 @@ def _workload(n: int, seed: int, block_lengths=(4, 8), caches=("dual", "prefix",
             cache=rng.choice(caches), seed=i,
             temperature=rng.choice([0.0, 0.0, 2.0]), stop_at_eos=rng.random() < 0.5,
             logprobs=0 if i % 2 else None, top_p=nucleus.choice([1.0, 0.9, 0.3]),
-            top_k=nucleus.choice([0, 0, 4]), **rng.choice(RULES))
+            top_k=nucleus.choice([0, 0, 4]), logit_bias=nucleus.choice([{}, {}, BIAS]),
+            **rng.choice(RULES))
         reqs.append((f"r{i}", prompt, params))
     return reqs
 

@@ -275,6 +275,8 @@ _optional = {
     "temperature": st.floats(0, 3),
     "top_p": st.floats(0.01, 1),
     "top_k": st.integers(-1, 8),
+    "logit_bias": st.dictionaries(st.sampled_from(["1", "7", str(VOCAB_SIZE), "x"]),
+                                  st.floats(-120, 120), max_size=2),
     "seed": st.integers(0, 2**63 - 1),
     "block_length": st.integers(1, 8),
     "unmasking": st.sampled_from(["threshold", "factor", "topk"]),

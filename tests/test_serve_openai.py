@@ -190,6 +190,21 @@ def test_top_p_and_top_k(client, llm):
     assert free.token_ids != ref.token_ids  # and they do restrict the samples
 
 
+def test_logit_bias(client, llm):
+    ids = llm.tokenizer("aeiou", add_special_tokens=False)["input_ids"]
+    bias = {str(t): 100.0 for t in ids}  # JSON keys are strings
+    res = client.completions.create(model=MODEL, prompt="vowels", max_tokens=8, logit_bias=bias,
+                                    extra_body={"stop_at_eos": False})
+    ref = llm.generate(["vowels"], _params(max_tokens=8, stop_at_eos=False,
+                                           logit_bias={t: 100.0 for t in ids}))[0]
+    assert res.choices[0].token_ids == ref.token_ids
+    assert set(ref.token_ids) <= set(ids)  # the largest bias wins every position
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=MODEL, prompt="x", logit_bias={"a": 1.0})
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=MODEL, prompt="x", logit_bias={"99999": 1.0})
+
+
 def test_ignore_eos_is_the_inverse_of_stop_at_eos(client, llm):
     """vLLM's spelling, which its benchmark client sends. This prompt and seed meet EOS."""
     prompt, opts = "MRebhOmMKhzfxhcMbm", dict(temperature=1.5, seed=1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sangam.decoding.confidence import score_logits
+from sangam.decoding.confidence import bias_entries, score_logits
 from sangam.decoding.state import DecodeState
 from sangam.models.attention import AttentionMetadata, PagedKV
 from sangam.models.transformer import DiffusionLM
@@ -44,10 +44,13 @@ class ReferenceDecoder:
             ids = torch.from_numpy(state.tokens[plan.span_start:plan.span_end]).to(self.device)
             logits = self.model(ids, positions, meta, kv,
                                 torch.from_numpy(plan.rows).to(self.device))
-            n = len(plan.rows)
+            n, p = len(plan.rows), state.params
+            bias = bias_entries([p.logit_bias], [n])
             tokens, conf = score_logits(logits, self.model.config.mask_token_id,
                                         temp.expand(n), torch.from_numpy(plan.row_keys),
-                                        torch.full((n,), state.params.top_p, dtype=torch.float64),
-                                        torch.full((n,), state.params.top_k))
+                                        torch.full((n,), p.top_p, dtype=torch.float64),
+                                        torch.full((n,), p.top_k),
+                                        None if bias is None else tuple(
+                                            torch.from_numpy(b) for b in bias))
             state.apply(plan, tokens.cpu().numpy(), conf.cpu().numpy().astype(np.float64))
         return state

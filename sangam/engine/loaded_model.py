@@ -151,6 +151,9 @@ class LoadedModel:
                 f"prompt ({len(prompt_ids)} tokens) plus response canvas "
                 f"({params.canvas_length} tokens) is {total} tokens, beyond the model's context "
                 f"of {self.context_length}")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer and this checkpoint has none: use "
                              "stop_token_ids")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sangam.decoding.confidence import score_logits
+from sangam.decoding.confidence import bias_entries, score_logits
 from sangam.decoding.rules import RULE_IDS
 from sangam.decoding.state import DecodeState
 from sangam.engine.cuda_graphs import DecodeGraphRunner
@@ -69,8 +69,8 @@ class ModelRunner:
             tokens, conf = score_logits(logits, self.loaded.config.mask_token_id,
                                         torch.from_numpy(batch.temperatures),
                                         torch.from_numpy(batch.row_keys))
-        if any(st.params.restricts_sampling for st in states):
-            self._rescore_restricted(logits, batch, states, tokens, conf)
+        if any(st.params.needs_full_scoring for st in states):
+            self._rescore_full(logits, batch, states, tokens, conf)
         tokens = tokens.cpu().numpy()
         conf = conf.cpu().numpy().astype(np.float64)
         block_done = self.host.apply(states, batch, tokens, conf)
@@ -79,27 +79,30 @@ class ModelRunner:
                 apply_stop_strings(st, self.loaded.decode)
         return block_done
 
-    def _rescore_restricted(self, logits: torch.Tensor, batch: PackedBatch,
-                            states: list[DecodeState], tokens: torch.Tensor,
-                            conf: torch.Tensor) -> None:
-        """Score again, in place and on the device, the rows of requests sampling under top_p /
-        top_k: the fused kernel streams the vocabulary once and cannot rank it, so these rows
-        take the reference path (a [rows, vocab] copy, for those requests only)."""
+    def _rescore_full(self, logits: torch.Tensor, batch: PackedBatch, states: list[DecodeState],
+                      tokens: torch.Tensor, conf: torch.Tensor) -> None:
+        """Score again, in place and on the device, the rows of requests whose scoring ranks or
+        reweights the vocabulary (top_p / top_k sampling, logit_bias): the fused kernel streams
+        the vocabulary once and does neither, so these rows take the reference path (a
+        [rows, vocab] copy, for those requests only)."""
         cu = batch.cu_rows.tolist()
-        picked = [i for i, st in enumerate(states) if st.params.restricts_sampling]
-        counts = [cu[i + 1] - cu[i] for i in picked]
-        rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in picked])
+        picked_ids = [i for i, st in enumerate(states) if st.params.needs_full_scoring]
+        picked = [states[i].params for i in picked_ids]
+        counts = [cu[i + 1] - cu[i] for i in picked_ids]
+        rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in picked_ids])
         if rows.size == 0:
             return
 
         def dev(a: np.ndarray) -> torch.Tensor:  # never waits for the GPU
             return torch.from_numpy(np.ascontiguousarray(a)).to(logits.device, non_blocking=True)
 
+        bias = bias_entries([p.logit_bias for p in picked], counts)
         index = dev(rows)
         t, c = score_logits(logits[index], self.loaded.config.mask_token_id,
                             dev(batch.temperatures[rows]), dev(batch.row_keys[rows]),
-                            dev(np.repeat([states[i].params.top_p for i in picked], counts)),
-                            dev(np.repeat([states[i].params.top_k for i in picked], counts)))
+                            dev(np.repeat([p.top_p for p in picked], counts)),
+                            dev(np.repeat([p.top_k for p in picked], counts)),
+                            None if bias is None else tuple(dev(b) for b in bias))
         tokens[index] = t.to(tokens.dtype)
         conf[index] = c.to(conf.dtype)
 

@@ -53,17 +53,16 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None  # vLLM's extra field
     ignore_eos: bool | None = None  # vLLM's extra field: the inverse of stop_at_eos
     n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt (None: 1)
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias
     # OpenAI options Sangam does not implement: accepted only at their neutral values.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
         bad = {
             "frequency_penalty": self.frequency_penalty not in (None, 0.0),
             "presence_penalty": self.presence_penalty not in (None, 0.0),
-            "logit_bias": bool(self.logit_bias),
         }
         return [name for name, is_bad in bad.items() if is_bad]
 
@@ -77,6 +76,11 @@ class _GenerationRequest(BaseModel):
             if self.stop_at_eos is not None and self.stop_at_eos == self.ignore_eos:
                 raise ValueError("ignore_eos and stop_at_eos contradict each other: give one")
             out["stop_at_eos"] = not self.ignore_eos
+        if self.logit_bias:
+            if not all(k.isdecimal() for k in self.logit_bias):
+                raise ValueError(f"logit_bias keys must be token ids, got "
+                                 f"{[k for k in self.logit_bias if not k.isdecimal()][:5]}")
+            out["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         return out
 
     @property
