@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -106,7 +107,7 @@ class SamplingParams:
         """Whether top_p / top_k change anything (greedy decoding takes the top token anyway)."""
         return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0)
 
-    @property
+    @functools.cached_property  # read for every request of every iteration
     def needs_full_scoring(self) -> bool:
         """Whether scoring must rank or reweight the whole vocabulary (top_p / top_k sampling,
         logit_bias), which the fused unmasking kernel does not do."""
