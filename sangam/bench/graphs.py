@@ -24,6 +24,7 @@ import sys
 import numpy as np
 import torch
 
+from sangam.bench.report import parse_int_list
 from sangam.config import EngineConfig
 from sangam.engine.engine import Engine
 from sangam.engine.loaded_model import LoadedModel, make_attention_backend
@@ -120,20 +121,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sizes(text: str) -> list[int]:
-    sizes = [int(x) for x in text.split(",") if x.strip()]
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers: {text!r}")
-    return sizes
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "graphs", help="decode iteration time with and without CUDA graphs (GPU)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--geometry", choices=("llada", "dream"), default="llada",
                    help="model shape on a GPU (random weights)")
-    p.add_argument("--batch-sizes", type=_sizes, default=[1, 16, 64],
+    p.add_argument("--batch-sizes", type=parse_int_list, default=[1, 16, 64],
                    help="comma-separated requests per batch")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--block-length", type=int, default=32,

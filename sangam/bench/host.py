@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from sangam.bench.report import parse_int_list
 from sangam.decoding.state import DecodeState
 from sangam.engine.device_batch import BatchUploader
 from sangam.engine.host_batch import IMPLS, cext_available, make_host_batcher
@@ -84,7 +85,7 @@ def measure(batch: int, iters: int, impl: str = "python", prompt_len: int = 512,
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    sizes = args.batch_sizes
     impls = [i for i in IMPLS if i == "python" or cext_available()]
     if args.impl != "both":
         impls = [args.impl]
@@ -113,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("host", help="host-side microseconds per iteration (no model forward)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch-sizes", default="1,16,64,256")
+    p.add_argument("--batch-sizes", type=parse_int_list, default=[1, 16, 64, 256],
+                   help="comma-separated requests per batch")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3,
                    help="measure each cell this many times, alternating impls; keep the best")

@@ -174,6 +174,17 @@ def parse_float_list(text: str) -> list[float]:
     return vals
 
 
+def parse_int_list(text: str) -> list[int]:
+    """``"1,16,64"`` -> ``[1, 16, 64]``: positive integers."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from e
+    if not vals or min(vals) < 1:
+        raise ValueError(f"expected positive integers, got {text!r}")
+    return vals
+
+
 def parse_overrides(spec: str, cls) -> dict:
     """``"policy=fastdllm,token_budget=512"`` -> typed field overrides of dataclass ``cls``."""
     fields = {f.name: f for f in dataclasses.fields(cls)}

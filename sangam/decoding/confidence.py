@@ -34,12 +34,12 @@ def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Te
     if temperature is not None and bool((temperature > 0).any()):
         temperature = temperature.to(x.device)
         hot = (temperature > 0).nonzero().flatten()
-        t = temperature[hot].to(cdt)[:, None]
-        noisy = x[hot] / t + gumbel_noise(row_keys.to(x.device)[hot], x.shape[1], cdt)
+        scaled = x[hot] / temperature[hot].to(cdt)[:, None]
+        noisy = scaled + gumbel_noise(row_keys.to(x.device)[hot], x.shape[1], cdt)
         if top_p is not None or top_k is not None:
             p = (top_p if top_p is not None else torch.ones(len(x))).to(x.device)[hot]
             k = (top_k if top_k is not None else torch.zeros(len(x))).to(x.device)[hot]
-            noisy[~sampling_support(x[hot] / t, p, k)] = float("-inf")
+            noisy[~sampling_support(scaled, p, k)] = float("-inf")
         tokens[hot] = noisy.argmax(dim=-1)
     conf = logp.gather(1, tokens[:, None]).squeeze(1).exp()
     return tokens, conf

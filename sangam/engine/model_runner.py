@@ -22,6 +22,7 @@ from sangam.engine.host_batch import PackedBatch, make_host_batcher
 from sangam.engine.kv_pool import KVPool
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.stop_strings import apply_stop_strings
+from sangam.sampling_params import SamplingParams
 
 
 class ModelRunner:
@@ -69,8 +70,10 @@ class ModelRunner:
             tokens, conf = score_logits(logits, self.loaded.config.mask_token_id,
                                         torch.from_numpy(batch.temperatures),
                                         torch.from_numpy(batch.row_keys))
-        if any(st.params.needs_full_scoring for st in states):
-            self._rescore_full(logits, batch, states, tokens, conf)
+        full = [i for i, st in enumerate(states) if st.params.needs_full_scoring]
+        if full:
+            self._rescore_full(logits, batch, [states[i].params for i in full], full, tokens,
+                               conf)
         tokens = tokens.cpu().numpy()
         conf = conf.cpu().numpy().astype(np.float64)
         block_done = self.host.apply(states, batch, tokens, conf)
@@ -79,15 +82,15 @@ class ModelRunner:
                 apply_stop_strings(st, self.loaded.decode)
         return block_done
 
-    def _rescore_full(self, logits: torch.Tensor, batch: PackedBatch, states: list[DecodeState],
-                      tokens: torch.Tensor, conf: torch.Tensor) -> None:
-        """Score again, in place and on the device, the rows of requests whose scoring ranks or
-        reweights the vocabulary (top_p / top_k sampling, logit_bias): the fused kernel streams
-        the vocabulary once and does neither, so these rows take the reference path (a
-        [rows, vocab] copy, for those requests only)."""
+    def _rescore_full(self, logits: torch.Tensor, batch: PackedBatch,
+                      picked: list[SamplingParams], picked_ids: list[int], tokens: torch.Tensor,
+                      conf: torch.Tensor) -> None:
+        """Score again, in place and on the device, the rows of the requests ``picked_ids``
+        (batch positions; ``picked``: their parameters), whose scoring ranks or reweights the
+        vocabulary (top_p / top_k sampling, logit_bias): the fused kernel streams the vocabulary
+        once and does neither, so these rows take the reference path (a [rows, vocab] copy, for
+        those requests only)."""
         cu = batch.cu_rows.tolist()
-        picked_ids = [i for i, st in enumerate(states) if st.params.needs_full_scoring]
-        picked = [states[i].params for i in picked_ids]
         counts = [cu[i + 1] - cu[i] for i in picked_ids]
         rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in picked_ids])
         if rows.size == 0:
