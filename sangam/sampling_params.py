@@ -16,6 +16,7 @@ MAX_TEMPERATURE = 1e4  # beyond it logits / t underflow to a uniform draw anyway
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024  # biased tokens per request
+MAX_PENALTY = 2.0  # presence / frequency penalties, OpenAI's range
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,15 @@ class SamplingParams:
     # they are scored, so the choice, the sampling and the confidence all see the biased logits.
     # Kept as sorted (token id, bias) pairs.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Penalties on tokens the response already holds (its committed tokens before the first stop
+    # id; see sangam/decoding/logit_edits.py): OpenAI's presence / frequency penalties, subtracted
+    # from the logits, and vLLM's repetition_penalty (1: off), which also covers prompt tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # vLLM's min_tokens: the stop ids (EOS, stop_token_ids) cannot be committed at the first
+    # min_tokens response positions. Stop strings still end the response where they appear.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -101,17 +111,32 @@ class SamplingParams:
         need(len(pairs) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
         need(len({t for t, _ in pairs}) == len(pairs), "logit_bias names a token twice")
         object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            need(_is_num(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                 f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        need(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0,
+             f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
 
     @property
     def restricts_sampling(self) -> bool:
         """Whether top_p / top_k change anything (greedy decoding takes the top token anyway)."""
         return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0)
 
+    @property
+    def penalizes(self) -> bool:
+        """Whether any penalty on the tokens already generated is on."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
     @functools.cached_property  # read for every request of every iteration
     def needs_full_scoring(self) -> bool:
-        """Whether scoring must rank or reweight the whole vocabulary (top_p / top_k sampling,
-        logit_bias), which the fused unmasking kernel does not do."""
-        return self.restricts_sampling or bool(self.logit_bias)
+        """Whether scoring must rank or reweight the whole vocabulary at every step (top_p /
+        top_k sampling, logit_bias, penalties), which the fused unmasking kernel does not do.
+        ``min_tokens`` needs it only early on: see ``DecodeState.needs_full_scoring``."""
+        return self.restricts_sampling or bool(self.logit_bias) or self.penalizes
 
     @property
     def canvas_length(self) -> int:

@@ -36,9 +36,16 @@ def _workload(n: int, seed: int, block_lengths=(4, 8), caches=("dual", "prefix",
             temperature=rng.choice([0.0, 0.0, 2.0]), stop_at_eos=rng.random() < 0.5,
             logprobs=0 if i % 2 else None, top_p=nucleus.choice([1.0, 0.9, 0.3]),
             top_k=nucleus.choice([0, 0, 4]), logit_bias=nucleus.choice([{}, {}, BIAS]),
-            **rng.choice(RULES))
+            **_penalties(nucleus), **rng.choice(RULES))
         reqs.append((f"r{i}", prompt, params))
     return reqs
+
+
+def _penalties(rng: random.Random) -> dict:
+    """Penalties and min_tokens, each on in about a third of the requests."""
+    return dict(presence_penalty=rng.choice([0.0, 0.0, 0.5]),
+                frequency_penalty=rng.choice([0.0, 0.0, 0.7]),
+                repetition_penalty=rng.choice([1.0, 1.0, 1.4]), min_tokens=rng.choice([0, 0, 6]))
 
 
 _REFERENCE_CACHE = {}

@@ -56,7 +56,8 @@ def _workload(n: int, seed: int):
             max_tokens=rng.choice([8, 13, 24]), block_length=rng.choice([4, 8]),
             cache=rng.choice(["dual", "dual", "prefix", "none"]), seed=i,
             temperature=rng.choice([0.0, 0.0, 2.0]), stop_at_eos=rng.random() < 0.5,
-            top_p=nucleus.choice([1.0, 0.5]), **rng.choice(RULES))
+            top_p=nucleus.choice([1.0, 0.5]), frequency_penalty=nucleus.choice([0.0, 0.8]),
+            min_tokens=nucleus.choice([0, 5]), **rng.choice(RULES))
         reqs.append((f"r{i}", prompt, params))
     return reqs
 

@@ -5,7 +5,6 @@ import torch
 
 from sangam import SamplingParams
 from sangam.decoding import gumbel_noise, noise_key, row_key, score_logits, select_commits
-from sangam.decoding.confidence import bias_entries
 from sangam.decoding.noise import mix32, mix32_tensor
 
 
@@ -135,21 +134,6 @@ def test_top_p_top_k_validation():
     for bad in (-2, 1.5, True):
         with pytest.raises(ValueError, match="top_k"):
             SamplingParams(top_k=bad)
-
-
-def test_logit_bias_reweights_before_scoring():
-    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0], [3.0, 3.0, 0.0, 0.0]], dtype=torch.float64)
-    bias = bias_entries([((0, 2.5), (3, -100.0))], [2])
-    tokens, conf = score_logits(logits, 2, bias=tuple(torch.from_numpy(b) for b in bias))
-    biased = logits + torch.tensor([2.5, 0.0, 0.0, -100.0], dtype=torch.float64)
-    biased[:, 2] = float("-inf")  # the mask token stays excluded, whatever the bias
-    assert tokens.tolist() == [0, 0]
-    torch.testing.assert_close(conf, torch.softmax(biased, -1)[:, 0])
-    # Groups of rows: only the biased group's rows, each with every pair.
-    rows, ids, vals = bias_entries([(), ((5, 1.0), (9, -2.0)), ()], [2, 3, 1])
-    assert rows.tolist() == [2, 2, 3, 3, 4, 4]
-    assert ids.tolist() == [5, 9] * 3 and vals.tolist() == [1.0, -2.0] * 3
-    assert bias_entries([(), ()], [3, 1]) is None
 
 
 def test_logit_bias_validation():

@@ -122,7 +122,11 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     (CMPL, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     (CMPL, {"prompt": "hi", "top_k": -2}, 400, "top_k"),
-    (CMPL, {"prompt": "hi", "presence_penalty": 0.5}, 400, "unsupported"),
+    (CMPL, {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (CMPL, {"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    (CMPL, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (CMPL, {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    (CMPL, {"prompt": "hi", "suffix": "x"}, 400, "unsupported"),
     (CMPL, {"prompt": "hi", "unmasking": "random"}, 400, "unmasking"),
     (CMPL, {"prompt": "hi", "threshold": 1.5}, 400, "threshold"),
     (CMPL, {"prompt": "hi", "factor": 0}, 400, "factor"),
@@ -277,6 +281,10 @@ _optional = {
     "top_k": st.integers(-1, 8),
     "logit_bias": st.dictionaries(st.sampled_from(["1", "7", str(VOCAB_SIZE), "x"]),
                                   st.floats(-120, 120), max_size=2),
+    "presence_penalty": st.floats(-2.5, 2.5),
+    "frequency_penalty": st.floats(-2.5, 2.5),
+    "repetition_penalty": st.floats(0, 3),
+    "min_tokens": st.integers(0, 14),
     "seed": st.integers(0, 2**63 - 1),
     "block_length": st.integers(1, 8),
     "unmasking": st.sampled_from(["threshold", "factor", "topk"]),
@@ -294,7 +302,7 @@ _optional = {
     "n": st.integers(1, 3),
     "tokens": st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=6),  # /detokenize
 }
-_names = sorted({*_valid, *_optional, "logprobs", "echo", "best_of", "stop", "presence_penalty",
+_names = sorted({*_valid, *_optional, "logprobs", "echo", "best_of", "stop", "suffix",
                   "add_special_tokens"})
 # A plausible body, then 0-3 fields (known or not) replaced by arbitrary JSON.
 _bodies = st.tuples(

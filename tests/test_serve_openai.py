@@ -205,6 +205,20 @@ def test_logit_bias(client, llm):
         client.completions.create(model=MODEL, prompt="x", logit_bias={"99999": 1.0})
 
 
+def test_penalties_and_min_tokens(client, llm):
+    """OpenAI's penalties and vLLM's repetition_penalty / min_tokens reach the sampler."""
+    prompt, opts = "MRebhOmMKhzfxhcMbm", dict(temperature=1.5, seed=1)  # meets EOS early
+    plain = llm.generate([prompt], _params(**opts))[0]
+    assert plain.finish_reason == "stop" and len(plain.token_ids) < 14
+    extra = dict(repetition_penalty=1.3, min_tokens=14)
+    res = client.completions.create(model=MODEL, prompt=prompt, **opts, frequency_penalty=0.5,
+                                    presence_penalty=0.25, extra_body=extra)
+    ref = llm.generate([prompt], _params(frequency_penalty=0.5, presence_penalty=0.25,
+                                         **extra, **opts))[0]
+    assert res.choices[0].token_ids == ref.token_ids
+    assert len(ref.token_ids) >= 14
+
+
 def test_ignore_eos_is_the_inverse_of_stop_at_eos(client, llm):
     """vLLM's spelling, which its benchmark client sends. This prompt and seed meet EOS."""
     prompt, opts = "MRebhOmMKhzfxhcMbm", dict(temperature=1.5, seed=1)

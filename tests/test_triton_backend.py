@@ -86,15 +86,18 @@ def test_llm_triton_backend_matches_reference_backend(checkpoints, arch):
     """The whole engine path: packed batch, Triton attention, fused unmasking kernel."""
     from sangam import LLM
 
-    prompts = [[5, 6, 7], list(range(10, 29)), [42] * 9, [8, 9], [11, 12, 13]]
+    prompts = [[5, 6, 7], list(range(10, 29)), [42] * 9, [8, 9], [11, 12, 13], [20, 21, 22, 23]]
     params = [SamplingParams(max_tokens=12, block_length=4, cache=cache, unmasking=rule,
                              temperature=temp, tokens_per_step=k, seed=i, stop_at_eos=False)
               for i, (cache, rule, temp, k) in enumerate(MODES)]
-    # Nucleus sampling and logit_bias: the fused kernel's rows of these are scored again.
+    # Nucleus sampling, logit_bias, penalties, min_tokens: the fused kernel's rows of these are
+    # scored again.
     params.append(SamplingParams(max_tokens=12, block_length=4, temperature=1.5, top_p=0.6,
                                  top_k=5, seed=3, stop_at_eos=False))
     params.append(SamplingParams(max_tokens=12, block_length=4, logit_bias={7: 2.0, 9: -100},
                                  stop_at_eos=False))
+    params.append(SamplingParams(max_tokens=12, block_length=4, frequency_penalty=1.5,
+                                 repetition_penalty=2.0, min_tokens=6, seed=4))
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(checkpoints[arch], device="cpu", dtype="float64", attention_backend=backend,

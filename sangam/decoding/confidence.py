@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from sangam.decoding.logit_edits import LogitEdits, apply_edits
 from sangam.decoding.noise import gumbel_noise
 
 
 def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Tensor | None = None,
                  row_keys: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-                 top_k: torch.Tensor | None = None,
-                 bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 top_k: torch.Tensor | None = None, edits: LogitEdits | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token and confidence for each row of ``logits [M, V]``, after adding ``bias`` (rows,
-    token ids, values: a request's logit_bias on each of its rows) to the logits.
+    """Token and confidence for each row of ``logits [M, V]``, after ``edits`` (logit_bias,
+    penalties, min_tokens: see ``logit_edits.py``; tensors on any device) of the logits.
 
     Temperature 0: token = argmax (first index on ties), confidence = its softmax probability.
     Temperature t > 0: token = argmax(logits / t + Gumbel noise from ``row_keys``) over the
@@ -25,9 +24,8 @@ def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Te
     """
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(cdt, copy=True)
-    if bias is not None:
-        rows, token_ids, values = (b.to(x.device) for b in bias)
-        x.index_put_((rows, token_ids), values.to(cdt), accumulate=True)
+    if edits is not None:
+        apply_edits(x, edits.map(lambda a: a.to(x.device)))
     x[:, mask_token_id] = float("-inf")
     logp = torch.log_softmax(x, dim=-1)
     tokens = x.argmax(dim=-1)
@@ -59,22 +57,3 @@ def sampling_support(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Ten
     keep &= (rank < top_k[:, None]) | (top_k[:, None] <= 0)
     keep[:, 0] = True
     return torch.zeros_like(keep).scatter_(1, order, keep)
-
-
-def bias_entries(biases: list[tuple[tuple[int, float], ...]], counts: list[int]
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """:func:`score_logits`' ``bias`` as arrays (rows, token ids, values) for consecutive groups
-    of rows: group g is ``counts[g]`` rows, each biased by the (token id, bias) pairs
-    ``biases[g]`` (a request's ``logit_bias``). None when no group has any."""
-    rows, token_ids, values = [], [], []
-    start = 0
-    for pairs, n in zip(biases, counts, strict=True):
-        if pairs:
-            ids, vals = zip(*pairs, strict=True)
-            rows.append(np.repeat(np.arange(start, start + n), len(pairs)))
-            token_ids.append(np.tile(np.array(ids, dtype=np.int64), n))
-            values.append(np.tile(np.array(vals, dtype=np.float64), n))
-        start += n
-    if not rows:
-        return None
-    return np.concatenate(rows), np.concatenate(token_ids), np.concatenate(values)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sangam.decoding.confidence import bias_entries, score_logits
+from sangam.decoding.confidence import score_logits
+from sangam.decoding.logit_edits import pack_edits, request_edits
 from sangam.decoding.state import DecodeState
 from sangam.models.attention import AttentionMetadata, PagedKV
 from sangam.models.transformer import DiffusionLM
@@ -45,12 +46,11 @@ class ReferenceDecoder:
             logits = self.model(ids, positions, meta, kv,
                                 torch.from_numpy(plan.rows).to(self.device))
             n, p = len(plan.rows), state.params
-            bias = bias_entries([p.logit_bias], [n])
+            edits = pack_edits([request_edits(state, plan.positions)], [n])
             tokens, conf = score_logits(logits, self.model.config.mask_token_id,
                                         temp.expand(n), torch.from_numpy(plan.row_keys),
                                         torch.full((n,), p.top_p, dtype=torch.float64),
                                         torch.full((n,), p.top_k),
-                                        None if bias is None else tuple(
-                                            torch.from_numpy(b) for b in bias))
+                                        None if edits is None else edits.map(torch.from_numpy))
             state.apply(plan, tokens.cpu().numpy(), conf.cpu().numpy().astype(np.float64))
         return state

@@ -79,6 +79,15 @@ class DecodeState:
             return 0, self.total_len
         return (s, e) if self.params.cache == "dual" else (s, self.total_len)
 
+    @property
+    def needs_full_scoring(self) -> bool:
+        """Whether this step's scoring needs the whole vocabulary edited or ranked (see
+        ``SamplingParams.needs_full_scoring``); min_tokens needs it while the current block
+        holds one of the first min_tokens response positions."""
+        p = self.params
+        return p.needs_full_scoring or (
+            p.min_tokens > 0 and bool(self.stop_ids) and self.block * p.block_length < p.min_tokens)
+
     # One step.
     def plan(self) -> StepPlan:
         start, end = self.span()

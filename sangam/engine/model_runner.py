@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sangam.decoding.confidence import bias_entries, score_logits
+from sangam.decoding.confidence import score_logits
+from sangam.decoding.logit_edits import pack_edits, request_edits
 from sangam.decoding.rules import RULE_IDS
 from sangam.decoding.state import DecodeState
 from sangam.engine.cuda_graphs import DecodeGraphRunner
@@ -22,7 +23,6 @@ from sangam.engine.host_batch import PackedBatch, make_host_batcher
 from sangam.engine.kv_pool import KVPool
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.stop_strings import apply_stop_strings
-from sangam.sampling_params import SamplingParams
 
 
 class ModelRunner:
@@ -70,10 +70,9 @@ class ModelRunner:
             tokens, conf = score_logits(logits, self.loaded.config.mask_token_id,
                                         torch.from_numpy(batch.temperatures),
                                         torch.from_numpy(batch.row_keys))
-        full = [i for i, st in enumerate(states) if st.params.needs_full_scoring]
+        full = [i for i, st in enumerate(states) if st.needs_full_scoring]
         if full:
-            self._rescore_full(logits, batch, [states[i].params for i in full], full, tokens,
-                               conf)
+            self._rescore_full(logits, batch, [states[i] for i in full], full, tokens, conf)
         tokens = tokens.cpu().numpy()
         conf = conf.cpu().numpy().astype(np.float64)
         block_done = self.host.apply(states, batch, tokens, conf)
@@ -83,13 +82,13 @@ class ModelRunner:
         return block_done
 
     def _rescore_full(self, logits: torch.Tensor, batch: PackedBatch,
-                      picked: list[SamplingParams], picked_ids: list[int], tokens: torch.Tensor,
+                      picked: list[DecodeState], picked_ids: list[int], tokens: torch.Tensor,
                       conf: torch.Tensor) -> None:
         """Score again, in place and on the device, the rows of the requests ``picked_ids``
-        (batch positions; ``picked``: their parameters), whose scoring ranks or reweights the
-        vocabulary (top_p / top_k sampling, logit_bias): the fused kernel streams the vocabulary
-        once and does neither, so these rows take the reference path (a [rows, vocab] copy, for
-        those requests only)."""
+        (batch positions; ``picked``: their states), whose scoring ranks or edits the
+        vocabulary (top_p / top_k sampling, logit_bias, penalties, min_tokens): the fused kernel
+        streams the vocabulary once and does neither, so these rows take the reference path (a
+        [rows, vocab] copy, for those requests only)."""
         cu = batch.cu_rows.tolist()
         counts = [cu[i + 1] - cu[i] for i in picked_ids]
         rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in picked_ids])
@@ -99,13 +98,15 @@ class ModelRunner:
         def dev(a: np.ndarray) -> torch.Tensor:  # never waits for the GPU
             return torch.from_numpy(np.ascontiguousarray(a)).to(logits.device, non_blocking=True)
 
-        bias = bias_entries([p.logit_bias for p in picked], counts)
+        edits = pack_edits([request_edits(st, batch.cand_positions[cu[i]:cu[i + 1]])
+                            for st, i in zip(picked, picked_ids)], counts)
+        params = [st.params for st in picked]
         index = dev(rows)
         t, c = score_logits(logits[index], self.loaded.config.mask_token_id,
                             dev(batch.temperatures[rows]), dev(batch.row_keys[rows]),
-                            dev(np.repeat([p.top_p for p in picked], counts)),
-                            dev(np.repeat([p.top_k for p in picked], counts)),
-                            None if bias is None else tuple(dev(b) for b in bias))
+                            dev(np.repeat([p.top_p for p in params], counts)),
+                            dev(np.repeat([p.top_k for p in params], counts)),
+                            None if edits is None else edits.map(dev))
         tokens[index] = t.to(tokens.dtype)
         conf[index] = c.to(conf.dtype)
 

@@ -294,7 +294,7 @@ class _Server:
         if unsupported:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
                            "returns greedy or sampled choices, with each token's own logprob "
-                           "but no alternatives (top_logprobs), penalties or tools",
+                           "but no alternatives (top_logprobs), echo, suffix or tools",
                            param=unsupported[0], code="unsupported_parameter")
         try:
             return self.config.default_params(self.loaded.generation_defaults,

@@ -54,23 +54,17 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool | None = None  # vLLM's extra field: the inverse of stop_at_eos
     n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt (None: 1)
     logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias
-    # OpenAI options Sangam does not implement: accepted only at their neutral values.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-
-    def unsupported_fields(self) -> list[str]:
-        """Fields set to a value whose behaviour Sangam does not implement."""
-        bad = {
-            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
-            "presence_penalty": self.presence_penalty not in (None, 0.0),
-        }
-        return [name for name, is_bad in bad.items() if is_bad]
+    repetition_penalty: float | None = None  # vLLM's extra field
+    min_tokens: int | None = None  # vLLM's extra field
 
     def sampling_overrides(self) -> dict[str, object]:
         """The SamplingParams fields this request sets explicitly."""
         names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "block_length",
                  "unmasking", "threshold", "factor", "tokens_per_step", "cache", "stop_at_eos",
-                 "stop", "stop_token_ids")
+                 "stop", "stop_token_ids", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty", "min_tokens")
         out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.ignore_eos is not None:
             if self.stop_at_eos is not None and self.stop_at_eos == self.ignore_eos:
@@ -97,12 +91,11 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
 
     def unsupported_fields(self) -> list[str]:
-        bad = super().unsupported_fields()
-        bad += [name for name, is_bad in (
+        """Fields set to a value whose behaviour Sangam does not implement."""
+        return [name for name, is_bad in (
             ("echo", bool(self.echo)), ("best_of", self.best_of not in (None, 1)),
             ("logprobs", self.logprobs not in (None, 0)), ("suffix", bool(self.suffix)))
             if is_bad]
-        return bad
 
     def sampling_overrides(self) -> dict[str, object]:
         overrides = super().sampling_overrides()
@@ -138,13 +131,12 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: dict | None = None
 
     def unsupported_fields(self) -> list[str]:
-        bad = super().unsupported_fields()
-        bad += [name for name, is_bad in (
+        """Fields set to a value whose behaviour Sangam does not implement."""
+        return [name for name, is_bad in (
             ("top_logprobs", self.top_logprobs not in (None, 0)),
             ("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none")),
             ("response_format", self.response_format not in (None, {"type": "text"})))
             if is_bad]
-        return bad
 
     def sampling_overrides(self) -> dict[str, object]:
         overrides = super().sampling_overrides()

@@ -1,0 +1,109 @@
+"""Edits of a request's logits before scoring: logit_bias, penalties, min_tokens."""
+
+import numpy as np
+import pytest
+import torch
+
+from sangam import SamplingParams
+from sangam.decoding import score_logits
+from sangam.decoding.logit_edits import (
+    RequestEdits,
+    apply_edits,
+    pack_edits,
+    request_edits,
+    response_token_counts,
+)
+from sangam.decoding.state import DecodeState
+
+MASK, EOS = 99, 1
+
+
+def _state(response: list[int], prompt=(5, 6, 5), **kw) -> DecodeState:
+    """A request whose canvas holds ``response`` (MASK: not committed yet)."""
+    params = SamplingParams(max_tokens=len(response),
+                            block_length=kw.pop("block_length", len(response)), **kw)
+    st = DecodeState(list(prompt), params, MASK, frozenset({EOS}), shift_logits=False)
+    st.tokens[st.prompt_len:] = response
+    return st
+
+
+def _edits(st: DecodeState, positions) -> RequestEdits | None:
+    return request_edits(st, np.asarray(positions, dtype=np.int64))
+
+
+def test_response_counts_stop_at_the_first_stop_id_and_skip_masks():
+    st = _state([7, MASK, 8, 7, EOS, 9, 9, MASK], stop_token_ids=[8])
+    assert [a.tolist() for a in response_token_counts(st)] == [[7], [1]]  # cut at 8
+    st = _state([7, MASK, 8, 7, EOS, 9, 9, MASK])
+    assert [a.tolist() for a in response_token_counts(st)] == [[7, 8], [2, 1]]  # cut at EOS
+    st = _state([7, MASK, 8, 7, EOS, 9, 9, MASK], stop_at_eos=False)
+    assert [a.tolist() for a in response_token_counts(st)] == [[1, 7, 8, 9], [1, 2, 1, 2]]
+
+
+def test_presence_and_frequency_are_subtracted_and_merge_with_logit_bias():
+    st = _state([7, MASK, 8, 7], presence_penalty=0.5, frequency_penalty=0.25,
+                logit_bias={7: 1.0, 40: -2.0})
+    e = _edits(st, [4, 5])
+    assert e.add_ids.tolist() == [7, 8, 40]
+    assert e.add_values.tolist() == [1.0 - 0.5 - 2 * 0.25, -0.5 - 0.25, -2.0]
+    assert e.ban_ids.size == 0 and e.rep_ids.size == 0
+    assert _edits(_state([7, 8]), [3]) is None  # nothing asked: nothing to do
+    assert _edits(_state([MASK, MASK], frequency_penalty=1.0), [3, 4]) is None  # nothing yet
+
+
+def test_repetition_penalty_covers_prompt_and_response_and_keeps_the_sign_rule():
+    st = _state([7, MASK, EOS, 9], repetition_penalty=2.0)
+    e = _edits(st, [4])
+    assert e.rep_ids.tolist() == [5, 6, 7] and e.repetition_penalty == 2.0  # 9 is past EOS
+    x = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 6.0, -6.0, 0.5]], dtype=torch.float64)
+    edits = pack_edits([e], [1]).map(torch.from_numpy)
+    apply_edits(x, edits)
+    assert x.tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0, 3.0, -12.0, 0.25]]
+
+
+def test_min_tokens_bans_the_stop_ids_at_the_first_positions_only():
+    st = _state([MASK] * 8, prompt=(5, 6), stop_token_ids=[4], min_tokens=3)
+    e = _edits(st, [2, 3, 4, 5, 7])  # response offsets 0, 1, 2, 3, 5
+    assert e.ban_ids.tolist() == [EOS, 4] and e.ban_rows.tolist() == [0, 1, 2]
+    assert _edits(st, [5, 6]) is None
+    assert _edits(_state([MASK] * 4, stop_at_eos=False, min_tokens=3), [3]) is None  # no stop id
+    # The state asks for full scoring only while its block holds one of those positions.
+    for min_tokens, second_block in ((5, True), (4, False)):
+        st = _state([MASK] * 8, block_length=4, min_tokens=min_tokens)
+        assert st.needs_full_scoring
+        st.block = 1  # response offsets 4..7
+        assert st.needs_full_scoring == second_block
+
+
+def test_pack_and_score():
+    """Groups of rows; a ban beats any bias; scoring sees the edited logits."""
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]] * 4, dtype=torch.float64)
+    banned = RequestEdits(np.array([0], dtype=np.int64), np.array([9.0]),
+                          np.array([0, 3], dtype=np.int64), np.array([1], dtype=np.int64),
+                          np.zeros(0, dtype=np.int64), 1.0)
+    biased = RequestEdits(np.array([3], dtype=np.int64), np.array([2.5]),
+                          np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                          np.zeros(0, dtype=np.int64), 1.0)
+    edits = pack_edits([None, banned, biased], [1, 2, 1])
+    assert edits.rows.tolist() == [1, 2, 2, 2, 3] and edits.ids.tolist() == [0, 0, 0, 3, 3]
+    assert edits.values.tolist() == [9.0, 9.0, -np.inf, -np.inf, 2.5]
+    assert pack_edits([None, None], [3, 1]) is None
+    edits = pack_edits([None, banned, biased, None], [1, 1, 1, 1])
+    tokens, conf = score_logits(logits, 2, edits=edits.map(torch.from_numpy))
+    expect = logits.clone()
+    expect[1, 0] += 9.0
+    expect[2, 0] = expect[2, 3] = float("-inf")
+    expect[:, 2] = float("-inf")  # the mask token stays excluded, whatever the edits
+    assert tokens.tolist() == [3, 0, 1, 3]
+    torch.testing.assert_close(conf, torch.softmax(expect, -1).gather(1, tokens[:, None])[:, 0])
+
+
+def test_validation():
+    p = SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.5)
+    assert p.penalizes and p.needs_full_scoring
+    assert not SamplingParams(min_tokens=3).needs_full_scoring  # the state decides, per block
+    for name, bad in [("presence_penalty", 2.5), ("frequency_penalty", float("nan")),
+                      ("repetition_penalty", 0), ("repetition_penalty", True),
+                      ("min_tokens", -1), ("min_tokens", 300), ("min_tokens", 1.0)]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: bad})
