@@ -16,6 +16,7 @@ MAX_TEMPERATURE = 1e4  # beyond it logits / t underflow to a uniform draw anyway
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024  # biased tokens per request
+MAX_LOGPROBS = 20  # alternatives per token, vLLM's default max_logprobs
 MAX_PENALTY = 2.0  # presence / frequency penalties, OpenAI's range
 
 
@@ -35,8 +36,8 @@ class SamplingParams:
     stop_at_eos: bool = True
     stop: tuple[str, ...] = ()  # stop strings (a str or list is accepted), as in vLLM
     stop_token_ids: tuple[int, ...] = ()  # end the response like EOS, even without stop_at_eos
-    # 0: return each output token's log-probability at the step that committed it (vLLM's
-    # meaning of 0); None: none. Alternatives (> 0) are not computed.
+    # Each output token's log-probability at the step that committed it, and with logprobs=n > 0
+    # the n most probable tokens of that step too (vLLM's meaning); None: none.
     logprobs: int | None = None
     # With temperature > 0, sample only among the most probable tokens (vLLM's meaning): the
     # top_k first (0 or -1: all), and of those the fewest reaching probability top_p (1: all).
@@ -93,9 +94,10 @@ class SamplingParams:
              f"stop_token_ids must be a list of non-negative integers, got "
              f"{self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
-        need(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs == 0),
-             f"logprobs must be None or 0 (the committed token's own; alternatives are not "
-             f"computed), got {self.logprobs!r}")
+        need(self.logprobs is None or (_is_int(self.logprobs)
+                                       and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
+             f"{self.logprobs!r}")
         need(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
              f"top_p must be in (0, 1], got {self.top_p!r}")
         need(_is_int(self.top_k) and self.top_k >= -1,
@@ -134,9 +136,11 @@ class SamplingParams:
     @functools.cached_property  # read for every request of every iteration
     def needs_full_scoring(self) -> bool:
         """Whether scoring must rank or reweight the whole vocabulary at every step (top_p /
-        top_k sampling, logit_bias, penalties), which the fused unmasking kernel does not do.
-        ``min_tokens`` needs it only early on: see ``DecodeState.needs_full_scoring``."""
-        return self.restricts_sampling or bool(self.logit_bias) or self.penalizes
+        top_k sampling, logit_bias, penalties, logprobs alternatives), which the fused unmasking
+        kernel does not do. ``min_tokens`` needs it only early on: see
+        ``DecodeState.needs_full_scoring``."""
+        return (self.restricts_sampling or bool(self.logit_bias) or self.penalizes
+                or bool(self.logprobs))
 
     @property
     def canvas_length(self) -> int:
@@ -165,3 +169,6 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "abort"
     metrics: dict = field(default_factory=dict)
     logprobs: list[float] | None = None  # per token of token_ids, when SamplingParams asked
+    # Per token of token_ids, with SamplingParams.logprobs = n > 0: the n most probable tokens
+    # at the step that committed it, as (token id, logprob), most probable first.
+    top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -34,7 +34,7 @@ def _workload(n: int, seed: int, block_lengths=(4, 8), caches=("dual", "prefix",
             max_tokens=rng.choice([8, 13, 24]), block_length=rng.choice(block_lengths),
             cache=rng.choice(caches), seed=i,
             temperature=rng.choice([0.0, 0.0, 2.0]), stop_at_eos=rng.random() < 0.5,
-            logprobs=0 if i % 2 else None, top_p=nucleus.choice([1.0, 0.9, 0.3]),
+            logprobs=[None, 0, 3][i % 3], top_p=nucleus.choice([1.0, 0.9, 0.3]),
             top_k=nucleus.choice([0, 0, 4]), logit_bias=nucleus.choice([{}, {}, BIAS]),
             **_penalties(nucleus), **rng.choice(RULES))
         reqs.append((f"r{i}", prompt, params))
@@ -65,18 +65,25 @@ def _decode_one_by_one(lm, reqs):
         ReferenceDecoder(lm.model).run(st)
         tokens = st.output_token_ids()
         logprobs = st.output_logprobs(len(tokens)) if params.logprobs is not None else None
-        out[rid] = (tokens, st.num_forwards, logprobs)
+        top = st.output_top_logprobs(len(tokens)) if params.logprobs else None
+        out[rid] = (tokens, st.num_forwards, logprobs, top)
     return out
 
 
 def _assert_same(got, want):
-    """Tokens and forwards exactly; log-probabilities to the last bits (a batched GEMM may
-    round a row's logits differently from a one-request forward)."""
+    """Tokens, forwards and alternatives' ids exactly; log-probabilities to the last bits (a
+    batched GEMM may round a row's logits differently from a one-request forward)."""
     assert {r: v[:2] for r, v in got.items()} == {r: v[:2] for r, v in want.items()}
-    for rid, (_, _, logprobs) in want.items():
+    for rid, (_, _, logprobs, top) in want.items():
         assert (got[rid][2] is None) == (logprobs is None), rid
         if logprobs is not None:
             assert got[rid][2] == pytest.approx(logprobs, rel=1e-12, abs=1e-12), rid
+        assert (got[rid][3] is None) == (top is None), rid
+        if top is not None:
+            assert [[t for t, _ in alt] for alt in got[rid][3]] == [[t for t, _ in alt]
+                                                                    for alt in top], rid
+            assert [lp for alt in got[rid][3] for _, lp in alt] == pytest.approx(
+                [lp for alt in top for _, lp in alt], rel=1e-12, abs=1e-12), rid
 
 
 def _run_staggered(engine, reqs, seed):
@@ -90,7 +97,8 @@ def _run_staggered(engine, reqs, seed):
                 engine.add_request(*pending.pop(0))
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = (out.token_ids, out.num_forwards, out.logprobs)
+                done[out.request_id] = (out.token_ids, out.num_forwards, out.logprobs,
+                                        out.top_logprobs)
     return done
 
 

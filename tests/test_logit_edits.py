@@ -89,7 +89,7 @@ def test_pack_and_score():
     assert edits.values.tolist() == [9.0, 9.0, -np.inf, -np.inf, 2.5]
     assert pack_edits([None, None], [3, 1]) is None
     edits = pack_edits([None, banned, biased, None], [1, 1, 1, 1])
-    tokens, conf = score_logits(logits, 2, edits=edits.map(torch.from_numpy))
+    tokens, conf, _ = score_logits(logits, 2, edits=edits.map(torch.from_numpy))
     expect = logits.clone()
     expect[1, 0] += 9.0
     expect[2, 0] = expect[2, 3] = float("-inf")

@@ -57,7 +57,8 @@ def _workload(n: int, seed: int):
             cache=rng.choice(["dual", "dual", "prefix", "none"]), seed=i,
             temperature=rng.choice([0.0, 0.0, 2.0]), stop_at_eos=rng.random() < 0.5,
             top_p=nucleus.choice([1.0, 0.5]), frequency_penalty=nucleus.choice([0.0, 0.8]),
-            min_tokens=nucleus.choice([0, 5]), **rng.choice(RULES))
+            min_tokens=nucleus.choice([0, 5]), logprobs=nucleus.choice([None, 2]),
+            **rng.choice(RULES))
         reqs.append((f"r{i}", prompt, params))
     return reqs
 
@@ -76,7 +77,7 @@ _REFERENCES = {}
 
 
 def _reference(path, arch):
-    """(tokens, forwards) per request of WORKLOADS[arch], from the single-request reference
+    """:func:`_outcome` per request of WORKLOADS[arch], from the single-request reference
     decoder."""
     if arch not in _REFERENCES:
         lm = LoadedModel.load(EngineConfig(model=path, device="cpu", dtype="float64"))
@@ -84,7 +85,9 @@ def _reference(path, arch):
         for rid, prompt, params in WORKLOADS[arch]:
             st = lm.new_state(prompt, params, random.Random(0))
             ReferenceDecoder(lm.model).run(st)
-            out[rid] = (st.output_token_ids(), st.num_forwards)
+            tokens = st.output_token_ids()
+            top = st.output_top_logprobs(len(tokens)) if params.logprobs else None
+            out[rid] = (tokens, st.num_forwards, _top_ids(top))
         _REFERENCES[arch] = out
     return _REFERENCES[arch]
 
@@ -119,8 +122,17 @@ def _settle(engine, timeout=20.0):
         assert time.monotonic() < deadline, f"workers did not settle: {states}"
 
 
+def _top_ids(top):
+    return None if top is None else [[t for t, _ in alt] for alt in top]
+
+
+def _outcome(o):
+    """What must not depend on the layout: tokens, forwards, the alternatives' token ids."""
+    return o.token_ids, o.num_forwards, _top_ids(o.top_logprobs)
+
+
 def _tokens(outs):
-    return {rid: (o.token_ids, o.num_forwards) for rid, o in outs.items()}
+    return {rid: _outcome(o) for rid, o in outs.items()}
 
 
 def _descendants(root: int) -> set[int]:
@@ -249,7 +261,7 @@ def test_modes_match_reference(paths, arch, layout):
         assert isinstance(llm.engine, MultiWorkerEngine)
         outs = llm.generate(prompt_token_ids=[r[1] for r in reqs],
                             sampling_params=[r[2] for r in reqs])
-        got = {rid: (o.token_ids, o.num_forwards) for (rid, _, _), o in zip(reqs, outs)}
+        got = {rid: _outcome(o) for (rid, _, _), o in zip(reqs, outs)}
         by_worker = llm.engine.counters.prefills_by_worker
         assert len(by_worker) == 3 and min(by_worker.values()) > 0  # all three worked
         llm.shutdown()
@@ -466,7 +478,7 @@ def test_two_nodes_on_loopback(paths, tmp_path, hang):
             assert int(f.read().rsplit(")", 1)[1].split()[1]) == node1.pid
         outs = llm.generate(prompt_token_ids=[r[1] for r in reqs],
                             sampling_params=[r[2] for r in reqs])
-        assert {rid: (o.token_ids, o.num_forwards) for (rid, _, _), o in zip(reqs, outs)} == want
+        assert {rid: _outcome(o) for (rid, _, _), o in zip(reqs, outs)} == want
         assert any(r.dst == 2 for r in llm.engine.transfers)  # K/V crossed the "nodes"
         assert llm.engine.dead_workers == ([2] if hang else [])
         if hang:  # gone while the front still runs, and node 1 with it (its last worker)
@@ -494,7 +506,7 @@ def test_async_engine_on_workers(paths):
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])
         for a, b in zip(outs, outs[1:]):  # one output per block, each extending the last
             assert b.token_ids[:len(a.token_ids)] == a.token_ids
-        return rid, (outs[-1].token_ids, outs[-1].num_forwards)
+        return rid, _outcome(outs[-1])
 
     async def main():
         return dict(await asyncio.gather(*(one(*r) for r in reqs)))

@@ -58,7 +58,7 @@ def test_gumbel_noise_is_keyed_and_plausible():
 
 def test_score_logits_excludes_mask_and_reports_probability():
     logits = torch.tensor([[0.0, 1.0, 5.0], [3.0, 3.0, 0.0]], dtype=torch.float64)
-    tokens, conf = score_logits(logits, mask_token_id=2)
+    tokens, conf, _ = score_logits(logits, mask_token_id=2)
     assert tokens.tolist() == [1, 0]  # mask excluded; tie -> first index
     torch.testing.assert_close(conf, torch.tensor([1 / (1 + torch.e**-1), 0.5],
                                                   dtype=torch.float64))
@@ -68,7 +68,7 @@ def test_score_logits_temperature_samples_and_keeps_untempered_confidence():
     logits = torch.zeros(2000, 4, dtype=torch.float64)
     logits[:, 1] = 1.0
     keys = torch.tensor([row_key(noise_key(3, 0, 0), i) for i in range(2000)])
-    tokens, conf = score_logits(logits, 3, torch.full((2000,), 1.0), keys)
+    tokens, conf, _ = score_logits(logits, 3, torch.full((2000,), 1.0), keys)
     freq = torch.bincount(tokens, minlength=4).double() / 2000
     p = torch.softmax(torch.tensor([0.0, 1.0, 0.0]), 0).double()
     assert freq[3] == 0
@@ -106,9 +106,9 @@ def test_top_p_top_k_sample_only_the_nucleus(top_p, top_k):
     logits[:50, 4] = logits[:50, 5]  # ties at the boundary: the lower id ranks first
     keys = torch.tensor([row_key(noise_key(7, 0, 0), i) for i in range(400)])
     temp = torch.full((400,), 1.5)
-    tokens, conf = score_logits(logits, 8, temp, keys, torch.full((400,), top_p),
+    tokens, conf, _ = score_logits(logits, 8, temp, keys, torch.full((400,), top_p),
                                 torch.full((400,), top_k))
-    unrestricted, _ = score_logits(logits, 8, temp, keys)
+    unrestricted, _, _ = score_logits(logits, 8, temp, keys)
     x = logits.clone()
     x[:, 8] = float("-inf")
     tempered = torch.softmax(x / 1.5, -1)

@@ -113,7 +113,7 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": ["a", "b"], "n": MAX_QUEUE_LEN // 2 + 1}, 400, "max-queue-len"),
     (CMPL, {"prompt": "hi", "best_of": 3}, 400, "unsupported"),
     (CMPL, {"prompt": "hi", "echo": True}, 400, "unsupported"),
-    (CMPL, {"prompt": "hi", "logprobs": 2}, 400, "unsupported"),
+    (CMPL, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     (CMPL, {"prompt": "hi", "stop": [""]}, 400, "stop"),
     (CMPL, {"prompt": "hi", "stop": [7]}, 400, "stop"),
     (CMPL, {"prompt": "hi", "stop": "x" * 2000}, 400, "at most"),
@@ -144,7 +144,8 @@ BAD_REQUESTS = [
     (CHAT, {"messages": "hi"}, 400, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, ""),
-    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 2}, 400, "unsupported"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": -1}, 400, "logprobs"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "unsupported"),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_tokens"),
     (CHAT, {"messages": [{"role": "user", "content": "z" * CONTEXT}]}, 400, "context"),
@@ -285,6 +286,8 @@ _optional = {
     "frequency_penalty": st.floats(-2.5, 2.5),
     "repetition_penalty": st.floats(0, 3),
     "min_tokens": st.integers(0, 14),
+    "logprobs": st.integers(-1, 21) | st.booleans(),
+    "top_logprobs": st.integers(-1, 21),
     "seed": st.integers(0, 2**63 - 1),
     "block_length": st.integers(1, 8),
     "unmasking": st.sampled_from(["threshold", "factor", "topk"]),
@@ -302,7 +305,7 @@ _optional = {
     "n": st.integers(1, 3),
     "tokens": st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=6),  # /detokenize
 }
-_names = sorted({*_valid, *_optional, "logprobs", "echo", "best_of", "stop", "suffix",
+_names = sorted({*_valid, *_optional, "echo", "best_of", "stop", "suffix",
                   "add_special_tokens"})
 # A plausible body, then 0-3 fields (known or not) replaced by arbitrary JSON.
 _bodies = st.tuples(

@@ -397,6 +397,38 @@ def test_logprobs_match_llm(client, llm):
     assert all(c.bytes == list(c.token.encode()) and c.top_logprobs == [] for c in content)
 
 
+def test_top_logprobs_match_llm(client, llm):
+    """``logprobs=n`` (completions) and ``top_logprobs: n`` (chat): the step's n most probable
+    tokens with their log-probabilities, equal to ``LLM``'s, streamed or not."""
+    opts = dict(max_tokens=10, stop_at_eos=False, temperature=1.0, seed=5)
+    ref = llm.generate(["Top me"], _params(logprobs=3, **opts))[0]
+    assert all(len(alt) == 3 for alt in ref.top_logprobs)
+    want = [{llm.tokenizer.decode([t]): lp for t, lp in alt} for alt in ref.top_logprobs]
+    body = dict(model=MODEL, prompt="Top me", logprobs=3, max_tokens=10, temperature=1.0, seed=5,
+                extra_body={"stop_at_eos": False})
+    lp = client.completions.create(**body).choices[0].logprobs
+    for token, top, alt in zip(lp.tokens, lp.top_logprobs, want, strict=True):
+        assert top.keys() == alt.keys() | {token}  # the chosen token, and the alternatives
+        assert [top[t] for t in alt] == pytest.approx(list(alt.values()), rel=1e-12)
+    chunks = list(client.completions.create(**body, stream=True))
+    assert sum((c.choices[0].logprobs.top_logprobs for c in chunks), []) == lp.top_logprobs
+
+    messages = [{"role": "user", "content": "Top me"}]
+    ref = llm.chat(messages, _params(logprobs=2, **opts))[0]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True,
+                                          top_logprobs=2, max_tokens=10, temperature=1.0, seed=5,
+                                          extra_body={"stop_at_eos": False})
+    content = chat.choices[0].logprobs.content
+    for c, alt in zip(content, ref.top_logprobs, strict=True):
+        assert [t.token for t in c.top_logprobs] == [llm.tokenizer.decode([t]) for t, _ in alt]
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([v for _, v in alt])
+        assert all(t.bytes == list(t.token.encode()) for t in c.top_logprobs)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL, messages=messages, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model=MODEL, prompt="x", logprobs=21)
+
+
 def _workload(n: int) -> list[tuple[str, dict]]:
     rng = random.Random(0)
     rules = [dict(unmasking="threshold", threshold=0.9), dict(unmasking="threshold",

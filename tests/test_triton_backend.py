@@ -90,20 +90,21 @@ def test_llm_triton_backend_matches_reference_backend(checkpoints, arch):
     params = [SamplingParams(max_tokens=12, block_length=4, cache=cache, unmasking=rule,
                              temperature=temp, tokens_per_step=k, seed=i, stop_at_eos=False)
               for i, (cache, rule, temp, k) in enumerate(MODES)]
-    # Nucleus sampling, logit_bias, penalties, min_tokens: the fused kernel's rows of these are
-    # scored again.
+    # Nucleus sampling, logit_bias, penalties, min_tokens, alternatives: the fused kernel's rows
+    # of these are scored again.
     params.append(SamplingParams(max_tokens=12, block_length=4, temperature=1.5, top_p=0.6,
                                  top_k=5, seed=3, stop_at_eos=False))
     params.append(SamplingParams(max_tokens=12, block_length=4, logit_bias={7: 2.0, 9: -100},
                                  stop_at_eos=False))
     params.append(SamplingParams(max_tokens=12, block_length=4, frequency_penalty=1.5,
-                                 repetition_penalty=2.0, min_tokens=6, seed=4))
+                                 repetition_penalty=2.0, min_tokens=6, seed=4, logprobs=2))
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(checkpoints[arch], device="cpu", dtype="float64", attention_backend=backend,
                   page_size=4, num_pages=64)
         assert llm.engine.runner.fused_scoring == (backend == "triton")
-        outs[backend] = [(o.token_ids, o.num_forwards)
+        outs[backend] = [(o.token_ids, o.num_forwards,
+                          o.top_logprobs and [[t for t, _ in alt] for alt in o.top_logprobs])
                          for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
         # Every input of a forward, the unmasking parameters included, in one upload.
         assert llm.engine.runner.uploader.copies == len(llm.engine.stats.iterations) > 0

@@ -187,7 +187,7 @@ def _unmask_rows(row_counts, args) -> list[dict]:
                 return score_logits(logits, VOCAB - 128, rows_temp, keys)
 
             tok, _, _ = run()
-            rtok, _ = ref()
+            rtok, _, _ = ref()
             err = float((tok != rtok).float().mean().item())  # fraction of differing tokens
             ms = _bench(run, args.warmup, args.rep)
             ref_ms = _bench(ref, args.warmup, args.rep)

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from sangam.decoding.logit_edits import LogitEdits, apply_edits
 from sangam.decoding.noise import gumbel_noise
 
 
+class Scores(NamedTuple):
+    tokens: torch.Tensor  # int64 [M]
+    conf: torch.Tensor  # [M], fp32 (fp64 for fp64 logits)
+    # With top_n > 0: each row's top_n most probable tokens, most probable first, as
+    # (log-probabilities [M, top_n], token ids [M, top_n]); else None.
+    top: tuple[torch.Tensor, torch.Tensor] | None
+
+
 def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Tensor | None = None,
                  row_keys: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-                 top_k: torch.Tensor | None = None, edits: LogitEdits | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 top_k: torch.Tensor | None = None, edits: LogitEdits | None = None,
+                 top_n: int = 0) -> Scores:
     """Token and confidence for each row of ``logits [M, V]``, after ``edits`` (logit_bias,
     penalties, min_tokens: see ``logit_edits.py``; tensors on any device) of the logits.
 
@@ -19,8 +29,9 @@ def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Te
     Temperature t > 0: token = argmax(logits / t + Gumbel noise from ``row_keys``) over the
     tokens :func:`sampling_support` keeps (``top_p`` float ``[M]``, 1 = all; ``top_k`` int
     ``[M]``, 0 = all), confidence = the *untempered* probability of that token. The mask token
-    is never chosen. Math runs in fp32, or fp64 for fp64 logits. Returns (int64 tokens,
-    confidences in that dtype).
+    is never chosen. Math runs in fp32, or fp64 for fp64 logits. ``top_n`` > 0 also ranks
+    each row's most probable tokens under the same (edited, untempered) distribution, whose
+    log-probability the confidence is: the alternatives of OpenAI's ``top_logprobs``.
     """
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(cdt, copy=True)
@@ -40,7 +51,11 @@ def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Te
             noisy[~sampling_support(scaled, p, k)] = float("-inf")
         tokens[hot] = noisy.argmax(dim=-1)
     conf = logp.gather(1, tokens[:, None]).squeeze(1).exp()
-    return tokens, conf
+    top = None
+    if top_n > 0:  # sorted, and stable so that ties list the lower token id first
+        order = torch.sort(logp, dim=-1, descending=True, stable=True)
+        top = order.values[:, :top_n], order.indices[:, :top_n]
+    return Scores(tokens, conf, top)
 
 
 def sampling_support(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor

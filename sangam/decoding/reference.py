@@ -47,10 +47,12 @@ class ReferenceDecoder:
                                 torch.from_numpy(plan.rows).to(self.device))
             n, p = len(plan.rows), state.params
             edits = pack_edits([request_edits(state, plan.positions)], [n])
-            tokens, conf = score_logits(logits, self.model.config.mask_token_id,
-                                        temp.expand(n), torch.from_numpy(plan.row_keys),
-                                        torch.full((n,), p.top_p, dtype=torch.float64),
-                                        torch.full((n,), p.top_k),
-                                        None if edits is None else edits.map(torch.from_numpy))
+            tokens, conf, top = score_logits(
+                logits, self.model.config.mask_token_id, temp.expand(n),
+                torch.from_numpy(plan.row_keys), torch.full((n,), p.top_p, dtype=torch.float64),
+                torch.full((n,), p.top_k), None if edits is None else edits.map(torch.from_numpy),
+                p.logprobs or 0)
             state.apply(plan, tokens.cpu().numpy(), conf.cpu().numpy().astype(np.float64))
+            if top is not None:
+                state.record_top(plan.positions, *(t.cpu().numpy() for t in top))
         return state

@@ -49,6 +49,10 @@ class DecodeState:
             list(prompt_ids) + [mask_token_id] * params.canvas_length, dtype=np.int64)
         # Each response position's confidence (DESIGN.md §2) at the step that committed it.
         self.confidence = np.zeros(len(self.tokens), dtype=np.float64)
+        # With logprobs = n > 0: each response position's n most probable tokens at that step.
+        n = params.logprobs or 0
+        self.top_ids = np.zeros((params.canvas_length, n), dtype=np.int64) if n else None
+        self.top_logprobs = np.zeros((params.canvas_length, n), dtype=np.float64) if n else None
         self.block = 0
         self.step = 0  # steps taken in the current block; 0 = the next forward is a refresh
         self.num_forwards = 0
@@ -152,6 +156,21 @@ class DecodeState:
         normal double so that it stays finite)."""
         conf = self.confidence[self.prompt_len:self.prompt_len + num_tokens]
         return np.log(np.maximum(conf, np.finfo(np.float64).tiny)).tolist()
+
+    def record_top(self, positions: np.ndarray, logprobs: np.ndarray, ids: np.ndarray) -> None:
+        """Keep, for the ``positions`` this step committed (call after :meth:`apply`), the most
+        probable tokens of their rows (``logprobs``, ``ids``: ``[len(positions), n]``)."""
+        done = self.tokens[positions] != self.mask_token_id
+        at = positions[done] - self.prompt_len
+        self.top_ids[at] = ids[done]
+        self.top_logprobs[at] = logprobs[done]
+
+    def output_top_logprobs(self, num_tokens: int) -> list[list[tuple[int, float]]]:
+        """The first ``num_tokens`` response tokens' alternatives, as (token id, logprob), most
+        probable first; tokens that could not be chosen (log-probability -inf) are left out."""
+        return [[(t, lp) for t, lp in zip(ids, lps, strict=True) if lp != -np.inf]
+                for ids, lps in zip(self.top_ids[:num_tokens].tolist(),
+                                    self.top_logprobs[:num_tokens].tolist(), strict=True)]
 
     def output_token_ids(self) -> list[int]:
         """The response decoded so far (whole blocks), cut before the first stop id, to a stop

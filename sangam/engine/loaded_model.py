@@ -173,4 +173,6 @@ class LoadedModel:
             num_forwards=state.num_forwards,
             logprobs=(state.output_logprobs(len(tokens))
                       if state.params.logprobs is not None else None),
+            top_logprobs=(state.output_top_logprobs(len(tokens))
+                          if state.params.logprobs else None),
             finished=finished, finish_reason=reason if finished else None, metrics=metrics)

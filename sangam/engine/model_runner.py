@@ -67,15 +67,17 @@ class ModelRunner:
                 dev["rule"], dev["threshold"], dev["factor"], dev["tokens_per_step"],
                 dev["temperature"], dev["row_keys"])
         else:
-            tokens, conf = score_logits(logits, self.loaded.config.mask_token_id,
-                                        torch.from_numpy(batch.temperatures),
-                                        torch.from_numpy(batch.row_keys))
+            tokens, conf, _ = score_logits(logits, self.loaded.config.mask_token_id,
+                                           torch.from_numpy(batch.temperatures),
+                                           torch.from_numpy(batch.row_keys))
         full = [i for i, st in enumerate(states) if st.needs_full_scoring]
-        if full:
-            self._rescore_full(logits, batch, [states[i] for i in full], full, tokens, conf)
+        picked = [states[i] for i in full]
+        top = self._rescore_full(logits, batch, picked, full, tokens, conf) if full else None
         tokens = tokens.cpu().numpy()
         conf = conf.cpu().numpy().astype(np.float64)
         block_done = self.host.apply(states, batch, tokens, conf)
+        if top is not None:
+            _record_top(batch, picked, full, *(t.cpu().numpy() for t in top))
         for st, done in zip(states, block_done):
             if done:
                 apply_stop_strings(st, self.loaded.decode)
@@ -83,17 +85,19 @@ class ModelRunner:
 
     def _rescore_full(self, logits: torch.Tensor, batch: PackedBatch,
                       picked: list[DecodeState], picked_ids: list[int], tokens: torch.Tensor,
-                      conf: torch.Tensor) -> None:
+                      conf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Score again, in place and on the device, the rows of the requests ``picked_ids``
         (batch positions; ``picked``: their states), whose scoring ranks or edits the
-        vocabulary (top_p / top_k sampling, logit_bias, penalties, min_tokens): the fused kernel
-        streams the vocabulary once and does neither, so these rows take the reference path (a
-        [rows, vocab] copy, for those requests only)."""
+        vocabulary (top_p / top_k sampling, logit_bias, penalties, min_tokens, logprobs
+        alternatives): the fused kernel streams the vocabulary once and does neither, so these
+        rows take the reference path (a [rows, vocab] copy, for those requests only). Returns
+        the rows' most probable tokens (:class:`Scores`' ``top``, rows in ``picked_ids`` order)
+        when a request asks for them."""
         cu = batch.cu_rows.tolist()
         counts = [cu[i + 1] - cu[i] for i in picked_ids]
         rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in picked_ids])
         if rows.size == 0:
-            return
+            return None
 
         def dev(a: np.ndarray) -> torch.Tensor:  # never waits for the GPU
             return torch.from_numpy(np.ascontiguousarray(a)).to(logits.device, non_blocking=True)
@@ -102,13 +106,30 @@ class ModelRunner:
                             for st, i in zip(picked, picked_ids)], counts)
         params = [st.params for st in picked]
         index = dev(rows)
-        t, c = score_logits(logits[index], self.loaded.config.mask_token_id,
-                            dev(batch.temperatures[rows]), dev(batch.row_keys[rows]),
-                            dev(np.repeat([p.top_p for p in params], counts)),
-                            dev(np.repeat([p.top_k for p in params], counts)),
-                            None if edits is None else edits.map(dev))
+        t, c, top = score_logits(logits[index], self.loaded.config.mask_token_id,
+                                 dev(batch.temperatures[rows]), dev(batch.row_keys[rows]),
+                                 dev(np.repeat([p.top_p for p in params], counts)),
+                                 dev(np.repeat([p.top_k for p in params], counts)),
+                                 None if edits is None else edits.map(dev),
+                                 max(p.logprobs or 0 for p in params))
         tokens[index] = t.to(tokens.dtype)
         conf[index] = c.to(conf.dtype)
+        return top
+
+
+def _record_top(batch: PackedBatch, picked: list[DecodeState], picked_ids: list[int],
+                logprobs: np.ndarray, ids: np.ndarray) -> None:
+    """Give each picked request that asks for alternatives those of its committed rows
+    (``logprobs``, ``ids``: the picked requests' rows, in order; as many columns as the most
+    any of them asks for)."""
+    start = 0
+    for st, i in zip(picked, picked_ids, strict=True):
+        a, b = batch.cu_rows[i], batch.cu_rows[i + 1]
+        n = st.params.logprobs or 0
+        if n:
+            end = start + b - a
+            st.record_top(batch.cand_positions[a:b], logprobs[start:end, :n], ids[start:end, :n])
+        start += b - a
 
 
 def unmask_arrays(batch: PackedBatch, states: list[DecodeState]) -> dict[str, np.ndarray]:

@@ -93,7 +93,7 @@ def unmask_ref(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor,
     counts = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
     temp_rows = torch.repeat_interleave(temperature.to(torch.float64).cpu(),
                                         torch.tensor(counts, dtype=torch.int64))
-    tokens, conf = score_logits(logits, mask_token_id, temp_rows.to(logits.device), row_keys)
+    tokens, conf, _ = score_logits(logits, mask_token_id, temp_rows.to(logits.device), row_keys)
     commit = torch.zeros(logits.shape[0], dtype=torch.bool)
     conf_host = conf.double().cpu().tolist()
     for r, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):

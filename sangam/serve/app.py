@@ -48,6 +48,7 @@ from sangam.serve.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatTokenLogprob,
+    ChatTopLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -201,6 +202,7 @@ class _Step:
     logprobs: list[float] | None  # per token, when the request asked for them
     pieces: list[str]  # each token's own text (only with logprobs)
     offset: int  # characters of the pieces sent before these (legacy text_offset)
+    top: list[list[tuple[str, float]]]  # per token, its alternatives' texts and logprobs
 
 
 class _Delta:
@@ -225,7 +227,12 @@ class _Delta:
         tokens = out.token_ids[self.num_tokens:]
         logprobs = None if out.logprobs is None else out.logprobs[self.num_tokens:]
         pieces = self.pieces(tokens) if logprobs is not None else []
-        step = _Step(delta, tokens, logprobs, pieces, self.offset)
+        top: list[list[tuple[str, float]]] = []
+        if out.top_logprobs is not None:
+            alternatives = out.top_logprobs[self.num_tokens:]
+            texts = iter(self.pieces([t for alt in alternatives for t, _ in alt]))
+            top = [[(next(texts), lp) for _, lp in alt] for alt in alternatives]
+        step = _Step(delta, tokens, logprobs, pieces, self.offset, top)
         self.num_tokens = len(out.token_ids)
         self.offset += sum(map(len, pieces))
         return step
@@ -237,7 +244,9 @@ def _completion_logprobs(step: _Step) -> CompletionLogprobs | None:
     offsets = itertools.accumulate(map(len, step.pieces[:-1]), initial=step.offset)
     return CompletionLogprobs(
         tokens=step.pieces, token_logprobs=step.logprobs,
-        top_logprobs=[{p: lp} for p, lp in zip(step.pieces, step.logprobs)],
+        top_logprobs=[{p: lp, **dict(alt)}
+                      for p, lp, alt in itertools.zip_longest(step.pieces, step.logprobs,
+                                                              step.top, fillvalue=())],
         text_offset=list(offsets) if step.pieces else [])
 
 
@@ -245,8 +254,10 @@ def _chat_logprobs(step: _Step) -> ChatLogprobs | None:
     if step.logprobs is None:
         return None
     return ChatLogprobs(content=[
-        ChatTokenLogprob(token=p, logprob=lp, bytes=list(p.encode()))
-        for p, lp in zip(step.pieces, step.logprobs)])
+        ChatTokenLogprob(token=p, logprob=lp, bytes=list(p.encode()), top_logprobs=[
+            ChatTopLogprob(token=t, logprob=tlp, bytes=list(t.encode())) for t, tlp in alt])
+        for p, lp, alt in itertools.zip_longest(step.pieces, step.logprobs, step.top,
+                                                fillvalue=())])
 
 
 def _clip(text: str, limit: int) -> str:
@@ -293,8 +304,7 @@ class _Server:
         unsupported = body.unsupported_fields()
         if unsupported:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
-                           "returns greedy or sampled choices, with each token's own logprob "
-                           "but no alternatives (top_logprobs), echo, suffix or tools",
+                           "does not implement echo, suffix, best_of, tools or response_format",
                            param=unsupported[0], code="unsupported_parameter")
         try:
             return self.config.default_params(self.loaded.generation_defaults,

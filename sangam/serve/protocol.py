@@ -94,13 +94,13 @@ class CompletionRequest(_GenerationRequest):
         """Fields set to a value whose behaviour Sangam does not implement."""
         return [name for name, is_bad in (
             ("echo", bool(self.echo)), ("best_of", self.best_of not in (None, 1)),
-            ("logprobs", self.logprobs not in (None, 0)), ("suffix", bool(self.suffix)))
+            ("suffix", bool(self.suffix)))
             if is_bad]
 
     def sampling_overrides(self) -> dict[str, object]:
         overrides = super().sampling_overrides()
-        if self.logprobs == 0:  # each token's own log-probability; alternatives are refused
-            overrides["logprobs"] = 0
+        if self.logprobs is not None:  # each token's own, and this many alternatives
+            overrides["logprobs"] = self.logprobs
         return overrides
 
 
@@ -133,7 +133,6 @@ class ChatCompletionRequest(_GenerationRequest):
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
         return [name for name, is_bad in (
-            ("top_logprobs", self.top_logprobs not in (None, 0)),
             ("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none")),
             ("response_format", self.response_format not in (None, {"type": "text"})))
             if is_bad]
@@ -142,8 +141,10 @@ class ChatCompletionRequest(_GenerationRequest):
         overrides = super().sampling_overrides()
         if self.max_completion_tokens is not None:
             overrides.setdefault("max_tokens", self.max_completion_tokens)
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if self.logprobs:
-            overrides["logprobs"] = 0
+            overrides["logprobs"] = self.top_logprobs or 0
         return overrides
 
 
@@ -161,7 +162,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     """OpenAI's legacy completions format. Each token's log-probability is the model's at the
-    step that committed it; top_logprobs holds only that token (alternatives are not kept)."""
+    step that committed it; top_logprobs maps that token and the step's ``logprobs`` most
+    probable ones (by their text, as vLLM) to theirs."""
 
     tokens: list[str]
     token_logprobs: list[float]
@@ -191,11 +193,14 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatTokenLogprob(BaseModel):
+class ChatTopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[dict] = Field(default_factory=list)
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
 
 
 class ChatLogprobs(BaseModel):
