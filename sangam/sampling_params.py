@@ -133,14 +133,24 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
-    @functools.cached_property  # read for every request of every iteration
+    @property
     def needs_full_scoring(self) -> bool:
         """Whether scoring must rank or reweight the whole vocabulary at every step (top_p /
         top_k sampling, logit_bias, penalties, logprobs alternatives), which the fused unmasking
-        kernel does not do. ``min_tokens`` needs it only early on: see
-        ``DecodeState.needs_full_scoring``."""
+        kernel does not do."""
         return (self.restricts_sampling or bool(self.logit_bias) or self.penalizes
                 or bool(self.logprobs))
+
+    @functools.cached_property  # read for every request of every iteration
+    def full_scoring_blocks(self) -> float:
+        """How many leading blocks need full scoring: all of them (inf) when
+        ``needs_full_scoring``, else those holding the first ``min_tokens`` positions (when
+        there are stop ids to hold back)."""
+        if self.needs_full_scoring:
+            return math.inf
+        if self.stop_at_eos or self.stop_token_ids:
+            return -(-self.min_tokens // self.block_length)
+        return 0
 
     @property
     def canvas_length(self) -> int:

@@ -102,6 +102,11 @@ def test_validation():
     p = SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.5)
     assert p.penalizes and p.needs_full_scoring
     assert not SamplingParams(min_tokens=3).needs_full_scoring  # the state decides, per block
+    assert SamplingParams(min_tokens=5, block_length=4).full_scoring_blocks == 2
+    assert SamplingParams(min_tokens=5, stop_at_eos=False).full_scoring_blocks == 0  # no stop id
+    assert SamplingParams(min_tokens=5, stop_at_eos=False, stop_token_ids=[3],
+                          block_length=4).full_scoring_blocks == 2
+    assert SamplingParams(logprobs=1).full_scoring_blocks == float("inf")
     for name, bad in [("presence_penalty", 2.5), ("frequency_penalty", float("nan")),
                       ("repetition_penalty", 0), ("repetition_penalty", True),
                       ("min_tokens", -1), ("min_tokens", 300), ("min_tokens", 1.0)]:

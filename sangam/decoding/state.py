@@ -86,11 +86,8 @@ class DecodeState:
     @property
     def needs_full_scoring(self) -> bool:
         """Whether this step's scoring needs the whole vocabulary edited or ranked (see
-        ``SamplingParams.needs_full_scoring``); min_tokens needs it while the current block
-        holds one of the first min_tokens response positions."""
-        p = self.params
-        return p.needs_full_scoring or (
-            p.min_tokens > 0 and bool(self.stop_ids) and self.block * p.block_length < p.min_tokens)
+        ``SamplingParams.full_scoring_blocks``)."""
+        return self.block < self.params.full_scoring_blocks
 
     # One step.
     def plan(self) -> StepPlan:

@@ -70,7 +70,8 @@ class ModelRunner:
             tokens, conf, _ = score_logits(logits, self.loaded.config.mask_token_id,
                                            torch.from_numpy(batch.temperatures),
                                            torch.from_numpy(batch.row_keys))
-        full = [i for i, st in enumerate(states) if st.needs_full_scoring]
+        # st.needs_full_scoring, inlined: the property call would double this scan's cost.
+        full = [i for i, st in enumerate(states) if st.block < st.params.full_scoring_blocks]
         picked = [states[i] for i in full]
         top = self._rescore_full(logits, batch, picked, full, tokens, conf) if full else None
         tokens = tokens.cpu().numpy()
