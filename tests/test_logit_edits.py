@@ -54,7 +54,7 @@ def test_presence_and_frequency_are_subtracted_and_merge_with_logit_bias():
 def test_repetition_penalty_covers_prompt_and_response_and_keeps_the_sign_rule():
     st = _state([7, MASK, EOS, 9], repetition_penalty=2.0)
     e = _edits(st, [4])
-    assert e.rep_ids.tolist() == [5, 6, 7] and e.repetition_penalty == 2.0  # 9 is past EOS
+    assert sorted(e.rep_ids.tolist()) == [5, 6, 7] and e.repetition_penalty == 2.0  # 9: past EOS
     x = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 6.0, -6.0, 0.5]], dtype=torch.float64)
     edits = pack_edits([e], [1]).map(torch.from_numpy)
     apply_edits(x, edits)
@@ -64,7 +64,7 @@ def test_repetition_penalty_covers_prompt_and_response_and_keeps_the_sign_rule()
 def test_min_tokens_bans_the_stop_ids_at_the_first_positions_only():
     st = _state([MASK] * 8, prompt=(5, 6), stop_token_ids=[4], min_tokens=3)
     e = _edits(st, [2, 3, 4, 5, 7])  # response offsets 0, 1, 2, 3, 5
-    assert e.ban_ids.tolist() == [EOS, 4] and e.ban_rows.tolist() == [0, 1, 2]
+    assert e.ban_ids.tolist() == [EOS, 4] and e.num_banned == 3
     assert _edits(st, [5, 6]) is None
     assert _edits(_state([MASK] * 4, stop_at_eos=False, min_tokens=3), [3]) is None  # no stop id
     # The state asks for full scoring only while its block holds one of those positions.
@@ -75,27 +75,68 @@ def test_min_tokens_bans_the_stop_ids_at_the_first_positions_only():
         assert st.needs_full_scoring == second_block
 
 
+def _request(add=(), ban=(), num_banned=0, rep=(), penalty=1.0) -> RequestEdits:
+    ids = np.array([t for t, _ in add], dtype=np.int64)
+    return RequestEdits(ids, np.array([v for _, v in add], dtype=np.float64),
+                        np.array(ban, dtype=np.int64), num_banned, np.array(rep, dtype=np.int64),
+                        penalty)
+
+
 def test_pack_and_score():
     """Groups of rows; a ban beats any bias; scoring sees the edited logits."""
-    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]] * 4, dtype=torch.float64)
-    banned = RequestEdits(np.array([0], dtype=np.int64), np.array([9.0]),
-                          np.array([0, 3], dtype=np.int64), np.array([1], dtype=np.int64),
-                          np.zeros(0, dtype=np.int64), 1.0)
-    biased = RequestEdits(np.array([3], dtype=np.int64), np.array([2.5]),
-                          np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
-                          np.zeros(0, dtype=np.int64), 1.0)
-    edits = pack_edits([None, banned, biased], [1, 2, 1])
-    assert edits.rows.tolist() == [1, 2, 2, 2, 3] and edits.ids.tolist() == [0, 0, 0, 3, 3]
-    assert edits.values.tolist() == [9.0, 9.0, -np.inf, -np.inf, 2.5]
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]] * 5, dtype=torch.float64)
+    banned = _request(add=[(0, 9.0)], ban=[0, 3], num_banned=1, rep=[1], penalty=2.0)
+    biased = _request(add=[(3, 2.5)])
+    edits = pack_edits([None, banned, biased], [1, 3, 1])
+    assert edits.starts.tolist() == [1, 1, 4] and edits.counts.tolist() == [3, 1, 1]
+    assert edits.width == 3
+    assert edits.add_groups.tolist() == [0, 1, 1, 2] and edits.add_ids.tolist() == [0, 0, 3, 3]
+    assert edits.add_values.tolist() == [9.0, -np.inf, -np.inf, 2.5]
+    assert edits.rep_groups.tolist() == [0] and edits.rep_ids.tolist() == [1]
+    assert edits.rep_values.tolist() == [2.0]
     assert pack_edits([None, None], [3, 1]) is None
-    edits = pack_edits([None, banned, biased, None], [1, 1, 1, 1])
     tokens, conf, _ = score_logits(logits, 2, edits=edits.map(torch.from_numpy))
     expect = logits.clone()
-    expect[1, 0] += 9.0
-    expect[2, 0] = expect[2, 3] = float("-inf")
+    expect[1:4, 1] = 0.5
+    expect[1:4, 0] += 9.0
+    expect[1, 0] = expect[1, 3] = float("-inf")
+    expect[4, 3] += 2.5
     expect[:, 2] = float("-inf")  # the mask token stays excluded, whatever the edits
-    assert tokens.tolist() == [3, 0, 1, 3]
+    assert tokens.tolist() == [3, 1, 0, 0, 3]
     torch.testing.assert_close(conf, torch.softmax(expect, -1).gather(1, tokens[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_apply_equals_editing_each_row_by_hand(seed):
+    """The device-side expansion of groups equals editing each request's rows one by one."""
+    rng = np.random.default_rng(seed)
+    vocab, counts = 50, [int(c) for c in rng.integers(1, 7, size=6)]
+    requests = []
+    for n in counts:
+        if rng.random() < 0.2:
+            requests.append(None)
+            continue
+        add = [(int(t), float(rng.normal())) for t in rng.choice(vocab, rng.integers(0, 6), False)]
+        ban = rng.choice(vocab, rng.integers(0, 3), False).tolist()
+        requests.append(_request(add, ban, int(rng.integers(0, n + 1)) if ban else 0,
+                                 rng.integers(0, vocab, rng.integers(0, 9)).tolist(),
+                                 float(rng.uniform(0.5, 3))))
+    x = torch.from_numpy(rng.normal(size=(sum(counts), vocab)))
+    want = x.clone()
+    start = 0
+    for e, n in zip(requests, counts, strict=True):
+        if e is not None:
+            block = want[start:start + n]
+            rep = np.unique(e.rep_ids)
+            block[:, rep] = torch.where(block[:, rep] > 0, block[:, rep] / e.repetition_penalty,
+                                        block[:, rep] * e.repetition_penalty)
+            block[:, e.add_ids] += torch.from_numpy(e.add_values)
+            block[:e.num_banned, e.ban_ids] = float("-inf")
+        start += n
+    edits = pack_edits(requests, counts)
+    if edits is not None:
+        apply_edits(x, edits.map(torch.from_numpy))
+    assert torch.equal(x, want)
 
 
 def test_validation():

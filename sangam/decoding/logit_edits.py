@@ -27,31 +27,38 @@ from sangam.decoding.state import DecodeState
 
 
 class RequestEdits(NamedTuple):
-    """One step's edits of one request, whose logits rows predict ``positions``."""
+    """One step's edits of one request, whose logits rows predict ``positions`` (ascending, as
+    a step plan lists them)."""
 
     add_ids: np.ndarray  # int64, unique: added to every row ...
     add_values: np.ndarray  # float64: ... these values
-    ban_ids: np.ndarray  # int64: -inf on the rows ...
-    ban_rows: np.ndarray  # int64: ... at these offsets among the request's rows
-    rep_ids: np.ndarray  # int64, unique: the repetition penalty's tokens
+    ban_ids: np.ndarray  # int64: -inf on the first ``num_banned`` rows
+    num_banned: int
+    rep_ids: np.ndarray  # int64 (repeats allowed): the repetition penalty's tokens
     repetition_penalty: float
 
 
 class LogitEdits(NamedTuple):
-    """Sparse edits of a ``[rows, vocab]`` logits matrix, as parallel arrays (numpy on the host,
-    tensors on the device): ``x[rows, ids] += values`` (values may be -inf) after the tokens
-    ``x[rep_rows, rep_ids]`` are penalized by ``rep_values``."""
+    """Sparse edits of a ``[rows, vocab]`` logits matrix, by groups of consecutive rows edited
+    alike (group g: rows ``starts[g]`` to ``starts[g] + counts[g]``, at most ``width`` rows).
+    Each entry names a group, a token and a value: the repetition entries penalize their token
+    on every row of their group, then the additive ones add their value (may be -inf). Arrays
+    are numpy on the host, tensors on the device; the expansion to (row, token) pairs happens
+    there, so the host never builds rows x tokens arrays (a 1K-token prompt, 32 rows)."""
 
-    rows: np.ndarray | torch.Tensor
-    ids: np.ndarray | torch.Tensor
-    values: np.ndarray | torch.Tensor
-    rep_rows: np.ndarray | torch.Tensor
+    starts: np.ndarray | torch.Tensor
+    counts: np.ndarray | torch.Tensor
+    add_groups: np.ndarray | torch.Tensor
+    add_ids: np.ndarray | torch.Tensor
+    add_values: np.ndarray | torch.Tensor
+    rep_groups: np.ndarray | torch.Tensor
     rep_ids: np.ndarray | torch.Tensor
     rep_values: np.ndarray | torch.Tensor
+    width: int
 
     def map(self, fn: Callable[[np.ndarray | torch.Tensor], torch.Tensor]) -> LogitEdits:
         """The same edits with every array converted by ``fn`` (e.g. moved to a device)."""
-        return LogitEdits(*(fn(a) for a in self))
+        return LogitEdits(*(a if isinstance(a, int) else fn(a) for a in self))
 
 
 def response_token_counts(state: DecodeState) -> tuple[np.ndarray, np.ndarray]:
@@ -65,8 +72,8 @@ def response_token_counts(state: DecodeState) -> tuple[np.ndarray, np.ndarray]:
 
 
 def request_edits(state: DecodeState, positions: np.ndarray) -> RequestEdits | None:
-    """The edits of the step of ``state`` whose rows predict canvas ``positions``; None if
-    there are none."""
+    """The edits of the step of ``state`` whose rows predict canvas ``positions`` (ascending);
+    None if there are none."""
     p = state.params
     empty = np.zeros(0, dtype=np.int64)
     ids = [np.array([t for t, _ in p.logit_bias], dtype=np.int64)]
@@ -77,49 +84,72 @@ def request_edits(state: DecodeState, positions: np.ndarray) -> RequestEdits | N
         if p.presence_penalty or p.frequency_penalty:
             ids.append(seen)
             values.append(-(p.presence_penalty + p.frequency_penalty * counts))
-        if p.repetition_penalty != 1.0:
-            rep_ids = np.union1d(seen, state.tokens[:state.prompt_len])
+        if p.repetition_penalty != 1.0:  # a token in both is penalized once: pairs repeat
+            rep_ids = np.concatenate([state.prompt_tokens, seen])
     add_ids, where = np.unique(np.concatenate(ids), return_inverse=True)
     add_values = np.zeros(len(add_ids), dtype=np.float64)
     np.add.at(add_values, where, np.concatenate(values))  # logit_bias first, then penalties
-    ban_ids, ban_rows = empty, empty
+    ban_ids, num_banned = empty, 0
     if p.min_tokens and state.stop_ids:
-        ban_rows = (positions < state.prompt_len + p.min_tokens).nonzero()[0]
-        if ban_rows.size:
+        num_banned = int(np.count_nonzero(positions < state.prompt_len + p.min_tokens))
+        if num_banned:
             ban_ids = np.array(sorted(state.stop_ids), dtype=np.int64)
     if not (add_ids.size or ban_ids.size or rep_ids.size):
         return None
-    return RequestEdits(add_ids, add_values, ban_ids, ban_rows, rep_ids, p.repetition_penalty)
+    return RequestEdits(add_ids, add_values, ban_ids, num_banned, rep_ids, p.repetition_penalty)
 
 
 def pack_edits(edits: list[RequestEdits | None], counts: list[int]) -> LogitEdits | None:
     """The edits of consecutive groups of rows (group g: ``counts[g]`` rows, edited by
     ``edits[g]``) as one :class:`LogitEdits` over all rows; None if there are none."""
-    parts: list[list[np.ndarray]] = [[] for _ in LogitEdits._fields]
+    starts, sizes = [], []
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in LogitEdits._fields[2:-1]}
+
+    def group(start: int, size: int) -> int:
+        starts.append(start)
+        sizes.append(size)
+        return len(starts) - 1
+
+    def entries(kind: str, g: int, ids: np.ndarray, values: np.ndarray | float) -> None:
+        parts[f"{kind}_groups"].append(np.full(len(ids), g, dtype=np.int64))
+        parts[f"{kind}_ids"].append(ids)
+        parts[f"{kind}_values"].append(np.broadcast_to(np.float64(values), ids.shape))
+
     start = 0
     for e, n in zip(edits, counts, strict=True):
         if e is not None:
-            every_row = np.arange(start, start + n)
-            parts[0] += [np.repeat(every_row, len(e.add_ids)),
-                         np.repeat(start + e.ban_rows, len(e.ban_ids))]
-            parts[1] += [np.tile(e.add_ids, n), np.tile(e.ban_ids, len(e.ban_rows))]
-            parts[2] += [np.tile(e.add_values, n),
-                         np.full(len(e.ban_rows) * len(e.ban_ids), -np.inf)]
-            parts[3].append(np.repeat(every_row, len(e.rep_ids)))
-            parts[4].append(np.tile(e.rep_ids, n))
-            parts[5].append(np.full(n * len(e.rep_ids), e.repetition_penalty))
+            every_row = group(start, n)
+            entries("add", every_row, e.add_ids, e.add_values)
+            entries("rep", every_row, e.rep_ids, e.repetition_penalty)
+            if e.num_banned:
+                entries("add", group(start, e.num_banned), e.ban_ids, -np.inf)
         start += n
-    if not parts[0]:
+    if not starts:
         return None
-    return LogitEdits(*(np.concatenate(p) for p in parts))
+    return LogitEdits(np.array(starts, dtype=np.int64), np.array(sizes, dtype=np.int64),
+                      *(np.concatenate(a) for a in parts.values()), width=max(sizes))
+
+
+def _rows(edits: LogitEdits, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of each entry's group, ``[entries, width]``, and which of them are real: the
+    slots beyond a group's rows point at its first row."""
+    offsets = torch.arange(edits.width, device=groups.device)[None, :]
+    real = offsets < edits.counts[groups][:, None]
+    return edits.starts[groups][:, None] + torch.where(real, offsets, 0), real
 
 
 def apply_edits(x: torch.Tensor, edits: LogitEdits) -> None:
     """Edit the logits ``x`` in place (tensors of ``edits`` on its device)."""
-    if len(edits.rep_rows):
-        picked = x[edits.rep_rows, edits.rep_ids]
-        penalty = edits.rep_values.to(x.dtype)
-        x[edits.rep_rows, edits.rep_ids] = torch.where(picked > 0, picked / penalty,
-                                                       picked * penalty)
-    # A (row, token) pair repeats only when a banned token is also biased: -inf either way.
-    x.index_put_((edits.rows, edits.ids), edits.values.to(x.dtype), accumulate=True)
+    if len(edits.rep_ids):
+        # Repeated (row, token) pairs read the same logit and write the same value.
+        rows, _ = _rows(edits, edits.rep_groups)
+        ids = edits.rep_ids[:, None].expand_as(rows)
+        picked = x[rows, ids]
+        penalty = edits.rep_values.to(x.dtype)[:, None]
+        x[rows, ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    if len(edits.add_ids):
+        # The slots that are not real add 0; a real pair repeats only when a banned token is
+        # also biased: -inf either way. So the sums do not depend on the order of addition.
+        rows, real = _rows(edits, edits.add_groups)
+        values = torch.where(real, edits.add_values.to(x.dtype)[:, None], 0.0)
+        x.index_put_((rows, edits.add_ids[:, None].expand_as(rows)), values, accumulate=True)

@@ -7,6 +7,7 @@ requests share a forward.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +60,11 @@ class DecodeState:
         self.finished = False
         self.finish_reason: str | None = None
         self.stop_len: int | None = None  # response tokens kept when a stop string ended it
+
+    @functools.cached_property
+    def prompt_tokens(self) -> np.ndarray:
+        """The prompt's distinct token ids (for the repetition penalty)."""
+        return np.unique(self.tokens[:self.prompt_len])
 
     # Geometry.
     @property
