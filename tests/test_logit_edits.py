@@ -67,12 +67,12 @@ def test_min_tokens_bans_the_stop_ids_at_the_first_positions_only():
     assert e.ban_ids.tolist() == [EOS, 4] and e.num_banned == 3
     assert _edits(st, [5, 6]) is None
     assert _edits(_state([MASK] * 4, stop_at_eos=False, min_tokens=3), [3]) is None  # no stop id
-    # The state asks for full scoring only while its block holds one of those positions.
+    # The engine scores its rows again only while its block holds one of those positions.
     for min_tokens, second_block in ((5, True), (4, False)):
         st = _state([MASK] * 8, block_length=4, min_tokens=min_tokens)
-        assert st.needs_full_scoring
+        assert st.block < st.params.full_scoring_blocks
         st.block = 1  # response offsets 4..7
-        assert st.needs_full_scoring == second_block
+        assert (st.block < st.params.full_scoring_blocks) == second_block
 
 
 def _request(add=(), ban=(), num_banned=0, rep=(), penalty=1.0) -> RequestEdits:

@@ -64,10 +64,7 @@ class LogitEdits(NamedTuple):
 def response_token_counts(state: DecodeState) -> tuple[np.ndarray, np.ndarray]:
     """The distinct tokens the response holds so far and how often (see the module doc)."""
     response = state.tokens[state.prompt_len:state.prompt_len + state.params.max_tokens]
-    if state.stop_ids:
-        stops = np.isin(response, list(state.stop_ids)).nonzero()[0]
-        if stops.size:
-            response = response[:stops[0]]
+    response = response[:state.stop_index(response)]
     return np.unique(response[response != state.mask_token_id], return_counts=True)
 
 
@@ -93,7 +90,7 @@ def request_edits(state: DecodeState, positions: np.ndarray) -> RequestEdits | N
     if p.min_tokens and state.stop_ids:
         num_banned = int(np.count_nonzero(positions < state.prompt_len + p.min_tokens))
         if num_banned:
-            ban_ids = np.array(sorted(state.stop_ids), dtype=np.int64)
+            ban_ids = state.stop_array
     if not (add_ids.size or ban_ids.size or rep_ids.size):
         return None
     return RequestEdits(add_ids, add_values, ban_ids, num_banned, rep_ids, p.repetition_penalty)

@@ -43,6 +43,7 @@ class DecodeState:
         # The ids that end the response: EOS (given) under stop_at_eos, and the request's own.
         self.stop_ids = ((stop_ids if params.stop_at_eos else frozenset())
                          | frozenset(params.stop_token_ids))
+        self.stop_array = np.array(sorted(self.stop_ids), dtype=np.int64)  # the same, for numpy
         self.shift = shift_logits
         self.seed = seed
         self.prompt_len = len(prompt_ids)
@@ -89,12 +90,6 @@ class DecodeState:
             return 0, self.total_len
         return (s, e) if self.params.cache == "dual" else (s, self.total_len)
 
-    @property
-    def needs_full_scoring(self) -> bool:
-        """Whether this step's scoring needs the whole vocabulary edited or ranked (see
-        ``SamplingParams.full_scoring_blocks``)."""
-        return self.block < self.params.full_scoring_blocks
-
     # One step.
     def plan(self) -> StepPlan:
         start, end = self.span()
@@ -138,7 +133,8 @@ class DecodeState:
         s, e = self.block_bounds()
         if self.mask_token_id in self.tokens[s:e]:
             return False
-        if self.stop_ids and np.isin(self.tokens[self.prompt_len:e], list(self.stop_ids)).any():
+        response = self.tokens[self.prompt_len:e]
+        if self.stop_index(response) < len(response):
             self.finished, self.finish_reason = True, "stop"
         elif self.block + 1 == self.num_blocks:
             self.finished, self.finish_reason = True, "length"
@@ -146,6 +142,14 @@ class DecodeState:
             self.block += 1
             self.step = 0
         return True
+
+    def stop_index(self, response: np.ndarray) -> int:
+        """Where ``response`` (response tokens) holds its first stop id; its length if none."""
+        if self.stop_ids:
+            hits = np.isin(response, self.stop_array).nonzero()[0]
+            if hits.size:
+                return int(hits[0])
+        return len(response)
 
     def stop_after(self, num_tokens: int) -> None:
         """End the request with its first ``num_tokens`` response tokens (a stop string ended
@@ -180,11 +184,7 @@ class DecodeState:
         string's end and to max_tokens."""
         s, _ = self.block_bounds()
         end = self.total_len if self.finished else s
-        out = self.tokens[self.prompt_len:end].tolist()
-        if self.stop_ids:
-            for i, t in enumerate(out):
-                if t in self.stop_ids:
-                    out = out[:i]
-                    break
+        out = self.tokens[self.prompt_len:end]
+        out = out[:self.stop_index(out)].tolist()
         limit = self.params.max_tokens
         return out[:limit if self.stop_len is None else min(limit, self.stop_len)]

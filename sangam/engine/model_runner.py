@@ -4,17 +4,20 @@ Refresh spans (a whole sequence) and cached spans (a block, or block + suffix) o
 are concatenated into one varlen batch; the LM head runs only on rows that predict a masked
 position of a request's current block (DESIGN.md §2). The host work around the forward
 (planning, packing, committing) is the HostBatcher's: C++ when built, else Python; the packed
-arrays reach the device in one copy (``device_batch.py``). Decode
+arrays reach the device in one copy (``device_batch.py``), the inputs of rows scored again
+(``Rescore``) included. Decode
 batches of the default block length replay CUDA graphs on GPU (``cuda_graphs.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from sangam.decoding.confidence import score_logits
-from sangam.decoding.logit_edits import pack_edits, request_edits
+from sangam.decoding.logit_edits import LogitEdits, pack_edits, request_edits
 from sangam.decoding.rules import RULE_IDS
 from sangam.decoding.state import DecodeState
 from sangam.engine.cuda_graphs import DecodeGraphRunner
@@ -53,6 +56,11 @@ class ModelRunner:
         arrays = batch.device_arrays()
         if self.fused_scoring:
             arrays.update(unmask_arrays(batch, states))
+        # Read for every request of every iteration: one attribute and one cached property.
+        full = [i for i, st in enumerate(states) if st.block < st.params.full_scoring_blocks]
+        rescore = Rescore.build(batch, states, full) if full else None
+        if rescore is not None:
+            arrays.update(rescore.arrays)
         dev = self.uploader.upload(arrays)
         model = self.loaded.model
         if allow_graphs and self.graphs is not None and self.graphs.can_run(batch):
@@ -70,67 +78,92 @@ class ModelRunner:
             tokens, conf, _ = score_logits(logits, self.loaded.config.mask_token_id,
                                            torch.from_numpy(batch.temperatures),
                                            torch.from_numpy(batch.row_keys))
-        # st.needs_full_scoring, inlined: the property call would double this scan's cost.
-        full = [i for i, st in enumerate(states) if st.block < st.params.full_scoring_blocks]
-        picked = [states[i] for i in full]
-        top = self._rescore_full(logits, batch, picked, full, tokens, conf) if full else None
+        top = None
+        if rescore is not None:
+            top = rescore.score(logits, dev, self.loaded.config.mask_token_id, tokens, conf)
         tokens = tokens.cpu().numpy()
         conf = conf.cpu().numpy().astype(np.float64)
         block_done = self.host.apply(states, batch, tokens, conf)
         if top is not None:
-            _record_top(batch, picked, full, *(t.cpu().numpy() for t in top))
+            rescore.record_top(batch, *(t.cpu().numpy() for t in top))
         for st, done in zip(states, block_done):
             if done:
                 apply_stop_strings(st, self.loaded.decode)
         return block_done
 
-    def _rescore_full(self, logits: torch.Tensor, batch: PackedBatch,
-                      picked: list[DecodeState], picked_ids: list[int], tokens: torch.Tensor,
-                      conf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Score again, in place and on the device, the rows of the requests ``picked_ids``
-        (batch positions; ``picked``: their states), whose scoring ranks or edits the
-        vocabulary (top_p / top_k sampling, logit_bias, penalties, min_tokens, logprobs
-        alternatives): the fused kernel streams the vocabulary once and does neither, so these
-        rows take the reference path (a [rows, vocab] copy, for those requests only). Returns
-        the rows' most probable tokens (:class:`Scores`' ``top``, rows in ``picked_ids`` order)
-        when a request asks for them."""
-        cu = batch.cu_rows.tolist()
-        counts = [cu[i + 1] - cu[i] for i in picked_ids]
-        rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in picked_ids])
-        if rows.size == 0:
+
+_EDIT_ARRAYS = LogitEdits._fields[:-1]  # every field but the width (a host int)
+
+
+@dataclass
+class Rescore:
+    """The requests of a batch whose rows are scored again, and the inputs that takes.
+
+    Their scoring ranks or edits the vocabulary (top_p / top_k sampling, logit_bias, penalties,
+    min_tokens, logprobs alternatives): the fused kernel streams the vocabulary once and does
+    neither, and the torch path's first pass does neither either. So these rows take
+    ``score_logits`` again (a [rows, vocab] copy, for those requests only), in place, on the
+    device, before the iteration's one read-back. Their inputs are built before the forward and
+    travel in the batch's one upload (``arrays``, names prefixed ``rescore_``)."""
+
+    states: list[DecodeState]
+    indices: list[int]  # their positions in the batch
+    arrays: dict[str, np.ndarray]
+    edits_width: int | None  # LogitEdits.width; None: no edits
+    top_n: int  # alternatives to rank per row (the most any of them asks for)
+
+    @classmethod
+    def build(cls, batch: PackedBatch, states: list[DecodeState],
+              indices: list[int]) -> Rescore | None:
+        cu = batch.cu_rows
+        picked = [states[i] for i in indices]
+        counts = [int(cu[i + 1] - cu[i]) for i in indices]
+        if sum(counts) == 0:
             return None
-
-        def dev(a: np.ndarray) -> torch.Tensor:  # never waits for the GPU
-            return torch.from_numpy(np.ascontiguousarray(a)).to(logits.device, non_blocking=True)
-
-        edits = pack_edits([request_edits(st, batch.cand_positions[cu[i]:cu[i + 1]])
-                            for st, i in zip(picked, picked_ids)], counts)
+        rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in indices])
         params = [st.params for st in picked]
-        index = dev(rows)
-        t, c, top = score_logits(logits[index], self.loaded.config.mask_token_id,
-                                 dev(batch.temperatures[rows]), dev(batch.row_keys[rows]),
-                                 dev(np.repeat([p.top_p for p in params], counts)),
-                                 dev(np.repeat([p.top_k for p in params], counts)),
-                                 None if edits is None else edits.map(dev),
-                                 max(p.logprobs or 0 for p in params))
+        arrays = {
+            "rescore_rows": rows,
+            "rescore_temperature": batch.temperatures[rows],
+            "rescore_row_keys": batch.row_keys[rows],
+            "rescore_top_p": np.repeat(np.array([p.top_p for p in params], np.float64), counts),
+            "rescore_top_k": np.repeat(np.array([p.top_k for p in params], np.int64), counts),
+        }
+        edits = pack_edits([request_edits(st, batch.cand_positions[cu[i]:cu[i + 1]])
+                            for st, i in zip(picked, indices)], counts)
+        if edits is not None:
+            arrays.update({f"rescore_{name}": getattr(edits, name) for name in _EDIT_ARRAYS})
+        return cls(picked, indices, arrays, None if edits is None else edits.width,
+                   max(p.logprobs or 0 for p in params))
+
+    def score(self, logits: torch.Tensor, dev: dict[str, torch.Tensor], mask_token_id: int,
+              tokens: torch.Tensor, conf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Score the rows again from ``dev`` (the uploaded arrays), writing ``tokens`` and
+        ``conf`` in place; returns the rows' alternatives (``Scores.top``) if asked for."""
+        edits = None
+        if self.edits_width is not None:
+            edits = LogitEdits(*(dev[f"rescore_{name}"] for name in _EDIT_ARRAYS),
+                               width=self.edits_width)
+        index = dev["rescore_rows"]
+        t, c, top = score_logits(logits[index], mask_token_id, dev["rescore_temperature"],
+                                 dev["rescore_row_keys"], dev["rescore_top_p"],
+                                 dev["rescore_top_k"], edits, self.top_n)
         tokens[index] = t.to(tokens.dtype)
         conf[index] = c.to(conf.dtype)
         return top
 
-
-def _record_top(batch: PackedBatch, picked: list[DecodeState], picked_ids: list[int],
-                logprobs: np.ndarray, ids: np.ndarray) -> None:
-    """Give each picked request that asks for alternatives those of its committed rows
-    (``logprobs``, ``ids``: the picked requests' rows, in order; as many columns as the most
-    any of them asks for)."""
-    start = 0
-    for st, i in zip(picked, picked_ids, strict=True):
-        a, b = batch.cu_rows[i], batch.cu_rows[i + 1]
-        n = st.params.logprobs or 0
-        if n:
-            end = start + b - a
-            st.record_top(batch.cand_positions[a:b], logprobs[start:end, :n], ids[start:end, :n])
-        start += b - a
+    def record_top(self, batch: PackedBatch, logprobs: np.ndarray, ids: np.ndarray) -> None:
+        """Give each request that asks for alternatives those of its committed rows (call after
+        the commit; ``logprobs``, ``ids``: :meth:`score`'s, read back)."""
+        start = 0
+        for st, i in zip(self.states, self.indices, strict=True):
+            a, b = batch.cu_rows[i], batch.cu_rows[i + 1]
+            n = st.params.logprobs or 0
+            if n:
+                end = start + b - a
+                st.record_top(batch.cand_positions[a:b], logprobs[start:end, :n],
+                              ids[start:end, :n])
+            start += b - a
 
 
 def unmask_arrays(batch: PackedBatch, states: list[DecodeState]) -> dict[str, np.ndarray]:
