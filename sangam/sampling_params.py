@@ -117,8 +117,10 @@ class SamplingParams:
             value = getattr(self, name)
             need(_is_num(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
                  f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+            object.__setattr__(self, name, float(value))
         need(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0,
              f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
 

@@ -40,6 +40,18 @@ def test_response_counts_stop_at_the_first_stop_id_and_skip_masks():
     assert [a.tolist() for a in response_token_counts(st)] == [[1, 7, 8, 9], [1, 2, 1, 2]]
 
 
+@pytest.mark.parametrize("extra_stops", [[], [8], [8, 20, 21, 22, 23, 24]])
+def test_stop_index_is_the_first_stop_id(extra_stops):
+    """Few stop ids (compared one by one) and many (np.isin) give the same answer."""
+    rng = np.random.default_rng(len(extra_stops))
+    st = _state([MASK] * 8, stop_token_ids=extra_stops)
+    stops = {EOS, *extra_stops}
+    for _ in range(50):
+        response = rng.integers(0, 30, rng.integers(0, 12))
+        want = next((i for i, t in enumerate(response.tolist()) if t in stops), len(response))
+        assert st.stop_index(response) == want
+
+
 def test_presence_and_frequency_are_subtracted_and_merge_with_logit_bias():
     st = _state([7, MASK, 8, 7], presence_penalty=0.5, frequency_penalty=0.25,
                 logit_bias={7: 1.0, 40: -2.0})

@@ -4,6 +4,8 @@ by a stub.
 
 The forward is excluded so the number is what the CPU adds to every GPU iteration; the target
 is < 0.5 ms at batch 64 (engine issue). Requests are seated decodes of a DualCache block.
+``--penalized F`` gives a share F of them a frequency penalty, so their rows are scored again
+and the host builds those inputs too (the assemble phase).
 Both host implementations (pure Python, and the C++ extension when built) are measured in the
 same run, alternating per batch size and round, so a busy machine skews them alike; each cell
 is the best round's mean.
@@ -21,7 +23,7 @@ from sangam.bench.report import parse_int_list
 from sangam.decoding.state import DecodeState
 from sangam.engine.device_batch import BatchUploader
 from sangam.engine.host_batch import IMPLS, cext_available, make_host_batcher
-from sangam.engine.model_runner import unmask_arrays
+from sangam.engine.model_runner import stage_batch
 from sangam.engine.page_allocator import PageAllocator
 from sangam.engine.request import Request
 from sangam.engine.scheduler import BatchBuilder
@@ -31,24 +33,30 @@ VOCAB = 256
 MASK = VOCAB - 1
 
 
-def _seated(batch: int, prompt_len: int, gen_len: int, block: int, page_size: int):
+def _seated(batch: int, prompt_len: int, gen_len: int, block: int, page_size: int,
+            penalized: float):
     alloc = PageAllocator(batch * (-(-(prompt_len + gen_len) // page_size)) + 1)
     builder = BatchBuilder(alloc, page_size, "deficit", 10**9, max_batch_size=batch)
-    params = SamplingParams(max_tokens=gen_len, block_length=block, unmasking="topk")
+    plain = SamplingParams(max_tokens=gen_len, block_length=block, unmasking="topk")
+    penalty = SamplingParams(max_tokens=gen_len, block_length=block, unmasking="topk",
+                             frequency_penalty=0.5)
+    rng = np.random.default_rng(1)
     states = {}
     for i in range(batch):
+        params = penalty if i < round(penalized * batch) else plain
         req = Request(f"r{i}", 0.0, prompt_len, params.canvas_length, block, "dual")
         builder.add(req)
-        states[req.request_id] = DecodeState([3] * prompt_len, params, MASK, frozenset({1}),
-                                             False)
+        prompt = rng.integers(2, MASK, prompt_len).tolist()
+        states[req.request_id] = DecodeState(prompt, params, MASK, frozenset({1}), False)
     return builder, states
 
 
 def measure(batch: int, iters: int, impl: str = "python", prompt_len: int = 512,
-            gen_len: int = 256, block: int = 32, page_size: int = 16) -> dict[str, float]:
+            gen_len: int = 256, block: int = 32, page_size: int = 16,
+            penalized: float = 0.0) -> dict[str, float]:
     """Mean microseconds per iteration of each host phase, over ``iters`` decode iterations,
-    with the ``impl`` host batcher."""
-    builder, states = _seated(batch, prompt_len, gen_len, block, page_size)
+    with the ``impl`` host batcher; a share ``penalized`` of the requests is scored again."""
+    builder, states = _seated(batch, prompt_len, gen_len, block, page_size, penalized)
     host = make_host_batcher(page_size, impl)
     uploader = BatchUploader("cpu")  # the staging a GPU runner does; a memcpy stands in for DMA
     phases = {"schedule": 0.0, "assemble": 0.0, "apply": 0.0}
@@ -62,8 +70,7 @@ def measure(batch: int, iters: int, impl: str = "python", prompt_len: int = 512,
         reqs = sb.decodes + sb.prefills
         sts = [states[r.request_id] for r in reqs]
         t1 = time.perf_counter()
-        pb = host.build(sts, [r.pages for r in reqs])
-        dev = uploader.upload(pb.device_arrays() | unmask_arrays(pb, sts))
+        pb, dev, _ = stage_batch(host, uploader, sts, [r.pages for r in reqs], True)
         pb.metadata(dev)
         t2 = time.perf_counter()
         m = pb.num_rows
@@ -85,6 +92,8 @@ def measure(batch: int, iters: int, impl: str = "python", prompt_len: int = 512,
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.penalized <= 1.0:
+        raise SystemExit(f"--penalized must be in [0, 1], got {args.penalized}")
     sizes = args.batch_sizes
     impls = [i for i in IMPLS if i == "python" or cext_available()]
     if args.impl != "both":
@@ -95,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     for b in sizes:
         for _ in range(args.rounds):
             for impl in impls:
-                r = measure(b, args.iters, impl)
+                r = measure(b, args.iters, impl, penalized=args.penalized)
                 best = results[impl].get(b)
                 if best is None or r["total"] < best["total"]:
                     results[impl][b] = r
@@ -121,5 +130,7 @@ def register(sub) -> None:
                    help="measure each cell this many times, alternating impls; keep the best")
     p.add_argument("--impl", choices=("both", *IMPLS), default="both",
                    help="host implementation(s) to measure (both: cext only when built)")
+    p.add_argument("--penalized", type=float, default=0.0,
+                   help="share of requests with a frequency penalty (scored again), 0..1")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.set_defaults(func=run)

@@ -73,19 +73,23 @@ def request_edits(state: DecodeState, positions: np.ndarray) -> RequestEdits | N
     None if there are none."""
     p = state.params
     empty = np.zeros(0, dtype=np.int64)
-    ids = [np.array([t for t, _ in p.logit_bias], dtype=np.int64)]
-    values = [np.array([b for _, b in p.logit_bias], dtype=np.float64)]
+    added: list[tuple[np.ndarray, np.ndarray]] = []  # (unique ids, values): logit_bias first
+    if p.logit_bias:
+        added.append((np.array([t for t, _ in p.logit_bias], dtype=np.int64),
+                      np.array([b for _, b in p.logit_bias], dtype=np.float64)))
     rep_ids = empty
     if p.penalizes:
         seen, counts = response_token_counts(state)
         if p.presence_penalty or p.frequency_penalty:
-            ids.append(seen)
-            values.append(-(p.presence_penalty + p.frequency_penalty * counts))
+            added.append((seen, -(p.presence_penalty + p.frequency_penalty * counts)))
         if p.repetition_penalty != 1.0:  # a token in both is penalized once: pairs repeat
             rep_ids = np.concatenate([state.prompt_tokens, seen])
-    add_ids, where = np.unique(np.concatenate(ids), return_inverse=True)
-    add_values = np.zeros(len(add_ids), dtype=np.float64)
-    np.add.at(add_values, where, np.concatenate(values))  # logit_bias first, then penalties
+    if len(added) > 1:  # the same token in several: one entry, the sum
+        add_ids, where = np.unique(np.concatenate([i for i, _ in added]), return_inverse=True)
+        add_values = np.zeros(len(add_ids), dtype=np.float64)
+        np.add.at(add_values, where, np.concatenate([v for _, v in added]))
+    else:
+        add_ids, add_values = added[0] if added else (empty, np.zeros(0))
     ban_ids, num_banned = empty, 0
     if p.min_tokens and state.stop_ids:
         num_banned = int(np.count_nonzero(positions < state.prompt_len + p.min_tokens))

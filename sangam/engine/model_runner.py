@@ -22,7 +22,7 @@ from sangam.decoding.rules import RULE_IDS
 from sangam.decoding.state import DecodeState
 from sangam.engine.cuda_graphs import DecodeGraphRunner
 from sangam.engine.device_batch import BatchUploader
-from sangam.engine.host_batch import PackedBatch, make_host_batcher
+from sangam.engine.host_batch import HostBatcher, PackedBatch, make_host_batcher
 from sangam.engine.kv_pool import KVPool
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.stop_strings import apply_stop_strings
@@ -52,16 +52,8 @@ class ModelRunner:
         current block was completed (a completed block's stop strings are checked here, so a
         request they end is finished on return). ``allow_graphs=False`` forces the eager
         forward (e.g. when a hook must see every layer)."""
-        batch = self.host.build(states, pages)
-        arrays = batch.device_arrays()
-        if self.fused_scoring:
-            arrays.update(unmask_arrays(batch, states))
-        # Read for every request of every iteration: one attribute and one cached property.
-        full = [i for i, st in enumerate(states) if st.block < st.params.full_scoring_blocks]
-        rescore = Rescore.build(batch, states, full) if full else None
-        if rescore is not None:
-            arrays.update(rescore.arrays)
-        dev = self.uploader.upload(arrays)
+        batch, dev, rescore = stage_batch(self.host, self.uploader, states, pages,
+                                          self.fused_scoring)
         model = self.loaded.model
         if allow_graphs and self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch, dev)
@@ -90,6 +82,24 @@ class ModelRunner:
             if done:
                 apply_stop_strings(st, self.loaded.decode)
         return block_done
+
+
+def stage_batch(host: HostBatcher, uploader: BatchUploader, states: list[DecodeState],
+                pages: list[list[int]], fused_scoring: bool
+                ) -> tuple[PackedBatch, dict[str, torch.Tensor], Rescore | None]:
+    """The host work before a forward: pack the batch, find the requests whose rows are scored
+    again, and move everything the device reads in one upload (the unmasking kernel's inputs
+    with ``fused_scoring``). Returns the batch, its device tensors by name, and the rescoring."""
+    batch = host.build(states, pages)
+    arrays = batch.device_arrays()
+    if fused_scoring:
+        arrays.update(unmask_arrays(batch, states))
+    # Read for every request of every iteration: one attribute and one cached property.
+    full = [i for i, st in enumerate(states) if st.block < st.params.full_scoring_blocks]
+    rescore = Rescore.build(batch, states, full) if full else None
+    if rescore is not None:
+        arrays.update(rescore.arrays)
+    return batch, uploader.upload(arrays), rescore
 
 
 _EDIT_ARRAYS = LogitEdits._fields[:-1]  # every field but the width (a host int)
