@@ -39,10 +39,12 @@ class SamplingParams:
     # Each output token's log-probability at the step that committed it, and with logprobs=n > 0
     # the n most probable tokens of that step too (vLLM's meaning); None: none.
     logprobs: int | None = None
-    # With temperature > 0, sample only among the most probable tokens (vLLM's meaning): the
-    # top_k first (0 or -1: all), and of those the fewest reaching probability top_p (1: all).
+    # With temperature > 0, sample only among the most probable tokens (vLLM's meaning): those
+    # with at least min_p times the top token's probability (0: all) and among the top_k first
+    # (0 or -1: all); of those, the fewest reaching top_p of their probability (1: all).
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to this request's logits before
     # they are scored, so the choice, the sampling and the confidence all see the biased logits.
     # Kept as sorted (token id, bias) pairs.
@@ -104,6 +106,9 @@ class SamplingParams:
              f"top_k must be an integer >= 0 (0 or -1: all tokens), got {self.top_k!r}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        need(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
+             f"min_p must be in [0, 1], got {self.min_p!r}")
+        object.__setattr__(self, "min_p", float(self.min_p))
         bias = self.logit_bias or ()
         pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
         need(isinstance(pairs, (list, tuple)) and all(
@@ -126,8 +131,9 @@ class SamplingParams:
 
     @property
     def restricts_sampling(self) -> bool:
-        """Whether top_p / top_k change anything (greedy decoding takes the top token anyway)."""
-        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0)
+        """Whether top_p / top_k / min_p change anything (greedy decoding takes the top token
+        anyway)."""
+        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0)
 
     @property
     def penalizes(self) -> bool:
@@ -138,8 +144,8 @@ class SamplingParams:
     @property
     def needs_full_scoring(self) -> bool:
         """Whether scoring must rank or reweight the whole vocabulary at every step (top_p /
-        top_k sampling, logit_bias, penalties, logprobs alternatives), which the fused unmasking
-        kernel does not do."""
+        top_k / min_p sampling, logit_bias, penalties, logprobs alternatives), which the fused
+        unmasking kernel does not do."""
         return (self.restricts_sampling or bool(self.logit_bias) or self.penalizes
                 or bool(self.logprobs))
 

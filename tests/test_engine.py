@@ -36,7 +36,7 @@ def _workload(n: int, seed: int, block_lengths=(4, 8), caches=("dual", "prefix",
             temperature=rng.choice([0.0, 0.0, 2.0]), stop_at_eos=rng.random() < 0.5,
             logprobs=[None, 0, 3][i % 3], top_p=nucleus.choice([1.0, 0.9, 0.3]),
             top_k=nucleus.choice([0, 0, 4]), logit_bias=nucleus.choice([{}, {}, BIAS]),
-            **_penalties(nucleus), **rng.choice(RULES))
+            **_penalties(nucleus), min_p=nucleus.choice([0.0, 0.0, 0.2]), **rng.choice(RULES))
         reqs.append((f"r{i}", prompt, params))
     return reqs
 

@@ -58,6 +58,7 @@ def _workload(n: int, seed: int):
             temperature=rng.choice([0.0, 0.0, 2.0]), stop_at_eos=rng.random() < 0.5,
             top_p=nucleus.choice([1.0, 0.5]), frequency_penalty=nucleus.choice([0.0, 0.8]),
             min_tokens=nucleus.choice([0, 5]), logprobs=nucleus.choice([None, 2]),
+            min_p=nucleus.choice([0.0, 0.1]),
             **rng.choice(RULES))
         reqs.append((f"r{i}", prompt, params))
     return reqs

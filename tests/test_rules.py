@@ -5,6 +5,7 @@ import torch
 
 from sangam import SamplingParams
 from sangam.decoding import gumbel_noise, noise_key, row_key, score_logits, select_commits
+from sangam.decoding.confidence import sampling_support
 from sangam.decoding.noise import mix32, mix32_tensor
 
 
@@ -84,50 +85,82 @@ def test_temperature_limits():
             SamplingParams(temperature=bad)
 
 
-def _support_by_hand(row: list[float], top_p: float, top_k: int) -> set[int]:
-    """vLLM's rule on one row of probabilities, the slow way."""
+def _support_by_hand(row: list[float], top_p: float, top_k: int, min_p: float) -> set[int]:
+    """vLLM's rule on one row of probabilities, the slow way: min_p and top_k filter, then
+    top_p over what they kept, renormalized."""
     ranked = sorted(range(len(row)), key=lambda i: (-row[i], i))
     if top_k > 0:
         ranked = ranked[:top_k]
+    ranked = [i for i in ranked if row[i] >= min_p * max(row)]
+    mass = sum(row[i] for i in ranked)
+    ranked = [i for i in ranked if row[i] > 0]  # the mask token: never sampled
     kept, total = [], 0.0
     for i in ranked:
-        if kept and total >= top_p:
+        if kept and top_p < 1 and total >= top_p * mass:
             break
         kept.append(i)
         total += row[i]
     return set(kept)
 
 
-@pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.5, 0), (0.9, 0), (1.0, 3), (0.8, 2),
-                                         (1e-9, 0)])
-def test_top_p_top_k_sample_only_the_nucleus(top_p, top_k):
+@pytest.mark.parametrize("top_p,top_k,min_p", [
+    (1.0, 0, 0.0), (0.5, 0, 0.0), (0.9, 0, 0.0), (1.0, 3, 0.0), (0.8, 2, 0.0), (1e-9, 0, 0.0),
+    (1.0, 0, 0.3), (0.7, 4, 0.1), (1.0, 0, 1.0)])
+def test_top_p_top_k_min_p_sample_only_the_support(top_p, top_k, min_p):
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(400, 9, generator=gen, dtype=torch.float64) * 2
     logits[:50, 4] = logits[:50, 5]  # ties at the boundary: the lower id ranks first
     keys = torch.tensor([row_key(noise_key(7, 0, 0), i) for i in range(400)])
     temp = torch.full((400,), 1.5)
     tokens, conf, _ = score_logits(logits, 8, temp, keys, torch.full((400,), top_p),
-                                torch.full((400,), top_k))
+                                   torch.full((400,), top_k), torch.full((400,), min_p))
     unrestricted, _, _ = score_logits(logits, 8, temp, keys)
     x = logits.clone()
     x[:, 8] = float("-inf")
     tempered = torch.softmax(x / 1.5, -1)
+    keep = sampling_support(x / 1.5, torch.full((400,), top_p), torch.full((400,), top_k),
+                            torch.full((400,), min_p))
     for r in range(400):
-        support = _support_by_hand(tempered[r].tolist(), top_p, top_k)
+        support = _support_by_hand(tempered[r].tolist(), top_p, top_k, min_p)
+        possible = set((keep[r] & (tempered[r] > 0)).nonzero().flatten().tolist())
+        assert possible == support, r
         assert tokens[r].item() in support, r
         if unrestricted[r].item() in support:  # the same Gumbel draw, argmax over fewer tokens
             assert tokens[r] == unrestricted[r], r
-    assert torch.equal(tokens, unrestricted) == ((top_p, top_k) == (1.0, 0))
+    assert torch.equal(tokens, unrestricted) == ((top_p, top_k, min_p) == (1.0, 0, 0.0))
     # Confidence stays the untempered probability of the sampled token (DESIGN §2).
     torch.testing.assert_close(conf, torch.softmax(x, -1).gather(1, tokens[:, None])[:, 0])
     if top_p == 1e-9 or top_k == 1:
         assert torch.equal(tokens, x.argmax(-1))
+    if min_p == 1.0:  # the top token, or any of those tied with it (rows < 50 may have two)
+        assert torch.equal(tokens[50:], x[50:].argmax(-1))
+
+
+def test_top_p_counts_the_mass_left_by_top_k_and_min_p():
+    """vLLM renormalizes before top_p: of probabilities (.5, .3, .1, .1) top_k=2 leaves
+    (.625, .375), whose first token alone reaches top_p=.6."""
+    scaled = torch.tensor([[0.5, 0.3, 0.1, 0.1]]).log()
+
+    def support(top_p: float, top_k: int, min_p: float) -> list[int]:
+        keep = sampling_support(scaled, torch.tensor([top_p]), torch.tensor([top_k]),
+                                torch.tensor([min_p]))
+        return keep[0].nonzero().flatten().tolist()
+
+    assert support(0.6, 0, 0.0) == [0, 1]
+    assert support(0.6, 2, 0.0) == [0]
+    assert support(0.6, 0, 0.5) == [0]  # min_p .5 keeps p >= .25, then .5/.8 >= .6
+    assert support(1.0, 0, 0.25) == [0, 1]
+    assert support(1.0, 0, 0.0) == [0, 1, 2, 3]
 
 
 def test_top_p_top_k_validation():
     assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "all tokens"
     assert not SamplingParams(top_p=0.5).restricts_sampling  # greedy: the top token anyway
     assert SamplingParams(top_p=0.5, temperature=1.0).restricts_sampling
+    assert SamplingParams(min_p=0.1, temperature=1.0).restricts_sampling
+    for bad in (-0.1, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match="min_p"):
+            SamplingParams(min_p=bad)
     for bad in (0.0, 1.5, float("nan"), True):
         with pytest.raises(ValueError, match="top_p"):
             SamplingParams(top_p=bad)

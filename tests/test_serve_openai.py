@@ -177,12 +177,12 @@ def test_server_defaults_apply(client, llm):
 
 
 
-def test_top_p_and_top_k(client, llm):
-    """OpenAI's top_p and vLLM's top_k reach the sampler: the same tokens as LLM's."""
+def test_top_p_top_k_and_min_p(client, llm):
+    """OpenAI's top_p and vLLM's top_k and min_p reach the sampler: the same tokens as LLM's."""
     opts = dict(temperature=1.5, seed=3, top_p=0.4)
     res = client.completions.create(model=MODEL, prompt="nucleus", max_tokens=12, **opts,
-                                    extra_body={"top_k": 3, "stop_at_eos": False})
-    ref = llm.generate(["nucleus"], _params(max_tokens=12, top_k=3, stop_at_eos=False,
+                                    extra_body={"top_k": 3, "min_p": 0.1, "stop_at_eos": False})
+    ref = llm.generate(["nucleus"], _params(max_tokens=12, top_k=3, min_p=0.1, stop_at_eos=False,
                                             **opts))[0]
     assert res.choices[0].token_ids == ref.token_ids
     free = llm.generate(["nucleus"], _params(max_tokens=12, stop_at_eos=False, temperature=1.5,

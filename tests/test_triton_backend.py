@@ -93,7 +93,7 @@ def test_llm_triton_backend_matches_reference_backend(checkpoints, arch):
     # Nucleus sampling, logit_bias, penalties, min_tokens, alternatives: the fused kernel's rows
     # of these are scored again.
     params.append(SamplingParams(max_tokens=12, block_length=4, temperature=1.5, top_p=0.6,
-                                 top_k=5, seed=3, stop_at_eos=False))
+                                 top_k=5, min_p=0.05, seed=3, stop_at_eos=False))
     params.append(SamplingParams(max_tokens=12, block_length=4, logit_bias={7: 2.0, 9: -100},
                                  stop_at_eos=False))
     params.append(SamplingParams(max_tokens=12, block_length=4, frequency_penalty=1.5,

@@ -20,18 +20,19 @@ class Scores(NamedTuple):
 
 def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Tensor | None = None,
                  row_keys: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-                 top_k: torch.Tensor | None = None, edits: LogitEdits | None = None,
-                 top_n: int = 0) -> Scores:
+                 top_k: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
+                 edits: LogitEdits | None = None, top_n: int = 0) -> Scores:
     """Token and confidence for each row of ``logits [M, V]``, after ``edits`` (logit_bias,
     penalties, min_tokens: see ``logit_edits.py``; tensors on any device) of the logits.
 
     Temperature 0: token = argmax (first index on ties), confidence = its softmax probability.
     Temperature t > 0: token = argmax(logits / t + Gumbel noise from ``row_keys``) over the
     tokens :func:`sampling_support` keeps (``top_p`` float ``[M]``, 1 = all; ``top_k`` int
-    ``[M]``, 0 = all), confidence = the *untempered* probability of that token. The mask token
-    is never chosen. Math runs in fp32, or fp64 for fp64 logits. ``top_n`` > 0 also ranks
-    each row's most probable tokens under the same (edited, untempered) distribution, whose
-    log-probability the confidence is: the alternatives of OpenAI's ``top_logprobs``.
+    ``[M]``, 0 = all; ``min_p`` float ``[M]``, 0 = all), confidence = the *untempered*
+    probability of that token. The mask token is never chosen. Math runs in fp32, or fp64 for
+    fp64 logits. ``top_n`` > 0 also ranks each row's most probable tokens under the same
+    (edited, untempered) distribution, whose log-probability the confidence is: the
+    alternatives of OpenAI's ``top_logprobs``.
     """
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(cdt, copy=True)
@@ -45,10 +46,13 @@ def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Te
         hot = (temperature > 0).nonzero().flatten()
         scaled = x[hot] / temperature[hot].to(cdt)[:, None]
         noisy = scaled + gumbel_noise(row_keys.to(x.device)[hot], x.shape[1], cdt)
-        if top_p is not None or top_k is not None:
-            p = (top_p if top_p is not None else torch.ones(len(x))).to(x.device)[hot]
-            k = (top_k if top_k is not None else torch.zeros(len(x))).to(x.device)[hot]
-            noisy[~sampling_support(scaled, p, k)] = float("-inf")
+        if top_p is not None or top_k is not None or min_p is not None:
+            def per_row(v: torch.Tensor | None, neutral: float) -> torch.Tensor:
+                return (v if v is not None else torch.full((len(x),), neutral)).to(x.device)[hot]
+
+            keep = sampling_support(scaled, per_row(top_p, 1.0), per_row(top_k, 0),
+                                    per_row(min_p, 0.0))
+            noisy[~keep] = float("-inf")
         tokens[hot] = noisy.argmax(dim=-1)
     conf = logp.gather(1, tokens[:, None]).squeeze(1).exp()
     top = None
@@ -58,17 +62,21 @@ def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Te
     return Scores(tokens, conf, top)
 
 
-def sampling_support(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
-                     ) -> torch.Tensor:
+def sampling_support(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                     min_p: torch.Tensor) -> torch.Tensor:
     """Which tokens each row of tempered logits ``scaled [H, V]`` may sample (bool ``[H, V]``),
-    as in vLLM: rank tokens by probability (ties: lower id first), keep the ``top_k[i]`` first
-    (0: all) and, of those, the shortest prefix whose probability reaches ``top_p[i]`` (1: all).
-    The most probable token is always kept."""
+    as in vLLM: rank tokens by probability (ties: lower id first); keep those with at least
+    ``min_p[i]`` times the top token's probability (0: all), and the ``top_k[i]`` first (0: all);
+    of those, renormalized, keep the shortest prefix whose probability reaches ``top_p[i]``
+    (1: all). The most probable token is always kept."""
     order = torch.sort(scaled, dim=-1, descending=True, stable=True).indices
     probs = torch.softmax(scaled, dim=-1).gather(1, order)
-    before = probs.cumsum(dim=-1) - probs  # probability ranked above each token
     rank = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
-    keep = (before < top_p[:, None]) | (top_p[:, None] >= 1)
-    keep &= (rank < top_k[:, None]) | (top_k[:, None] <= 0)
+    keep = (rank < top_k[:, None]) | (top_k[:, None] <= 0)
+    keep &= probs >= min_p.to(probs.dtype)[:, None] * probs[:, :1]
+    kept = probs * keep  # every condition so far keeps a prefix of the ranking
+    before = kept.cumsum(dim=-1) - kept  # kept probability ranked above each token
+    keep &= (before < top_p.to(probs.dtype)[:, None] * kept.sum(dim=-1, keepdim=True)) | (
+        top_p[:, None] >= 1)
     keep[:, 0] = True
     return torch.zeros_like(keep).scatter_(1, order, keep)

@@ -50,7 +50,8 @@ class ReferenceDecoder:
             tokens, conf, top = score_logits(
                 logits, self.model.config.mask_token_id, temp.expand(n),
                 torch.from_numpy(plan.row_keys), torch.full((n,), p.top_p, dtype=torch.float64),
-                torch.full((n,), p.top_k), None if edits is None else edits.map(torch.from_numpy),
+                torch.full((n,), p.top_k), torch.full((n,), p.min_p, dtype=torch.float64),
+                None if edits is None else edits.map(torch.from_numpy),
                 p.logprobs or 0)
             state.apply(plan, tokens.cpu().numpy(), conf.cpu().numpy().astype(np.float64))
             if top is not None:

@@ -109,9 +109,9 @@ _EDIT_ARRAYS = LogitEdits._fields[:-1]  # every field but the width (a host int)
 class Rescore:
     """The requests of a batch whose rows are scored again, and the inputs that takes.
 
-    Their scoring ranks or edits the vocabulary (top_p / top_k sampling, logit_bias, penalties,
-    min_tokens, logprobs alternatives): the fused kernel streams the vocabulary once and does
-    neither, and the torch path's first pass does neither either. So these rows take
+    Their scoring ranks or edits the vocabulary (top_p / top_k / min_p sampling, logit_bias,
+    penalties, min_tokens, logprobs alternatives): the fused kernel streams the vocabulary once
+    and does neither, and the torch path's first pass does neither either. So these rows take
     ``score_logits`` again (a [rows, vocab] copy, for those requests only), in place, on the
     device, before the iteration's one read-back. Their inputs are built before the forward and
     travel in the batch's one upload (``arrays``, names prefixed ``rescore_``)."""
@@ -138,6 +138,7 @@ class Rescore:
             "rescore_row_keys": batch.row_keys[rows],
             "rescore_top_p": np.repeat(np.array([p.top_p for p in params], np.float64), counts),
             "rescore_top_k": np.repeat(np.array([p.top_k for p in params], np.int64), counts),
+            "rescore_min_p": np.repeat(np.array([p.min_p for p in params], np.float64), counts),
         }
         edits = pack_edits([request_edits(st, batch.cand_positions[cu[i]:cu[i + 1]])
                             for st, i in zip(picked, indices)], counts)
@@ -157,7 +158,7 @@ class Rescore:
         index = dev["rescore_rows"]
         t, c, top = score_logits(logits[index], mask_token_id, dev["rescore_temperature"],
                                  dev["rescore_row_keys"], dev["rescore_top_p"],
-                                 dev["rescore_top_k"], edits, self.top_n)
+                                 dev["rescore_top_k"], dev["rescore_min_p"], edits, self.top_n)
         tokens[index] = t.to(tokens.dtype)
         conf[index] = c.to(conf.dtype)
         return top

@@ -37,6 +37,7 @@ class _GenerationRequest(BaseModel):
     temperature: float | None = Field(default=None, le=MAX_TEMPERATURE)
     top_p: float | None = None
     top_k: int | None = None  # vLLM's extra field
+    min_p: float | None = None  # vLLM's extra field
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -61,7 +62,7 @@ class _GenerationRequest(BaseModel):
 
     def sampling_overrides(self) -> dict[str, object]:
         """The SamplingParams fields this request sets explicitly."""
-        names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "block_length",
+        names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "block_length",
                  "unmasking", "threshold", "factor", "tokens_per_step", "cache", "stop_at_eos",
                  "stop", "stop_token_ids", "frequency_penalty", "presence_penalty",
                  "repetition_penalty", "min_tokens")
