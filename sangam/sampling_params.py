@@ -35,6 +35,7 @@ class SamplingParams:
     seed: int | None = None
     stop_at_eos: bool = True
     stop: tuple[str, ...] = ()  # stop strings (a str or list is accepted), as in vLLM
+    include_stop_str_in_output: bool = False  # the text ends after the stop string, not before
     stop_token_ids: tuple[int, ...] = ()  # end the response like EOS, even without stop_at_eos
     # Each output token's log-probability at the step that committed it, and with logprobs=n > 0
     # the n most probable tokens of that step too (vLLM's meaning); None: none.
@@ -56,8 +57,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     # vLLM's min_tokens: the stop ids (EOS, stop_token_ids) cannot be committed at the first
-    # min_tokens response positions. Stop strings still end the response where they appear.
+    # min_tokens response positions, and a stop string ending within their text does not count.
     min_tokens: int = 0
+    skip_special_tokens: bool = True  # the text leaves out special tokens (vLLM's default)
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -91,6 +93,9 @@ class SamplingParams:
              f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
              f"characters")
         object.__setattr__(self, "stop", tuple(stop))
+        need(isinstance(self.include_stop_str_in_output, bool),
+             "include_stop_str_in_output must be a bool")
+        need(isinstance(self.skip_special_tokens, bool), "skip_special_tokens must be a bool")
         ids = self.stop_token_ids or ()
         need(isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids),
              f"stop_token_ids must be a list of non-negative integers, got "

@@ -339,6 +339,23 @@ def test_stop_strings_match_llm(client, llm):
     assert res.usage.completion_tokens == full.token_ids.index(tok)
 
 
+def test_vllm_stop_and_text_options_match_llm(client, llm):
+    """vLLM's include_stop_str_in_output, min_tokens (which also delays stop strings) and
+    skip_special_tokens: the same text as LLM's, streamed or not."""
+    full = llm.generate(["Stop me"], _params(max_tokens=16, stop_at_eos=False))[0]
+    extra = {"stop_at_eos": False, "include_stop_str_in_output": True, "min_tokens": 3,
+             "skip_special_tokens": False}
+    stop = [full.text[5]]  # one character per token: it ends beyond min_tokens
+    ref = llm.generate(["Stop me"], _params(max_tokens=16, stop=stop, **extra))[0]
+    assert ref.finish_reason == "stop" and ref.text.endswith(stop[0])
+    res = client.completions.create(model=MODEL, prompt="Stop me", max_tokens=16, stop=stop,
+                                    extra_body=extra)
+    assert (res.choices[0].text, res.choices[0].token_ids) == (ref.text, ref.token_ids)
+    chunks = list(client.completions.create(model=MODEL, prompt="Stop me", max_tokens=16,
+                                            stop=stop, stream=True, extra_body=extra))
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+
+
 def test_n_choices_match_llm(client, llm):
     """``n`` choices per prompt are independent requests; with a seed, choice j samples with
     seed + j. Usage counts each prompt once and every choice's tokens."""

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from sangam import LLM, EngineConfig, SamplingParams
-from sangam.demo.tokenizer import VOCAB_SIZE, write_tokenizer
+from sangam.demo.tokenizer import START_HEADER, TOKEN_ID, VOCAB_SIZE, write_tokenizer
 from sangam.engine.async_engine import AsyncEngine
-from sangam.engine.stop_strings import visible_text
+from sangam.engine.stop_strings import find_stop, response_text
 from sangam.testing import make_tiny_checkpoint
 
 PROMPTS = ["hello", "abc", "Reverse: sangam", "x"]
@@ -48,28 +48,61 @@ def _late_stop(text: str, block_chars: int) -> str:
     raise AssertionError(f"no late stop string in {text!r}")
 
 
-def _expected(llm, ref, stop):
+def _expected(llm, ref, stop, min_tokens=0, include=False):
     """Brute force: the response ends at the first token whose prefix's text holds a stop
-    string; the text is cut before the earliest one in it."""
+    string ending beyond the text of the first ``min_tokens`` tokens; the text is cut before
+    the earliest such string (after it, with ``include``)."""
     decode = llm.engine.loaded.decode
+    floor = len(decode(ref.token_ids[:min_tokens]))
     for n in range(1, len(ref.token_ids) + 1):
         text = decode(ref.token_ids[:n])
-        found = [text.find(s) for s in stop if s in text]
+        found = [(i, i + len(s)) for s in stop for i in range(len(text))
+                 if text.startswith(s, i) and i + len(s) > floor]
         if found:
-            return ref.token_ids[:n], text[:min(found)]
+            begin, end = min(found)
+            return ref.token_ids[:n], text[:end if include else begin]
     return ref.token_ids, ref.text
 
 
-def test_visible_text():
-    assert visible_text(None, ("x",), True) is None
-    assert visible_text("abc", (), False) == "abc"
-    assert visible_text("ab\nQuestion: c", ("Question:", "\n"), True) == "ab"
+def _chars(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def _text(params: SamplingParams, shown: str, finished: bool) -> str:
+    """``response_text`` over a decoder of one character per token."""
+    def decode(ids: list[int], skip_special_tokens: bool) -> str:
+        return "".join(map(chr, ids))
+
+    return response_text(_chars(shown), params, finished, decode)
+
+
+def test_response_text():
+    assert response_text([1], SamplingParams(stop="x"), True, lambda ids, skip: None) is None
+    assert _text(SamplingParams(), "abc", False) == "abc"
+    assert _text(SamplingParams(stop=("Question:", "\n")), "ab\nQuestion: c", True) == "ab"
     # Running: a tail that could begin a stop string waits for the next block.
-    assert visible_text("answer Ques", ("Question:",), False) == "answer "
-    assert visible_text("answer Ques", ("Question:",), True) == "answer Ques"
-    assert visible_text("aXb", ("Xb", "bX"), False) == "a"
-    assert visible_text("xyzab", ("abc", "zabd"), False) == "xy"  # the longer partial wins
-    assert visible_text("aaaa", ("aaaaab",), False) == ""
+    assert _text(SamplingParams(stop="Question:"), "answer Ques", False) == "answer "
+    assert _text(SamplingParams(stop="Question:"), "answer Ques", True) == "answer Ques"
+    assert _text(SamplingParams(stop=("Xb", "bX")), "aXb", False) == "a"
+    assert _text(SamplingParams(stop=("abc", "zabd")), "xyzab", False) == "xy"  # longer wins
+    assert _text(SamplingParams(stop="aaaaab"), "aaaa", False) == ""
+    # include_stop_str_in_output: cut after the string, and nothing held back meanwhile.
+    shown = SamplingParams(stop=("Question:", "\n"), include_stop_str_in_output=True)
+    assert _text(shown, "ab\nQuestion: c", True) == "ab\n"
+    assert _text(shown, "answer Ques", False) == "answer Ques"
+    # min_tokens: a stop string ending within the first min_tokens tokens' text is no stop.
+    late = SamplingParams(stop="e", min_tokens=7, max_tokens=64)  # past " is Lee"
+    assert _text(late, " is Lee, and I'm a student", True) == " is Lee, and I'm a stud"
+    assert _text(SamplingParams(stop="ee", min_tokens=6, max_tokens=64), " is Lee!", True) \
+        == " is L"  # it ends beyond " is Le", though it begins within
+
+
+def test_find_stop():
+    assert find_stop("abcabc", ("c", "ab")) == (0, 2)
+    assert find_stop("abcabc", ("c", "ab"), start=2) == (2, 3)
+    assert find_stop("abcabc", ("bc",), start=2) == (1, 3)  # ends beyond the first 2
+    assert find_stop("abcabc", ("bc",), start=3) == (4, 6)
+    assert find_stop("abc", ("x",)) is None
 
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])
@@ -87,6 +120,34 @@ def test_stop_strings_end_the_response(llm, reference, temp):
         else:  # a stop string that never occurs changes nothing
             assert (out.finish_reason, out.num_forwards) == (ref.finish_reason, ref.num_forwards)
     assert llm.engine.pool.allocator.num_free == llm.engine.pool.num_pages
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_min_tokens_and_include_stop_str_in_output(llm, reference, temp):
+    """vLLM's rules: a stop string within the first min_tokens tokens' text does not count,
+    and include_stop_str_in_output keeps the stop string in the text."""
+    refs = reference[temp]
+    cases = [(ref, (ref.text[1],), min_tokens, include) for ref in refs[:3]
+             for min_tokens in (0, 4, 9) for include in (False, True)]
+    params = [SamplingParams(temperature=temp, stop=stop, min_tokens=min_tokens,
+                             include_stop_str_in_output=include, **BASE)
+              for _, stop, min_tokens, include in cases]
+    outs = llm.generate([PROMPTS[refs.index(ref)] for ref, *_ in cases], params)
+    for (ref, stop, min_tokens, include), out in zip(cases, outs):
+        want = _expected(llm, ref, stop, min_tokens, include)
+        assert (out.token_ids, out.text) == want, (ref.text, stop, min_tokens, include)
+    assert len({len(out.token_ids) for out in outs}) > 2  # min_tokens moved the stops
+    assert llm.engine.pool.allocator.num_free == llm.engine.pool.num_pages
+
+
+def test_skip_special_tokens(llm):
+    """The text shows special tokens with skip_special_tokens=False, as vLLM."""
+    special = TOKEN_ID[START_HEADER]
+    outs = llm.generate(PROMPTS[:1] * 2, [
+        SamplingParams(logit_bias={special: 100}, skip_special_tokens=skip, **BASE)
+        for skip in (True, False)])
+    assert outs[0].token_ids == outs[1].token_ids == [special] * BASE["max_tokens"]
+    assert (outs[0].text, outs[1].text) == ("", START_HEADER * BASE["max_tokens"])
 
 
 def test_stop_token_ids_end_the_response_without_stop_at_eos(llm, reference):
@@ -139,9 +200,12 @@ def test_multi_worker_stops_like_one_worker(ckpt, llm, reference):
 
 def test_bad_stops_are_rejected(llada_path):
     for bad in (dict(stop=""), dict(stop=[1]), dict(stop=5), dict(stop_token_ids=[-1]),
-                dict(stop_token_ids="7"), dict(stop="x" * 1025), dict(stop=["x"] * 65)):
+                dict(stop_token_ids="7"), dict(stop="x" * 1025), dict(stop=["x"] * 65),
+                dict(include_stop_str_in_output=1)):
         with pytest.raises(ValueError, match="stop"):
             SamplingParams(**bad)
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        SamplingParams(skip_special_tokens="no")
     assert SamplingParams(stop="\n").stop == ("\n",)
     assert SamplingParams(stop=None, stop_token_ids=None) == SamplingParams()
     no_tokenizer = LLM(llada_path, device="cpu", dtype="float64")

@@ -11,7 +11,7 @@ import torch
 
 from sangam.config import EngineConfig
 from sangam.decoding.state import DecodeState
-from sangam.engine.stop_strings import visible_text
+from sangam.engine.stop_strings import response_text
 from sangam.models import (
     AttentionBackend,
     DiffusionLM,
@@ -129,10 +129,10 @@ class LoadedModel:
         # The template already wrote the special tokens (BOS...): do not add them again.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def decode(self, token_ids: list[int]) -> str | None:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str | None:
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def new_state(self, prompt_ids: list[int], params: SamplingParams,
                   rng: random.Random) -> DecodeState:
@@ -169,7 +169,7 @@ class LoadedModel:
         tokens = state.output_token_ids()
         return RequestOutput(
             request_id=request_id, prompt_token_ids=prompt_ids, token_ids=tokens,
-            text=visible_text(self.decode(tokens), state.params.stop, finished),
+            text=response_text(tokens, state.params, finished, self.decode),
             num_forwards=state.num_forwards,
             logprobs=(state.output_logprobs(len(tokens))
                       if state.params.logprobs is not None else None),

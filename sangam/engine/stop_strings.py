@@ -3,8 +3,10 @@
 A diffusion request commits a whole block before any of it is returned, so its stop strings are
 checked when a block completes, over the response's text so far. The response then ends with
 the token that completes the first stop string, where an autoregressive engine would have
-stopped, and its text is cut before that string (vLLM's semantics). While a request runs, text
-that could be the start of a stop string is held back, so a stream never sends part of one.
+stopped, and its text is cut before that string, or after it with
+``include_stop_str_in_output`` (vLLM's semantics). As in vLLM, a stop string that ends within
+the text of the first ``min_tokens`` tokens does not count. While a request runs, text that
+could be the start of a stop string is held back, so a stream never sends part of one.
 Token-level stops (EOS, ``stop_token_ids``) are the DecodeState's own and need no text.
 """
 
@@ -13,25 +15,29 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sangam.decoding.state import DecodeState
+from sangam.sampling_params import SamplingParams
 
-Decode = Callable[[list[int]], "str | None"]
+# Token ids -> text, or None without a tokenizer; the flag is ``skip_special_tokens``.
+Decode = Callable[[list[int], bool], "str | None"]
 
 
 def apply_stop_strings(state: DecodeState, decode: Decode) -> bool:
     """Call when ``state`` has completed a block: if its response text holds a stop string, end
     the request at the token that completes the first one. Returns whether it did."""
-    stop = state.params.stop
-    if not stop or state.stop_len is not None:
+    params = state.params
+    if not params.stop or state.stop_len is not None:
         return False
     tokens = state.output_token_ids()
+    floor = min(params.min_tokens, len(tokens))  # tokens[:floor] cannot end the response
+    start = _chars_before_search(tokens, params, decode)
 
     def holds_stop(n: int) -> bool:
-        text = decode(tokens[:n]) or ""
-        return any(s in text for s in stop)
+        return find_stop(decode(tokens[:n], params.skip_special_tokens) or "", params.stop,
+                         start) is not None
 
     if not holds_stop(len(tokens)):
         return False
-    lo, hi = 0, len(tokens)  # the text of tokens[:lo] holds no stop string, tokens[:hi] does
+    lo, hi = floor, len(tokens)  # the text of tokens[:lo] holds no stop string, tokens[:hi] does
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if holds_stop(mid) else (mid, hi)
@@ -39,16 +45,35 @@ def apply_stop_strings(state: DecodeState, decode: Decode) -> bool:
     return True
 
 
-def visible_text(text: str | None, stop: tuple[str, ...], finished: bool) -> str | None:
-    """What an output shows of its decoded ``text``: cut before the first stop string, and,
-    while the request runs, without a tail that a later block could complete into one."""
-    if text is None or not stop:
+def response_text(tokens: list[int], params: SamplingParams, finished: bool,
+                  decode: Decode) -> str | None:
+    """What an output shows of the text of its response ``tokens``: cut at the first stop
+    string, and, while the request runs, without a tail that a later block could complete into
+    one (none is held back when the stop string is shown anyway)."""
+    text = decode(tokens, params.skip_special_tokens)
+    if text is None or not params.stop:
         return text
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
-    text = text[:cut]
-    if not finished:
-        text = text[:len(text) - max(_partial_match(text, s) for s in stop)]
-    return text
+    found = find_stop(text, params.stop, _chars_before_search(tokens, params, decode))
+    if found is not None:
+        return text[:found[1] if params.include_stop_str_in_output else found[0]]
+    if finished or params.include_stop_str_in_output:
+        return text
+    return text[:len(text) - max(_partial_match(text, s) for s in params.stop)]
+
+
+def find_stop(text: str, stop: tuple[str, ...], start: int = 0) -> tuple[int, int] | None:
+    """The (begin, end) of the earliest stop string in ``text`` that ends beyond its first
+    ``start`` characters, or None."""
+    spans = [(i, i + len(s)) for s in stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+    return min(spans, default=None)
+
+
+def _chars_before_search(tokens: list[int], params: SamplingParams, decode: Decode) -> int:
+    """How many leading characters no stop string may end within: the text of the first
+    ``min_tokens`` tokens."""
+    if not params.min_tokens:
+        return 0
+    return len(decode(tokens[:params.min_tokens], params.skip_special_tokens) or "")
 
 
 def _partial_match(text: str, stop: str) -> int:

@@ -51,6 +51,8 @@ class _GenerationRequest(BaseModel):
     cache: str | None = None
     stop_at_eos: bool | None = None
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool | None = None  # vLLM's extra field
+    skip_special_tokens: bool | None = None  # vLLM's extra field
     stop_token_ids: list[int] | None = None  # vLLM's extra field
     ignore_eos: bool | None = None  # vLLM's extra field: the inverse of stop_at_eos
     n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt (None: 1)
@@ -64,8 +66,8 @@ class _GenerationRequest(BaseModel):
         """The SamplingParams fields this request sets explicitly."""
         names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "block_length",
                  "unmasking", "threshold", "factor", "tokens_per_step", "cache", "stop_at_eos",
-                 "stop", "stop_token_ids", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty", "min_tokens")
+                 "stop", "include_stop_str_in_output", "stop_token_ids", "skip_special_tokens",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens")
         out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.ignore_eos is not None:
             if self.stop_at_eos is not None and self.stop_at_eos == self.ignore_eos:
