@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from sangam.config import EngineConfig
 from sangam.engine.multi import make_engine
@@ -62,16 +63,21 @@ class LLM:
 
     def chat(self, messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate the assistant's turn of one conversation (a list of ``{"role", "content"}``
         messages) or of several (a list of such lists), through the tokenizer's chat template,
         as the server's /v1/chat/completions does. ``chat_template`` (a Jinja template, or a
-        file holding one) replaces the tokenizer's."""
+        file holding one) replaces the tokenizer's; the other options are vLLM's (see
+        ``LoadedModel.encode_chat``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("no conversation given")
         template = load_chat_template(chat_template) if chat_template is not None else None
-        ids = [self.loaded.encode_chat(list(c), template) for c in conversations]
+        ids = [self.loaded.encode_chat(list(c), template, add_generation_prompt,
+                                       continue_final_message, chat_template_kwargs)
+               for c in conversations]
         return self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
 
     def _prompt_ids(self, prompts, prompt_token_ids) -> list[list[int]]:

@@ -285,6 +285,10 @@ _optional = {
     "min_p": st.floats(-0.1, 1.1),
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
+    "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(
+        st.sampled_from(["mark", "tokenize", "tools", "x y", "messages"]), _json, max_size=2),
     "logit_bias": st.dictionaries(st.sampled_from(["1", "7", str(VOCAB_SIZE), "x"]),
                                   st.floats(-120, 120), max_size=2),
     "presence_penalty": st.floats(-2.5, 2.5),

@@ -623,6 +623,42 @@ def test_chat_template_option(chat_ckpt, llm, tmp_path):
         assert tokenized["tokens"] == ids
 
 
+def test_chat_template_options(chat_ckpt, llm, client, server):
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs, in
+    LLM.chat, /v1/chat/completions and /tokenize alike."""
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ mark }}\n"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hel"}]
+    cases = [  # options, the prompt they render
+        (dict(chat_template_kwargs={"mark": "!"}),
+         "<user>Say hi!\n<assistant>Hel!\n<assistant>"),
+        (dict(add_generation_prompt=False), "<user>Say hi\n<assistant>Hel\n"),
+        (dict(add_generation_prompt=False, continue_final_message=True),
+         "<user>Say hi\n<assistant>Hel")]
+    params = _params(max_tokens=8, stop_at_eos=False)
+    for options, rendered in cases:
+        ids = llm.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        out = llm.chat(messages, params, chat_template=template, **options)[0]
+        assert out.prompt_token_ids == ids, options
+    # The server's template is the tokenizer's: compare with LLM.chat under it.
+    options = dict(add_generation_prompt=False, continue_final_message=True)
+    ref = llm.chat(messages, params, **options)[0]
+    assert ref.prompt_token_ids != llm.chat(messages, params)[0].prompt_token_ids
+    res = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                         extra_body={"stop_at_eos": False, **options})
+    assert (res.choices[0].token_ids, res.usage.prompt_tokens) == (
+        ref.token_ids, len(ref.prompt_token_ids))
+    tokenized = httpx.post(f"{server}/tokenize", json={"messages": messages, **options}).json()
+    assert tokenized["tokens"] == ref.prompt_token_ids
+    for bad, match in ((dict(continue_final_message=True), "both"),
+                       (dict(chat_template_kwargs={"tokenize": True}), "tokenize")):
+        with pytest.raises(ValueError, match=match):
+            llm.chat(messages, params, **bad)
+        r = httpx.post(f"{server}/v1/chat/completions",
+                       json={"model": MODEL, "messages": messages, **bad})
+        assert r.status_code == 400 and match in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("bad,match", [
     ("/no/such/template.jinja", "no such file"),
     ("{% for m in messages %}{{ m }}", "line 1"),  # unclosed for

@@ -47,6 +47,7 @@ from sangam.serve.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatMessage,
+    ChatTemplateOptions,
     ChatTokenLogprob,
     ChatTopLogprob,
     CompletionChoice,
@@ -332,11 +333,14 @@ class _Server:
             ids.append(p)
         return ids
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage], options: ChatTemplateOptions
+                    ) -> list[int]:
         self._tokenizer("chat (it needs a chat template)")
         try:
-            return self.loaded.encode_chat([{"role": m.role, "content": m.text()}
-                                            for m in messages], self.chat_template)
+            return self.loaded.encode_chat(
+                [{"role": m.role, "content": m.text()} for m in messages], self.chat_template,
+                options.add_generation_prompt, options.continue_final_message,
+                options.chat_template_kwargs)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
 
@@ -353,7 +357,7 @@ class _Server:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            ids = self.chat_prompt(body.messages)
+            ids = self.chat_prompt(body.messages, body)
         else:
             ids = self.loaded.encode(body.prompt, body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=self.loaded.context_length,
@@ -585,7 +589,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         params = srv.check(body)
-        prompt = srv.chat_prompt(body.messages)
+        prompt = srv.chat_prompt(body.messages, body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         n = body.n or 1
         streams = await _unless_disconnected(request, srv.open([prompt], params, n, request_id))

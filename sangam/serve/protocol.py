@@ -9,7 +9,7 @@ OpenAI API does. OpenAI fields Sangam cannot honour are accepted only at their n
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -124,7 +124,16 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatTemplateOptions(BaseModel):
+    """vLLM's options of the chat template (see ``LoadedModel.encode_chat``)."""
+
+    model_config = _REQUEST_CONFIG
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer OpenAI name of max_tokens
     logprobs: bool | None = None
@@ -262,7 +271,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateOptions):
     """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
 
     model_config = _REQUEST_CONFIG
