@@ -112,7 +112,7 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "n": 129}, 400, "n"),
     (CMPL, {"prompt": ["a", "b"], "n": MAX_QUEUE_LEN // 2 + 1}, 400, "max-queue-len"),
     (CMPL, {"prompt": "hi", "best_of": 3}, 400, "unsupported"),
-    (CMPL, {"prompt": "hi", "echo": True}, 400, "unsupported"),
+    (CMPL, {"prompt": "hi", "echo": True, "logprobs": 0}, 400, "echo"),
     (CMPL, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     (CMPL, {"prompt": "hi", "stop": [""]}, 400, "stop"),
     (CMPL, {"prompt": "hi", "stop": [7]}, 400, "stop"),

@@ -239,6 +239,26 @@ def test_batched_prompts(client, llm):
     assert res.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
 
 
+def test_echo(client, llm):
+    """echo: each choice's text begins with its prompt's, given as text or as token ids; a
+    stream sends it in the choice's first chunk."""
+    ids = llm.tokenizer("tokens", add_special_tokens=False)["input_ids"]
+    prompts, texts = ["first", "second"], ["first", llm.tokenizer.decode(ids)]
+    refs = llm.generate(prompts, _params(max_tokens=6, seed=1, stop_at_eos=False))
+    opts = dict(model=MODEL, max_tokens=6, seed=1, n=2, echo=True,
+                extra_body={"stop_at_eos": False})
+    res = client.completions.create(prompt=prompts, **opts)
+    assert [c.text for c in res.choices][::2] == [p + r.text for p, r in zip(prompts, refs)]
+    assert [c.token_ids for c in res.choices][::2] == [r.token_ids for r in refs]
+    assert res.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
+    by_ids = client.completions.create(prompt=ids, **opts)
+    assert all(c.text.startswith(texts[1]) for c in by_ids.choices)
+    chunks = list(client.completions.create(prompt=prompts, stream=True, **opts))
+    for i in range(4):
+        mine = [c.choices[0].text for c in chunks if c.choices[0].index == i]
+        assert mine[0].startswith(prompts[i // 2]) and "".join(mine) == res.choices[i].text
+
+
 def test_batched_streaming(client, llm):
     prompts = ["one", "two two"]
     stream = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, stream=True,
@@ -595,6 +615,8 @@ def test_token_id_prompt_without_tokenizer(tokenless_server, dream_path):
                                        messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="no tokenizer"):
         client.completions.create(model=MODEL, prompt="text", max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="no tokenizer, so echo"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True)
 
 
 # A template of our own, replacing the tokenizer's (vLLM's --chat-template).

@@ -305,7 +305,7 @@ class _Server:
         unsupported = body.unsupported_fields()
         if unsupported:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
-                           "does not implement echo, suffix, best_of, tools or response_format",
+                           "does not implement suffix, best_of, tools or response_format",
                            param=unsupported[0], code="unsupported_parameter")
         try:
             return self.config.default_params(self.loaded.generation_defaults,
@@ -320,18 +320,26 @@ class _Server:
         return self.loaded.tokenizer
 
     def completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]]
-                           ) -> list[list[int]]:
+                           ) -> list[str | list[int]]:
+        """The body's prompt as a list of prompts (texts or token ids)."""
         prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(
             prompt[0], int) else [prompt]
-        ids = []
         for p in prompts:
             if isinstance(p, str):
                 if not p:
                     raise ApiError(400, "the prompt is empty", param="prompt")
                 self._tokenizer("text prompts")
-                p = self.loaded.encode(p)
-            ids.append(p)
-        return ids
+        return prompts
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        return self.loaded.encode(prompt) if isinstance(prompt, str) else prompt
+
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        """A prompt's text, for echo: as given, or its token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        self._tokenizer("echo of token prompts")
+        return self.loaded.decode(prompt) or ""
 
     def chat_prompt(self, messages: list[ChatMessage], options: ChatTemplateOptions
                     ) -> list[int]:
@@ -462,10 +470,11 @@ class _Server:
         raise e
 
     # Responses.
-    def completion_response(self, request_id: str, outs: list[RequestOutput], n: int
-                            ) -> CompletionResponse:
+    def completion_response(self, request_id: str, outs: list[RequestOutput], n: int,
+                            echoed: list[str]) -> CompletionResponse:
         steps = [_Delta(self.token_pieces).advance(o) for o in outs]
-        choices = [CompletionChoice(index=i, text=st.text, token_ids=st.token_ids,
+        choices = [CompletionChoice(index=i, text=echoed[i // n] + st.text,
+                                    token_ids=st.token_ids,
                                     logprobs=_completion_logprobs(st),
                                     finish_reason=o.finish_reason)
                    for i, (o, st) in enumerate(zip(outs, steps))]
@@ -568,13 +577,17 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         params = srv.check(body)
         prompts = srv.completion_prompts(body.prompt)
+        # echo: each choice's text begins with its prompt's (in its first chunk, streamed).
+        echoed = [srv.prompt_text(p) if body.echo else "" for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         n = body.n or 1
-        streams = await _unless_disconnected(request, srv.open(prompts, params, n, request_id))
+        streams = await _unless_disconnected(request, srv.open(
+            [srv.prompt_ids(p) for p in prompts], params, n, request_id))
         if body.stream:
             def chunk(i: int, first: bool, step: _Step, reason: str | None) -> BaseModel:
+                text = echoed[i // n] + step.text if first else step.text
                 return CompletionResponse(id=request_id, model=srv.model_name, choices=[
-                    CompletionChoice(index=i, text=step.text, token_ids=step.token_ids,
+                    CompletionChoice(index=i, text=text, token_ids=step.token_ids,
                                      logprobs=_completion_logprobs(step), finish_reason=reason)])
 
             def usage_chunk(usage: Usage) -> BaseModel:
@@ -584,7 +597,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
             return _EventStream(srv.events(streams, request_id, n, body.include_usage, chunk,
                                            usage_chunk), streams)
         outs = await _unless_disconnected(request, _collect(streams))
-        return JSONResponse(srv.completion_response(request_id, outs, n).model_dump())
+        return JSONResponse(srv.completion_response(request_id, outs, n, echoed).model_dump())
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

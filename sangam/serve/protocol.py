@@ -96,13 +96,15 @@ class CompletionRequest(_GenerationRequest):
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
         return [name for name, is_bad in (
-            ("echo", bool(self.echo)), ("best_of", self.best_of not in (None, 1)),
-            ("suffix", bool(self.suffix)))
+            ("best_of", self.best_of not in (None, 1)), ("suffix", bool(self.suffix)))
             if is_bad]
 
     def sampling_overrides(self) -> dict[str, object]:
         overrides = super().sampling_overrides()
         if self.logprobs is not None:  # each token's own, and this many alternatives
+            if self.echo:
+                raise ValueError("echo with logprobs needs the prompt tokens' log-probabilities,"
+                                 " which a diffusion model does not produce: drop one of them")
             overrides["logprobs"] = self.logprobs
         return overrides
 
