@@ -38,6 +38,7 @@ setup(
         "httpx",
         "pyzmq",
         "matplotlib",
+        "tqdm",
     ],
     extras_require={
         "dev": ["pytest", "pytest-benchmark", "ruff", "hypothesis", "openai", "httpx"],

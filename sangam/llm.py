@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from sangam.config import EngineConfig
 from sangam.engine.multi import make_engine
 from sangam.models.tokenizer import load_chat_template
 from sangam.sampling_params import RequestOutput, SamplingParams
+
+# A prompt: its text, or vLLM's TextPrompt / TokensPrompt dicts.
+Prompt = str | Mapping[str, Any]
 
 
 class LLM:
@@ -38,11 +43,13 @@ class LLM:
         """Stop the engine's worker processes, if any (also done at interpreter exit)."""
         self.engine.shutdown()
 
-    def generate(self, prompts: str | Sequence[str] | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None) -> list[RequestOutput]:
-        """Generate for text ``prompts`` or ``prompt_token_ids``; one SamplingParams or one per
-        prompt. Outputs come back in input order."""
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for ``prompts`` (texts, or vLLM's ``{"prompt": text}`` and
+        ``{"prompt_token_ids": ids}``) or ``prompt_token_ids``; one SamplingParams or one per
+        prompt. Outputs come back in input order; ``use_tqdm`` shows a progress bar."""
         ids = self._prompt_ids(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(ids))
         engine = self.engine
@@ -55,10 +62,12 @@ class LLM:
                 engine.abort_request(rid)
             raise
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(rids):
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+        with tqdm(total=len(rids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while len(done) < len(rids):
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update()
         return [done[rid] for rid in rids]
 
     def chat(self, messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
@@ -84,10 +93,21 @@ class LLM:
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts or prompt_token_ids")
         if prompts is not None:
-            if isinstance(prompts, str):
+            if isinstance(prompts, (str, Mapping)):
                 prompts = [prompts]
-            return [self.loaded.encode(p) for p in prompts]
+            return [self._one_prompt_ids(p) for p in prompts]
         return [list(p) for p in prompt_token_ids]
+
+    def _one_prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.loaded.encode(prompt)
+        if isinstance(prompt, Mapping) and len(prompt) == 1:
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"])
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return self.loaded.encode(prompt["prompt"])
+        raise ValueError(f"a prompt is a text, {{'prompt': text}} or "
+                         f"{{'prompt_token_ids': ids}}; got {prompt!r:.80}")
 
     def _params(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:  # the checkpoint's generation_config.json, if any

@@ -178,6 +178,24 @@ def test_temperature_sampling_is_seeded(llms):
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 
 
+def test_vllm_prompt_dicts_and_progress_bar(llms, capsys):
+    """vLLM's TokensPrompt / TextPrompt dicts, and its use_tqdm."""
+    llm = llms["llada"]
+    params = SamplingParams(max_tokens=8, block_length=4, stop_at_eos=False)
+    want = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert f"{len(PROMPTS)}/{len(PROMPTS)}" in capsys.readouterr().err
+    one = llm.generate({"prompt_token_ids": PROMPTS[0]}, params)
+    assert one[0].token_ids == want[0].token_ids
+    assert capsys.readouterr().err == ""  # no bar unless asked for
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate([{"prompt": "hello"}])
+    for bad in ({"prompt_ids": [1]}, {"prompt": [1]}, [[1, 2]]):
+        with pytest.raises(ValueError, match="a prompt is a text"):
+            llm.generate([bad])
+
+
 def test_input_validation(llms):
     llm = llms["llada"]
     with pytest.raises(ValueError, match="empty"):
