@@ -31,7 +31,8 @@ namespace {
 struct Names {
   PyObject *tokens, *params, *mask_token_id, *stop_ids, *shift, *seed, *prompt_len, *block,
       *step, *num_forwards, *finished, *finish_reason, *block_length, *cache, *temperature,
-      *unmasking, *threshold, *factor, *tokens_per_step, *stop, *length, *confidence;
+      *unmasking, *threshold, *factor, *tokens_per_step, *stop, *length, *confidence,
+      *max_tokens;
 };
 Names names;
 
@@ -62,6 +63,7 @@ bool intern_names() {
       {&names.stop, "stop"},
       {&names.length, "length"},
       {&names.confidence, "confidence"},
+      {&names.max_tokens, "max_tokens"},
   };
   for (const auto& entry : table) {
     *entry.slot = PyUnicode_InternFromString(entry.text);
@@ -511,10 +513,13 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
   for (int64_t i = s; i < e && *block_done; ++i) *block_done = canvas[i] != mask;
   if (!*block_done) return true;
   bool stopped = false;
-  // stop_ids already reflects stop_at_eos (and holds the request's stop_token_ids).
-  if (!holds_stop_id(st, canvas.data(), std::clamp<int64_t>(prompt_len, 0, e), e, &stopped)) {
-    return false;
-  }
+  int64_t max_tokens;
+  if (!attr_i64(params.get(), names.max_tokens, &max_tokens)) return false;
+  // stop_ids already reflects stop_at_eos (and holds the request's stop_token_ids). A stop id
+  // beyond max_tokens (the last block's padding) is no stop.
+  const int64_t from = std::clamp<int64_t>(prompt_len, 0, e);
+  const int64_t to = std::clamp<int64_t>(prompt_len + max_tokens, from, e);
+  if (!holds_stop_id(st, canvas.data(), from, to, &stopped)) return false;
   // tokens holds prompt + canvas, so this is DecodeState.num_blocks.
   const bool last = block + 1 == (T - prompt_len) / block_length;
   if (stopped || last) {

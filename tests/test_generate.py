@@ -168,6 +168,20 @@ def test_cached_spans_per_mode():
         assert (st.plan().span_start, st.plan().span_end) == span
 
 
+@pytest.mark.parametrize("stop_at", [4, 5])
+def test_a_stop_id_beyond_max_tokens_is_no_stop(stop_at):
+    """max_tokens=5 in blocks of 4: the canvas's positions 5-7 are padding, so a stop id there
+    ends nothing; the response reached its length (as an autoregressive engine would)."""
+    st = DecodeState([1] * 3, SamplingParams(max_tokens=5, block_length=4), 99, frozenset({9}),
+                     False)
+    st.apply(st.plan(), np.full(4, 7), np.ones(4))
+    block = np.full(4, 7)
+    block[stop_at - 4] = 9
+    st.apply(st.plan(), block, np.ones(4))
+    want = ("stop", [7] * 4) if stop_at == 4 else ("length", [7] * 5)
+    assert (st.finished, st.finish_reason, st.output_token_ids()) == (True, *want)
+
+
 def test_temperature_sampling_is_seeded(llms):
     llm = llms["llada"]
     p = dict(max_tokens=16, block_length=8, temperature=5.0, stop_at_eos=False)

@@ -133,7 +133,9 @@ class DecodeState:
         s, e = self.block_bounds()
         if self.mask_token_id in self.tokens[s:e]:
             return False
-        response = self.tokens[self.prompt_len:e]
+        # A stop id beyond max_tokens (the last block's padding) is no stop: the response
+        # reached its length first.
+        response = self.tokens[self.prompt_len:min(e, self.prompt_len + p.max_tokens)]
         if self.stop_index(response) < len(response):
             self.finished, self.finish_reason = True, "stop"
         elif self.block + 1 == self.num_blocks:
