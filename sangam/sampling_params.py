@@ -190,6 +190,8 @@ class RequestOutput:
     num_forwards: int
     finished: bool = False
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "abort"
+    # vLLM's: the stop string or stop_token_ids id that ended the response (None: EOS or other).
+    stop_reason: int | str | None = None
     metrics: dict = field(default_factory=dict)
     logprobs: list[float] | None = None  # per token of token_ids, when SamplingParams asked
     # Per token of token_ids, with SamplingParams.logprobs = n > 0: the n most probable tokens

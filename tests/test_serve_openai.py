@@ -228,6 +228,8 @@ def test_ignore_eos_is_the_inverse_of_stop_at_eos(client, llm):
                                         extra_body={"ignore_eos": ignore})
         assert res.choices[0].token_ids == ref.token_ids
         assert len(ref.token_ids) == (DEFAULTS["max_tokens"] if ignore else 11)
+        assert res.choices[0].finish_reason == ("length" if ignore else "stop")
+        assert res.choices[0].stop_reason is None  # EOS, as vLLM: no stop string or token
 
 
 def test_batched_prompts(client, llm):
@@ -346,16 +348,18 @@ def test_stop_strings_match_llm(client, llm):
     res = client.completions.create(model=MODEL, prompt="Stop me", max_tokens=16, stop=stop,
                                     extra_body={"stop_at_eos": False})
     assert (res.choices[0].text, res.choices[0].finish_reason) == (ref.text, "stop")
+    assert res.choices[0].stop_reason == ref.stop_reason == stop[0]  # vLLM's field
     assert res.usage.completion_tokens == len(ref.token_ids)
     chunks = list(client.completions.create(model=MODEL, prompt="Stop me", max_tokens=16,
                                             stop=stop, stream=True,
                                             extra_body={"stop_at_eos": False}))
     sent = [c.choices[0].text for c in chunks]
     assert "".join(sent) == ref.text and chunks[-1].choices[0].finish_reason == "stop"
+    assert [c.choices[0].stop_reason for c in chunks][-2:] == [None, stop[0]]
     tok = full.token_ids[5]
     res = client.completions.create(model=MODEL, prompt="Stop me", max_tokens=16,
                                     extra_body={"stop_at_eos": False, "stop_token_ids": [tok]})
-    assert res.choices[0].finish_reason == "stop"
+    assert (res.choices[0].finish_reason, res.choices[0].stop_reason) == ("stop", tok)
     assert res.usage.completion_tokens == full.token_ids.index(tok)
 
 

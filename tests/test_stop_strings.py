@@ -115,10 +115,11 @@ def test_stop_strings_end_the_response(llm, reference, temp):
         tokens, text = _expected(llm, ref, stop)
         assert (out.token_ids, out.text) == (tokens, text), (ref.text, stop)
         if len(tokens) < len(ref.token_ids):
-            assert out.finish_reason == "stop"
+            assert (out.finish_reason, out.stop_reason) == ("stop", stop[0])
             assert out.num_forwards < ref.num_forwards  # later blocks were never decoded
         else:  # a stop string that never occurs changes nothing
             assert (out.finish_reason, out.num_forwards) == (ref.finish_reason, ref.num_forwards)
+            assert out.stop_reason is None
     assert llm.engine.pool.allocator.num_free == llm.engine.pool.num_pages
 
 
@@ -156,6 +157,7 @@ def test_stop_token_ids_end_the_response_without_stop_at_eos(llm, reference):
     first = ref.token_ids.index(tok)
     out = llm.generate(PROMPTS[:1], SamplingParams(stop_token_ids=[tok], **BASE))[0]
     assert out.token_ids == ref.token_ids[:first] and out.finish_reason == "stop"
+    assert out.stop_reason == tok  # vLLM's: the stop token id (None for EOS)
 
 
 def test_streamed_text_never_shows_part_of_a_stop_string(ckpt, reference):
@@ -192,8 +194,8 @@ def test_multi_worker_stops_like_one_worker(ckpt, llm, reference):
     finally:
         workers.shutdown()
     for g, w in zip(got, want):
-        assert (g.token_ids, g.text, g.finish_reason, g.num_forwards) == \
-            (w.token_ids, w.text, w.finish_reason, w.num_forwards)
+        assert (g.token_ids, g.text, g.finish_reason, g.stop_reason, g.num_forwards) == \
+            (w.token_ids, w.text, w.finish_reason, w.stop_reason, w.num_forwards)
         assert g.logprobs == pytest.approx(w.logprobs, rel=1e-12)
         assert len(g.logprobs) == len(g.token_ids)
 

@@ -61,6 +61,7 @@ class DecodeState:
         self.finished = False
         self.finish_reason: str | None = None
         self.stop_len: int | None = None  # response tokens kept when a stop string ended it
+        self.stop_string: str | None = None  # that stop string
 
     @functools.cached_property
     def prompt_tokens(self) -> np.ndarray:
@@ -157,11 +158,20 @@ class DecodeState:
             hit = np.isin(response, self.stop_array)
         return int(hit.argmax()) if hit.any() else len(response)
 
-    def stop_after(self, num_tokens: int) -> None:
-        """End the request with its first ``num_tokens`` response tokens (a stop string ended
+    def stop_after(self, num_tokens: int, stop_string: str) -> None:
+        """End the request with its first ``num_tokens`` response tokens (``stop_string`` ended
         there: the engine finds those in text, which this class never sees)."""
         self.finished, self.finish_reason = True, "stop"
-        self.stop_len = num_tokens
+        self.stop_len, self.stop_string = num_tokens, stop_string
+
+    def stop_reason(self) -> int | str | None:
+        """vLLM's stop_reason: the stop string or the ``stop_token_ids`` id that ended the
+        response; None when something else did (EOS, the length) or it has not ended."""
+        if self.finish_reason != "stop" or self.stop_string is not None:
+            return self.stop_string
+        response = self.tokens[self.prompt_len:self.prompt_len + self.params.max_tokens]
+        token = int(response[self.stop_index(response)])
+        return token if token in self.params.stop_token_ids else None
 
     def output_logprobs(self, num_tokens: int) -> list[float]:
         """Log-probability of each of the first ``num_tokens`` response tokens under the model

@@ -192,4 +192,6 @@ class LoadedModel:
                       if state.params.logprobs is not None else None),
             top_logprobs=(state.output_top_logprobs(len(tokens))
                           if state.params.logprobs else None),
-            finished=finished, finish_reason=reason if finished else None, metrics=metrics)
+            finished=finished, finish_reason=reason if finished else None,
+            stop_reason=state.stop_reason() if finished and reason == "stop" else None,
+            metrics=metrics)

@@ -31,17 +31,19 @@ def apply_stop_strings(state: DecodeState, decode: Decode) -> bool:
     floor = min(params.min_tokens, len(tokens))  # tokens[:floor] cannot end the response
     start = _chars_before_search(tokens, params, decode)
 
-    def holds_stop(n: int) -> bool:
-        return find_stop(decode(tokens[:n], params.skip_special_tokens) or "", params.stop,
-                         start) is not None
+    def stop_in(n: int) -> str | None:
+        """The stop string the text of tokens[:n] holds, if any."""
+        text = decode(tokens[:n], params.skip_special_tokens) or ""
+        found = find_stop(text, params.stop, start)
+        return None if found is None else text[found[0]:found[1]]
 
-    if not holds_stop(len(tokens)):
+    if stop_in(len(tokens)) is None:
         return False
     lo, hi = floor, len(tokens)  # the text of tokens[:lo] holds no stop string, tokens[:hi] does
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if holds_stop(mid) else (mid, hi)
-    state.stop_after(hi)
+        lo, hi = (lo, mid) if stop_in(mid) is not None else (mid, hi)
+    state.stop_after(hi, stop_in(hi))
     return True
 
 

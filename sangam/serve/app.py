@@ -204,6 +204,7 @@ class _Step:
     pieces: list[str]  # each token's own text (only with logprobs)
     offset: int  # characters of the pieces sent before these (legacy text_offset)
     top: list[list[tuple[str, float]]]  # per token, its alternatives' texts and logprobs
+    stop_reason: int | str | None  # the output's
 
 
 class _Delta:
@@ -233,7 +234,7 @@ class _Delta:
             alternatives = out.top_logprobs[self.num_tokens:]
             texts = iter(self.pieces([t for alt in alternatives for t, _ in alt]))
             top = [[(next(texts), lp) for _, lp in alt] for alt in alternatives]
-        step = _Step(delta, tokens, logprobs, pieces, self.offset, top)
+        step = _Step(delta, tokens, logprobs, pieces, self.offset, top, out.stop_reason)
         self.num_tokens = len(out.token_ids)
         self.offset += sum(map(len, pieces))
         return step
@@ -476,7 +477,7 @@ class _Server:
         choices = [CompletionChoice(index=i, text=echoed[i // n] + st.text,
                                     token_ids=st.token_ids,
                                     logprobs=_completion_logprobs(st),
-                                    finish_reason=o.finish_reason)
+                                    finish_reason=o.finish_reason, stop_reason=o.stop_reason)
                    for i, (o, st) in enumerate(zip(outs, steps))]
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                   usage=_usage(outs, n))
@@ -486,7 +487,7 @@ class _Server:
         steps = [_Delta(self.token_pieces).advance(o) for o in outs]
         choices = [ChatChoice(index=i, message=AssistantMessage(content=st.text),
                               token_ids=st.token_ids, logprobs=_chat_logprobs(st),
-                              finish_reason=o.finish_reason)
+                              finish_reason=o.finish_reason, stop_reason=o.stop_reason)
                    for i, (o, st) in enumerate(zip(outs, steps))]
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=_usage(outs, len(outs)))
@@ -588,7 +589,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                 text = echoed[i // n] + step.text if first else step.text
                 return CompletionResponse(id=request_id, model=srv.model_name, choices=[
                     CompletionChoice(index=i, text=text, token_ids=step.token_ids,
-                                     logprobs=_completion_logprobs(step), finish_reason=reason)])
+                                     logprobs=_completion_logprobs(step), finish_reason=reason,
+                                     stop_reason=step.stop_reason)])
 
             def usage_chunk(usage: Usage) -> BaseModel:
                 return CompletionResponse(id=request_id, model=srv.model_name, choices=[],
@@ -611,7 +613,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                 delta = DeltaMessage(role="assistant" if first else None, content=step.text)
                 return ChatCompletionChunk(id=request_id, model=srv.model_name, choices=[
                     ChatChunkChoice(index=i, delta=delta, token_ids=step.token_ids,
-                                    logprobs=_chat_logprobs(step), finish_reason=reason)])
+                                    logprobs=_chat_logprobs(step), finish_reason=reason,
+                                    stop_reason=step.stop_reason)])
 
             def usage_chunk(usage: Usage) -> BaseModel:
                 return ChatCompletionChunk(id=request_id, model=srv.model_name, choices=[],

@@ -191,6 +191,7 @@ class CompletionChoice(BaseModel):
     token_ids: list[int]  # Sangam: the response's token ids (a stream chunk: the new ones)
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class CompletionResponse(BaseModel):
@@ -227,6 +228,7 @@ class ChatChoice(BaseModel):
     token_ids: list[int]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletionResponse(BaseModel):
@@ -249,6 +251,7 @@ class ChatChunkChoice(BaseModel):
     token_ids: list[int]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletionChunk(BaseModel):
