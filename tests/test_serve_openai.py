@@ -596,6 +596,32 @@ def serve_in_thread(model: str, **server_options) -> Iterator[str]:
     assert engine.dead is None
 
 
+def test_cors(chat_ckpt, server):
+    """--allowed-origins lets those origins' pages call the API, preflights included (answered
+    before the API key is asked for, as browsers send none); by default no origin may."""
+    origin = "http://ui.example"
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    assert "access-control-allow-origin" not in httpx.post(
+        f"{server}/v1/completions", json=body, headers={"Origin": origin}).headers
+    with serve_in_thread(chat_ckpt, allowed_origins=f'["{origin}"]', api_key="k") as url:
+        r = httpx.options(f"{url}/v1/completions", headers=preflight)
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == origin
+        r = httpx.post(f"{url}/v1/completions", json=body,
+                       headers={"Origin": origin, "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"Origin": "http://evil"})
+        assert r.status_code == 401 and "access-control-allow-origin" not in r.headers
+    assert ServerConfig(allowed_origins="http://a, http://b").origins() == ("http://a",
+                                                                           "http://b")
+    assert ServerConfig(allowed_origins='["*"]').origins() == ("*",)
+    for bad in ("[1]", "[oops", "a,,b"):
+        with pytest.raises(ValueError, match="allowed_origins"):
+            ServerConfig(allowed_origins=bad)
+
+
 # A checkpoint without a tokenizer (Dream).
 @pytest.fixture(scope="module")
 def tokenless_server(dream_path) -> Iterator[str]:

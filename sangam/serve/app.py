@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -545,6 +546,9 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     app.state.server = srv
     if server_config.api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=server_config.api_key)
+    if server_config.origins():  # added last, so outermost: it answers preflights, keyless
+        app.add_middleware(CORSMiddleware, allow_origins=list(server_config.origins()),
+                           allow_methods=["*"], allow_headers=["*"])
     _install_error_handlers(app)
 
     @app.get("/health")

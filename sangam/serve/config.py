@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from sangam.models.tokenizer import load_chat_template
@@ -22,6 +23,9 @@ class ServerConfig:
     port: int = field(default=8000, metadata=_meta("Port to listen on"))
     api_key: str | None = field(default=None, metadata=_meta(
         "Require 'Authorization: Bearer KEY' on /v1/* requests"))
+    allowed_origins: str | None = field(default=None, metadata=_meta(
+        "Web origins whose browser pages may call the API (CORS): comma-separated, or a JSON "
+        "list as vLLM's; '*' for any. Default: none"))
     served_model_name: str | None = field(default=None, metadata=_meta(
         "Model name in the API (default: the --model path, or 'sangam-demo')"))
     # Defaults for requests that leave the diffusion options out. Unset (None): the
@@ -58,6 +62,7 @@ class ServerConfig:
             raise ValueError("ServerConfig: shutdown_grace must be >= 0")
         if self.log_stats_interval < 0:
             raise ValueError("ServerConfig: log_stats_interval must be >= 0")
+        self.origins()  # raises ValueError for a malformed list, at startup
         self.default_params()  # raises ValueError for bad defaults, at startup
         if self.chat_template is not None:
             load_chat_template(self.chat_template)
@@ -70,6 +75,21 @@ class ServerConfig:
                      unmasking=self.unmasking, threshold=self.threshold, cache=self.cache)
         flags = {k: v for k, v in flags.items() if v is not None}
         return SamplingParams(**{**(checkpoint_defaults or {}), **flags, **overrides})
+
+    def origins(self) -> tuple[str, ...]:
+        """``allowed_origins`` as a tuple (empty: no CORS)."""
+        given = (self.allowed_origins or "").strip()
+        if given.startswith("["):
+            try:
+                origins = json.loads(given)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"ServerConfig: allowed_origins is not a JSON list: {e}") from None
+        else:
+            origins = [o.strip() for o in given.split(",")] if given else []
+        if not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins):
+            raise ValueError(f"ServerConfig: allowed_origins must list non-empty origins, got "
+                             f"{self.allowed_origins!r}")
+        return tuple(origins)
 
     def model_name(self, model_path: str | None) -> str:
         return self.served_model_name or model_path or DEMO_MODEL_NAME
