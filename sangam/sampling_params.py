@@ -60,6 +60,9 @@ class SamplingParams:
     # min_tokens response positions, and a stop string ending within their text does not count.
     min_tokens: int = 0
     skip_special_tokens: bool = True  # the text leaves out special tokens (vLLM's default)
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as fit the context beside the
+    # response canvas); None: the whole prompt, which must fit.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -133,6 +136,9 @@ class SamplingParams:
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        k = self.truncate_prompt_tokens
+        need(k is None or (_is_int(k) and (k >= 1 or k == -1)),
+             f"truncate_prompt_tokens must be None, -1 or an integer >= 1, got {k!r}")
 
     @property
     def restricts_sampling(self) -> bool:

@@ -1,5 +1,7 @@
 """Generation through the public API: every rule x cache mode, reference loops, stopping."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -243,6 +245,21 @@ def test_max_model_len_caps_requests(llms):
     model_context = llms["llada"].loaded.config.max_position
     with pytest.raises(ValueError, match=f"beyond the model's context of {model_context}"):
         LLM(path, device="cpu", max_model_len=model_context + 1)
+    # vLLM's truncate_prompt_tokens: the last k prompt tokens, or (-1) as many as fit.
+    prompt = list(range(5, 25))
+    for keep, kept in ((3, prompt[-3:]), (-1, prompt[-8:]), (100, prompt)):
+        params = dataclasses.replace(ok, truncate_prompt_tokens=keep)
+        if kept is prompt:  # too long for the context, and kept whole
+            with pytest.raises(ValueError, match="beyond the model's context of 40"):
+                capped.generate(prompt_token_ids=[prompt], sampling_params=params)
+            continue
+        out = capped.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+        assert out.prompt_token_ids == kept
+        assert out.token_ids == capped.generate(prompt_token_ids=[kept],
+                                                sampling_params=ok)[0].token_ids
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
 
 
 def test_checkpoint_generation_config_sets_defaults(llada_path, tmp_path):

@@ -261,6 +261,15 @@ def test_echo(client, llm):
         assert mine[0].startswith(prompts[i // 2]) and "".join(mine) == res.choices[i].text
 
 
+def test_truncate_prompt_tokens(client, llm):
+    """vLLM's truncate_prompt_tokens: only the prompt's last k tokens are read (and counted)."""
+    ids = llm.tokenizer("a longer prompt", add_special_tokens=False)["input_ids"]
+    ref = llm.generate(prompt_token_ids=[ids[-4:]], sampling_params=_params(max_tokens=6))[0]
+    res = client.completions.create(model=MODEL, prompt=ids, max_tokens=6,
+                                    extra_body={"truncate_prompt_tokens": 4})
+    assert res.choices[0].token_ids == ref.token_ids and res.usage.prompt_tokens == 4
+
+
 def test_batched_streaming(client, llm):
     prompts = ["one", "two two"]
     stream = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, stream=True,

@@ -63,6 +63,10 @@ class DecodeState:
         self.stop_len: int | None = None  # response tokens kept when a stop string ended it
         self.stop_string: str | None = None  # that stop string
 
+    def prompt_ids(self) -> list[int]:
+        """The prompt's token ids (after any truncation)."""
+        return self.tokens[:self.prompt_len].tolist()
+
     @functools.cached_property
     def prompt_tokens(self) -> np.ndarray:
         """The prompt's distinct token ids (for the repetition penalty)."""

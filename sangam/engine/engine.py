@@ -133,7 +133,7 @@ class Engine:
             raise RequestRejected(
                 f"request needs {self.pool.pages_for(state.total_len)} KV pages for "
                 f"{state.total_len} tokens, more than the pool's {self.pool.num_pages}")
-        self.requests[request_id] = _Tracked(req, state, list(prompt_token_ids), now)
+        self.requests[request_id] = _Tracked(req, state, state.prompt_ids(), now)
         self.builder.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -153,11 +153,17 @@ class LoadedModel:
 
     def new_state(self, prompt_ids: list[int], params: SamplingParams,
                   rng: random.Random) -> DecodeState:
-        """Validate one request and build its canvas; errors say what is wrong."""
+        """Validate one request and build its canvas (its prompt truncated as the params ask);
+        errors say what is wrong."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
         if len(prompt_ids) == 0:
             raise ValueError("the prompt is empty")
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = max(1, self.context_length - params.canvas_length)
+        if keep is not None:
+            prompt_ids = prompt_ids[-keep:]
         vocab = self.config.vocab_size
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:

@@ -305,7 +305,7 @@ class MultiWorkerEngine:
                                  prompt_token_ids, params, arrival_time)
         need = req.pages_needed(self.config.page_size)
         self._check_fits(need, state.total_len)
-        entry = _Entry(req, state, list(prompt_token_ids), need, next(self._attempts))
+        entry = _Entry(req, state, state.prompt_ids(), need, next(self._attempts))
         self.requests[request_id] = entry
         self._pending[request_id] = entry
 
