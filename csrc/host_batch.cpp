@@ -520,8 +520,8 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
   const int64_t from = std::clamp<int64_t>(prompt_len, 0, e);
   const int64_t to = std::clamp<int64_t>(prompt_len + max_tokens, from, e);
   if (!holds_stop_id(st, canvas.data(), from, to, &stopped)) return false;
-  // tokens holds prompt + canvas, so this is DecodeState.num_blocks.
-  const bool last = block + 1 == (T - prompt_len) / block_length;
+  // DecodeState.num_blocks: the canvas is ceil(max_tokens / B) blocks (tokens may hold a suffix).
+  const bool last = block + 1 == (max_tokens + block_length - 1) / block_length;
   if (stopped || last) {
     return PyObject_SetAttr(st, names.finished, Py_True) == 0 &&
            PyObject_SetAttr(st, names.finish_reason, stopped ? names.stop : names.length) == 0;

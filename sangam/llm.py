@@ -14,8 +14,9 @@ from sangam.engine.multi import make_engine
 from sangam.models.tokenizer import load_chat_template
 from sangam.sampling_params import RequestOutput, SamplingParams
 
-# A prompt: its text, or vLLM's TextPrompt / TokensPrompt dicts.
+# A prompt: its text, or vLLM's TextPrompt / TokensPrompt dicts (plus Sangam's suffix).
 Prompt = str | Mapping[str, Any]
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "suffix", "suffix_token_ids"})
 
 
 class LLM:
@@ -48,15 +49,17 @@ class LLM:
                  prompt_token_ids: Sequence[Sequence[int]] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for ``prompts`` (texts, or vLLM's ``{"prompt": text}`` and
-        ``{"prompt_token_ids": ids}``) or ``prompt_token_ids``; one SamplingParams or one per
-        prompt. Outputs come back in input order; ``use_tqdm`` shows a progress bar."""
-        ids = self._prompt_ids(prompts, prompt_token_ids)
-        params = self._params(sampling_params, len(ids))
+        ``{"prompt_token_ids": ids}``, to which ``"suffix"`` (text) or ``"suffix_token_ids"``
+        may add a suffix: the response then fills the gap before it) or ``prompt_token_ids``;
+        one SamplingParams or one per prompt. Outputs come back in input order; ``use_tqdm``
+        shows a progress bar."""
+        inputs = self._inputs(prompts, prompt_token_ids)
+        params = self._params(sampling_params, len(inputs))
         engine = self.engine
-        rids = [f"generate-{next(self._counter)}" for _ in ids]
+        rids = [f"generate-{next(self._counter)}" for _ in inputs]
         try:
-            for rid, p, sp in zip(rids, ids, params):
-                engine.add_request(rid, p, sp)
+            for rid, (p, suffix), sp in zip(rids, inputs, params):
+                engine.add_request(rid, p, sp, suffix_token_ids=suffix)
         except Exception:  # refuse the whole call; requests already queued are withdrawn
             for rid in rids:
                 engine.abort_request(rid)
@@ -89,25 +92,30 @@ class LLM:
                for c in conversations]
         return self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
 
-    def _prompt_ids(self, prompts, prompt_token_ids) -> list[list[int]]:
+    def _inputs(self, prompts, prompt_token_ids) -> list[tuple[list[int], list[int]]]:
+        """(prompt ids, suffix ids) of each prompt."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts or prompt_token_ids")
         if prompts is not None:
             if isinstance(prompts, (str, Mapping)):
                 prompts = [prompts]
-            return [self._one_prompt_ids(p) for p in prompts]
-        return [list(p) for p in prompt_token_ids]
+            return [self._one_input(p) for p in prompts]
+        return [(list(p), []) for p in prompt_token_ids]
 
-    def _one_prompt_ids(self, prompt: Prompt) -> list[int]:
+    def _one_input(self, prompt: Prompt) -> tuple[list[int], list[int]]:
         if isinstance(prompt, str):
-            return self.loaded.encode(prompt)
-        if isinstance(prompt, Mapping) and len(prompt) == 1:
-            if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"])
-            if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return self.loaded.encode(prompt["prompt"])
+            return self.loaded.encode(prompt), []
+        if isinstance(prompt, Mapping) and set(prompt) <= _PROMPT_KEYS:
+            head = _part(prompt, "prompt", "prompt_token_ids")
+            tail = _part(prompt, "suffix", "suffix_token_ids")
+            has_head = "prompt" in prompt or "prompt_token_ids" in prompt
+            if has_head and head is not None and tail is not None:
+                # The suffix continues the text: no special tokens (BOS) of its own.
+                suffix = self.loaded.encode(tail, False) if isinstance(tail, str) else tail
+                return (self.loaded.encode(head) if isinstance(head, str) else head), suffix
         raise ValueError(f"a prompt is a text, {{'prompt': text}} or "
-                         f"{{'prompt_token_ids': ids}}; got {prompt!r:.80}")
+                         f"{{'prompt_token_ids': ids}}, plus optionally 'suffix' (text) or "
+                         f"'suffix_token_ids'; got {prompt!r:.80}")
 
     def _params(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:  # the checkpoint's generation_config.json, if any
@@ -118,3 +126,15 @@ class LLM:
         if len(sampling_params) != n:
             raise ValueError(f"{len(sampling_params)} SamplingParams for {n} prompts")
         return sampling_params
+
+
+def _part(prompt: Mapping[str, Any], text_key: str, ids_key: str) -> str | list[int] | None:
+    """A prompt dict's text or token ids under one of two keys: [] if neither is there, None
+    if both are or the value has the wrong type."""
+    if text_key in prompt and ids_key in prompt:
+        return None
+    if text_key in prompt:
+        text = prompt[text_key]
+        return text if isinstance(text, str) else None
+    ids = prompt.get(ids_key, [])
+    return list(ids) if isinstance(ids, (list, tuple)) else None

@@ -25,8 +25,10 @@ def loaded(llada_path, dream_path):
 
 
 def _workload(n: int, seed: int, block_lengths=(4, 8), caches=("dual", "prefix", "none")):
+    """Requests as ``Engine.add_request`` arguments: (id, prompt, params, arrival, suffix)."""
     rng = random.Random(seed)
     nucleus = random.Random(-seed)  # its own stream: the other fields stay as they were
+    infill = random.Random(seed + 1000)  # another: a third of the requests have a suffix
     reqs = []
     for i in range(n):
         prompt = [rng.randrange(2, 150) for _ in range(rng.choice([1, 5, 15, 16, 17, 31, 40]))]
@@ -37,7 +39,8 @@ def _workload(n: int, seed: int, block_lengths=(4, 8), caches=("dual", "prefix",
             logprobs=[None, 0, 3][i % 3], top_p=nucleus.choice([1.0, 0.9, 0.3]),
             top_k=nucleus.choice([0, 0, 4]), logit_bias=nucleus.choice([{}, {}, BIAS]),
             **_penalties(nucleus), min_p=nucleus.choice([0.0, 0.0, 0.2]), **rng.choice(RULES))
-        reqs.append((f"r{i}", prompt, params))
+        suffix = [infill.randrange(2, 150) for _ in range(infill.choice([0, 0, 1, 6]))]
+        reqs.append((f"r{i}", prompt, params, None, suffix))
     return reqs
 
 
@@ -52,7 +55,8 @@ _REFERENCE_CACHE = {}
 
 
 def _reference(lm, reqs):
-    key = (lm.path, tuple((rid, tuple(prompt), params) for rid, prompt, params in reqs))
+    key = (lm.path, tuple((rid, tuple(prompt), params, tuple(suffix))
+                          for rid, prompt, params, _, suffix in reqs))
     if key not in _REFERENCE_CACHE:
         _REFERENCE_CACHE[key] = _decode_one_by_one(lm, reqs)
     return _REFERENCE_CACHE[key]
@@ -60,8 +64,8 @@ def _reference(lm, reqs):
 
 def _decode_one_by_one(lm, reqs):
     out = {}
-    for rid, prompt, params in reqs:
-        st = lm.new_state(prompt, params, random.Random(0))
+    for rid, prompt, params, _, suffix in reqs:
+        st = lm.new_state(prompt, params, random.Random(0), suffix)
         ReferenceDecoder(lm.model).run(st)
         tokens = st.output_token_ids()
         logprobs = st.output_logprobs(len(tokens)) if params.logprobs is not None else None
@@ -118,8 +122,8 @@ def test_batches_are_actually_mixed(loaded):
     lm = loaded["llada"]
     engine = Engine(EngineConfig(model=lm.path, device="cpu", dtype="float64", page_size=4,
                                  num_pages=400), lm)
-    for rid, prompt, params in _workload(12, seed=1):
-        engine.add_request(rid, prompt, params)
+    for req in _workload(12, seed=1):
+        engine.add_request(*req)
     while engine.has_unfinished_requests():
         engine.step()
     its = list(engine.stats.iterations)
@@ -137,9 +141,9 @@ def test_no_page_leaks_with_aborts(loaded):
     while reqs or engine.has_unfinished_requests():
         for _ in range(rng.randint(0, 4)):
             if reqs:
-                rid, prompt, params = reqs.pop()
-                engine.add_request(rid, prompt, params)
-                live.append(rid)
+                req = reqs.pop()
+                engine.add_request(*req)
+                live.append(req[0])
         if live and rng.random() < 0.3:
             engine.abort_request(live.pop(rng.randrange(len(live))))
         for out in engine.step():

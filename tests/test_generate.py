@@ -63,12 +63,13 @@ def test_every_rule_and_cache_mode_is_deterministic(llms, arch, cache, rule):
         assert 8 in calls or all(o.num_forwards == 3 for o in a)
 
 
-def _llada_reference_generate(model, prompt, gen_length, block_length):
+def _llada_reference_generate(model, prompt, gen_length, block_length, suffix=()):
     """LLaDA's reference generate(): steps == gen_length, low-confidence remasking, one token
-    per step, a full forward every step (mask token excluded per DESIGN.md §2). Returns the
-    tokens and the probability each had when it was committed."""
+    per step, a full forward every step (mask token excluded per DESIGN.md §2); with a
+    ``suffix`` after the masks, its infilling. Returns the tokens and the probability each had
+    when it was committed."""
     mask = model.config.mask_token_id
-    x = torch.tensor([prompt + [mask] * gen_length])
+    x = torch.tensor([prompt + [mask] * gen_length + list(suffix)])
     p0 = len(prompt)
     committed = torch.zeros(x.shape[1], dtype=torch.float64)
     for b in range(gen_length // block_length):
@@ -86,7 +87,7 @@ def _llada_reference_generate(model, prompt, gen_length, block_length):
             i = int(conf.argmax())
             x[0, i] = x0[i]
             committed[i] = conf[i]
-    return x[0, p0:].tolist(), committed[p0:].tolist()
+    return x[0, p0:p0 + gen_length].tolist(), committed[p0:p0 + gen_length].tolist()
 
 
 def test_topk_no_cache_equals_llada_reference_loop(llms):
@@ -101,6 +102,23 @@ def test_topk_no_cache_equals_llada_reference_loop(llms):
         assert out.num_forwards == 16
         # logprobs=0: each token's log-probability at the step that committed it.
         assert out.logprobs == pytest.approx(np.log(probs).tolist(), rel=1e-9)
+
+
+def test_infilling_equals_llada_reference_loop(llms):
+    """A suffix after the canvas (infilling): every forward attends to it, and the response is
+    the canvas between prompt and suffix."""
+    llm = llms["llada"]
+    params = SamplingParams(max_tokens=16, block_length=8, unmasking="topk", tokens_per_step=1,
+                            cache="none", stop_at_eos=False)
+    suffix = [30, 31, 32, 33, 34]
+    outs = llm.generate([{"prompt_token_ids": p, "suffix_token_ids": suffix} for p in PROMPTS],
+                        params)
+    plain = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref, _ = _llada_reference_generate(llm.loaded.model, prompt, 16, 8, suffix)
+        assert (out.token_ids, out.prompt_token_ids) == (ref, prompt)
+    assert [o.token_ids for o in outs] != [o.token_ids for o in plain]  # the suffix is read
 
 
 def test_dream_shift_and_first_position_rule(llms):
@@ -168,6 +186,19 @@ def test_cached_spans_per_mode():
         assert st.plan().span_start == 0  # every block starts with a refresh
         st.apply(st.plan(), np.full(8, 7), np.eye(8)[0])  # block 1: one committed
         assert (st.plan().span_start, st.plan().span_end) == span
+    # Infilling: the suffix follows the canvas; refreshes and prefix spans reach it.
+    for cache, span in [("dual", (13, 21)), ("prefix", (13, 32)), ("none", (0, 32))]:
+        st = DecodeState([1] * 5, SamplingParams(max_tokens=24, block_length=8, cache=cache,
+                                                 stop_at_eos=False),
+                         99, frozenset(), False, suffix_ids=[4, 5, 6])
+        assert (st.total_len, st.plan().span_end, st.suffix_ids()) == (32, 32, [4, 5, 6])
+        st.apply(st.plan(), np.full(8, 7), np.ones(8))
+        st.apply(st.plan(), np.full(8, 7), np.eye(8)[0])
+        assert (st.plan().span_start, st.plan().span_end) == span
+        while not st.finished:
+            n = len(st.plan().positions)
+            st.apply(st.plan(), np.full(n, 8), np.ones(n))
+        assert st.output_token_ids() == [7] * 9 + [8] * 15 and st.prompt_ids() == [1] * 5
 
 
 @pytest.mark.parametrize("stop_at", [4, 5])

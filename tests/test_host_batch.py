@@ -71,7 +71,8 @@ def _random_state(rng: random.Random) -> DecodeState:
     prompt = [rng.randrange(VOCAB) for _ in range(rng.choice([1, 2, 5, 17, 40]))]
     seed = rng.choice([0, rng.getrandbits(63), 2**64 + rng.getrandbits(40)])
     stop_ids = rng.choice([frozenset(), frozenset({1}), frozenset({1, 2})])
-    return DecodeState(prompt, params, MASK, stop_ids, rng.random() < 0.5, seed)
+    suffix = [rng.randrange(MASK) for _ in range(rng.choice([0, 0, 3]))]  # infilling
+    return DecodeState(prompt, params, MASK, stop_ids, rng.random() < 0.5, seed, suffix)
 
 
 def _random_pages(rng: random.Random, st: DecodeState, page_size: int) -> list[int]:

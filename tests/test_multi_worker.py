@@ -49,6 +49,7 @@ def _options(path, **layout):
 def _workload(n: int, seed: int):
     rng = random.Random(seed)
     nucleus = random.Random(-seed)  # its own stream: the other fields stay as they were
+    infill = random.Random(seed + 1000)  # another: a third of the requests have a suffix
     reqs = []
     for i in range(n):
         prompt = [rng.randrange(2, 150) for _ in range(rng.choice([1, 5, 15, 16, 17, 31, 40]))]
@@ -60,8 +61,14 @@ def _workload(n: int, seed: int):
             min_tokens=nucleus.choice([0, 5]), logprobs=nucleus.choice([None, 2]),
             min_p=nucleus.choice([0.0, 0.1]),
             **rng.choice(RULES))
-        reqs.append((f"r{i}", prompt, params))
+        suffix = [infill.randrange(2, 150) for _ in range(infill.choice([0, 0, 4]))]
+        reqs.append((f"r{i}", prompt, params, None, suffix))
     return reqs
+
+
+def _prompt(req: tuple) -> dict:
+    """A workload request as an ``LLM.generate`` prompt."""
+    return {"prompt_token_ids": req[1], "suffix_token_ids": req[4]}
 
 
 # One workload per architecture; tests use all of it or a part, so that the (slow) reference
@@ -83,8 +90,8 @@ def _reference(path, arch):
     if arch not in _REFERENCES:
         lm = LoadedModel.load(EngineConfig(model=path, device="cpu", dtype="float64"))
         out = {}
-        for rid, prompt, params in WORKLOADS[arch]:
-            st = lm.new_state(prompt, params, random.Random(0))
+        for rid, prompt, params, _, suffix in WORKLOADS[arch]:
+            st = lm.new_state(prompt, params, random.Random(0), suffix)
             ReferenceDecoder(lm.model).run(st)
             tokens = st.output_token_ids()
             top = st.output_top_logprobs(len(tokens)) if params.logprobs else None
@@ -174,7 +181,8 @@ def _check_transfers(engine, outs, reqs):
     page_bytes = PAGE_SIZE * cfg.num_kv_heads * cfg.head_dim * 8  # float64
     assert all(s.layer_page_bytes == page_bytes for s in engine.worker_states())
     per_page = cfg.num_layers * 2 * page_bytes
-    total = {rid: len(prompt) + params.canvas_length for rid, prompt, params in reqs}
+    total = {rid: len(prompt) + params.canvas_length + len(suffix)
+             for rid, prompt, params, _, suffix in reqs}
     records = [r for r in engine.transfers if not r.drained]
     assert records, "no K/V was transferred"
     for r in records:
@@ -260,9 +268,8 @@ def test_modes_match_reference(paths, arch, layout):
         pids = _descendants(os.getpid()) - before  # the workers and their launcher
         assert {s.pid for s in llm.engine.worker_states()} < pids and len(pids) == 4
         assert isinstance(llm.engine, MultiWorkerEngine)
-        outs = llm.generate(prompt_token_ids=[r[1] for r in reqs],
-                            sampling_params=[r[2] for r in reqs])
-        got = {rid: _outcome(o) for (rid, _, _), o in zip(reqs, outs)}
+        outs = llm.generate([_prompt(r) for r in reqs], [r[2] for r in reqs])
+        got = {rid: _outcome(o) for (rid, *_), o in zip(reqs, outs)}
         by_worker = llm.engine.counters.prefills_by_worker
         assert len(by_worker) == 3 and min(by_worker.values()) > 0  # all three worked
         llm.shutdown()
@@ -288,7 +295,7 @@ def test_modes_match_reference(paths, arch, layout):
 def test_failed_transfer_is_retried(paths):
     """A decode worker that cannot take a transfer drains it; the refresh is redone."""
     reqs = WORKLOADS["llada"][:16]
-    want = {rid: _reference(paths["llada"], "llada")[rid] for rid, _, _ in reqs}
+    want = {rid: _reference(paths["llada"], "llada")[rid] for rid, *_ in reqs}
     engine = make_engine(EngineConfig(**_options(paths["llada"], mode="disaggregated",
                                                  prefill_workers=1, decode_workers=1)))
     try:
@@ -458,7 +465,7 @@ def test_two_nodes_on_loopback(paths, tmp_path, hang):
     """Node 1's workers join node 0's front (ZeroMQ) and process group (TCP store). A remote
     worker declared hung is made to exit (no local parent can kill it) and loses nothing."""
     reqs = WORKLOADS["llada"][:12]
-    want = {rid: _reference(paths["llada"], "llada")[rid] for rid, _, _ in reqs}
+    want = {rid: _reference(paths["llada"], "llada")[rid] for rid, *_ in reqs}
     port = _free_port_pair()
     layout = dict(mode="disaggregated", prefill_workers=1, decode_workers=2, nnodes=2,
                   dist_init_addr=f"127.0.0.1:{port}", watchdog_timeout=5.0)
@@ -477,9 +484,8 @@ def test_two_nodes_on_loopback(paths, tmp_path, hang):
         remote = states[2].pid  # node 0 runs workers 0 (prefill) and 1, node 1 runs worker 2
         with open(f"/proc/{remote}/stat") as f:
             assert int(f.read().rsplit(")", 1)[1].split()[1]) == node1.pid
-        outs = llm.generate(prompt_token_ids=[r[1] for r in reqs],
-                            sampling_params=[r[2] for r in reqs])
-        assert {rid: _outcome(o) for (rid, _, _), o in zip(reqs, outs)} == want
+        outs = llm.generate([_prompt(r) for r in reqs], [r[2] for r in reqs])
+        assert {rid: _outcome(o) for (rid, *_), o in zip(reqs, outs)} == want
         assert any(r.dst == 2 for r in llm.engine.transfers)  # K/V crossed the "nodes"
         assert llm.engine.dead_workers == ([2] if hang else [])
         if hang:  # gone while the front still runs, and node 1 with it (its last worker)
@@ -498,12 +504,12 @@ def test_async_engine_on_workers(paths):
     import asyncio
 
     reqs = WORKLOADS["dream"][:8]
-    want = {rid: _reference(paths["dream"], "dream")[rid] for rid, _, _ in reqs}
+    want = {rid: _reference(paths["dream"], "dream")[rid] for rid, *_ in reqs}
     engine = AsyncEngine(EngineConfig(**_options(paths["dream"], mode="disaggregated",
                                                  prefill_workers=1, decode_workers=1)))
 
-    async def one(rid, prompt, params):
-        outs = [o async for o in engine.generate(prompt, params, rid)]
+    async def one(rid, prompt, params, _, suffix):
+        outs = [o async for o in engine.generate(prompt, params, rid, suffix)]
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])
         for a, b in zip(outs, outs[1:]):  # one output per block, each extending the last
             assert b.token_ids[:len(a.token_ids)] == a.token_ids

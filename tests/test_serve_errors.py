@@ -129,7 +129,6 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
     (CMPL, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     (CMPL, {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
-    (CMPL, {"prompt": "hi", "suffix": "x"}, 400, "unsupported"),
     (CMPL, {"prompt": "hi", "unmasking": "random"}, 400, "unmasking"),
     (CMPL, {"prompt": "hi", "threshold": 1.5}, 400, "threshold"),
     (CMPL, {"prompt": "hi", "factor": 0}, 400, "factor"),

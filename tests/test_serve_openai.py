@@ -261,6 +261,25 @@ def test_echo(client, llm):
         assert mine[0].startswith(prompts[i // 2]) and "".join(mine) == res.choices[i].text
 
 
+def test_suffix_infills(client, llm):
+    """OpenAI's suffix: the response fills the gap between prompt and suffix, as LLM's
+    {"prompt", "suffix"} prompts do; streamed alike."""
+    opts = dict(max_tokens=8, stop_at_eos=False)
+    ref = llm.generate([{"prompt": "Once upon", "suffix": " happily ever after."}],
+                       _params(**opts))[0]
+    plain = llm.generate(["Once upon"], _params(**opts))[0]
+    assert ref.token_ids != plain.token_ids  # the model reads the suffix
+    res = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8,
+                                    suffix=" happily ever after.",
+                                    extra_body={"stop_at_eos": False})
+    assert (res.choices[0].token_ids, res.choices[0].text) == (ref.token_ids, ref.text)
+    assert res.usage.prompt_tokens == len(ref.prompt_token_ids)
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8,
+                                            suffix=" happily ever after.", stream=True,
+                                            extra_body={"stop_at_eos": False}))
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+
+
 def test_truncate_prompt_tokens(client, llm):
     """vLLM's truncate_prompt_tokens: only the prompt's last k tokens are read (and counted)."""
     ids = llm.tokenizer("a longer prompt", add_special_tokens=False)["input_ids"]
@@ -656,6 +675,8 @@ def test_token_id_prompt_without_tokenizer(tokenless_server, dream_path):
         client.completions.create(model=MODEL, prompt="text", max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="no tokenizer, so echo"):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True)
+    with pytest.raises(openai.BadRequestError, match="no tokenizer, so a suffix"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, suffix="x")
 
 
 # A template of our own, replacing the tokenizer's (vLLM's --chat-template).

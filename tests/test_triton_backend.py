@@ -98,6 +98,8 @@ def test_llm_triton_backend_matches_reference_backend(checkpoints, arch):
                                  stop_at_eos=False))
     params.append(SamplingParams(max_tokens=12, block_length=4, frequency_penalty=1.5,
                                  repetition_penalty=2.0, min_tokens=6, seed=4, logprobs=2))
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    inputs[1]["suffix_token_ids"] = [60, 61, 62, 63, 64]  # infilling: attention reaches it
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(checkpoints[arch], device="cpu", dtype="float64", attention_backend=backend,
@@ -105,7 +107,7 @@ def test_llm_triton_backend_matches_reference_backend(checkpoints, arch):
         assert llm.engine.runner.fused_scoring == (backend == "triton")
         outs[backend] = [(o.token_ids, o.num_forwards,
                           o.top_logprobs and [[t for t, _ in alt] for alt in o.top_logprobs])
-                         for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+                         for o in llm.generate(inputs, params)]
         # Every input of a forward, the unmasking parameters included, in one upload.
         assert llm.engine.runner.uploader.copies == len(llm.engine.stats.iterations) > 0
     assert outs["triton"] == outs["torch"]

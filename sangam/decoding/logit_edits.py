@@ -83,7 +83,7 @@ def request_edits(state: DecodeState, positions: np.ndarray) -> RequestEdits | N
         if p.presence_penalty or p.frequency_penalty:
             added.append((seen, -(p.presence_penalty + p.frequency_penalty * counts)))
         if p.repetition_penalty != 1.0:  # a token in both is penalized once: pairs repeat
-            rep_ids = np.concatenate([state.prompt_tokens, seen])
+            rep_ids = np.concatenate([state.input_tokens, seen])
     if len(added) > 1:  # the same token in several: one entry, the sum
         add_ids, where = np.unique(np.concatenate([i for i, _ in added]), return_inverse=True)
         add_values = np.zeros(len(add_ids), dtype=np.float64)

@@ -3,6 +3,10 @@
 Both the single-request reference decoder and the batched engine drive requests through this
 object, which is what makes their tokens identical: the engine differs only in how many
 requests share a forward.
+
+Infilling: with ``suffix_ids`` the sequence is prompt + [MASK]*G + suffix (T = P + G + S). The
+suffix is context like the prompt: every refresh covers it, ``cache="prefix"`` spans reach it,
+and the response is the canvas between the two.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ class StepPlan:
 
 class DecodeState:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, mask_token_id: int,
-                 stop_ids: frozenset[int], shift_logits: bool, seed: int = 0):
+                 stop_ids: frozenset[int], shift_logits: bool, seed: int = 0,
+                 suffix_ids: list[int] | tuple[int, ...] = ()):
         if not prompt_ids:
             raise ValueError("the prompt is empty: a request needs at least one prompt token")
         self.params = params
@@ -47,8 +52,10 @@ class DecodeState:
         self.shift = shift_logits
         self.seed = seed
         self.prompt_len = len(prompt_ids)
+        self.canvas_end = self.prompt_len + params.canvas_length  # where the suffix begins
         self.tokens = np.array(
-            list(prompt_ids) + [mask_token_id] * params.canvas_length, dtype=np.int64)
+            list(prompt_ids) + [mask_token_id] * params.canvas_length + list(suffix_ids),
+            dtype=np.int64)
         # Each response position's confidence (DESIGN.md §2) at the step that committed it.
         self.confidence = np.zeros(len(self.tokens), dtype=np.float64)
         # With logprobs = n > 0: each response position's n most probable tokens at that step.
@@ -67,10 +74,15 @@ class DecodeState:
         """The prompt's token ids (after any truncation)."""
         return self.tokens[:self.prompt_len].tolist()
 
+    def suffix_ids(self) -> list[int]:
+        """The infilling suffix's token ids (empty without one)."""
+        return self.tokens[self.canvas_end:].tolist()
+
     @functools.cached_property
-    def prompt_tokens(self) -> np.ndarray:
-        """The prompt's distinct token ids (for the repetition penalty)."""
-        return np.unique(self.tokens[:self.prompt_len])
+    def input_tokens(self) -> np.ndarray:
+        """The distinct token ids of the prompt and suffix (for the repetition penalty)."""
+        return np.unique(np.concatenate([self.tokens[:self.prompt_len],
+                                         self.tokens[self.canvas_end:]]))
 
     # Geometry.
     @property
@@ -203,7 +215,7 @@ class DecodeState:
         """The response decoded so far (whole blocks), cut before the first stop id, to a stop
         string's end and to max_tokens."""
         s, _ = self.block_bounds()
-        end = self.total_len if self.finished else s
+        end = self.canvas_end if self.finished else s
         out = self.tokens[self.prompt_len:end]
         out = out[:self.stop_index(out)].tolist()
         limit = self.params.max_tokens

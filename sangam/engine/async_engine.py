@@ -49,17 +49,22 @@ class AsyncEngine:
         return self.engine.loaded.tokenizer
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       suffix: str | list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Yield one output per committed block; the last has ``finished=True``. Raises
         ValueError (or RequestRejected / QueueFull) at once for a request that cannot run.
-        Leaving the loop early aborts the request and frees its pages."""
+        Leaving the loop early aborts the request and frees its pages. With a ``suffix`` the
+        response fills the gap between prompt and suffix (infilling)."""
         if self.dead is not None:
             raise RuntimeError(f"the engine thread died: {self.dead!r}")
         request_id = request_id or uuid.uuid4().hex
-        ids = self.engine.loaded.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        loaded = self.engine.loaded
+        ids = loaded.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        # The suffix continues the text: no special tokens (BOS) of its own.
+        tail = loaded.encode(suffix, False) if isinstance(suffix, str) else list(suffix or ())
         stream = _Stream(asyncio.get_running_loop())
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("add", request_id, ids, params, stream, accepted))
+        self._inbox.put(("add", request_id, ids, tail, params, stream, accepted))
         await asyncio.wrap_future(accepted)  # raises the engine's validation error, if any
         finished = False
         try:
@@ -86,9 +91,9 @@ class AsyncEngine:
     # Engine thread.
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, ids, params, stream, accepted = cmd
+            _, rid, ids, tail, params, stream, accepted = cmd
             try:
-                self.engine.add_request(rid, ids, params)
+                self.engine.add_request(rid, ids, params, suffix_token_ids=tail)
             except Exception as e:  # a bad request is refused; nothing else is touched
                 accepted.set_exception(e)
                 return

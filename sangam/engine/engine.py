@@ -83,8 +83,8 @@ def decode_graphs(config: EngineConfig, loaded: LoadedModel,
 
 def new_request(in_flight: Mapping[str, object], config: EngineConfig, loaded: LoadedModel,
                 rng: random.Random, request_id: str, prompt_token_ids: list[int],
-                params: SamplingParams,
-                arrival_time: float | None) -> tuple[Request, DecodeState]:
+                params: SamplingParams, arrival_time: float | None,
+                suffix_token_ids: list[int] = ()) -> tuple[Request, DecodeState]:
     """The checks every engine makes at submission, then the request's scheduling object and
     its canvas. Raises (RequestRejected, QueueFull, ValueError) without side effects."""
     if request_id in in_flight:
@@ -92,16 +92,23 @@ def new_request(in_flight: Mapping[str, object], config: EngineConfig, loaded: L
     if len(in_flight) >= config.max_queue_len:
         raise QueueFull(f"{len(in_flight)} requests in flight (max_queue_len "
                         f"{config.max_queue_len})")
-    state = loaded.new_state(prompt_token_ids, params, rng)
+    state = loaded.new_state(prompt_token_ids, params, rng, suffix_token_ids)
     now = time.monotonic() if arrival_time is None else arrival_time
-    req = Request(request_id, now, state.prompt_len, params.canvas_length, params.block_length,
-                  params.cache)
-    return req, state
+    return scheduling_request(request_id, now, state), state
+
+
+def scheduling_request(request_id: str, arrival_time: float, state: DecodeState) -> Request:
+    """The scheduler's view of a request whose canvas is ``state``, at its current block."""
+    p = state.params
+    req = Request(request_id, arrival_time, state.prompt_len, p.canvas_length, p.block_length,
+                  p.cache, state.total_len - state.canvas_end)
+    req.block = state.block
+    return req
 
 
 def request_metrics(m: RequestMetrics, state: DecodeState) -> dict:
     """Per-request latency breakdown (seconds) and parallelism, as reported to users."""
-    committed = int((state.tokens[state.prompt_len:] != state.mask_token_id).sum())
+    committed = int((state.tokens[state.prompt_len:state.canvas_end] != state.mask_token_id).sum())
     return {
         "arrival_time": m.arrival_time,
         "e2e_latency": m.e2e_latency,
@@ -124,10 +131,12 @@ class Engine:
 
     # Requests in and out.
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request; raises (and changes nothing) if it cannot be served."""
+                    arrival_time: float | None = None,
+                    suffix_token_ids: list[int] = ()) -> None:
+        """Validate and queue a request (with ``suffix_token_ids``: an infill between prompt
+        and suffix); raises (and changes nothing) if it cannot be served."""
         req, state = new_request(self.requests, self.config, self.loaded, self._rng, request_id,
-                                 prompt_token_ids, params, arrival_time)
+                                 prompt_token_ids, params, arrival_time, suffix_token_ids)
         now = req.arrival_time
         if not self.builder.fits_ever(req):
             raise RequestRejected(

@@ -151,29 +151,33 @@ class LoadedModel:
             return None
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def new_state(self, prompt_ids: list[int], params: SamplingParams,
-                  rng: random.Random) -> DecodeState:
-        """Validate one request and build its canvas (its prompt truncated as the params ask);
-        errors say what is wrong."""
+    def new_state(self, prompt_ids: list[int], params: SamplingParams, rng: random.Random,
+                  suffix_ids: list[int] = ()) -> DecodeState:
+        """Validate one request and build its canvas (its prompt truncated as the params ask;
+        with ``suffix_ids``, an infill before them); errors say what is wrong."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
         if len(prompt_ids) == 0:
             raise ValueError("the prompt is empty")
+        suffix_ids = list(suffix_ids)
         keep = params.truncate_prompt_tokens
         if keep == -1:
-            keep = max(1, self.context_length - params.canvas_length)
+            keep = max(1, self.context_length - params.canvas_length - len(suffix_ids))
         if keep is not None:
             prompt_ids = prompt_ids[-keep:]
         vocab = self.config.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        total = len(prompt_ids) + params.canvas_length
+        for name, ids in (("prompt", prompt_ids), ("suffix", suffix_ids)):
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} token ids must be integers in [0, {vocab}); got "
+                                 f"{bad[:5]}")
+        total = len(prompt_ids) + params.canvas_length + len(suffix_ids)
         if total > self.context_length:
+            suffix = f" plus suffix ({len(suffix_ids)} tokens)" if suffix_ids else ""
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) plus response canvas "
-                f"({params.canvas_length} tokens) is {total} tokens, beyond the model's context "
-                f"of {self.context_length}")
+                f"({params.canvas_length} tokens){suffix} is {total} tokens, beyond the model's "
+                f"context of {self.context_length}")
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
@@ -182,7 +186,7 @@ class LoadedModel:
                              "stop_token_ids")
         seed = params.seed if params.seed is not None else rng.getrandbits(63)
         return DecodeState(list(prompt_ids), params, self.config.mask_token_id, self.stop_ids,
-                           self.config.shift_logits, seed)
+                           self.config.shift_logits, seed, suffix_ids)
 
     def output(self, request_id: str, prompt_ids: list[int], state: DecodeState,
                finished: bool, reason: str | None, metrics: dict) -> RequestOutput:

@@ -69,7 +69,8 @@ class RequestMetrics:
 
 
 class Request:
-    """One generation request: prompt of ``prompt_len`` tokens, canvas of ``canvas_len`` masks.
+    """One generation request: prompt of ``prompt_len`` tokens, canvas of ``canvas_len`` masks,
+    then (infilling) a suffix of ``suffix_len`` tokens.
 
     Invariants: ``canvas_len`` is a positive multiple of ``block_length``; ``0 <= block <
     num_blocks`` while not FINISHED; ``pages`` is empty until the first admission and then
@@ -77,13 +78,15 @@ class Request:
     """
 
     def __init__(self, request_id: str, arrival_time: float, prompt_len: int, canvas_len: int,
-                 block_length: int, cache: str = "dual"):
+                 block_length: int, cache: str = "dual", suffix_len: int = 0):
         if prompt_len < 1:
             raise ValueError(f"request {request_id!r}: prompt_len must be >= 1, got {prompt_len}")
         if block_length < 1 or canvas_len < 1 or canvas_len % block_length:
             raise ValueError(
                 f"request {request_id!r}: canvas_len ({canvas_len}) must be a positive multiple "
                 f"of block_length ({block_length})")
+        if suffix_len < 0:
+            raise ValueError(f"request {request_id!r}: suffix_len must be >= 0, got {suffix_len}")
         if cache not in CACHE_MODES:
             raise ValueError(f"request {request_id!r}: cache must be one of {CACHE_MODES}, "
                              f"got {cache!r}")
@@ -94,7 +97,7 @@ class Request:
         self.block_length = block_length
         self.cache = cache
         self.seq = next(_SEQ)
-        self.total_len = prompt_len + canvas_len
+        self.total_len = prompt_len + canvas_len + suffix_len
         self.num_blocks = canvas_len // block_length
         self.block = 0
         self.status = RequestStatus.WAITING

@@ -307,7 +307,7 @@ class _Server:
         unsupported = body.unsupported_fields()
         if unsupported:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
-                           "does not implement suffix, best_of, tools or response_format",
+                           "does not implement best_of, tools or response_format",
                            param=unsupported[0], code="unsupported_parameter")
         try:
             return self.config.default_params(self.loaded.generation_defaults,
@@ -335,6 +335,13 @@ class _Server:
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         return self.loaded.encode(prompt) if isinstance(prompt, str) else prompt
+
+    def suffix_ids(self, suffix: str | None) -> list[int]:
+        """The token ids of an infilling ``suffix`` (OpenAI's field), without special tokens."""
+        if not suffix:
+            return []
+        self._tokenizer("a suffix")
+        return self.loaded.encode(suffix, add_special_tokens=False)
 
     def prompt_text(self, prompt: str | list[int]) -> str:
         """A prompt's text, for echo: as given, or its token ids decoded."""
@@ -384,8 +391,8 @@ class _Server:
         return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
 
     # Submission.
-    async def _generate(self, ids: list[int], params: SamplingParams,
-                        request_id: str) -> AsyncGenerator[RequestOutput, None]:
+    async def _generate(self, ids: list[int], params: SamplingParams, request_id: str,
+                        suffix: list[int]) -> AsyncGenerator[RequestOutput, None]:
         """``engine.generate`` plus outcome counters (and log lines, with
         --enable-log-requests); closing this closes (aborts) that."""
         m = self.metrics
@@ -397,7 +404,8 @@ class _Server:
             logger.info("Received request %s: %d prompt tokens, %s", request_id, len(ids),
                         _clip(repr(params), LOGGED_PARAMS_CHARS))
         try:
-            async with contextlib.aclosing(self.engine.generate(ids, params, request_id)) as outs:
+            async with contextlib.aclosing(
+                    self.engine.generate(ids, params, request_id, suffix)) as outs:
                 async for out in outs:
                     if out.finished:
                         done = True
@@ -433,10 +441,10 @@ class _Server:
             await self.engine.abort(request_id)
 
     async def open(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                   request_id: str) -> list[Stream]:
-        """Submit ``n`` requests per prompt (choice ``i * n + j`` is prompt i's j-th) and wait
-        for each one's first output, so that a refusal becomes an error status before any
-        response byte is sent. All or nothing."""
+                   request_id: str, suffix: list[int] = ()) -> list[Stream]:
+        """Submit ``n`` requests per prompt (choice ``i * n + j`` is prompt i's j-th; each
+        infills before ``suffix`` if given) and wait for each one's first output, so that a
+        refusal becomes an error status before any response byte is sent. All or nothing."""
         if self.engine.dead is not None:
             raise ApiError(503, f"the engine failed: {self.engine.dead!r}", "server_error",
                            code="engine_dead")
@@ -450,7 +458,8 @@ class _Server:
                            f"requests, more than the server ever holds (--max-queue-len "
                            f"{limit})", param="n")
         work = [(ids, p) for ids in prompts for p in samples]
-        gens = [self._generate(ids, p, request_id if len(work) == 1 else f"{request_id}-{i}")
+        gens = [self._generate(ids, p, request_id if len(work) == 1 else f"{request_id}-{i}",
+                               list(suffix))
                 for i, (ids, p) in enumerate(work)]
         try:
             # return_exceptions: gather returns (or raises CancelledError) only once every
@@ -586,8 +595,9 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         echoed = [srv.prompt_text(p) if body.echo else "" for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         n = body.n or 1
+        suffix = srv.suffix_ids(body.suffix)
         streams = await _unless_disconnected(request, srv.open(
-            [srv.prompt_ids(p) for p in prompts], params, n, request_id))
+            [srv.prompt_ids(p) for p in prompts], params, n, request_id, suffix))
         if body.stream:
             def chunk(i: int, first: bool, step: _Step, reason: str | None) -> BaseModel:
                 text = echoed[i // n] + step.text if first else step.text

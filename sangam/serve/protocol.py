@@ -93,13 +93,11 @@ class CompletionRequest(_GenerationRequest):
     echo: bool | None = None
     best_of: int | None = None
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: str | None = None  # infilling: the response fills the gap before it
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
-        return [name for name, is_bad in (
-            ("best_of", self.best_of not in (None, 1)), ("suffix", bool(self.suffix)))
-            if is_bad]
+        return ["best_of"] if self.best_of not in (None, 1) else []
 
     def sampling_overrides(self) -> dict[str, object]:
         overrides = super().sampling_overrides()

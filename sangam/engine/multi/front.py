@@ -299,10 +299,12 @@ class MultiWorkerEngine:
 
     # The Engine interface.
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request; raises (and changes nothing) if it cannot be served."""
+                    arrival_time: float | None = None,
+                    suffix_token_ids: list[int] = ()) -> None:
+        """Validate and queue a request (with ``suffix_token_ids``: an infill between prompt
+        and suffix); raises (and changes nothing) if it cannot be served."""
         req, state = new_request(self.requests, self.config, self.loaded, self._rng, request_id,
-                                 prompt_token_ids, params, arrival_time)
+                                 prompt_token_ids, params, arrival_time, suffix_token_ids)
         need = req.pages_needed(self.config.page_size)
         self._check_fits(need, state.total_len)
         entry = _Entry(req, state, state.prompt_ids(), need, next(self._attempts))

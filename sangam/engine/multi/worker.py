@@ -34,7 +34,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from sangam.decoding.state import DecodeState
-from sangam.engine.engine import IterationStats, build_worker_parts
+from sangam.engine.engine import IterationStats, build_worker_parts, scheduling_request
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import messages as msg
 from sangam.engine.multi.kv_transfer import Done, KVTransport, LayerHook, layer_page_bytes
@@ -185,7 +185,7 @@ class Worker:
         rid = m.request_id
         if rid in self.tasks or rid in self.ready:
             raise RuntimeError(f"worker {self.index}: {rid!r} is already running here")
-        req = _request(rid, m.arrival, m.state)
+        req = scheduling_request(rid, m.arrival, m.state)
         req.pages = self.parked.pop(rid, [])  # this worker holds its canvas: refresh in place
         self.builder.add(req)
         self.tasks[rid] = _Task(req, m.state, m.attempt, m.kv_dest, m.keep_pages)
@@ -221,7 +221,7 @@ class Worker:
         ok = done.ok and r.pages is not None
         if ok:
             self.transport.scatter_into(done.buffer, torch.tensor(r.pages, dtype=torch.int64))
-            req = _request(m.request_id, m.arrival, m.state)
+            req = scheduling_request(m.request_id, m.arrival, m.state)
             req.pages = r.pages
             now = time.monotonic()
             req.mark_admitted(now)  # the refresh ran on the sender
@@ -334,12 +334,6 @@ class Worker:
         self.events.append(msg.BlockDone(rid, t.attempt, st, list(kept)))
 
 
-def _request(rid: str, arrival: float, st: DecodeState) -> Request:
-    """This worker's scheduler view of a request at ``st``'s block."""
-    p = st.params
-    req = Request(rid, arrival, st.prompt_len, p.canvas_length, p.block_length, p.cache)
-    req.block = st.block
-    return req
 
 
 def _watchdog(ctx: zmq.Context, spec: WorkerSpec, parent_pid: int) -> None:
