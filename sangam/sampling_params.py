@@ -63,6 +63,9 @@ class SamplingParams:
     # vLLM's: keep only the prompt's last k tokens (-1: as many as fit the context beside the
     # response canvas); None: the whole prompt, which must fit.
     truncate_prompt_tokens: int | None = None
+    # vLLM's priority: waiting prefills are admitted lower value first (then by arrival); a
+    # request's tokens never depend on it, only its latency.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -136,6 +139,8 @@ class SamplingParams:
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        need(_is_int(self.priority) and abs(self.priority) < 2**63,
+             f"priority must be an integer, got {self.priority!r}")
         k = self.truncate_prompt_tokens
         need(k is None or (_is_int(k) and (k >= 1 or k == -1)),
              f"truncate_prompt_tokens must be None, -1 or an integer >= 1, got {k!r}")

@@ -28,7 +28,7 @@ def _workload(n: int, seed: int, block_lengths=(4, 8), caches=("dual", "prefix",
     """Requests as ``Engine.add_request`` arguments: (id, prompt, params, arrival, suffix)."""
     rng = random.Random(seed)
     nucleus = random.Random(-seed)  # its own stream: the other fields stay as they were
-    infill = random.Random(seed + 1000)  # another: a third of the requests have a suffix
+    infill = random.Random(seed + 1000)  # another: suffixes (infilling) and priorities
     reqs = []
     for i in range(n):
         prompt = [rng.randrange(2, 150) for _ in range(rng.choice([1, 5, 15, 16, 17, 31, 40]))]
@@ -38,7 +38,8 @@ def _workload(n: int, seed: int, block_lengths=(4, 8), caches=("dual", "prefix",
             temperature=rng.choice([0.0, 0.0, 2.0]), stop_at_eos=rng.random() < 0.5,
             logprobs=[None, 0, 3][i % 3], top_p=nucleus.choice([1.0, 0.9, 0.3]),
             top_k=nucleus.choice([0, 0, 4]), logit_bias=nucleus.choice([{}, {}, BIAS]),
-            **_penalties(nucleus), min_p=nucleus.choice([0.0, 0.0, 0.2]), **rng.choice(RULES))
+            **_penalties(nucleus), min_p=nucleus.choice([0.0, 0.0, 0.2]),
+            priority=infill.choice([0, 0, 1, -1]), **rng.choice(RULES))
         suffix = [infill.randrange(2, 150) for _ in range(infill.choice([0, 0, 1, 6]))]
         reqs.append((f"r{i}", prompt, params, None, suffix))
     return reqs

@@ -49,7 +49,7 @@ def _options(path, **layout):
 def _workload(n: int, seed: int):
     rng = random.Random(seed)
     nucleus = random.Random(-seed)  # its own stream: the other fields stay as they were
-    infill = random.Random(seed + 1000)  # another: a third of the requests have a suffix
+    infill = random.Random(seed + 1000)  # another: suffixes (infilling) and priorities
     reqs = []
     for i in range(n):
         prompt = [rng.randrange(2, 150) for _ in range(rng.choice([1, 5, 15, 16, 17, 31, 40]))]
@@ -59,7 +59,7 @@ def _workload(n: int, seed: int):
             temperature=rng.choice([0.0, 0.0, 2.0]), stop_at_eos=rng.random() < 0.5,
             top_p=nucleus.choice([1.0, 0.5]), frequency_penalty=nucleus.choice([0.0, 0.8]),
             min_tokens=nucleus.choice([0, 5]), logprobs=nucleus.choice([None, 2]),
-            min_p=nucleus.choice([0.0, 0.1]),
+            min_p=nucleus.choice([0.0, 0.1]), priority=infill.choice([0, 0, 1, -1]),
             **rng.choice(RULES))
         suffix = [infill.randrange(2, 150) for _ in range(infill.choice([0, 0, 4]))]
         reqs.append((f"r{i}", prompt, params, None, suffix))

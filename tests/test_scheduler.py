@@ -23,8 +23,8 @@ W, PF, DE, FI = (RequestStatus.WAITING, RequestStatus.PREFILL, RequestStatus.DEC
 
 
 def mk(rid: str, t: float = 0.0, P: int = 8, G: int = 16, B: int = 8,
-       cache: str = "dual") -> Request:
-    return Request(rid, t, P, G, B, cache)
+       cache: str = "dual", priority: int = 0) -> Request:
+    return Request(rid, t, P, G, B, cache, priority=priority)
 
 
 def builder(num_pages: int = 1000, page_size: int = 4, **kw) -> BatchBuilder:
@@ -65,7 +65,8 @@ def test_request_geometry_and_spans():
     assert mk("c", P=10, G=24, B=8, cache="none").decode_span == 34
     assert r.pages_needed(16) == 3 and r.pages_needed(17) == 2 and r.pages_needed(1) == 34
     q = mk("d", t=0.0)
-    assert r.priority < q.priority  # same arrival: creation order
+    assert r.queue_key < q.queue_key  # same arrival: creation order
+    assert mk("h", t=5.0, priority=-1).queue_key < r.queue_key  # priority before arrival
     with pytest.raises(ValueError):
         mk("e", G=20, B=8)
     with pytest.raises(ValueError):
@@ -320,9 +321,21 @@ def test_reprefill_keeps_its_original_priority():
     step(b, 0.0)
     b.add(mk("x", t=1.0, P=292, G=8, B=8))  # a later, oversized arrival waits for budget
     step(b, 1.0, {"a": (True, False)})  # a's block 0 ends: a is queued again...
-    assert a.priority == (0.0, a.seq) and b.num_waiting == 2
+    assert a.queue_key == (0, 0.0, a.seq) and b.num_waiting == 2
     batch = step(b, 2.0)  # ... ahead of x: no decodes, the idle rule takes the head, a
     assert ids(batch.prefills) == ["a"] and a.block == 1
+
+
+def test_priority_orders_admission_before_arrival():
+    """vLLM's priority: a lower value is admitted first, whatever its arrival; equal values go
+    by arrival. Head-of-line still holds, now in that order."""
+    b = builder(token_budget=40)
+    seat(b, mk("busy", P=8, G=16))  # 8 decode tokens a step: 32 left for prefills
+    b.add(mk("old", t=1.0, P=16))  # cost 32
+    b.add(mk("urgent", t=2.0, P=16, priority=-1))
+    b.add(mk("later", t=3.0, P=8, priority=-1))  # cost 24: does not fit beside urgent
+    admitted = [ids(step(b, 4.0 + i).prefills) for i in range(8)]
+    assert [a for a in admitted if a] == [["urgent"], ["later"], ["old"]]
 
 
 def test_out_of_order_arrival_cannot_deadlock_memory():
@@ -371,6 +384,7 @@ REQ = st.tuples(
     st.integers(1, 4),  # blocks
     st.sampled_from([4, 8, 16]),  # block length
     st.sampled_from(CACHE_MODES),
+    st.sampled_from([0, 0, 0, 1, -1]),  # priority
 )
 
 
@@ -388,8 +402,8 @@ def simulate(b: BatchBuilder, specs: list, seed: int, abort_prob: float = 0.0,
     reqs: list[Request] = []
     it = 0
     while it <= max(arrivals) or b.has_work:
-        for i, (t, lag, P, nb, B, cache) in arrivals.get(it, []):
-            r = Request(f"r{i}", float(t - lag), P, nb * B, B, cache)
+        for i, (t, lag, P, nb, B, cache, priority) in arrivals.get(it, []):
+            r = Request(f"r{i}", float(t - lag), P, nb * B, B, cache, priority=priority)
             reqs.append(r)
             b.add(r)
         if abort_prob and reqs and rng.random() < abort_prob:
@@ -417,7 +431,7 @@ def simulate(b: BatchBuilder, specs: list, seed: int, abort_prob: float = 0.0,
 
 
 def pool_for(specs: list, page_size: int, extra: int) -> int:
-    return max(-(-(p + nb * bl) // page_size) for _, _, p, nb, bl, _ in specs) + extra
+    return max(-(-(p + nb * bl) // page_size) for _, _, p, nb, bl, *_ in specs) + extra
 
 
 @settings(max_examples=150, deadline=None)
@@ -452,9 +466,9 @@ def test_property_deficit_budget_is_never_exceeded(specs, tau, page_size, extra,
             assert D_i == 0 and batch.prefills == []
         if batch.idle_admission:
             assert batch.decodes == [] and len(batch.prefills) == 1
-        else:  # strict head-of-line: exactly the k oldest waiting requests
-            by_priority = sorted(waiting, key=lambda r: r.priority)
-            assert ids(batch.prefills) == ids(by_priority[:len(batch.prefills)])
+        else:  # strict head-of-line: exactly the k first waiting requests in queue order
+            in_order = sorted(waiting, key=lambda r: r.queue_key)
+            assert ids(batch.prefills) == ids(in_order[:len(batch.prefills)])
         if batch.memory_blocked:
             assert D_i <= deficit_before  # blocked iterations bank nothing
         a_i = 0 if batch.idle_admission else batch.prefill_tokens

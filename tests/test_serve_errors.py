@@ -124,6 +124,7 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "top_k": -2}, 400, "top_k"),
     (CMPL, {"prompt": "hi", "min_p": 1.5}, 400, "min_p"),
     (CMPL, {"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    (CMPL, {"prompt": "hi", "priority": 1.5}, 400, "priority"),
     (CMPL, {"prompt": "hi", "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
     (CMPL, {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     (CMPL, {"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
@@ -287,6 +288,7 @@ _optional = {
     "skip_special_tokens": st.booleans(),
     "add_generation_prompt": st.booleans(),
     "truncate_prompt_tokens": st.integers(-2, 4),
+    "priority": st.integers(-3, 3),
     "continue_final_message": st.booleans(),
     "chat_template_kwargs": st.dictionaries(
         st.sampled_from(["mark", "tokenize", "tools", "x y", "messages"]), _json, max_size=2),

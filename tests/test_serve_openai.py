@@ -281,11 +281,12 @@ def test_suffix_infills(client, llm):
 
 
 def test_truncate_prompt_tokens(client, llm):
-    """vLLM's truncate_prompt_tokens: only the prompt's last k tokens are read (and counted)."""
+    """vLLM's truncate_prompt_tokens: only the prompt's last k tokens are read (and counted);
+    its priority changes no token."""
     ids = llm.tokenizer("a longer prompt", add_special_tokens=False)["input_ids"]
     ref = llm.generate(prompt_token_ids=[ids[-4:]], sampling_params=_params(max_tokens=6))[0]
     res = client.completions.create(model=MODEL, prompt=ids, max_tokens=6,
-                                    extra_body={"truncate_prompt_tokens": 4})
+                                    extra_body={"truncate_prompt_tokens": 4, "priority": -5})
     assert res.choices[0].token_ids == ref.token_ids and res.usage.prompt_tokens == 4
 
 

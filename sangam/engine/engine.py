@@ -101,7 +101,7 @@ def scheduling_request(request_id: str, arrival_time: float, state: DecodeState)
     """The scheduler's view of a request whose canvas is ``state``, at its current block."""
     p = state.params
     req = Request(request_id, arrival_time, state.prompt_len, p.canvas_length, p.block_length,
-                  p.cache, state.total_len - state.canvas_end)
+                  p.cache, state.total_len - state.canvas_end, p.priority)
     req.block = state.block
     return req
 

@@ -78,7 +78,8 @@ class Request:
     """
 
     def __init__(self, request_id: str, arrival_time: float, prompt_len: int, canvas_len: int,
-                 block_length: int, cache: str = "dual", suffix_len: int = 0):
+                 block_length: int, cache: str = "dual", suffix_len: int = 0,
+                 priority: int = 0):
         if prompt_len < 1:
             raise ValueError(f"request {request_id!r}: prompt_len must be >= 1, got {prompt_len}")
         if block_length < 1 or canvas_len < 1 or canvas_len % block_length:
@@ -96,6 +97,7 @@ class Request:
         self.canvas_len = canvas_len
         self.block_length = block_length
         self.cache = cache
+        self.priority = priority  # vLLM's: lower is served first; ties by arrival
         self.seq = next(_SEQ)
         self.total_len = prompt_len + canvas_len + suffix_len
         self.num_blocks = canvas_len // block_length
@@ -126,9 +128,10 @@ class Request:
         return self.total_len  # "none": every step is a refresh
 
     @property
-    def priority(self) -> tuple[float, int]:
-        """Queue order, smaller first: original arrival, then creation order. Never changes."""
-        return (self.arrival_time, self.seq)
+    def queue_key(self) -> tuple[int, float, int]:
+        """Queue order, smaller first: priority, then original arrival, then creation order.
+        Never changes."""
+        return (self.priority, self.arrival_time, self.seq)
 
     def pages_needed(self, page_size: int) -> int:
         """Pages that hold the whole canvas: ceil(T / page_size)."""

@@ -9,7 +9,8 @@ same order, once per iteration::
 
 Policies:
 - ``deficit``: the deficit token budget of DESIGN.md §4 (Deficit Round-Robin over prefill
-  tokens). Seated decodes always run; waiting prefills are admitted in priority order, strict
+  tokens). Seated decodes always run; waiting prefills are admitted in queue order (the
+  request's ``priority``, lower first, then original arrival: ``Request.queue_key``), strict
   head-of-line, while their cost fits ``(tau - decode_tokens) + deficit``; unused budget carries
   over, so a prefill larger than ``tau`` is admitted after enough iterations.
 - ``prefill_first``: ``tau`` = infinity: every waiting prefill that fits memory and the batch cap
@@ -93,7 +94,7 @@ class BatchBuilder:
         self._waiting: dict[str, Request] = {}  # status WAITING
         # Heap of (arrival_time, seq, request) over the WAITING requests. An entry whose request
         # is no longer in _waiting (aborted) is stale and dropped when it reaches the top.
-        self._queue: list[tuple[float, int, Request]] = []
+        self._queue: list[tuple[tuple[int, float, int], Request]] = []  # (queue_key, request)
         self._seated: dict[str, Request] = {}  # status DECODE, in seating order
         self._in_flight: dict[str, Request] = {}  # scheduled, step_done not yet called
         self._active: Request | None = None  # fastdllm: the one request being served
@@ -251,7 +252,7 @@ class BatchBuilder:
             # first of them, as the idle rule would; it needs no allocation.
             holder = self._first_holding_pages()
             if holder is not None:
-                self._queue.remove((holder.arrival_time, holder.seq, holder))
+                self._queue.remove((holder.queue_key, holder))
                 heapq.heapify(self._queue)
                 self._admit(holder, now, prefills)
                 admitted += holder.prefill_cost
@@ -296,13 +297,13 @@ class BatchBuilder:
     def _enqueue(self, req: Request) -> None:
         self._waiting[req.request_id] = req
         if req is not self._active:  # fastdllm's active re-prefill bypasses the queue
-            heapq.heappush(self._queue, (req.arrival_time, req.seq, req))
+            heapq.heappush(self._queue, (req.queue_key, req))
 
     def _head(self) -> Request | None:
         """The highest-priority WAITING request, dropping stale entries on the way."""
         q = self._queue
         while q:
-            req = q[0][2]
+            req = q[0][1]
             if self._waiting.get(req.request_id) is req:
                 return req
             heapq.heappop(q)
@@ -310,7 +311,7 @@ class BatchBuilder:
 
     def _first_holding_pages(self) -> Request | None:
         holders = [r for r in self._waiting.values() if r.pages]
-        return min(holders, key=lambda r: r.priority, default=None)
+        return min(holders, key=lambda r: r.queue_key, default=None)
 
     def _admit(self, req: Request, now: float, prefills: list[Request]) -> None:
         """``req`` has left the heap (or never was in it) and holds its pages."""

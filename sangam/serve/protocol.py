@@ -62,6 +62,7 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float | None = None  # vLLM's extra field
     min_tokens: int | None = None  # vLLM's extra field
     truncate_prompt_tokens: int | None = None  # vLLM's extra field
+    priority: int | None = None  # vLLM's extra field
 
     def sampling_overrides(self) -> dict[str, object]:
         """The SamplingParams fields this request sets explicitly."""
@@ -69,7 +70,7 @@ class _GenerationRequest(BaseModel):
                  "unmasking", "threshold", "factor", "tokens_per_step", "cache", "stop_at_eos",
                  "stop", "include_stop_str_in_output", "stop_token_ids", "skip_special_tokens",
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens",
-                 "truncate_prompt_tokens")
+                 "truncate_prompt_tokens", "priority")
         out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.ignore_eos is not None:
             if self.stop_at_eos is not None and self.stop_at_eos == self.ignore_eos:

@@ -369,7 +369,7 @@ class MultiWorkerEngine:
 
     def _place_pending(self) -> None:
         blocked = False
-        for e in sorted(self._pending.values(), key=lambda e: e.request.priority):
+        for e in sorted(self._pending.values(), key=lambda e: e.request.queue_key):
             # A new canvas that finds no decode memory blocks later new canvases (strict
             # priority); blocks of requests that hold their canvas never wait for memory.
             needs_canvas = e.holder is None and self.config.mode != "colocated" \
