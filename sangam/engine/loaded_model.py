@@ -135,12 +135,14 @@ class LoadedModel:
         clash = sorted(k for k in extra if k in reserved or not k.isidentifier())
         if clash:
             raise ValueError(f"chat_template_kwargs cannot set {clash}")
+        if continue_final_message:  # only then: transformers < 4.45 does not know the option
+            extra["continue_final_message"] = True
         import jinja2  # transformers renders chat templates with it; only chat needs it
 
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False, **extra)
+                tokenize=False, **extra)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ValueError(f"cannot apply the chat template: {e}") from None
         # The template already wrote the special tokens (BOS...): do not add them again.
