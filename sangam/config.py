@@ -26,6 +26,8 @@ def _meta(help_: str, aliases: tuple[str, ...] = (), **kw) -> dict:
 class EngineConfig:
     model: str | None = field(default=None, metadata=_meta(
         "Local checkpoint directory in Hugging Face layout; default: the embedded demo model"))
+    tokenizer: str | None = field(default=None, metadata=_meta(
+        "Directory of the tokenizer files (default: the checkpoint's own, if any)"))
     device: str | None = field(default=None, metadata=_meta(
         "'cpu' or 'cuda' (default: cuda when available)"))
     dtype: str = field(default="auto", metadata=_meta(

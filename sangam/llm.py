@@ -23,10 +23,13 @@ class LLM:
     """Load a checkpoint and generate.
 
     ``LLM(model="path/to/checkpoint", device="cpu", dtype="float64", token_budget=1024, ...)``:
-    every :class:`~sangam.config.EngineConfig` field is a keyword argument.
+    every :class:`~sangam.config.EngineConfig` field is a keyword argument. vLLM's
+    ``trust_remote_code`` is accepted and changes nothing: Sangam implements LLaDA and Dream
+    itself and never runs a checkpoint's code.
     """
 
-    def __init__(self, model: str | None = None, **engine_options):
+    def __init__(self, model: str | None = None, *, trust_remote_code: bool = False,
+                 **engine_options):
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_options) - fields)
         if unknown:

@@ -8,6 +8,7 @@ import torch
 
 from sangam import LLM, SamplingParams
 from sangam.decoding import DecodeState
+from sangam.demo.tokenizer import write_tokenizer
 
 RULES = [dict(unmasking="threshold", threshold=0.9), dict(unmasking="factor", factor=1.0),
          dict(unmasking="topk", tokens_per_step=2)]
@@ -263,6 +264,18 @@ def test_input_validation(llms):
         SamplingParams(logprobs=21)
     with pytest.raises(TypeError, match="unknown options"):
         LLM(llm.loaded.path, tau=3)
+
+
+def test_tokenizer_from_another_directory(llada_path, tmp_path):
+    """--tokenizer / LLM(tokenizer=...): the tokenizer files may live elsewhere; vLLM's
+    trust_remote_code is accepted (Sangam never runs checkpoint code)."""
+    write_tokenizer(tmp_path / "tok")
+    llm = LLM(llada_path, device="cpu", dtype="float64", tokenizer=str(tmp_path / "tok"),
+              trust_remote_code=True)
+    out = llm.generate(["hi"], SamplingParams(max_tokens=4, block_length=4, stop_at_eos=False))[0]
+    assert out.prompt_token_ids == llm.tokenizer("hi")["input_ids"] and isinstance(out.text, str)
+    with pytest.raises(ValueError, match="no tokenizer in"):
+        LLM(llada_path, device="cpu", tokenizer=str(tmp_path))
 
 
 def test_max_model_len_caps_requests(llms):

@@ -764,3 +764,9 @@ def test_every_config_field_is_a_flag():
     assert EngineConfig.from_cli_args(args).token_budget == 512
     assert ServerConfig.from_cli_args(args).api_key == "k"
     assert ServerConfig.from_cli_args(args).enable_log_requests
+    # vLLM's spellings, so its command lines run.
+    args = parser.parse_args(["--max-num-seqs", "8", "--gpu-memory-utilization", "0.5",
+                              "--tokenizer", "/tok", "--trust-remote-code"])
+    config = EngineConfig.from_cli_args(args)
+    assert (config.max_batch_size, config.gpu_memory_fraction, config.tokenizer) == (
+        8, 0.5, "/tok")

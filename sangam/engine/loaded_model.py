@@ -91,7 +91,7 @@ class LoadedModel:
         device = torch.device(cfg.device or default_device())
         model = load_model(path, device, None if cfg.dtype == "auto" else cfg.dtype)
         model.attention_backend = make_attention_backend(cfg.attention_backend, device)
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_tokenizer(cfg.tokenizer or path, required=cfg.tokenizer is not None)
         p = next(model.parameters())
         return cls(str(path), model, model.config, tokenizer,
                    stop_token_ids(model.config.eos_token_id, tokenizer), p.device, p.dtype,

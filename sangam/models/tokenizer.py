@@ -12,10 +12,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """``transformers.AutoTokenizer`` from the directory, or None when it has no tokenizer."""
+def load_tokenizer(path: str | os.PathLike, required: bool = False):
+    """``transformers.AutoTokenizer`` from the directory, or None when it has no tokenizer
+    (an error if ``required``: a tokenizer directory the user named)."""
     path = Path(path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        if required:
+            raise ValueError(f"no tokenizer in {str(path)!r}: none of {TOKENIZER_FILES}")
         return None
     from transformers import AutoTokenizer
 

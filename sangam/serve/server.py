@@ -66,10 +66,16 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+# vLLM command lines for LLaDA and Dream carry it (their HF modeling code is remote code).
+TRUST_REMOTE_CODE_HELP = ("Accepted so that vLLM command lines run; changes nothing: Sangam "
+                          "implements LLaDA and Dream itself and never runs a checkpoint's code")
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Every EngineConfig field and every ServerConfig field, one flag each."""
     EngineConfig.add_cli_args(parser)
     ServerConfig.add_cli_args(parser)
+    parser.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
 
 
 def uvicorn_server(app: FastAPI, config: ServerConfig) -> uvicorn.Server:

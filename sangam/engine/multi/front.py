@@ -155,7 +155,7 @@ def _front_model(config: EngineConfig, loaded: LoadedModel | None,
 
         path = demo_model_path()
     cfg = read_config(path)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(config.tokenizer or path, required=config.tokenizer is not None)
     dtype = resolve_dtype(None if config.dtype == "auto" else config.dtype, device)
     return LoadedModel(str(path), None, cfg, tokenizer,
                        stop_token_ids(cfg.eos_token_id, tokenizer), torch.device(device), dtype,
