@@ -289,6 +289,8 @@ _optional = {
     "add_generation_prompt": st.booleans(),
     "truncate_prompt_tokens": st.integers(-2, 4),
     "priority": st.integers(-3, 3),
+    "echo": st.booleans(),
+    "suffix": st.text(max_size=3),
     "continue_final_message": st.booleans(),
     "chat_template_kwargs": st.dictionaries(
         st.sampled_from(["mark", "tokenize", "tools", "x y", "messages"]), _json, max_size=2),
