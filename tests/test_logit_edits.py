@@ -9,6 +9,7 @@ from sangam.decoding import score_logits
 from sangam.decoding.logit_edits import (
     RequestEdits,
     apply_edits,
+    batch_edits,
     pack_edits,
     request_edits,
     response_token_counts,
@@ -149,6 +150,40 @@ def test_apply_equals_editing_each_row_by_hand(seed):
     if edits is not None:
         apply_edits(x, edits.map(torch.from_numpy))
     assert torch.equal(x, want)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batch_edits_equal_each_requests_edits(seed):
+    """The engine's batch-wide construction equals packing every request's own edits: the
+    same logits after applying them, exactly."""
+    rng = np.random.default_rng(seed)
+    vocab = 40
+    states, positions, counts = [], [], []
+    for _ in range(int(rng.integers(1, 9))):
+        opts = dict(
+            presence_penalty=float(rng.choice([0.0, 0.0, 0.5])),
+            frequency_penalty=float(rng.choice([0.0, 0.0, 0.3])),
+            repetition_penalty=float(rng.choice([1.0, 1.0, 1.7])),
+            min_tokens=int(rng.choice([0, 0, 3])), stop_at_eos=bool(rng.random() < 0.7),
+            stop_token_ids=rng.choice(vocab, int(rng.integers(0, 3)), False).tolist(),
+            logit_bias={int(t): float(rng.normal())
+                        for t in rng.choice(vocab, int(rng.integers(0, 4)), False)})
+        response = [int(t) if rng.random() < 0.7 else MASK for t in rng.integers(0, vocab, 8)]
+        st = _state(response, prompt=rng.integers(0, vocab, 5).tolist(), **opts)
+        masked = np.flatnonzero(st.tokens == MASK)
+        n = int(rng.integers(0, len(masked) + 1))
+        states.append(st)
+        positions.append(np.sort(rng.choice(masked, n, False)) if n else masked[:0])
+        counts.append(n)
+    want = pack_edits([request_edits(st, pos) for st, pos in zip(states, positions)], counts)
+    got = batch_edits(states, positions, counts)
+    assert (got is None) == (want is None)
+    if want is not None:
+        x = torch.from_numpy(rng.normal(size=(sum(counts), MASK + 1)))
+        y = x.clone()
+        apply_edits(x, want.map(torch.from_numpy))
+        apply_edits(y, got.map(torch.from_numpy))
+        assert torch.equal(x, y)
 
 
 def test_validation():

@@ -13,6 +13,10 @@ These options change a request's logits, and so its choice, its sampling and its
   ``min_tokens`` response positions.
 The repetition penalty applies first, then the sum of the additive edits, then temperature.
 A step's edits depend only on the request's own canvas, never on the batch.
+
+``request_edits`` states one request's edits and ``pack_edits`` lays them out over the rows
+(the reference decoder uses both); the engine builds the same edits for a whole batch at once
+with ``batch_edits``.
 """
 
 from __future__ import annotations
@@ -154,3 +158,81 @@ def apply_edits(x: torch.Tensor, edits: LogitEdits) -> None:
         rows, real = _rows(edits, edits.add_groups)
         values = torch.where(real, edits.add_values.to(x.dtype)[:, None], 0.0)
         x.index_put_((rows, edits.add_ids[:, None].expand_as(rows)), values, accumulate=True)
+
+
+
+_ID_BITS = 32  # an entry's key: (group << 32) | token id, one sortable int64 per (group, token)
+
+
+def batch_edits(states: list[DecodeState], positions: list[np.ndarray],
+                counts: list[int]) -> LogitEdits | None:
+    """``pack_edits`` of each request's ``request_edits`` (request i: ``counts[i]`` rows that
+    predict ``positions[i]``), built for the whole batch at once: a few numpy calls in all, not
+    a dozen per request, which dominate the host's time when many requests are penalized. The
+    same edits, listed in another order (which ``apply_edits`` does not depend on)."""
+    starts: list[int] = []
+    sizes: list[int] = []
+    add_keys: list[np.ndarray] = []
+    add_values: list[np.ndarray] = []
+    penalized: list[tuple[int, DecodeState]] = []  # (group, state)
+    responses: list[np.ndarray] = []  # their committed response tokens (response_token_counts)
+    start = 0
+    for st, pos, n in zip(states, positions, counts, strict=True):
+        p = st.params
+        banned = 0
+        if p.min_tokens and st.stop_ids:
+            banned = int(np.count_nonzero(pos < st.prompt_len + p.min_tokens))
+        if p.logit_bias or p.penalizes or banned:
+            g = len(starts)
+            starts.append(start)
+            sizes.append(n)
+            if p.logit_bias:
+                add_keys.append((g << _ID_BITS) | np.array([t for t, _ in p.logit_bias]))
+                add_values.append(np.array([b for _, b in p.logit_bias], dtype=np.float64))
+            if p.penalizes:
+                response = st.tokens[st.prompt_len:st.prompt_len + p.max_tokens]
+                response = response[:st.stop_index(response)]
+                responses.append(response[response != st.mask_token_id])
+                penalized.append((g, st))
+            if banned:  # a group of its own: its first rows
+                starts.append(start)
+                sizes.append(banned)
+                add_keys.append(((g + 1) << _ID_BITS) | st.stop_array)
+                add_values.append(np.full(len(st.stop_array), -np.inf))
+        start += n
+    if not starts:
+        return None
+    rep_groups, rep_ids, rep_values = [], [], []
+    if penalized:
+        owners = np.array([g for g, _ in penalized], dtype=np.int64)
+        keys, seen_counts = np.unique(
+            (np.repeat(owners, [len(r) for r in responses]) << _ID_BITS)
+            | np.concatenate(responses), return_counts=True)
+        seen_groups = keys >> _ID_BITS
+        presence, frequency = np.zeros(len(starts)), np.zeros(len(starts))
+        presence[owners] = [st.params.presence_penalty for _, st in penalized]
+        frequency[owners] = [st.params.frequency_penalty for _, st in penalized]
+        additive = (presence[seen_groups] != 0) | (frequency[seen_groups] != 0)
+        add_keys.append(keys[additive])
+        add_values.append(-(presence[seen_groups[additive]]
+                            + frequency[seen_groups[additive]] * seen_counts[additive]))
+        bounds = np.searchsorted(seen_groups, owners, side="left")
+        ends = np.searchsorted(seen_groups, owners, side="right")
+        for (g, st), a, b in zip(penalized, bounds, ends, strict=True):
+            if st.params.repetition_penalty != 1.0:  # pairs may repeat, as in request_edits
+                ids = np.concatenate([st.input_tokens, keys[a:b] & ((1 << _ID_BITS) - 1)])
+                rep_groups.append(np.full(len(ids), g, dtype=np.int64))
+                rep_ids.append(ids)
+                rep_values.append(np.full(len(ids), st.params.repetition_penalty))
+    keys, where = np.unique(np.concatenate(add_keys) if add_keys else np.zeros(0, np.int64),
+                            return_inverse=True)
+    values = np.zeros(len(keys))
+    np.add.at(values, where, np.concatenate(add_values) if add_values else np.zeros(0))
+
+    def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+    return LogitEdits(np.array(starts, dtype=np.int64), np.array(sizes, dtype=np.int64),
+                      keys >> _ID_BITS, keys & ((1 << _ID_BITS) - 1), values,
+                      cat(rep_groups, np.int64), cat(rep_ids, np.int64),
+                      cat(rep_values, np.float64), width=max(sizes))

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from sangam.decoding.confidence import score_logits
-from sangam.decoding.logit_edits import LogitEdits, pack_edits, request_edits
+from sangam.decoding.logit_edits import LogitEdits, batch_edits
 from sangam.decoding.rules import RULE_IDS
 from sangam.decoding.state import DecodeState
 from sangam.engine.cuda_graphs import DecodeGraphRunner
@@ -127,10 +127,14 @@ class Rescore:
               indices: list[int]) -> Rescore | None:
         cu = batch.cu_rows
         picked = [states[i] for i in indices]
-        counts = [int(cu[i + 1] - cu[i]) for i in indices]
-        if sum(counts) == 0:
+        firsts = cu[indices]
+        sizes = cu[np.asarray(indices) + 1] - firsts
+        counts = sizes.tolist()
+        total = int(sizes.sum())
+        if total == 0:
             return None
-        rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in indices])
+        # Each request's rows, in order: firsts[j], firsts[j] + 1, ... (one arange, shifted).
+        rows = np.arange(total) + np.repeat(firsts - (np.cumsum(sizes) - sizes), sizes)
         params = [st.params for st in picked]
         arrays = {
             "rescore_rows": rows,
@@ -140,8 +144,8 @@ class Rescore:
             "rescore_top_k": np.repeat(np.array([p.top_k for p in params], np.int64), counts),
             "rescore_min_p": np.repeat(np.array([p.min_p for p in params], np.float64), counts),
         }
-        edits = pack_edits([request_edits(st, batch.cand_positions[cu[i]:cu[i + 1]])
-                            for st, i in zip(picked, indices)], counts)
+        edits = batch_edits(picked, [batch.cand_positions[cu[i]:cu[i + 1]] for i in indices],
+                            counts)
         if edits is not None:
             arrays.update({f"rescore_{name}": getattr(edits, name) for name in _EDIT_ARRAYS})
         return cls(picked, indices, arrays, None if edits is None else edits.width,
