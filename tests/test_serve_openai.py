@@ -303,6 +303,18 @@ def test_batched_streaming(client, llm):
         assert "".join(c.text for c in mine) == ref.text
         assert [t for c in mine for t in c.token_ids] == ref.token_ids
     assert chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's continuous_usage_stats: each chunk carries its choice's usage so far.
+    stream = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=6, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"stop_at_eos": False, "block_length": 2})
+    chunks = list(stream)
+    for i, ref in enumerate(refs):
+        mine = [c for c in chunks if c.choices and c.choices[0].index == i]
+        assert [c.usage.completion_tokens for c in mine] == [2, 4, 6]
+        assert {c.usage.prompt_tokens for c in mine} == {len(ref.prompt_token_ids)}
+    assert chunks[-1].usage.completion_tokens == 12  # the total, last, as without it
 
 
 def _chat_ids(llm: LLM, messages: list[dict]) -> list[int]:

@@ -62,6 +62,7 @@ from sangam.serve.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    StreamOptions,
     TokenizeRequest,
     TokenizeResponse,
     Usage,
@@ -502,17 +503,25 @@ class _Server:
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=_usage(outs, len(outs)))
 
-    async def events(self, streams: list[Stream], request_id: str, n: int, include_usage: bool,
+    async def events(self, streams: list[Stream], request_id: str, n: int,
+                     options: StreamOptions | None,
                      chunk: Callable[[int, bool, _Step, str | None], BaseModel],
                      usage_chunk: Callable[[Usage], BaseModel]) -> AsyncGenerator[str, None]:
-        """SSE: one chunk per committed block per choice, then usage if asked, then [DONE]."""
+        """SSE: one chunk per committed block per choice, then usage if asked, then [DONE].
+        With vLLM's ``continuous_usage_stats`` every chunk also carries its choice's usage so
+        far."""
+        include_usage = options is not None and options.include_usage
+        continuous = include_usage and options.continuous_usage_stats
         deltas = [_Delta(self.token_pieces) for _ in streams]
         finals: dict[int, RequestOutput] = {}  # by choice index
         try:
             async with contextlib.aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
                     first = deltas[i].num_chunks == 0
-                    yield _sse(chunk(i, first, deltas[i].advance(out), _finish_reason(out)))
+                    payload = chunk(i, first, deltas[i].advance(out), _finish_reason(out))
+                    if continuous:
+                        payload.usage = _usage([out], 1)
+                    yield _sse(payload)
                     if out.finished:
                         finals[i] = out
         except Exception as e:  # the status line is long gone: report in-band, then end
@@ -610,7 +619,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                 return CompletionResponse(id=request_id, model=srv.model_name, choices=[],
                                           usage=usage)
 
-            return _EventStream(srv.events(streams, request_id, n, body.include_usage, chunk,
+            return _EventStream(srv.events(streams, request_id, n, body.stream_options, chunk,
                                            usage_chunk), streams)
         outs = await _unless_disconnected(request, _collect(streams))
         return JSONResponse(srv.completion_response(request_id, outs, n, echoed).model_dump())
@@ -634,7 +643,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                 return ChatCompletionChunk(id=request_id, model=srv.model_name, choices=[],
                                            usage=usage)
 
-            return _EventStream(srv.events(streams, request_id, n, body.include_usage, chunk,
+            return _EventStream(srv.events(streams, request_id, n, body.stream_options, chunk,
                                            usage_chunk), streams)
         outs = await _unless_disconnected(request, _collect(streams))
         return JSONResponse(srv.chat_response(request_id, outs).model_dump())

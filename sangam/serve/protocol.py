@@ -25,6 +25,7 @@ MAX_TEMPERATURE = 100.0
 class StreamOptions(BaseModel):
     model_config = _REQUEST_CONFIG
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too
 
 
 class _GenerationRequest(BaseModel):
@@ -82,10 +83,6 @@ class _GenerationRequest(BaseModel):
                                  f"{[k for k in self.logit_bias if not k.isdecimal()][:5]}")
             out["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         return out
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(_GenerationRequest):
