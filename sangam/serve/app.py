@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
 import secrets
 import time
@@ -37,6 +36,15 @@ from sangam.engine.async_engine import AsyncEngine
 from sangam.engine.engine import QueueFull, RequestRejected
 from sangam.models.tokenizer import load_chat_template
 from sangam.sampling_params import RequestOutput, SamplingParams
+from sangam.serve.chunks import (
+    Delta,
+    Step,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason_of,
+    sse,
+    usage_of,
+)
 from sangam.serve.config import ServerConfig
 from sangam.serve.metrics import ServerMetrics
 from sangam.serve.protocol import (
@@ -46,13 +54,9 @@ from sangam.serve.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatMessage,
     ChatTemplateOptions,
-    ChatTokenLogprob,
-    ChatTopLogprob,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -196,92 +200,8 @@ async def _merge(streams: list[Stream]) -> AsyncGenerator[tuple[int, RequestOutp
         await _close_all([gen for gen, _ in streams])
 
 
-@dataclasses.dataclass
-class _Step:
-    """What one response chunk (or a whole response) adds."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[float] | None  # per token, when the request asked for them
-    pieces: list[str]  # each token's own text (only with logprobs)
-    offset: int  # characters of the pieces sent before these (legacy text_offset)
-    top: list[list[tuple[str, float]]]  # per token, its alternatives' texts and logprobs
-    stop_reason: int | str | None  # the output's
-
-
-class _Delta:
-    """What one choice has sent so far; ``advance`` gives what a new output adds.
-    ``pieces`` turns token ids into their texts (needed only for logprobs)."""
-
-    def __init__(self, pieces: Callable[[list[int]], list[str]]) -> None:
-        self.pieces = pieces
-        self.text = ""
-        self.num_tokens = 0
-        self.num_chunks = 0
-        self.offset = 0
-
-    def advance(self, out: RequestOutput) -> _Step:
-        self.num_chunks += 1
-        text = out.text or ""
-        if not out.finished:
-            # An unfinished multi-byte character decodes to U+FFFD: send it once complete.
-            text = text.rstrip("\ufffd")
-        delta = text[len(self.text):]
-        self.text += delta
-        tokens = out.token_ids[self.num_tokens:]
-        logprobs = None if out.logprobs is None else out.logprobs[self.num_tokens:]
-        pieces = self.pieces(tokens) if logprobs is not None else []
-        top: list[list[tuple[str, float]]] = []
-        if out.top_logprobs is not None:
-            alternatives = out.top_logprobs[self.num_tokens:]
-            texts = iter(self.pieces([t for alt in alternatives for t, _ in alt]))
-            top = [[(next(texts), lp) for _, lp in alt] for alt in alternatives]
-        step = _Step(delta, tokens, logprobs, pieces, self.offset, top, out.stop_reason)
-        self.num_tokens = len(out.token_ids)
-        self.offset += sum(map(len, pieces))
-        return step
-
-
-def _completion_logprobs(step: _Step) -> CompletionLogprobs | None:
-    if step.logprobs is None:
-        return None
-    offsets = itertools.accumulate(map(len, step.pieces[:-1]), initial=step.offset)
-    return CompletionLogprobs(
-        tokens=step.pieces, token_logprobs=step.logprobs,
-        top_logprobs=[{p: lp, **dict(alt)}
-                      for p, lp, alt in itertools.zip_longest(step.pieces, step.logprobs,
-                                                              step.top, fillvalue=())],
-        text_offset=list(offsets) if step.pieces else [])
-
-
-def _chat_logprobs(step: _Step) -> ChatLogprobs | None:
-    if step.logprobs is None:
-        return None
-    return ChatLogprobs(content=[
-        ChatTokenLogprob(token=p, logprob=lp, bytes=list(p.encode()), top_logprobs=[
-            ChatTopLogprob(token=t, logprob=tlp, bytes=list(t.encode())) for t, tlp in alt])
-        for p, lp, alt in itertools.zip_longest(step.pieces, step.logprobs, step.top,
-                                                fillvalue=())])
-
-
 def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _finish_reason(out: RequestOutput) -> str | None:
-    return out.finish_reason if out.finished else None
-
-
-def _usage(outs: list[RequestOutput], n: int) -> Usage:
-    """Token counts of ``outs``, ``n`` choices per prompt: each prompt counts once."""
-    prompt = sum(len(o.prompt_token_ids) for o in outs[::n])
-    completion = sum(len(o.token_ids) for o in outs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                 total_tokens=prompt + completion, num_forwards=sum(o.num_forwards for o in outs))
-
-
-def _sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
 
 
 class _Server:
@@ -484,53 +404,53 @@ class _Server:
     # Responses.
     def completion_response(self, request_id: str, outs: list[RequestOutput], n: int,
                             echoed: list[str]) -> CompletionResponse:
-        steps = [_Delta(self.token_pieces).advance(o) for o in outs]
+        steps = [Delta(self.token_pieces).advance(o) for o in outs]
         choices = [CompletionChoice(index=i, text=echoed[i // n] + st.text,
                                     token_ids=st.token_ids,
-                                    logprobs=_completion_logprobs(st),
+                                    logprobs=completion_logprobs(st),
                                     finish_reason=o.finish_reason, stop_reason=o.stop_reason)
                    for i, (o, st) in enumerate(zip(outs, steps))]
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                  usage=_usage(outs, n))
+                                  usage=usage_of(outs, n))
 
     def chat_response(self, request_id: str, outs: list[RequestOutput]
                       ) -> ChatCompletionResponse:
-        steps = [_Delta(self.token_pieces).advance(o) for o in outs]
+        steps = [Delta(self.token_pieces).advance(o) for o in outs]
         choices = [ChatChoice(index=i, message=AssistantMessage(content=st.text),
-                              token_ids=st.token_ids, logprobs=_chat_logprobs(st),
+                              token_ids=st.token_ids, logprobs=chat_logprobs(st),
                               finish_reason=o.finish_reason, stop_reason=o.stop_reason)
                    for i, (o, st) in enumerate(zip(outs, steps))]
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=_usage(outs, len(outs)))
+                                      usage=usage_of(outs, len(outs)))
 
     async def events(self, streams: list[Stream], request_id: str, n: int,
                      options: StreamOptions | None,
-                     chunk: Callable[[int, bool, _Step, str | None], BaseModel],
+                     chunk: Callable[[int, bool, Step, str | None], BaseModel],
                      usage_chunk: Callable[[Usage], BaseModel]) -> AsyncGenerator[str, None]:
         """SSE: one chunk per committed block per choice, then usage if asked, then [DONE].
         With vLLM's ``continuous_usage_stats`` every chunk also carries its choice's usage so
         far."""
         include_usage = options is not None and options.include_usage
         continuous = include_usage and options.continuous_usage_stats
-        deltas = [_Delta(self.token_pieces) for _ in streams]
+        deltas = [Delta(self.token_pieces) for _ in streams]
         finals: dict[int, RequestOutput] = {}  # by choice index
         try:
             async with contextlib.aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
                     first = deltas[i].num_chunks == 0
-                    payload = chunk(i, first, deltas[i].advance(out), _finish_reason(out))
+                    payload = chunk(i, first, deltas[i].advance(out), finish_reason_of(out))
                     if continuous:
-                        payload.usage = _usage([out], 1)
-                    yield _sse(payload)
+                        payload.usage = usage_of([out], 1)
+                    yield sse(payload)
                     if out.finished:
                         finals[i] = out
         except Exception as e:  # the status line is long gone: report in-band, then end
             logger.exception("stream %s failed", request_id)
-            yield _sse(ErrorResponse(error=ErrorInfo(message=f"generation failed: {e}",
+            yield sse(ErrorResponse(error=ErrorInfo(message=f"generation failed: {e}",
                                                      type="server_error")))
             return
         if include_usage:
-            yield _sse(usage_chunk(_usage([finals[i] for i in sorted(finals)], n)))
+            yield sse(usage_chunk(usage_of([finals[i] for i in sorted(finals)], n)))
         yield "data: [DONE]\n\n"
 
 
@@ -608,11 +528,11 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         streams = await _unless_disconnected(request, srv.open(
             [srv.prompt_ids(p) for p in prompts], params, n, request_id, suffix))
         if body.stream:
-            def chunk(i: int, first: bool, step: _Step, reason: str | None) -> BaseModel:
+            def chunk(i: int, first: bool, step: Step, reason: str | None) -> BaseModel:
                 text = echoed[i // n] + step.text if first else step.text
                 return CompletionResponse(id=request_id, model=srv.model_name, choices=[
                     CompletionChoice(index=i, text=text, token_ids=step.token_ids,
-                                     logprobs=_completion_logprobs(step), finish_reason=reason,
+                                     logprobs=completion_logprobs(step), finish_reason=reason,
                                      stop_reason=step.stop_reason)])
 
             def usage_chunk(usage: Usage) -> BaseModel:
@@ -632,11 +552,11 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         n = body.n or 1
         streams = await _unless_disconnected(request, srv.open([prompt], params, n, request_id))
         if body.stream:
-            def chunk(i: int, first: bool, step: _Step, reason: str | None) -> BaseModel:
+            def chunk(i: int, first: bool, step: Step, reason: str | None) -> BaseModel:
                 delta = DeltaMessage(role="assistant" if first else None, content=step.text)
                 return ChatCompletionChunk(id=request_id, model=srv.model_name, choices=[
                     ChatChunkChoice(index=i, delta=delta, token_ids=step.token_ids,
-                                    logprobs=_chat_logprobs(step), finish_reason=reason,
+                                    logprobs=chat_logprobs(step), finish_reason=reason,
                                     stop_reason=step.stop_reason)])
 
             def usage_chunk(usage: Usage) -> BaseModel:
