@@ -176,7 +176,6 @@ def test_server_defaults_apply(client, llm):
     assert res.usage.completion_tokens == DEFAULTS["max_tokens"]
 
 
-
 def test_top_p_top_k_and_min_p(client, llm):
     """OpenAI's top_p and vLLM's top_k and min_p reach the sampler: the same tokens as LLM's."""
     opts = dict(temperature=1.5, seed=3, top_p=0.4)

@@ -160,7 +160,6 @@ def apply_edits(x: torch.Tensor, edits: LogitEdits) -> None:
         x.index_put_((rows, edits.add_ids[:, None].expand_as(rows)), values, accumulate=True)
 
 
-
 _ID_BITS = 32  # an entry's key: (group << 32) | token id, one sortable int64 per (group, token)
 
 

@@ -334,8 +334,6 @@ class Worker:
         self.events.append(msg.BlockDone(rid, t.attempt, st, list(kept)))
 
 
-
-
 def _watchdog(ctx: zmq.Context, spec: WorkerSpec, parent_pid: int) -> None:
     """Heartbeats to the front, and exit when the parent or the front is gone (a SIGKILLed
     front runs no cleanup: its workers must notice by themselves) or when the front says
