@@ -21,9 +21,17 @@ import httpx
 import openai
 import pytest
 import torch
+from tokenizers import processors
 
 from sangam import LLM, EngineConfig, SamplingParams
-from sangam.demo.tokenizer import VOCAB_SIZE, write_tokenizer
+from sangam.demo.tokenizer import (
+    BOS,
+    TOKEN_ID,
+    VOCAB_SIZE,
+    build_tokenizer,
+    encode,
+    write_tokenizer,
+)
 from sangam.engine.async_engine import AsyncEngine
 from sangam.serve import ServerConfig, build_app
 from sangam.serve.server import add_cli_args, uvicorn_server
@@ -660,6 +668,25 @@ def test_cors(chat_ckpt, server):
     for bad in ("[1]", "[oops", "a,,b"):
         with pytest.raises(ValueError, match="allowed_origins"):
             ServerConfig(allowed_origins=bad)
+
+
+def test_add_special_tokens(tmp_path):
+    """vLLM's add_special_tokens: a tokenizer that adds BOS does so to text prompts unless the
+    request says false (its prompt already holds them), in /v1/completions and /tokenize."""
+    ckpt = make_tiny_checkpoint(tmp_path / "bos", arch="llada", seed=4, vocab_size=VOCAB_SIZE)
+    write_tokenizer(ckpt)
+    tokenizer = build_tokenizer()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, TOKEN_ID[BOS])])
+    tokenizer.save(str(Path(ckpt) / "tokenizer.json"))
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 4}
+    with serve_in_thread(str(ckpt)) as url:
+        for add, want in ((True, [TOKEN_ID[BOS], *encode("abc")]), (False, encode("abc"))):
+            extra = {} if add else {"add_special_tokens": False}
+            res = httpx.post(f"{url}/v1/completions", json={**body, **extra}).json()
+            assert res["usage"]["prompt_tokens"] == len(want)
+            tokenized = httpx.post(f"{url}/tokenize", json={"prompt": "abc", **extra}).json()
+            assert tokenized["tokens"] == want
 
 
 # A checkpoint without a tokenizer (Dream).

@@ -254,8 +254,10 @@ class _Server:
                 self._tokenizer("text prompts")
         return prompts
 
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        return self.loaded.encode(prompt) if isinstance(prompt, str) else prompt
+    def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        if isinstance(prompt, str):
+            return self.loaded.encode(prompt, add_special_tokens)
+        return prompt
 
     def suffix_ids(self, suffix: str | None) -> list[int]:
         """The token ids of an infilling ``suffix`` (OpenAI's field), without special tokens."""
@@ -526,7 +528,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         n = body.n or 1
         suffix = srv.suffix_ids(body.suffix)
         streams = await _unless_disconnected(request, srv.open(
-            [srv.prompt_ids(p) for p in prompts], params, n, request_id, suffix))
+            [srv.prompt_ids(p, body.add_special_tokens) for p in prompts], params, n, request_id,
+            suffix))
         if body.stream:
             def chunk(i: int, first: bool, step: Step, reason: str | None) -> BaseModel:
                 text = echoed[i // n] + step.text if first else step.text

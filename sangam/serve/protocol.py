@@ -92,6 +92,9 @@ class CompletionRequest(_GenerationRequest):
     best_of: int | None = None
     logprobs: int | None = None
     suffix: str | None = None  # infilling: the response fills the gap before it
+    # vLLM's: the tokenizer's special tokens (BOS...) around text prompts; false for a prompt
+    # that already holds them (a chat template applied by the client)
+    add_special_tokens: bool = True
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
