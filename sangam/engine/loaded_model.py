@@ -31,6 +31,15 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def checkpoint_path(cfg: EngineConfig) -> str | Path:
+    """``cfg.model``, or the embedded demo model's directory."""
+    if cfg.model is not None:
+        return cfg.model
+    from sangam.demo import demo_model_path
+
+    return demo_model_path()
+
+
 def context_limit(cfg: EngineConfig, model_config: ModelConfig) -> int | None:
     """``cfg.max_model_len``, checked against the model's context (positions beyond it were
     never trained and have no RoPE table)."""
@@ -83,19 +92,23 @@ class LoadedModel:
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> LoadedModel:
-        path = cfg.model
-        if path is None:
-            from sangam.demo import demo_model_path
-
-            path = demo_model_path()
+        path = checkpoint_path(cfg)
         device = torch.device(cfg.device or default_device())
         model = load_model(path, device, None if cfg.dtype == "auto" else cfg.dtype)
         model.attention_backend = make_attention_backend(cfg.attention_backend, device)
-        tokenizer = load_tokenizer(cfg.tokenizer or path, required=cfg.tokenizer is not None)
         p = next(model.parameters())
-        return cls(str(path), model, model.config, tokenizer,
-                   stop_token_ids(model.config.eos_token_id, tokenizer), p.device, p.dtype,
-                   read_generation_defaults(path), context_limit(cfg, model.config))
+        return cls.around(cfg, path, model, model.config, p.device, p.dtype)
+
+    @classmethod
+    def around(cls, cfg: EngineConfig, path: str | Path, model: DiffusionLM | None,
+               model_config: ModelConfig, device: torch.device, dtype: torch.dtype
+               ) -> LoadedModel:
+        """``model`` (None on a front whose workers hold the weights) with the checkpoint's
+        tokenizer (or ``cfg.tokenizer``'s), stop ids, request defaults and context limit."""
+        tokenizer = load_tokenizer(cfg.tokenizer or path, required=cfg.tokenizer is not None)
+        return cls(str(path), model, model_config, tokenizer,
+                   stop_token_ids(model_config.eos_token_id, tokenizer), device, dtype,
+                   read_generation_defaults(path), context_limit(cfg, model_config))
 
     def default_params(self, **overrides) -> SamplingParams:
         """SamplingParams from the checkpoint's suggested defaults, with ``overrides`` on top."""

@@ -92,9 +92,9 @@ class BatchBuilder:
         self._deficit = 0
         self._requests: dict[str, Request] = {}  # every request held here, any status
         self._waiting: dict[str, Request] = {}  # status WAITING
-        # Heap of (arrival_time, seq, request) over the WAITING requests. An entry whose request
-        # is no longer in _waiting (aborted) is stale and dropped when it reaches the top.
-        self._queue: list[tuple[tuple[int, float, int], Request]] = []  # (queue_key, request)
+        # Heap of (queue_key, request) over the WAITING requests. An entry whose request is no
+        # longer in _waiting (aborted) is stale and dropped when it reaches the top.
+        self._queue: list[tuple[tuple[int, float, int], Request]] = []
         self._seated: dict[str, Request] = {}  # status DECODE, in seating order
         self._in_flight: dict[str, Request] = {}  # scheduled, step_done not yet called
         self._active: Request | None = None  # fastdllm: the one request being served

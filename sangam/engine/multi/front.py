@@ -54,12 +54,12 @@ import zmq
 from sangam.config import EngineConfig
 from sangam.decoding.state import DecodeState
 from sangam.engine.engine import EngineStats, RequestRejected, new_request
-from sangam.engine.loaded_model import LoadedModel, context_limit, read_generation_defaults
+from sangam.engine.loaded_model import LoadedModel, checkpoint_path
 from sangam.engine.multi import launcher
 from sangam.engine.multi import messages as msg
 from sangam.engine.request import Request
 from sangam.engine.router import Router
-from sangam.models import load_tokenizer, read_config, resolve_dtype, stop_token_ids
+from sangam.models import read_config, resolve_dtype
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -149,17 +149,9 @@ def _front_model(config: EngineConfig, loaded: LoadedModel | None,
     workers hold the model."""
     if loaded is not None:
         return loaded
-    path = config.model
-    if path is None:
-        from sangam.demo import demo_model_path
-
-        path = demo_model_path()
-    cfg = read_config(path)
-    tokenizer = load_tokenizer(config.tokenizer or path, required=config.tokenizer is not None)
+    path = checkpoint_path(config)
     dtype = resolve_dtype(None if config.dtype == "auto" else config.dtype, device)
-    return LoadedModel(str(path), None, cfg, tokenizer,
-                       stop_token_ids(cfg.eos_token_id, tokenizer), torch.device(device), dtype,
-                       read_generation_defaults(path), context_limit(config, cfg))
+    return LoadedModel.around(config, path, None, read_config(path), torch.device(device), dtype)
 
 
 class MultiWorkerEngine:
