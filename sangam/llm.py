@@ -80,18 +80,21 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Generate the assistant's turn of one conversation (a list of ``{"role", "content"}``
         messages) or of several (a list of such lists), through the tokenizer's chat template,
         as the server's /v1/chat/completions does. ``chat_template`` (a Jinja template, or a
         file holding one) replaces the tokenizer's; the other options are vLLM's (see
-        ``LoadedModel.encode_chat``)."""
+        ``LoadedModel.encode_chat``). ``tools`` are OpenAI's function definitions, for the
+        template to show the model; as in vLLM, the response stays text (the server parses
+        tool calls out of it)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("no conversation given")
         template = load_chat_template(chat_template) if chat_template is not None else None
         ids = [self.loaded.encode_chat(list(c), template, add_generation_prompt,
-                                       continue_final_message, chat_template_kwargs)
+                                       continue_final_message, chat_template_kwargs, tools)
                for c in conversations]
         return self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
 

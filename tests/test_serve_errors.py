@@ -82,6 +82,7 @@ def _assert_error(r: httpx.Response, status: int) -> dict:
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 BAD_REQUESTS = [
     # (endpoint, body: dict or raw bytes, status, fragment of the message)
     (CMPL, b'{"prompt": "hi",', 400, "malformed JSON"),
@@ -149,7 +150,16 @@ BAD_REQUESTS = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, ""),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": -1}, 400, "logprobs"),
-    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "unsupported"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
+    (CHAT, {"messages": USER, "tools": TOOLS}, 400, "--enable-auto-tool-choice"),
+    (CHAT, {"messages": USER, "tools": TOOLS, "tool_choice": "required"}, 400, "unsupported"),
+    (CHAT, {"messages": USER, "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "unsupported"),
+    (CHAT, {"messages": USER, "tool_choice": "auto"}, 400, "needs tools"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "unsupported"),
+    (CHAT, {"messages": [*USER, {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]},
+     400, "not JSON"),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_tokens"),
     (CHAT, {"messages": [{"role": "user", "content": "z" * CONTEXT}]}, 400, "context"),
 ]
@@ -292,6 +302,10 @@ _optional = {
     "echo": st.booleans(),
     "suffix": st.text(max_size=3),
     "continue_final_message": st.booleans(),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": (
+        st.fixed_dictionaries({"name": st.text(max_size=3)}, optional={"parameters": _json}))}),
+        max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required"]),
     "chat_template_kwargs": st.dictionaries(
         st.sampled_from(["mark", "tokenize", "tools", "x y", "messages"]), _json, max_size=2),
     "logit_bias": st.dictionaries(st.sampled_from(["1", "7", str(VOCAB_SIZE), "x"]),

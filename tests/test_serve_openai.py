@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import socket
@@ -778,6 +779,102 @@ def test_chat_template_options(chat_ckpt, llm, client, server):
         r = httpx.post(f"{server}/v1/chat/completions",
                        json={"model": MODEL, "messages": messages, **bad})
         assert r.status_code == 400 and match in r.json()["error"]["message"]
+
+
+# A template that shows the model its tools and writes past calls with their arguments as JSON
+# objects, as Qwen2.5's (Dream's) does.
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }}:"
+    "{{ t['function']['parameters'] | tojson }};{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>{{ m.get('tool_call_id', '') }}{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}<tool_call>{{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] | tojson }}</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "Now, at a place",
+                                            "parameters": {"type": "object"}}}
+TOOL_TURNS = [  # a user's question, the call the assistant made, the tool's answer
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+# What the model "writes" in the tests that script its text.
+SCRIPTED = ('Checking.<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def tool_server(chat_ckpt) -> Iterator[str]:
+    with serve_in_thread(chat_ckpt, chat_template=TOOL_TEMPLATE, enable_auto_tool_choice=True,
+                         tool_call_parser="hermes") as url:
+        yield url
+
+
+def test_tools_reach_the_chat_template(llm, tool_server):
+    """Tools and a conversation with tool calls render through the template as in vLLM (the
+    calls' arguments as objects), in /tokenize, /v1/chat/completions and LLM.chat alike."""
+    rendered = ('<tools>weather:{"type": "object"};\n<user>Weather in Paris?\n<assistant>'
+                '<tool_call>weather {"city": "Paris"}</tool_call>\n<tool>c1sunny\n<assistant>')
+    ids = llm.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    tokenized = httpx.post(f"{tool_server}/tokenize",
+                           json={"messages": TOOL_TURNS, "tools": [WEATHER]}).json()
+    assert tokenized["tokens"] == ids
+    params = _params(max_tokens=8, stop_at_eos=False)
+    as_objects = [{**m, "tool_calls": [{**c, "function": {"name": "weather",
+                                                          "arguments": {"city": "Paris"}}}
+                                       for c in m["tool_calls"]]} if "tool_calls" in m else m
+                  for m in TOOL_TURNS]
+    ref = llm.chat(as_objects, params, chat_template=TOOL_TEMPLATE, tools=[WEATHER])[0]
+    assert ref.prompt_token_ids == ids
+    client = openai.OpenAI(base_url=f"{tool_server}/v1", api_key="x", max_retries=0)
+    for choice in ("none", "auto"):  # "auto": the model wrote no call, so all is content
+        res = client.chat.completions.create(model=MODEL, messages=TOOL_TURNS, tools=[WEATHER],
+                                             tool_choice=choice, max_tokens=8,
+                                             extra_body={"stop_at_eos": False})
+        assert res.usage.prompt_tokens == len(ids)
+        assert res.choices[0].message.content == ref.text
+        assert not res.choices[0].message.tool_calls
+        assert res.choices[0].finish_reason == "length"
+
+
+def test_tool_calls_in_responses(tool_server, monkeypatch):
+    """With --enable-auto-tool-choice, the calls the model writes come back as OpenAI
+    tool_calls, the text before them as content; streamed, they add up to the same."""
+    from sangam.engine.loaded_model import LoadedModel
+
+    def scripted(self, token_ids, skip_special_tokens=True):  # the text grows with the tokens
+        return SCRIPTED[:len(SCRIPTED) * len(token_ids) // 16]
+
+    monkeypatch.setattr(LoadedModel, "decode", scripted)
+    client = openai.OpenAI(base_url=f"{tool_server}/v1", api_key="x", max_retries=0)
+    ask = dict(model=MODEL, messages=TOOL_TURNS[:1], tools=[WEATHER], max_tokens=16,
+               extra_body={"stop_at_eos": False})
+    res = client.chat.completions.create(**ask, n=2)
+    for choice in res.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Checking."
+        calls = choice.message.tool_calls
+        assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("function", "weather", {"city": "Paris"}), ("function", "time", {})]
+        assert len({c.id for c in calls}) == 2 and calls[0].id.startswith("chatcmpl-tool-")
+    one = client.chat.completions.create(**ask, parallel_tool_calls=False)
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["weather"]
+    plain = client.chat.completions.create(**ask, tool_choice="none")
+    assert plain.choices[0].message.content == SCRIPTED
+    assert not plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == "length"
+
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert len(chunks) == 4  # one per block of 4 tokens
+    deltas = [c.choices[0].delta for c in chunks]
+    assert deltas[0].role == "assistant" and deltas[0].content == "Checking."
+    assert "".join(d.content or "" for d in deltas) == "Checking."
+    assert [d.tool_calls for d in deltas[:-1]] == [None] * 3
+    last = deltas[-1].tool_calls
+    assert [(c.index, c.function.name, c.function.arguments) for c in last] == [
+        (k, c.function.name, c.function.arguments)
+        for k, c in enumerate(res.choices[0].message.tool_calls)]
+    assert [c.choices[0].finish_reason for c in chunks] == [None, None, None, "tool_calls"]
 
 
 @pytest.mark.parametrize("bad,match", [

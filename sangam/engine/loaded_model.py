@@ -125,15 +125,16 @@ class LoadedModel:
                              "of text prompts")
         return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def encode_chat(self, messages: list[dict[str, str]], chat_template: str | None = None,
+    def encode_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                    chat_template_kwargs: Mapping[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template (or
         ``chat_template``, a Jinja template's text). As in vLLM: ``add_generation_prompt`` opens
         the assistant's turn; ``continue_final_message`` leaves the last message open, for the
-        model to continue; ``chat_template_kwargs`` are extra variables of the template. A
-        missing tokenizer or template, or a conversation the template rejects, is a
-        ValueError."""
+        model to continue; ``chat_template_kwargs`` are extra variables of the template;
+        ``tools`` (OpenAI's function definitions) are the template's ``tools``. A missing
+        tokenizer or template, or a conversation the template rejects, is a ValueError."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer, so it cannot chat: pass "
                              "prompt_token_ids instead")
@@ -155,7 +156,7 @@ class LoadedModel:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                tokenize=False, **extra)
+                tools=tools, tokenize=False, **extra)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ValueError(f"cannot apply the chat template: {e}") from None
         # The template already wrote the special tokens (BOS...): do not add them again.

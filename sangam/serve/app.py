@@ -60,17 +60,21 @@ from sangam.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    FunctionCall,
     ModelCard,
     ModelList,
     StreamOptions,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCall,
     Usage,
 )
+from sangam.serve.tool_calls import HermesToolParser, ParsedCall, ToolCallStream, make_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +220,8 @@ class _Server:
         self.in_flight: set[str] = set()  # engine request ids of open generators
         self.chat_template = (load_chat_template(config.chat_template)
                               if config.chat_template is not None else None)
+        self.tool_parser = (make_tool_parser(config.tool_call_parser)
+                            if config.enable_auto_tool_choice else None)
 
     # Validation (all before any work is submitted).
     def check_model(self, model: str | None) -> None:
@@ -228,13 +234,28 @@ class _Server:
         unsupported = body.unsupported_fields()
         if unsupported:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
-                           "does not implement best_of, tools or response_format",
+                           "does not implement best_of, response_format or a tool_choice other "
+                           "than auto and none (they need constrained decoding)",
                            param=unsupported[0], code="unsupported_parameter")
         try:
             return self.config.default_params(self.loaded.generation_defaults,
                                               **body.sampling_overrides())
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+
+    def tool_parser_for(self, body: ChatCompletionRequest) -> HermesToolParser | None:
+        """The parser of the tool calls in this request's responses; None: no tools to call."""
+        try:
+            calls_tools = body.calls_tools()
+        except ValueError as e:
+            raise ApiError(400, str(e), param="tool_choice") from None
+        if not calls_tools:
+            return None
+        if self.tool_parser is None:
+            raise ApiError(400, 'tool_choice "auto" (the default with tools) needs the server '
+                           "started with --enable-auto-tool-choice and --tool-call-parser; or "
+                           'send tool_choice "none"', param="tool_choice")
+        return self.tool_parser
 
     def _tokenizer(self, what: str) -> Any:
         if self.loaded.tokenizer is None:
@@ -278,9 +299,9 @@ class _Server:
         self._tokenizer("chat (it needs a chat template)")
         try:
             return self.loaded.encode_chat(
-                [{"role": m.role, "content": m.text()} for m in messages], self.chat_template,
+                [m.for_template() for m in messages], self.chat_template,
                 options.add_generation_prompt, options.continue_final_message,
-                options.chat_template_kwargs)
+                options.chat_template_kwargs, options.tool_dicts())
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
 
@@ -415,13 +436,23 @@ class _Server:
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                   usage=usage_of(outs, n))
 
-    def chat_response(self, request_id: str, outs: list[RequestOutput]
+    def chat_response(self, request_id: str, outs: list[RequestOutput],
+                      tools: HermesToolParser | None, parallel_tool_calls: bool
                       ) -> ChatCompletionResponse:
         steps = [Delta(self.token_pieces).advance(o) for o in outs]
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=st.text),
-                              token_ids=st.token_ids, logprobs=chat_logprobs(st),
-                              finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-                   for i, (o, st) in enumerate(zip(outs, steps))]
+        choices = []
+        for i, (o, st) in enumerate(zip(outs, steps)):
+            message, reason = AssistantMessage(content=st.text), o.finish_reason
+            if tools is not None:
+                parsed = tools.parse(st.text, parallel_tool_calls)
+                if parsed.calls:
+                    message = AssistantMessage(content=parsed.content, tool_calls=[
+                        ToolCall(id=ParsedCall.new_id(), function=_function(c))
+                        for c in parsed.calls])
+                    reason = _with_calls(reason)
+            choices.append(ChatChoice(index=i, message=message, token_ids=st.token_ids,
+                                      logprobs=chat_logprobs(st), finish_reason=reason,
+                                      stop_reason=o.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage_of(outs, len(outs)))
 
@@ -550,13 +581,24 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         params = srv.check(body)
+        tools = srv.tool_parser_for(body)
         prompt = srv.chat_prompt(body.messages, body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         n = body.n or 1
         streams = await _unless_disconnected(request, srv.open([prompt], params, n, request_id))
         if body.stream:
+            calls = [ToolCallStream(tools, body.parallel_tool_calls) for _ in streams
+                     ] if tools is not None else []
+
             def chunk(i: int, first: bool, step: Step, reason: str | None) -> BaseModel:
-                delta = DeltaMessage(role="assistant" if first else None, content=step.text)
+                content, new_calls = (calls[i].advance(step.text, reason is not None) if calls
+                                      else (step.text, ()))
+                if new_calls:
+                    reason = _with_calls(reason)
+                delta = DeltaMessage(role="assistant" if first else None, content=content,
+                                     tool_calls=[DeltaToolCall(index=k, id=ParsedCall.new_id(),
+                                                               function=_function(c))
+                                                 for k, c in enumerate(new_calls)] or None)
                 return ChatCompletionChunk(id=request_id, model=srv.model_name, choices=[
                     ChatChunkChoice(index=i, delta=delta, token_ids=step.token_ids,
                                     logprobs=chat_logprobs(step), finish_reason=reason,
@@ -569,9 +611,20 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
             return _EventStream(srv.events(streams, request_id, n, body.stream_options, chunk,
                                            usage_chunk), streams)
         outs = await _unless_disconnected(request, _collect(streams))
-        return JSONResponse(srv.chat_response(request_id, outs).model_dump())
+        return JSONResponse(srv.chat_response(request_id, outs, tools, body.parallel_tool_calls
+                                              ).model_dump())
 
     return app
+
+
+def _function(call: ParsedCall) -> FunctionCall:
+    return FunctionCall(name=call.name, arguments=call.arguments)
+
+
+def _with_calls(reason: str | None) -> str | None:
+    """A finished response that called tools ends with "tool_calls" (as OpenAI's), unless it
+    was aborted."""
+    return reason if reason == "abort" else "tool_calls"
 
 
 async def _close_all(gens: list[AsyncGenerator[RequestOutput, None]]) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from sangam.models.tokenizer import load_chat_template
 from sangam.sampling_params import CACHE_MODES, UNMASKING_RULES, SamplingParams
+from sangam.serve.tool_calls import TOOL_CALL_PARSERS, make_tool_parser
 
 DEMO_MODEL_NAME = "sangam-demo"
 
@@ -44,6 +45,12 @@ class ServerConfig:
     chat_template: str | None = field(default=None, metadata=_meta(
         "Chat template replacing the tokenizer's: a Jinja file, or the template itself "
         "(as vLLM's --chat-template)"))
+    enable_auto_tool_choice: bool = field(default=False, metadata=_meta(
+        "Turn the tool calls the model writes in chat responses into OpenAI tool_calls when a "
+        "request offers tools (tool_choice auto), with --tool-call-parser, as vLLM's"))
+    tool_call_parser: str | None = field(default=None, metadata=_meta(
+        "How the model writes tool calls: hermes (<tool_call>JSON</tool_call>: Hermes, Qwen2.5, "
+        "Dream)", choices=TOOL_CALL_PARSERS))
     shutdown_grace: float = field(default=5.0, metadata=_meta(
         "On SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are "
         "aborted"))
@@ -66,6 +73,10 @@ class ServerConfig:
         self.default_params()  # raises ValueError for bad defaults, at startup
         if self.chat_template is not None:
             load_chat_template(self.chat_template)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("ServerConfig: enable_auto_tool_choice needs tool_call_parser")
+        if self.tool_call_parser is not None:
+            make_tool_parser(self.tool_call_parser)
 
     def default_params(self, checkpoint_defaults: dict | None = None,
                        **overrides) -> SamplingParams:

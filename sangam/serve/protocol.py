@@ -8,6 +8,7 @@ OpenAI API does. OpenAI fields Sangam cannot honour are accepted only at their n
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -116,24 +117,81 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _REQUEST_CONFIG
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made: in a response, and in the history a client sends back."""
+
+    model_config = _REQUEST_CONFIG
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _REQUEST_CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: text content and, as vLLM gives them, tool
+        call arguments as objects (templates write them with ``tojson``)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"the arguments of tool call {call.id!r} are not JSON: "
+                                     f"{e}") from None
+                calls.append({"id": call.id, "type": call.type, "function": {
+                    "name": call.function.name, "arguments": arguments}})
+            message["tool_calls"] = calls
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _REQUEST_CONFIG
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema
+
+
+class ChatTool(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["function"]
+    function: FunctionDefinition
+
 
 class ChatTemplateOptions(BaseModel):
-    """vLLM's options of the chat template (see ``LoadedModel.encode_chat``)."""
+    """What the chat template renders besides the messages: vLLM's options (see
+    ``LoadedModel.encode_chat``) and the tools the model may call."""
 
     model_config = _REQUEST_CONFIG
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
@@ -141,16 +199,24 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
     max_completion_tokens: int | None = None  # the newer OpenAI name of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    # None: "auto" with tools (OpenAI's default), else "none". "required" and a named
+    # function need constrained decoding, which Sangam does not have.
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True  # false: the first call only
     response_format: dict | None = None
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
         return [name for name, is_bad in (
-            ("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none")),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto")),
             ("response_format", self.response_format not in (None, {"type": "text"})))
             if is_bad]
+
+    def calls_tools(self) -> bool:
+        """Whether the response is to be parsed for tool calls."""
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+        return bool(self.tools) and self.tool_choice != "none"
 
     def sampling_overrides(self) -> dict[str, object]:
         overrides = super().sampling_overrides()
@@ -206,7 +272,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: only tool calls
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatTopLogprob(BaseModel):
@@ -241,9 +308,17 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaToolCall(BaseModel):
+    index: int  # the call's place in the choice's tool_calls
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None  # sent whole, in a choice's last chunk
 
 
 class ChatChunkChoice(BaseModel):
