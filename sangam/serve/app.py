@@ -72,7 +72,6 @@ from sangam.serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     ToolCall,
-    Usage,
 )
 from sangam.serve.tool_calls import HermesToolParser, ParsedCall, ToolCallStream, make_tool_parser
 
@@ -80,6 +79,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Stream = tuple[AsyncGenerator[RequestOutput, None], RequestOutput]  # (generator, first output)
+Chunk = CompletionResponse | ChatCompletionChunk  # a streamed response's events
 
 RETRY_AFTER_S = 1  # a full queue drains at the pace of whole requests: retry soon
 METRICS_INGEST_PERIOD_S = 1.0
@@ -456,10 +456,23 @@ class _Server:
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage_of(outs, len(outs)))
 
+    async def respond(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                      streams: list[Stream], request_id: str, chunk_type: type[Chunk],
+                      choice: Callable[[int, bool, Step, str | None], BaseModel],
+                      whole: Callable[[list[RequestOutput]], BaseModel]) -> Response:
+        """The response to opened ``streams``: server-sent ``chunk_type`` chunks, one
+        ``choice(index, first, step, finish_reason)`` each, or when not streaming ``whole``
+        of the final outputs."""
+        if body.stream:
+            return _EventStream(self.events(streams, request_id, body.n or 1,
+                                            body.stream_options, chunk_type, choice), streams)
+        outs = await _unless_disconnected(request, _collect(streams))
+        return JSONResponse(whole(outs).model_dump())
+
     async def events(self, streams: list[Stream], request_id: str, n: int,
-                     options: StreamOptions | None,
-                     chunk: Callable[[int, bool, Step, str | None], BaseModel],
-                     usage_chunk: Callable[[Usage], BaseModel]) -> AsyncGenerator[str, None]:
+                     options: StreamOptions | None, chunk_type: type[Chunk],
+                     choice: Callable[[int, bool, Step, str | None], BaseModel]
+                     ) -> AsyncGenerator[str, None]:
         """SSE: one chunk per committed block per choice, then usage if asked, then [DONE].
         With vLLM's ``continuous_usage_stats`` every chunk also carries its choice's usage so
         far."""
@@ -471,7 +484,8 @@ class _Server:
             async with contextlib.aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
                     first = deltas[i].num_chunks == 0
-                    payload = chunk(i, first, deltas[i].advance(out), finish_reason_of(out))
+                    payload = chunk_type(id=request_id, model=self.model_name, choices=[
+                        choice(i, first, deltas[i].advance(out), finish_reason_of(out))])
                     if continuous:
                         payload.usage = usage_of([out], 1)
                     yield sse(payload)
@@ -483,7 +497,8 @@ class _Server:
                                                      type="server_error")))
             return
         if include_usage:
-            yield sse(usage_chunk(usage_of([finals[i] for i in sorted(finals)], n)))
+            yield sse(chunk_type(id=request_id, model=self.model_name, choices=[],
+                                 usage=usage_of([finals[i] for i in sorted(finals)], n)))
         yield "data: [DONE]\n\n"
 
 
@@ -561,22 +576,16 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         streams = await _unless_disconnected(request, srv.open(
             [srv.prompt_ids(p, body.add_special_tokens) for p in prompts], params, n, request_id,
             suffix))
-        if body.stream:
-            def chunk(i: int, first: bool, step: Step, reason: str | None) -> BaseModel:
-                text = echoed[i // n] + step.text if first else step.text
-                return CompletionResponse(id=request_id, model=srv.model_name, choices=[
-                    CompletionChoice(index=i, text=text, token_ids=step.token_ids,
-                                     logprobs=completion_logprobs(step), finish_reason=reason,
-                                     stop_reason=step.stop_reason)])
 
-            def usage_chunk(usage: Usage) -> BaseModel:
-                return CompletionResponse(id=request_id, model=srv.model_name, choices=[],
-                                          usage=usage)
+        def choice(i: int, first: bool, step: Step, reason: str | None) -> BaseModel:
+            return CompletionChoice(index=i, text=echoed[i // n] + step.text if first else
+                                    step.text, token_ids=step.token_ids,
+                                    logprobs=completion_logprobs(step), finish_reason=reason,
+                                    stop_reason=step.stop_reason)
 
-            return _EventStream(srv.events(streams, request_id, n, body.stream_options, chunk,
-                                           usage_chunk), streams)
-        outs = await _unless_disconnected(request, _collect(streams))
-        return JSONResponse(srv.completion_response(request_id, outs, n, echoed).model_dump())
+        return await srv.respond(
+            request, body, streams, request_id, CompletionResponse, choice,
+            lambda outs: srv.completion_response(request_id, outs, n, echoed))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -586,33 +595,26 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         n = body.n or 1
         streams = await _unless_disconnected(request, srv.open([prompt], params, n, request_id))
-        if body.stream:
-            calls = [ToolCallStream(tools, body.parallel_tool_calls) for _ in streams
-                     ] if tools is not None else []
+        # Streamed, each choice's tool calls are parsed as its text grows.
+        calls = [ToolCallStream(tools, body.parallel_tool_calls) for _ in streams
+                 ] if tools is not None and body.stream else []
 
-            def chunk(i: int, first: bool, step: Step, reason: str | None) -> BaseModel:
-                content, new_calls = (calls[i].advance(step.text, reason is not None) if calls
-                                      else (step.text, ()))
-                if new_calls:
-                    reason = _with_calls(reason)
-                delta = DeltaMessage(role="assistant" if first else None, content=content,
-                                     tool_calls=[DeltaToolCall(index=k, id=ParsedCall.new_id(),
-                                                               function=_function(c))
-                                                 for k, c in enumerate(new_calls)] or None)
-                return ChatCompletionChunk(id=request_id, model=srv.model_name, choices=[
-                    ChatChunkChoice(index=i, delta=delta, token_ids=step.token_ids,
-                                    logprobs=chat_logprobs(step), finish_reason=reason,
-                                    stop_reason=step.stop_reason)])
+        def choice(i: int, first: bool, step: Step, reason: str | None) -> BaseModel:
+            content, new_calls = (calls[i].advance(step.text, reason is not None) if calls
+                                  else (step.text, ()))
+            if new_calls:
+                reason = _with_calls(reason)
+            delta = DeltaMessage(role="assistant" if first else None, content=content,
+                                 tool_calls=[DeltaToolCall(index=k, id=ParsedCall.new_id(),
+                                                           function=_function(c))
+                                             for k, c in enumerate(new_calls)] or None)
+            return ChatChunkChoice(index=i, delta=delta, token_ids=step.token_ids,
+                                   logprobs=chat_logprobs(step), finish_reason=reason,
+                                   stop_reason=step.stop_reason)
 
-            def usage_chunk(usage: Usage) -> BaseModel:
-                return ChatCompletionChunk(id=request_id, model=srv.model_name, choices=[],
-                                           usage=usage)
-
-            return _EventStream(srv.events(streams, request_id, n, body.stream_options, chunk,
-                                           usage_chunk), streams)
-        outs = await _unless_disconnected(request, _collect(streams))
-        return JSONResponse(srv.chat_response(request_id, outs, tools, body.parallel_tool_calls
-                                              ).model_dump())
+        return await srv.respond(
+            request, body, streams, request_id, ChatCompletionChunk, choice,
+            lambda outs: srv.chat_response(request_id, outs, tools, body.parallel_tool_calls))
 
     return app
 
