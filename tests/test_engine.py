@@ -160,7 +160,7 @@ def test_rejections_change_nothing(loaded):
     with pytest.raises(RequestRejected, match="more than the pool's 8"):
         engine.add_request("big", [3] * 30, SamplingParams(max_tokens=8, block_length=8))
     engine.add_request("a", [3], SamplingParams(max_tokens=8, block_length=8))
-    with pytest.raises(RequestRejected, match="already in use"):
+    with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", [3], SamplingParams(max_tokens=8, block_length=8))
     engine.add_request("b", [3], SamplingParams(max_tokens=8, block_length=8))
     with pytest.raises(QueueFull):

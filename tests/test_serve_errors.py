@@ -306,6 +306,7 @@ _optional = {
         st.fixed_dictionaries({"name": st.text(max_size=3)}, optional={"parameters": _json}))}),
         max_size=2),
     "tool_choice": st.sampled_from(["none", "auto", "required"]),
+    "request_id": st.text(max_size=4),
     "chat_template_kwargs": st.dictionaries(
         st.sampled_from(["mark", "tokenize", "tools", "x y", "messages"]), _json, max_size=2),
     "logit_bias": st.dictionaries(st.sampled_from(["1", "7", str(VOCAB_SIZE), "x"]),

@@ -8,7 +8,9 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
+import ssl
 import string
 import subprocess
 import sys
@@ -639,10 +641,73 @@ def serve_in_thread(model: str, **server_options) -> Iterator[str]:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
+    yield f"{'https' if config.ssl_certfile else 'http'}://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(timeout=30)
     assert engine.dead is None
+
+
+def test_request_ids(chat_ckpt):
+    """A request's X-Request-Id header (else vLLM's request_id field) names it: the response id,
+    and with --enable-request-id-headers an X-Request-Id header back. While it runs, another
+    request with the same id is refused and harms nothing."""
+    with serve_in_thread(chat_ckpt, enable_request_id_headers=True) as url:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "trace-7"})
+        assert r.json()["id"] == "cmpl-trace-7" and r.headers["x-request-id"] == "cmpl-trace-7"
+        r = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "request_id": "mine"})
+        assert r.json()["id"] == "chatcmpl-mine" and r.headers["x-request-id"] == "chatcmpl-mine"
+        r = httpx.post(f"{url}/v1/completions", json=body)
+        assert r.headers["x-request-id"] == r.json()["id"] and len(r.json()["id"]) > len("cmpl-")
+        # 512 forwards (one token each): it is still running when the second request comes.
+        long = {**body, "max_tokens": 512, "threshold": 1.0, "stream": True,
+                "stop_at_eos": False}
+        with httpx.stream("POST", f"{url}/v1/completions", json=long,
+                          headers={"X-Request-Id": "dup"}) as first:
+            assert first.headers["x-request-id"] == "cmpl-dup"
+            lines = first.iter_lines()
+            assert '"id":"cmpl-dup"' in next(line for line in lines if line)
+            again = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "dup"})
+            assert again.status_code == 400 and "already in use" in again.text
+            finals = [line for line in lines if '"finish_reason":"length"' in line]
+        assert len(finals) == 1  # the first request ran to its end
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "dup"})
+        assert r.status_code == 200  # its id is free again
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "a\tb"})
+        assert r.status_code == 400 and "printable" in r.text
+    with serve_in_thread(chat_ckpt) as url:  # no header back by default
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "t"})
+        assert r.json()["id"] == "cmpl-t" and "x-request-id" not in r.headers
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_https(chat_ckpt, tmp_path):
+    """--ssl-certfile/--ssl-keyfile serve HTTPS; plain HTTP gets nothing there."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    with serve_in_thread(chat_ckpt, ssl_keyfile=str(key), ssl_certfile=str(cert)) as url:
+        assert url.startswith("https://")
+        # Closed before the server stops: an idle TLS connection holds uvicorn's shutdown
+        # until its grace period ends, waiting for the client's reply to close_notify.
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(cert))) as http:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
+                                   http_client=http)
+            res = client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+            assert res.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url.replace("https", "http") + "/health", timeout=1)
+        with pytest.raises(httpx.ConnectError):  # an unknown certificate is not trusted
+            httpx.get(f"{url}/health", timeout=1)
+    with pytest.raises(ValueError, match="ssl_keyfile needs ssl_certfile"):
+        ServerConfig(ssl_keyfile=str(key))
+    with pytest.raises(ValueError, match="no such file"):
+        ServerConfig(ssl_certfile=str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="need HTTPS"):
+        ServerConfig(ssl_cert_reqs=2)
 
 
 def test_cors(chat_ckpt, server):

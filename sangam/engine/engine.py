@@ -88,7 +88,7 @@ def new_request(in_flight: Mapping[str, object], config: EngineConfig, loaded: L
     """The checks every engine makes at submission, then the request's scheduling object and
     its canvas. Raises (RequestRejected, QueueFull, ValueError) without side effects."""
     if request_id in in_flight:
-        raise RequestRejected(f"request id {request_id!r} is already in use")
+        raise ValueError(f"request id {request_id!r} is already in use")
     if len(in_flight) >= config.max_queue_len:
         raise QueueFull(f"{len(in_flight)} requests in flight (max_queue_len "
                         f"{config.max_queue_len})")

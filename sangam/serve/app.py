@@ -85,6 +85,7 @@ RETRY_AFTER_S = 1  # a full queue drains at the pace of whole requests: retry so
 METRICS_INGEST_PERIOD_S = 1.0
 LOGGED_PARAMS_CHARS = 500  # --enable-log-requests: stop strings can make parameters long
 MAX_ERRORS_SHOWN = 4
+MAX_REQUEST_ID_CHARS = 256
 
 
 class ApiError(Exception):
@@ -132,9 +133,10 @@ class _EventStream(StreamingResponse):
     (Starlette only cancels the sending task: a generator suspended at ``yield`` would stay
     open until garbage-collected.)"""
 
-    def __init__(self, events: AsyncGenerator[str, None], streams: list[Stream]):
+    def __init__(self, events: AsyncGenerator[str, None], streams: list[Stream],
+                 headers: dict[str, str]):
         super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+                         headers={"Cache-Control": "no-cache", **headers})
         self._events = events
         self._streams = streams
 
@@ -256,6 +258,22 @@ class _Server:
                            "started with --enable-auto-tool-choice and --tool-call-parser; or "
                            'send tool_choice "none"', param="tool_choice")
         return self.tool_parser
+
+    def request_id(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                   prefix: str) -> str:
+        """``prefix-BASE``: BASE is the request's X-Request-Id header, else its body's
+        request_id (as vLLM), else random. Engine ids derive from it, so while one request
+        runs another with the same id is refused."""
+        base = request.headers.get("x-request-id") or body.request_id
+        if base is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if not 0 < len(base) <= MAX_REQUEST_ID_CHARS or not base.isprintable():
+            raise ApiError(400, f"a request id (X-Request-Id, request_id) is 1 to "
+                           f"{MAX_REQUEST_ID_CHARS} printable characters", param="request_id")
+        return f"{prefix}-{base}"
+
+    def id_headers(self, request_id: str) -> dict[str, str]:
+        return {"X-Request-Id": request_id} if self.config.enable_request_id_headers else {}
 
     def _tokenizer(self, what: str) -> Any:
         if self.loaded.tokenizer is None:
@@ -463,11 +481,13 @@ class _Server:
         """The response to opened ``streams``: server-sent ``chunk_type`` chunks, one
         ``choice(index, first, step, finish_reason)`` each, or when not streaming ``whole``
         of the final outputs."""
+        headers = self.id_headers(request_id)
         if body.stream:
             return _EventStream(self.events(streams, request_id, body.n or 1,
-                                            body.stream_options, chunk_type, choice), streams)
+                                            body.stream_options, chunk_type, choice), streams,
+                                headers)
         outs = await _unless_disconnected(request, _collect(streams))
-        return JSONResponse(whole(outs).model_dump())
+        return JSONResponse(whole(outs).model_dump(), headers=headers)
 
     async def events(self, streams: list[Stream], request_id: str, n: int,
                      options: StreamOptions | None, chunk_type: type[Chunk],
@@ -570,7 +590,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         prompts = srv.completion_prompts(body.prompt)
         # echo: each choice's text begins with its prompt's (in its first chunk, streamed).
         echoed = [srv.prompt_text(p) if body.echo else "" for p in prompts]
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = srv.request_id(request, body, "cmpl")
         n = body.n or 1
         suffix = srv.suffix_ids(body.suffix)
         streams = await _unless_disconnected(request, srv.open(
@@ -592,7 +612,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         params = srv.check(body)
         tools = srv.tool_parser_for(body)
         prompt = srv.chat_prompt(body.messages, body)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = srv.request_id(request, body, "chatcmpl")
         n = body.n or 1
         streams = await _unless_disconnected(request, srv.open([prompt], params, n, request_id))
         # Streamed, each choice's tool calls are parsed as its text grows.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 
 from sangam.models.tokenizer import load_chat_template
@@ -27,6 +28,19 @@ class ServerConfig:
     allowed_origins: str | None = field(default=None, metadata=_meta(
         "Web origins whose browser pages may call the API (CORS): comma-separated, or a JSON "
         "list as vLLM's; '*' for any. Default: none"))
+    ssl_keyfile: str | None = field(default=None, metadata=_meta(
+        "Serve HTTPS with this private key (PEM; with --ssl-certfile)"))
+    ssl_certfile: str | None = field(default=None, metadata=_meta(
+        "Serve HTTPS with this certificate chain (PEM; it may hold the key too)"))
+    ssl_ca_certs: str | None = field(default=None, metadata=_meta(
+        "CA certificates (PEM) that client certificates are checked against, with "
+        "--ssl-cert-reqs"))
+    ssl_cert_reqs: int = field(default=0, metadata=_meta(
+        "Client certificates: 0 not asked for, 1 optional, 2 required (Python's ssl.CERT_*)",
+        choices=(0, 1, 2)))
+    enable_request_id_headers: bool = field(default=False, metadata=_meta(
+        "Send each completion's request id back as an X-Request-Id header, as vLLM's (a "
+        "request's own X-Request-Id header, if any, is its id)"))
     served_model_name: str | None = field(default=None, metadata=_meta(
         "Model name in the API (default: the --model path, or 'sangam-demo')"))
     # Defaults for requests that leave the diffusion options out. Unset (None): the
@@ -69,6 +83,18 @@ class ServerConfig:
             raise ValueError("ServerConfig: shutdown_grace must be >= 0")
         if self.log_stats_interval < 0:
             raise ValueError("ServerConfig: log_stats_interval must be >= 0")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"ServerConfig: ssl_cert_reqs must be 0, 1 or 2, got "
+                             f"{self.ssl_cert_reqs}")
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ValueError("ServerConfig: ssl_keyfile needs ssl_certfile")
+        if (self.ssl_ca_certs is not None or self.ssl_cert_reqs) and self.ssl_certfile is None:
+            raise ValueError("ServerConfig: client certificates (ssl_ca_certs, ssl_cert_reqs) "
+                             "need HTTPS: give ssl_certfile")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"ServerConfig: {name}: no such file: {path}")
         self.origins()  # raises ValueError for a malformed list, at startup
         self.default_params()  # raises ValueError for bad defaults, at startup
         if self.chat_template is not None:

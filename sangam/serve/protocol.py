@@ -44,6 +44,7 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    request_id: str | None = None  # vLLM's: the response id's base (X-Request-Id wins)
     # Sangam's diffusion options (DESIGN.md §2), as extra body fields.
     block_length: int | None = None
     unmasking: str | None = None

@@ -83,7 +83,9 @@ def uvicorn_server(app: FastAPI, config: ServerConfig) -> uvicorn.Server:
     # that stopped reading): it cancels them.
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, lifespan="on",
-        timeout_graceful_shutdown=config.shutdown_grace + SHUTDOWN_BACKSTOP_S)
+        timeout_graceful_shutdown=config.shutdown_grace + SHUTDOWN_BACKSTOP_S,
+        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+        ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs)
     return _Server(uv_config, app.state.server.abort_all, config.shutdown_grace)
 
 
