@@ -43,7 +43,6 @@ class KVPool:
         self.kv = PagedKV(torch.empty(shape, dtype=dtype, device=device))
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        self.bytes_per_page = page_bytes(cfg, page_size, dtype)
 
     @property
     def num_pages(self) -> int:
