@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 
 UNMASKING_RULES = ("threshold", "factor", "topk")
 CACHE_MODES = ("dual", "prefix", "none")
@@ -190,14 +190,17 @@ def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-@dataclass
+@dataclass(repr=False)
 class RequestOutput:
-    """A request's response so far (streamed) or in full (``finished=True``)."""
+    """A request's response so far (streamed) or in full (``finished=True``). Its ``text`` (None
+    without a tokenizer) is made from ``make_text`` when first read: the engine loop does not
+    detokenize outputs nobody reads (the intermediate ones of a request that is not streamed),
+    and a reader on another thread detokenizes there."""
 
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    text: str | None
+    make_text: Callable[[], str | None] = field(compare=False)
     num_forwards: int
     finished: bool = False
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "abort"
@@ -208,3 +211,20 @@ class RequestOutput:
     # Per token of token_ids, with SamplingParams.logprobs = n > 0: the n most probable tokens
     # at the step that committed it, as (token id, logprob), most probable first.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @functools.cached_property
+    def text(self) -> str | None:
+        return self.make_text()
+
+    def __repr__(self) -> str:
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.compare]
+        shown.insert(3, f"text={self.text!r}")
+        return f"RequestOutput({', '.join(shown)})"
+
+    def __getstate__(self) -> dict:
+        # Pickled with its text made: the maker holds the tokenizer.
+        return {**self.__dict__, "text": self.text, "make_text": _no_text}
+
+
+def _no_text() -> None:
+    return None

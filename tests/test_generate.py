@@ -1,6 +1,7 @@
 """Generation through the public API: every rule x cache mode, reference loops, stopping."""
 
 import dataclasses
+import pickle
 
 import numpy as np
 import pytest
@@ -276,6 +277,36 @@ def test_tokenizer_from_another_directory(llada_path, tmp_path):
     assert out.prompt_token_ids == llm.tokenizer("hi")["input_ids"] and isinstance(out.text, str)
     with pytest.raises(ValueError, match="no tokenizer in"):
         LLM(llada_path, device="cpu", tokenizer=str(tmp_path))
+
+
+def test_output_text_is_made_when_read(llada_path, tmp_path):
+    """The engine loop never detokenizes: each output's text is decoded when first read, once,
+    so a request that is not streamed pays for its final text alone. Text, repr and pickling
+    show the same text as decoding the tokens."""
+    write_tokenizer(tmp_path / "tok")
+    llm = LLM(llada_path, device="cpu", dtype="float64", tokenizer=str(tmp_path / "tok"))
+    decoded = []
+    decode = llm.loaded.decode
+
+    def counted(token_ids, skip_special_tokens=True):
+        decoded.append(len(token_ids))
+        return decode(token_ids, skip_special_tokens)
+
+    llm.loaded.decode = counted
+    params = SamplingParams(max_tokens=12, block_length=4, stop_at_eos=False)
+    engine = llm.engine
+    engine.add_request("r", [5, 6, 7], params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert len(outs) == 3 and decoded == []  # three blocks, no text made
+    assert outs[-1].text == llm.tokenizer.decode(outs[-1].token_ids, skip_special_tokens=True)
+    assert outs[-1].text is outs[-1].text and decoded == [12]  # made once
+    assert outs[0].text == llm.tokenizer.decode(outs[0].token_ids, skip_special_tokens=True)
+    again = pickle.loads(pickle.dumps(outs[1]))
+    assert (again.text, again.token_ids) == (outs[1].text, outs[1].token_ids)
+    assert f"text={outs[1].text!r}" in repr(outs[1])
+    assert again == outs[1]
 
 
 def test_max_model_len_caps_requests(llms):

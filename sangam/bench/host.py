@@ -3,7 +3,10 @@ for the device, unmasking bookkeeping) at several batch sizes, with the model fo
 by a stub.
 
 The forward is excluded so the number is what the CPU adds to every GPU iteration; the target
-is < 0.5 ms at batch 64 (engine issue). Requests are seated decodes of a DualCache block.
+is < 0.5 ms at batch 64 (engine issue). Requests are seated decodes of a DualCache block, with
+the demo model's tokenizer; "outputs" is making the RequestOutput of each completed block (what
+the engine loop does; their text is made when, and where, a caller reads it: ``--read-text``
+reads it in the loop, as the engine did before text was made on demand, for comparison).
 ``--penalized F`` gives a share F of them a frequency penalty, so their rows are scored again
 and the host builds those inputs too (the assemble phase).
 Both host implementations (pure Python, and the C++ extension when built) are measured in the
@@ -18,19 +21,24 @@ import json
 import time
 
 import numpy as np
+import torch
 
 from sangam.bench.report import parse_int_list
+from sangam.config import EngineConfig
 from sangam.decoding.state import DecodeState
+from sangam.demo.tokenizer import MASK_ID, VOCAB_SIZE
 from sangam.engine.device_batch import BatchUploader
 from sangam.engine.host_batch import IMPLS, cext_available, make_host_batcher
+from sangam.engine.loaded_model import LoadedModel, checkpoint_path
 from sangam.engine.model_runner import stage_batch
 from sangam.engine.page_allocator import PageAllocator
 from sangam.engine.request import Request
 from sangam.engine.scheduler import BatchBuilder
+from sangam.models import read_config
 from sangam.sampling_params import SamplingParams
 
-VOCAB = 256
-MASK = VOCAB - 1
+VOCAB = VOCAB_SIZE
+MASK = MASK_ID
 
 
 def _seated(batch: int, prompt_len: int, gen_len: int, block: int, page_size: int,
@@ -53,13 +61,15 @@ def _seated(batch: int, prompt_len: int, gen_len: int, block: int, page_size: in
 
 def measure(batch: int, iters: int, impl: str = "python", prompt_len: int = 512,
             gen_len: int = 256, block: int = 32, page_size: int = 16,
-            penalized: float = 0.0) -> dict[str, float]:
+            penalized: float = 0.0, read_text: bool = False) -> dict[str, float]:
     """Mean microseconds per iteration of each host phase, over ``iters`` decode iterations,
-    with the ``impl`` host batcher; a share ``penalized`` of the requests is scored again."""
+    with the ``impl`` host batcher; a share ``penalized`` of the requests is scored again;
+    ``read_text`` reads each output's text at once."""
     builder, states = _seated(batch, prompt_len, gen_len, block, page_size, penalized)
     host = make_host_batcher(page_size, impl)
     uploader = BatchUploader("cpu")  # the staging a GPU runner does; a memcpy stands in for DMA
-    phases = {"schedule": 0.0, "assemble": 0.0, "apply": 0.0}
+    loaded = _demo_tokenizer_only()
+    phases = {"schedule": 0.0, "assemble": 0.0, "apply": 0.0, "outputs": 0.0}
     rng = np.random.default_rng(0)
     n = 0
     now = 0.0
@@ -81,14 +91,29 @@ def measure(batch: int, iters: int, impl: str = "python", prompt_len: int = 512,
         for req, st, d in zip(reqs, sts, done):
             builder.step_done(req, now, d, st.finished, st.finish_reason)
         t4 = time.perf_counter()
+        for req, st, d in zip(reqs, sts, done):
+            if d:
+                out = loaded.output(req.request_id, [], st, st.finished, st.finish_reason, {})
+                if read_text:
+                    _ = out.text
+        t5 = time.perf_counter()
         if not sb.prefills:  # time steady-state decode iterations only
             phases["schedule"] += t1 - t0
             phases["assemble"] += t2 - t1
             phases["apply"] += t4 - t3
+            phases["outputs"] += t5 - t4
             n += 1
     out = {k: 1e6 * v / iters for k, v in phases.items()}
     out["total"] = sum(out.values())
     return out
+
+
+def _demo_tokenizer_only() -> LoadedModel:
+    """The demo model's tokenizer and config, without its weights."""
+    config = EngineConfig(device="cpu")
+    path = checkpoint_path(config)
+    return LoadedModel.around(config, path, None, read_config(path), torch.device("cpu"),
+                              torch.float32)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,18 +125,19 @@ def run(args: argparse.Namespace) -> int:
         impls = [args.impl]
     results: dict[str, dict[int, dict[str, float]]] = {i: {} for i in impls}
     print(f"{'batch':>6} {'impl':>7} {'schedule':>10} {'assemble':>10} {'apply':>10} "
-          f"{'total us':>10}")
+          f"{'outputs':>10} {'total us':>10}")
     for b in sizes:
         for _ in range(args.rounds):
             for impl in impls:
-                r = measure(b, args.iters, impl, penalized=args.penalized)
+                r = measure(b, args.iters, impl, penalized=args.penalized,
+                            read_text=args.read_text)
                 best = results[impl].get(b)
                 if best is None or r["total"] < best["total"]:
                     results[impl][b] = r
         for impl in impls:
             r = results[impl][b]
             print(f"{b:>6} {impl:>7} {r['schedule']:>10.1f} {r['assemble']:>10.1f} "
-                  f"{r['apply']:>10.1f} {r['total']:>10.1f}")
+                  f"{r['apply']:>10.1f} {r['outputs']:>10.1f} {r['total']:>10.1f}")
     if "cext" not in impls and args.impl == "both":
         print("(the C++ extension sangam._host is not built: Python only)")
     if args.json:
@@ -132,5 +158,7 @@ def register(sub) -> None:
                    help="host implementation(s) to measure (both: cext only when built)")
     p.add_argument("--penalized", type=float, default=0.0,
                    help="share of requests with a frequency penalty (scored again), 0..1")
+    p.add_argument("--read-text", action="store_true",
+                   help="read each output's text in the loop (detokenize at once)")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.set_defaults(func=run)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import random
@@ -212,7 +213,8 @@ class LoadedModel:
         tokens = state.output_token_ids()
         return RequestOutput(
             request_id=request_id, prompt_token_ids=prompt_ids, token_ids=tokens,
-            text=response_text(tokens, state.params, finished, self.decode),
+            make_text=functools.partial(response_text, tokens, state.params, finished,
+                                        self.decode),
             num_forwards=state.num_forwards,
             logprobs=(state.output_logprobs(len(tokens))
                       if state.params.logprobs is not None else None),
