@@ -43,6 +43,10 @@ class LLM:
     def tokenizer(self):
         return self.loaded.tokenizer
 
+    def get_tokenizer(self):
+        """The checkpoint's tokenizer (None without one): vLLM's name for ``tokenizer``."""
+        return self.loaded.tokenizer
+
     def shutdown(self) -> None:
         """Stop the engine's worker processes, if any (also done at interpreter exit)."""
         self.engine.shutdown()

@@ -37,6 +37,7 @@ def test_streams_one_output_per_block_and_matches_llm(engine, dream_path):
                                       for i, p in enumerate(prompts)))
 
     streams = asyncio.run(main())
+    assert asyncio.run(engine.get_tokenizer()) is engine.tokenizer  # vLLM's name
     llm = LLM(dream_path, device="cpu", dtype="float64")
     expected = llm.generate(prompt_token_ids=prompts,
                             sampling_params=[_params(i) for i in range(12)])

@@ -275,6 +275,7 @@ def test_tokenizer_from_another_directory(llada_path, tmp_path):
               trust_remote_code=True)
     out = llm.generate(["hi"], SamplingParams(max_tokens=4, block_length=4, stop_at_eos=False))[0]
     assert out.prompt_token_ids == llm.tokenizer("hi")["input_ids"] and isinstance(out.text, str)
+    assert llm.get_tokenizer() is llm.tokenizer is not None  # vLLM's name
     with pytest.raises(ValueError, match="no tokenizer in"):
         LLM(llada_path, device="cpu", tokenizer=str(tmp_path))
 

@@ -48,6 +48,10 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.loaded.tokenizer
 
+    async def get_tokenizer(self):
+        """The checkpoint's tokenizer (None without one), as vLLM's ``AsyncLLM``."""
+        return self.engine.loaded.tokenizer
+
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None,
                        suffix: str | list[int] | None = None) -> AsyncIterator[RequestOutput]:
