@@ -1,11 +1,14 @@
 """``sangam``: the command line. ``sangam serve [MODEL] [flags]`` runs the OpenAI-compatible
-server; MODEL may be given positionally, as in ``vllm serve``, or as ``--model``."""
+server; MODEL may be given positionally, as in ``vllm serve``, or as ``--model``.
+``sangam chat`` and ``sangam complete`` talk to a running server, as ``vllm chat`` and
+``vllm complete``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from sangam import client
 from sangam.serve.server import add_cli_args, run
 
 
@@ -17,8 +20,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     serve.add_argument("model_tag", nargs="?", metavar="MODEL",
                        help="checkpoint directory (the same as --model)")
     add_cli_args(serve)
+    serve.set_defaults(func=run)
+    chat = sub.add_parser("chat", help="chat with a running server from the terminal",
+                          description="Chat with a running server; each line is a message.")
+    client.add_client_args(chat, "message")
+    chat.add_argument("--system-prompt", default=None, help="a system message to begin with")
+    chat.set_defaults(func=client.chat)
+    complete = sub.add_parser("complete", help="complete prompts with a running server",
+                              description="Complete prompts; each line is a prompt.")
+    client.add_client_args(complete, "prompt")
+    complete.set_defaults(func=client.complete)
     args = parser.parse_args(argv)
-    if args.model_tag is not None:
+    if args.command == "serve" and args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             serve.error(f"two models given: {args.model_tag} and --model {args.model}")
         args.model = args.model_tag
@@ -26,7 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(parse_args(argv))
+    args = parse_args(argv)
+    try:
+        return args.func(args)
+    except client.ServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
