@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO
 
 import httpx
@@ -96,21 +96,15 @@ def chat(args: argparse.Namespace, stdin: IO[str] = sys.stdin, out: IO[str] = sy
 
     def turn(text: str) -> None:
         messages.append({"role": "user", "content": text})
-        reply = _echo(client.stream("/chat/completions",
-                                    {"messages": messages, **_options(args)}), out)
+        try:
+            reply = _echo(client.stream("/chat/completions",
+                                        {"messages": messages, **_options(args)}), out)
+        except ServerError:  # a refused turn is forgotten; the conversation goes on
+            messages.pop()
+            raise
         messages.append({"role": "assistant", "content": reply})
 
-    if args.quick is not None:
-        turn(args.quick)
-        return 0
-    out.write(f"Using model {client.model}. Type a message; Ctrl-D ends.\n")
-    for line in _lines(stdin, out):
-        try:
-            turn(line)
-        except ServerError as e:  # a refused turn is forgotten; the conversation goes on
-            messages.pop()
-            out.write(f"error: {e}\n")
-    return 0
+    return _session(client, turn, args.quick, "message", stdin, out)
 
 
 def complete(args: argparse.Namespace, stdin: IO[str] = sys.stdin,
@@ -121,13 +115,20 @@ def complete(args: argparse.Namespace, stdin: IO[str] = sys.stdin,
     def one(prompt: str) -> None:
         _echo(client.stream("/completions", {"prompt": prompt, **_options(args)}), out)
 
-    if args.quick is not None:
-        one(args.quick)
+    return _session(client, one, args.quick, "prompt", stdin, out)
+
+
+def _session(client: ApiClient, send: Callable[[str], None], quick: str | None, what: str,
+             stdin: IO[str], out: IO[str]) -> int:
+    """``send`` the ``quick`` text alone (its error ends the command), or each line read (an
+    error is shown, and the next line read)."""
+    if quick is not None:
+        send(quick)
         return 0
-    out.write(f"Using model {client.model}. Type a prompt; Ctrl-D ends.\n")
+    out.write(f"Using model {client.model}. Type a {what}; Ctrl-D ends.\n")
     for line in _lines(stdin, out):
         try:
-            one(line)
+            send(line)
         except ServerError as e:
             out.write(f"error: {e}\n")
     return 0

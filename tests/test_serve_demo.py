@@ -65,5 +65,7 @@ def test_sangam_chat_and_complete(demo_server):
     assert first.answer in done.stdout
     bad = _sangam("chat", "--url", url, "--max-tokens", "0", "-q", "hi")
     assert bad.returncode == 1 and "max_tokens" in bad.stderr
+    refused = _sangam("chat", "--url", url, "--max-tokens", "0", stdin="hi\nhello\n")
+    assert refused.returncode == 0 and refused.stdout.count("error: HTTP 400") == 2, refused
     gone = _sangam("chat", "--url", "http://127.0.0.1:9/v1", "-q", "hi")
     assert gone.returncode == 1 and "cannot reach the server" in gone.stderr
