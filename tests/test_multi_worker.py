@@ -19,6 +19,7 @@ from sangam import LLM
 from sangam.config import EngineConfig
 from sangam.decoding import ReferenceDecoder
 from sangam.engine.async_engine import AsyncEngine
+from sangam.engine.engine import tokens_per_forward
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import make_engine
 from sangam.engine.multi.front import MultiWorkerEngine
@@ -95,7 +96,7 @@ def _reference(path, arch):
             ReferenceDecoder(lm.model).run(st)
             tokens = st.output_token_ids()
             top = st.output_top_logprobs(len(tokens)) if params.logprobs else None
-            out[rid] = (tokens, st.num_forwards, _top_ids(top))
+            out[rid] = (tokens, st.num_forwards, _top_ids(top), tokens_per_forward(st))
         _REFERENCES[arch] = out
     return _REFERENCES[arch]
 
@@ -135,8 +136,9 @@ def _top_ids(top):
 
 
 def _outcome(o):
-    """What must not depend on the layout: tokens, forwards, the alternatives' token ids."""
-    return o.token_ids, o.num_forwards, _top_ids(o.top_logprobs)
+    """What must not depend on the layout: tokens, forwards, the alternatives' token ids, the
+    parallelism reported."""
+    return o.token_ids, o.num_forwards, _top_ids(o.top_logprobs), o.metrics["tokens_per_forward"]
 
 
 def _tokens(outs):

@@ -579,16 +579,41 @@ def test_metrics_after_traffic(server, client):
     assert "sangam_kv_pool_pages_used 0.0" in text
 
 
+def test_token_metrics(chat_ckpt):
+    """vLLM's prompt and generation token counters, and the parallelism each finished request
+    got, match what the responses report."""
+    with serve_in_thread(chat_ckpt) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        plain = client.completions.create(model=MODEL, prompt="count me", max_tokens=8,
+                                          extra_body={"stop_at_eos": False})
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "and me"}], max_tokens=12,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"stop_at_eos": False}))
+        usages = [plain.usage, chunks[-1].usage]
+        values = {}
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith("sangam_") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+    assert values["sangam_prompt_tokens_total"] == sum(u.prompt_tokens for u in usages)
+    assert values["sangam_generation_tokens_total"] == 8 + 12
+    assert values["sangam_request_tokens_per_forward_count"] == 2
+    assert values["sangam_request_tokens_per_forward_sum"] == pytest.approx(
+        sum(u.completion_tokens / u.num_forwards for u in usages))
+
+
 def test_stats_are_logged_periodically(server, server_log):
     """--log-stats-interval: a line of throughput, queue and KV use while there is traffic."""
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
     deadline = time.monotonic() + 30
-    while "engine: prefill" not in server_log.read_text():
+    while "engine: generation" not in server_log.read_text():
         assert time.monotonic() < deadline, server_log.read_text()[-2000:]
         client.completions.create(model=MODEL, prompt="keep busy", max_tokens=8)
         time.sleep(0.2)
-    line = next(x for x in server_log.read_text().splitlines() if "engine: prefill" in x)
-    assert "decode" in line and "tok/s" in line and "KV pool" in line and "in flight" in line
+    line = next(x for x in server_log.read_text().splitlines() if "engine: generation" in x)
+    assert "prefill" in line and "decode" in line and "tok/s" in line and "KV pool" in line
+    assert "in flight" in line
 
 
 def test_requests_are_logged(client, server_log):
@@ -620,7 +645,7 @@ def test_stats_line_is_quiet_when_idle(dream_path):
         asyncio.run(one_request())
         line = metrics.stats_line()
         assert line is not None and "0 in flight (0 waiting, 0 seated)" in line
-        assert " 0.0 tok/s" not in line.split(",")[1]  # the decode rate counted the request
+        assert "decode 0.0 tok/s" not in line  # the decode rate counted the request
         assert metrics.stats_line() is None  # nothing since
     finally:
         engine.shutdown()

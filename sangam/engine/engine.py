@@ -108,7 +108,6 @@ def scheduling_request(request_id: str, arrival_time: float, state: DecodeState)
 
 def request_metrics(m: RequestMetrics, state: DecodeState) -> dict:
     """Per-request latency breakdown (seconds) and parallelism, as reported to users."""
-    committed = int((state.tokens[state.prompt_len:state.canvas_end] != state.mask_token_id).sum())
     return {
         "arrival_time": m.arrival_time,
         "e2e_latency": m.e2e_latency,
@@ -116,8 +115,14 @@ def request_metrics(m: RequestMetrics, state: DecodeState) -> dict:
         "queueing_time": m.queueing_time,
         "decode_time": m.decode_time,
         "num_forwards": state.num_forwards,
-        "tokens_per_forward": committed / max(1, state.num_forwards),
+        "tokens_per_forward": tokens_per_forward(state),
     }
+
+
+def tokens_per_forward(state: DecodeState) -> float:
+    """Canvas tokens committed per forward spent: the parallelism diffusion decoding got."""
+    committed = int((state.tokens[state.prompt_len:state.canvas_end] != state.mask_token_id).sum())
+    return committed / max(1, state.num_forwards)
 
 
 class Engine:

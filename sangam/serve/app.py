@@ -365,16 +365,24 @@ class _Server:
             start = time.monotonic()
             logger.info("Received request %s: %d prompt tokens, %s", request_id, len(ids),
                         _clip(repr(params), LOGGED_PARAMS_CHARS))
+        sent: int | None = None  # response tokens counted; None before the first output
         try:
             async with contextlib.aclosing(
                     self.engine.generate(ids, params, request_id, suffix)) as outs:
                 async for out in outs:
+                    if sent is None:  # accepted
+                        m.prompt_tokens.inc(len(out.prompt_token_ids))
+                        sent = 0
+                    m.generation_tokens.inc(max(0, len(out.token_ids) - sent))
+                    sent = max(sent, len(out.token_ids))
                     if out.finished:
                         done = True
                         if out.finish_reason == "abort":
                             m.requests_aborted.inc()
                         else:
                             m.requests_finished.labels(out.finish_reason).inc()
+                            if "tokens_per_forward" in out.metrics:
+                                m.tokens_per_forward.observe(out.metrics["tokens_per_forward"])
                         if log:
                             logger.info("Finished request %s: %s, %d tokens, %d forwards, "
                                         "%.3f s", request_id, out.finish_reason,

@@ -16,6 +16,7 @@ from sangam.engine.engine import Engine
 
 _TOKEN_BUCKETS = tuple(float(2**k) for k in range(15))  # 1 .. 16384 tokens
 _ITERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_PARALLELISM_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
@@ -106,6 +107,16 @@ class ServerMetrics:
         self.requests_rejected = Counter(
             "sangam_requests_rejected", "Requests refused at submission, by reason",
             ["reason"], registry=r)
+        # Tokens in and out, as vLLM's prompt/generation counters (the prefill and decode
+        # counters below are the work the forwards did, which re-prefills make larger).
+        self.prompt_tokens = Counter("sangam_prompt_tokens", "Prompt tokens of accepted requests",
+                                     registry=r)
+        self.generation_tokens = Counter("sangam_generation_tokens",
+                                         "Response tokens sent (committed blocks)", registry=r)
+        self.tokens_per_forward = Histogram(
+            "sangam_request_tokens_per_forward",
+            "Tokens a finished request committed per forward it took (diffusion parallelism)",
+            buckets=_PARALLELISM_BUCKETS, registry=r)
         self._iter_prefill = Counter("sangam_prefill_tokens", "Prefill (refresh) tokens run",
                                      registry=r)
         self._iter_decode = Counter("sangam_decode_tokens", "Cached-step tokens run", registry=r)
@@ -161,13 +172,15 @@ class ServerMetrics:
         queue = (f" ({int(gauges['sangam_requests_waiting'])} waiting, "
                  f"{int(gauges['sangam_requests_seated'])} seated)"
                  if "sangam_requests_waiting" in gauges else "")
-        return (f"prefill {rate['prefill']:.1f} tok/s, decode {rate['decode']:.1f} tok/s, "
+        return (f"generation {rate['generation']:.1f} tok/s (forwards: prefill "
+                f"{rate['prefill']:.1f} tok/s, decode {rate['decode']:.1f} tok/s), "
                 f"{rate['finished']:.2f} req/s finished; {in_flight} in flight{queue}; "
                 f"KV pool {100 * gauges['sangam_kv_pool_usage_ratio']:.1f}% used")
 
     def _totals(self) -> dict[str, float]:
         """The counters the log line reports as rates."""
         return {"prefill": _total(self._iter_prefill), "decode": _total(self._iter_decode),
+                "generation": _total(self.generation_tokens),
                 "finished": _total(self.requests_finished)}
 
     def render(self) -> bytes:

@@ -53,7 +53,7 @@ import zmq
 
 from sangam.config import EngineConfig
 from sangam.decoding.state import DecodeState
-from sangam.engine.engine import EngineStats, RequestRejected, new_request
+from sangam.engine.engine import EngineStats, RequestRejected, new_request, tokens_per_forward
 from sangam.engine.loaded_model import LoadedModel, checkpoint_path
 from sangam.engine.multi import launcher
 from sangam.engine.multi import messages as msg
@@ -551,7 +551,8 @@ class MultiWorkerEngine:
     def _output(self, e: _Entry, finished: bool, reason: str | None) -> RequestOutput:
         return self.loaded.output(e.request.request_id, e.prompt_ids, e.state, finished, reason,
                                   {"kv_bytes": e.kv_bytes, "kv_transfers": e.kv_transfers,
-                                   "restarts": e.restarts})
+                                   "restarts": e.restarts,
+                                   "tokens_per_forward": tokens_per_forward(e.state)})
 
     # Failures.
     def _check_workers(self) -> None:
