@@ -995,3 +995,6 @@ def test_every_config_field_is_a_flag():
     config = EngineConfig.from_cli_args(args)
     assert (config.max_batch_size, config.gpu_memory_fraction, config.tokenizer) == (
         8, 0.5, "/tok")
+    server = ServerConfig.from_cli_args(parser.parse_args(
+        ["--disable-log-stats", "--uvicorn-log-level", "debug"]))
+    assert (server.log_stats_interval, server.log_level) == (0.0, "debug")

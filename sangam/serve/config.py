@@ -15,8 +15,9 @@ from sangam.serve.tool_calls import TOOL_CALL_PARSERS, make_tool_parser
 DEMO_MODEL_NAME = "sangam-demo"
 
 
-def _meta(help_: str, **kw) -> dict:
-    return {"help": help_, **kw}
+def _meta(help_: str, aliases: tuple[str, ...] = (), **kw) -> dict:
+    # aliases: vLLM's names of the same flag, so vLLM command lines run.
+    return {"help": help_, "aliases": aliases, **kw}
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class ServerConfig:
         "On SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are "
         "aborted"))
     log_level: str = field(default="info", metadata=_meta(
-        "Log level", choices=("critical", "error", "warning", "info", "debug")))
+        "Log level", choices=("critical", "error", "warning", "info", "debug"),
+        aliases=("--uvicorn-log-level",)))
     log_stats_interval: float = field(default=10.0, metadata=_meta(
         "Seconds between log lines of engine stats (throughput, queue, KV pool use); 0: none"))
     enable_log_requests: bool = field(default=False, metadata=_meta(
@@ -135,6 +137,7 @@ class ServerConfig:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
             kw = dict(f.metadata)
+            aliases = kw.pop("aliases")
             if isinstance(f.default, bool):
                 kw["action"] = argparse.BooleanOptionalAction
             elif isinstance(f.default, (int, float)):
@@ -143,8 +146,11 @@ class ServerConfig:
                 kw["type"] = int
             elif f.name == "threshold":
                 kw["type"] = float
-            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default,
-                                **kw)
+            parser.add_argument("--" + f.name.replace("_", "-"), *aliases, dest=f.name,
+                                default=f.default, **kw)
+        parser.add_argument("--disable-log-stats", dest="log_stats_interval",
+                            action="store_const", const=0.0,
+                            help="No periodic stats lines: --log-stats-interval 0 (vLLM's flag)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
