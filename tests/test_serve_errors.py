@@ -80,7 +80,7 @@ def _assert_error(r: httpx.Response, status: int) -> dict:
     return err
 
 
-CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+CMPL, CHAT, RESP = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 USER = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 BAD_REQUESTS = [
@@ -161,6 +161,13 @@ BAD_REQUESTS = [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]},
      400, "not JSON"),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_tokens"),
+    (RESP, {"input": "hi", "tools": [{"type": "function", "name": "f"}]}, 400,
+     "--enable-auto-tool-choice"),
+    (RESP, {"input": "hi", "max_output_tokens": 0}, 400, "max_tokens"),
+    (RESP, {"input": [{"type": "shell_call"}]}, 400, "expected tags"),
+    (RESP, {"input": []}, 400, "empty"),
+    (RESP, {"input": "z" * CONTEXT}, 400, "context"),
+    (RESP, {"input": "hi", "model": "gpt-4"}, 404, "does not exist"),
     (CHAT, {"messages": [{"role": "user", "content": "z" * CONTEXT}]}, 400, "context"),
 ]
 
@@ -286,6 +293,7 @@ _valid = {  # plausible values for every field; the fuzz then spoils some of the
     "prompt": st.text(min_size=1, max_size=12) | st.lists(
         st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=6),
     "messages": st.lists(_message, min_size=1, max_size=3),
+    "input": st.text(max_size=12) | st.lists(_message, max_size=3),
 }
 _optional = {
     "model": st.just(MODEL),
@@ -347,7 +355,8 @@ _payloads = _bodies | _bodies | _bodies | _json.map(lambda v: json.dumps(v).enco
 
 @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)), deadline=None,
           suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from([CMPL, CHAT, "/tokenize", "/detokenize"]), payload=_payloads)
+@given(path=st.sampled_from([CMPL, CHAT, RESP, "/tokenize", "/detokenize"]),
+       payload=_payloads)
 def test_fuzz_never_5xx(http, path, payload):
     r = _post(http, path, payload)
     event(f"status {r.status_code}")  # the mix shows with --hypothesis-show-statistics

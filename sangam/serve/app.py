@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an ``AsyncEngine`` (DESIGN.md §3).
 
 ``build_app(engine, config)`` returns the FastAPI app: ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``POST /v1/chat/completions``, ``POST /v1/responses``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
 
 A request's life: validate (400 before any work), submit every prompt and wait for each one's
 first committed block (the engine refuses a bad request at once: 400, or 503 when the queue is
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import secrets
 import time
@@ -73,6 +75,7 @@ from sangam.serve.protocol import (
     TokenizeResponse,
     ToolCall,
 )
+from sangam.serve.responses import ResponseBuilder, ResponsesRequest
 from sangam.serve.tool_calls import HermesToolParser, ParsedCall, ToolCallStream, make_tool_parser
 
 logger = logging.getLogger(__name__)
@@ -80,6 +83,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Stream = tuple[AsyncGenerator[RequestOutput, None], RequestOutput]  # (generator, first output)
 Chunk = CompletionResponse | ChatCompletionChunk  # a streamed response's events
+GenerationRequest = CompletionRequest | ChatCompletionRequest | ResponsesRequest
 
 RETRY_AFTER_S = 1  # a full queue drains at the pace of whole requests: retry soon
 METRICS_INGEST_PERIOD_S = 1.0
@@ -231,13 +235,14 @@ class _Server:
             raise ApiError(404, f"the model '{model}' does not exist; this server serves "
                            f"'{self.model_name}'", param="model", code="model_not_found")
 
-    def check(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    def check(self, body: GenerationRequest) -> SamplingParams:
         self.check_model(body.model)
         unsupported = body.unsupported_fields()
         if unsupported:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
-                           "does not implement best_of, response_format or a tool_choice other "
-                           "than auto and none (they need constrained decoding)",
+                           "does not implement best_of, response_format (or text.format), "
+                           "previous_response_id (it stores nothing), n > 1 in /v1/responses, "
+                           "or a tool_choice other than auto and none (constrained decoding)",
                            param=unsupported[0], code="unsupported_parameter")
         try:
             return self.config.default_params(self.loaded.generation_defaults,
@@ -245,7 +250,8 @@ class _Server:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
-    def tool_parser_for(self, body: ChatCompletionRequest) -> HermesToolParser | None:
+    def tool_parser_for(self, body: ChatCompletionRequest | ResponsesRequest
+                        ) -> HermesToolParser | None:
         """The parser of the tool calls in this request's responses; None: no tools to call."""
         try:
             calls_tools = body.calls_tools()
@@ -259,18 +265,17 @@ class _Server:
                            'send tool_choice "none"', param="tool_choice")
         return self.tool_parser
 
-    def request_id(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                   prefix: str) -> str:
-        """``prefix-BASE``: BASE is the request's X-Request-Id header, else its body's
+    def request_id(self, request: Request, body: GenerationRequest, prefix: str) -> str:
+        """``prefix`` + BASE: BASE is the request's X-Request-Id header, else its body's
         request_id (as vLLM), else random. Engine ids derive from it, so while one request
         runs another with the same id is refused."""
         base = request.headers.get("x-request-id") or body.request_id
         if base is None:
-            return f"{prefix}-{uuid.uuid4().hex}"
+            return f"{prefix}{uuid.uuid4().hex}"
         if not 0 < len(base) <= MAX_REQUEST_ID_CHARS or not base.isprintable():
             raise ApiError(400, f"a request id (X-Request-Id, request_id) is 1 to "
                            f"{MAX_REQUEST_ID_CHARS} printable characters", param="request_id")
-        return f"{prefix}-{base}"
+        return f"{prefix}{base}"
 
     def id_headers(self, request_id: str) -> dict[str, str]:
         return {"X-Request-Id": request_id} if self.config.enable_request_id_headers else {}
@@ -497,6 +502,21 @@ class _Server:
         outs = await _unless_disconnected(request, _collect(streams))
         return JSONResponse(whole(outs).model_dump(), headers=headers)
 
+    async def response_events(self, streams: list[Stream], builder: ResponseBuilder
+                              ) -> AsyncGenerator[str, None]:
+        """SSE of the Responses API: named events, one text delta per committed block."""
+        for event in builder.start():
+            yield _named_sse(event)
+        delta = Delta(self.token_pieces)
+        try:
+            async with contextlib.aclosing(_merge(streams)) as merged:
+                async for _, out in merged:
+                    for event in builder.advance(delta.advance(out).text, out):
+                        yield _named_sse(event)
+        except Exception as e:  # the status line is long gone: report in-band, then end
+            logger.exception("stream %s failed", builder.id)
+            yield _named_sse(builder.error(f"generation failed: {e}"))
+
     async def events(self, streams: list[Stream], request_id: str, n: int,
                      options: StreamOptions | None, chunk_type: type[Chunk],
                      choice: Callable[[int, bool, Step, str | None], BaseModel]
@@ -598,7 +618,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         prompts = srv.completion_prompts(body.prompt)
         # echo: each choice's text begins with its prompt's (in its first chunk, streamed).
         echoed = [srv.prompt_text(p) if body.echo else "" for p in prompts]
-        request_id = srv.request_id(request, body, "cmpl")
+        request_id = srv.request_id(request, body, "cmpl-")
         n = body.n or 1
         suffix = srv.suffix_ids(body.suffix)
         streams = await _unless_disconnected(request, srv.open(
@@ -620,7 +640,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         params = srv.check(body)
         tools = srv.tool_parser_for(body)
         prompt = srv.chat_prompt(body.messages, body)
-        request_id = srv.request_id(request, body, "chatcmpl")
+        request_id = srv.request_id(request, body, "chatcmpl-")
         n = body.n or 1
         streams = await _unless_disconnected(request, srv.open([prompt], params, n, request_id))
         # Streamed, each choice's tool calls are parsed as its text grows.
@@ -644,7 +664,26 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
             request, body, streams, request_id, ChatCompletionChunk, choice,
             lambda outs: srv.chat_response(request_id, outs, tools, body.parallel_tool_calls))
 
+    @app.post("/v1/responses", response_model=None)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        params = srv.check(body)
+        tools = srv.tool_parser_for(body)
+        prompt = srv.chat_prompt(body.messages(), body.template_options())
+        response_id = srv.request_id(request, body, "resp_")
+        streams = await _unless_disconnected(request, srv.open([prompt], params, 1,
+                                                                response_id))
+        builder = ResponseBuilder(response_id, srv.model_name, body, tools)
+        headers = srv.id_headers(response_id)
+        if body.stream:
+            return _EventStream(srv.response_events(streams, builder), streams, headers)
+        out = (await _unless_disconnected(request, _collect(streams)))[0]
+        return JSONResponse(builder.final(out.text or "", out).model_dump(), headers=headers)
+
     return app
+
+
+def _named_sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
 def _function(call: ParsedCall) -> FunctionCall:

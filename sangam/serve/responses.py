@@ -1,0 +1,349 @@
+"""OpenAI's Responses API (``POST /v1/responses``), stateless, over the chat path.
+
+A request's ``instructions`` and ``input`` (a text, or message, ``function_call`` and
+``function_call_output`` items) become chat messages through the chat template; its function
+tools are the template's tools and, with ``--enable-auto-tool-choice``, the calls the model
+writes come back as ``function_call`` output items. Nothing is stored, as with ``store: false``
+(vLLM's default): ``previous_response_id`` is refused. Streamed, the response is OpenAI's
+sequence of events: created, in progress, the message's item and text part, one text delta per
+committed block, then the closing events of each item and ``response.completed`` (or
+``response.incomplete`` when ``max_output_tokens`` cut it or it was aborted, with status
+``cancelled`` then).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Discriminator, Field, Tag
+
+from sangam.sampling_params import RequestOutput
+from sangam.serve.protocol import (
+    _REQUEST_CONFIG,
+    ChatMessage,
+    ChatTemplateOptions,
+    ChatTool,
+    FunctionCall,
+    FunctionDefinition,
+    ToolCall,
+    _GenerationRequest,
+)
+from sangam.serve.tool_calls import HermesToolParser, ParsedCall, ToolCallStream
+
+# Request.
+
+
+class InputText(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["input_text", "output_text"]  # output_text: an earlier reply sent back
+    text: str
+
+
+class InputMessage(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(
+            part.text for part in self.content)
+
+
+class FunctionCallItem(BaseModel):
+    """A call the model made earlier, sent back with its output."""
+
+    model_config = _REQUEST_CONFIG
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class FunctionTool(BaseModel):
+    """The Responses API's function tool: the chat API's, flattened."""
+
+    model_config = _REQUEST_CONFIG
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+def _item_type(item: Any) -> str:
+    """An input item's kind; a message may leave its type out."""
+    return (item.get("type", "message") if isinstance(item, dict)
+            else getattr(item, "type", "message"))
+
+
+# Validated by kind, so that an error names the item's own fields.
+InputItem = Annotated[Annotated[InputMessage, Tag("message")]
+                      | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                      Discriminator(_item_type)]
+
+
+class ResponsesRequest(_GenerationRequest):
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    store: bool = True  # accepted; nothing is ever stored
+    previous_response_id: str | None = None
+    text: dict | None = None
+    reasoning: dict | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        """Fields set to a value whose behaviour Sangam does not implement."""
+        text_format = (self.text or {}).get("format", {"type": "text"})
+        return [name for name, is_bad in (
+            ("previous_response_id", self.previous_response_id is not None),
+            ("text", text_format != {"type": "text"}),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto")),
+            ("n", self.n not in (None, 1))) if is_bad]
+
+    def sampling_overrides(self) -> dict[str, object]:
+        overrides = super().sampling_overrides()
+        if self.max_output_tokens is not None:
+            overrides["max_tokens"] = self.max_output_tokens
+        return overrides
+
+    def calls_tools(self) -> bool:
+        """Whether the response is to be parsed for tool calls."""
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def messages(self) -> list[ChatMessage]:
+        """The conversation the chat template renders: instructions first, as a system
+        message; a model's function calls and their outputs as assistant and tool messages."""
+        items = ([InputMessage(role="user", content=self.input)] if isinstance(self.input, str)
+                 else self.input)
+        messages = ([ChatMessage(role="system", content=self.instructions)]
+                    if self.instructions else [])
+        for item in items:
+            if isinstance(item, InputMessage):
+                messages.append(ChatMessage(role=item.role, content=item.text()))
+            elif isinstance(item, FunctionCallItem):
+                call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
+                                                                       arguments=item.arguments))
+                if messages and messages[-1].role == "assistant" and messages[-1].tool_calls:
+                    messages[-1].tool_calls.append(call)  # parallel calls: one turn
+                else:
+                    messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+            else:
+                messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
+                                            content=item.output))
+        return messages
+
+    def template_options(self) -> ChatTemplateOptions:
+        tools = [ChatTool(type="function", function=FunctionDefinition(
+            name=t.name, description=t.description, parameters=t.parameters))
+            for t in self.tools] if self.tools else None
+        return ChatTemplateOptions(tools=tools)
+
+
+# Response.
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class FunctionCallOutput(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["completed"] = "completed"
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict = Field(default_factory=lambda: {"cached_tokens": 0})
+    output_tokens_details: dict = Field(default_factory=lambda: {"reasoning_tokens": 0})
+    num_forwards: int  # Sangam: model forwards spent
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    model: str
+    status: Literal["in_progress", "completed", "incomplete", "cancelled"]
+    incomplete_details: dict | None = None
+    error: dict | None = None
+    instructions: str | None
+    output: list[OutputMessage | FunctionCallOutput]
+    parallel_tool_calls: bool
+    tool_choice: str | dict
+    tools: list[dict]
+    temperature: float | None
+    top_p: float | None
+    max_output_tokens: int | None
+    text: dict = Field(default_factory=lambda: {"format": {"type": "text"}})
+    usage: ResponseUsage | None = None
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseBuilder:
+    """One request's Response object: whole (``final``), or as events (``events``)."""
+
+    def __init__(self, response_id: str, model: str, body: ResponsesRequest,
+                 tools: HermesToolParser | None):
+        self.id = response_id
+        self.model = model
+        self.body = body
+        self.tools = tools
+        self.created_at = int(time.time())
+        self.message_id = _new_id("msg")
+        self.sequence = 0
+        self.sent = ""  # text sent in deltas
+        self.message_open = False
+        self._where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        self.calls = ToolCallStream(tools, body.parallel_tool_calls) if tools else None
+
+    def _response(self, status: str, output: list, out: RequestOutput | None) -> ResponseObject:
+        body = self.body
+        usage = None if out is None else ResponseUsage(
+            input_tokens=len(out.prompt_token_ids), output_tokens=len(out.token_ids),
+            total_tokens=len(out.prompt_token_ids) + len(out.token_ids),
+            num_forwards=out.num_forwards)
+        incomplete = ({"reason": "max_output_tokens"}
+                      if status == "incomplete" and out is not None
+                      and out.finish_reason == "length" else None)
+        return ResponseObject(
+            id=self.id, created_at=self.created_at, model=self.model, status=status,
+            incomplete_details=incomplete, instructions=body.instructions, output=output,
+            parallel_tool_calls=body.parallel_tool_calls,
+            tool_choice=body.tool_choice or ("auto" if body.tools else "none"),
+            tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
+            temperature=body.temperature, top_p=body.top_p,
+            max_output_tokens=body.max_output_tokens, usage=usage)
+
+    def _output(self, text: str, calls: tuple[ParsedCall, ...], status: str) -> list:
+        """The output items: the message (unless only calls were written), then the calls."""
+        items: list = []
+        if text or not calls:
+            items.append(OutputMessage(id=self.message_id, status=status,
+                                       content=[OutputText(text=text)]))
+        items += [FunctionCallOutput(id=_new_id("fc"), call_id=ParsedCall.new_id(),
+                                     name=c.name, arguments=c.arguments) for c in calls]
+        return items
+
+    @staticmethod
+    def _status(out: RequestOutput, called: bool) -> str:
+        """Completed, unless aborted or cut short; a response that called tools is complete
+        (as the chat API's finish_reason is then "tool_calls")."""
+        if out.finish_reason == "abort":
+            return "cancelled"
+        return "incomplete" if out.finish_reason == "length" and not called else "completed"
+
+    def final(self, text: str, out: RequestOutput) -> ResponseObject:
+        """The whole response, from the finished output and its text."""
+        content, calls = text, ()
+        if self.tools is not None:
+            parsed = self.tools.parse(text, self.body.parallel_tool_calls)
+            content, calls = (parsed.content or "", parsed.calls) if parsed.calls else (text, ())
+        status = self._status(out, bool(calls))
+        return self._response(status, self._output(content, calls, _item_status(status)), out)
+
+    # Streaming.
+    def error(self, message: str) -> dict:
+        """The event that ends a stream which failed after it began."""
+        return self._event("error", code="server_error", message=message, param=None)
+
+    def _event(self, type_: str, **fields: Any) -> dict:
+        event = {"type": type_, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return event
+
+    def start(self) -> list[dict]:
+        """The events before any output: the response created, and in progress."""
+        pending = self._response("in_progress", [], None).model_dump()
+        return [self._event("response.created", response=pending),
+                self._event("response.in_progress", response=pending)]
+
+    def _open_message(self) -> list[dict]:
+        self.message_open = True
+        message = OutputMessage(id=self.message_id, status="in_progress", content=[])
+        return [self._event("response.output_item.added", output_index=0,
+                            item=message.model_dump()),
+                self._event("response.content_part.added", **self._where,
+                            part=OutputText(text="").model_dump())]
+
+    def advance(self, new_text: str, out: RequestOutput) -> list[dict]:
+        """The events of one output that adds ``new_text``: its text delta (the message item
+        opens before the first), and when the output is the last, every closing event. The
+        items are those ``final`` gives: the message unless only calls were written, then
+        one item per call."""
+        delta, calls = ((new_text, ()) if self.calls is None
+                        else self.calls.advance(new_text, out.finished))
+        events = []
+        if delta:
+            if not self.message_open:
+                events += self._open_message()
+            events.append(self._event("response.output_text.delta", **self._where, delta=delta,
+                                      logprobs=[]))
+            self.sent += delta
+        if not out.finished:
+            return events
+        status = self._status(out, bool(calls))
+        output = self._output(self.sent, calls, _item_status(status))
+        if isinstance(output[0], OutputMessage):
+            if not self.message_open:
+                events += self._open_message()
+            events += [
+                self._event("response.output_text.done", **self._where, text=self.sent,
+                            logprobs=[]),
+                self._event("response.content_part.done", **self._where,
+                            part=OutputText(text=self.sent).model_dump()),
+                self._event("response.output_item.done", output_index=0,
+                            item=output[0].model_dump())]
+        for index, item in enumerate(output):
+            if isinstance(item, FunctionCallOutput):
+                opened = item.model_copy(update={"arguments": ""}).model_dump()
+                events += [
+                    self._event("response.output_item.added", output_index=index, item=opened),
+                    self._event("response.function_call_arguments.done", item_id=item.id,
+                                output_index=index, arguments=item.arguments),
+                    self._event("response.output_item.done", output_index=index,
+                                item=item.model_dump())]
+        final = self._response(status, output, out).model_dump()
+        # There is no cancelled event: an aborted response ends as incomplete ones do.
+        end = "response.completed" if status == "completed" else "response.incomplete"
+        events.append(self._event(end, response=final))
+        return events
+
+
+def _item_status(status: str) -> str:
+    """An output item's status in a response of ``status``."""
+    return "completed" if status == "completed" else "incomplete"
