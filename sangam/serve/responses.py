@@ -229,7 +229,8 @@ class ResponseBuilder:
         self.sent = ""  # text sent in deltas
         self.message_open = False
         self._where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        self.calls = ToolCallStream(tools, body.parallel_tool_calls) if tools else None
+        self.calls = (ToolCallStream(tools, body.parallel_tool_calls) if tools is not None
+                      else None)
 
     def _response(self, status: str, output: list, out: RequestOutput | None) -> ResponseObject:
         body = self.body
