@@ -932,7 +932,10 @@ def test_tool_calls_in_responses(tool_server, monkeypatch):
     tool_calls, the text before them as content; streamed, they add up to the same."""
     from sangam.engine.loaded_model import LoadedModel
 
+    skips = []  # each decode's skip_special_tokens
+
     def scripted(self, token_ids, skip_special_tokens=True):  # the text grows with the tokens
+        skips.append(skip_special_tokens)
         return SCRIPTED[:len(SCRIPTED) * len(token_ids) // 16]
 
     monkeypatch.setattr(LoadedModel, "decode", scripted)
@@ -940,6 +943,12 @@ def test_tool_calls_in_responses(tool_server, monkeypatch):
     ask = dict(model=MODEL, messages=TOOL_TURNS[:1], tools=[WEATHER], max_tokens=16,
                extra_body={"stop_at_eos": False})
     res = client.chat.completions.create(**ask, n=2)
+    # As vLLM: the parser's tags may be special tokens, so the text keeps special tokens...
+    assert set(skips) == {False}
+    skips.clear()
+    client.chat.completions.create(**{**ask, "extra_body": {"stop_at_eos": False,
+                                                            "skip_special_tokens": True}})
+    assert set(skips) == {True}  # ...unless the request says otherwise
     for choice in res.choices:
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content == "Checking."

@@ -250,9 +250,19 @@ class _Server:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
-    def tool_parser_for(self, body: ChatCompletionRequest | ResponsesRequest
-                        ) -> HermesToolParser | None:
-        """The parser of the tool calls in this request's responses; None: no tools to call."""
+    def check_with_tools(self, body: ChatCompletionRequest | ResponsesRequest
+                         ) -> tuple[SamplingParams, HermesToolParser | None]:
+        """``check``, plus the parser of the tool calls in the responses (None: no tools to
+        call). As in vLLM, a request whose calls are parsed keeps special tokens in its text
+        unless it says otherwise: the tags a parser reads may be special tokens."""
+        params = self.check(body)
+        tools = self._tool_parser_for(body)
+        if tools is not None and body.skip_special_tokens is None:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return params, tools
+
+    def _tool_parser_for(self, body: ChatCompletionRequest | ResponsesRequest
+                         ) -> HermesToolParser | None:
         try:
             calls_tools = body.calls_tools()
         except ValueError as e:
@@ -637,8 +647,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        params = srv.check(body)
-        tools = srv.tool_parser_for(body)
+        params, tools = srv.check_with_tools(body)
         prompt = srv.chat_prompt(body.messages, body)
         request_id = srv.request_id(request, body, "chatcmpl-")
         n = body.n or 1
@@ -666,8 +675,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/responses", response_model=None)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        params = srv.check(body)
-        tools = srv.tool_parser_for(body)
+        params, tools = srv.check_with_tools(body)
         prompt = srv.chat_prompt(body.messages(), body.template_options())
         response_id = srv.request_id(request, body, "resp_")
         streams = await _unless_disconnected(request, srv.open([prompt], params, 1,
