@@ -72,12 +72,19 @@ class LLM:
                 engine.abort_request(rid)
             raise
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(rids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            while len(done) < len(rids):
-                for out in engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update()
+        pending = set(rids)
+        try:
+            with tqdm(total=len(rids), desc="Generating", unit="req",
+                      disable=not use_tqdm) as bar:
+                while pending:
+                    for out in engine.step():
+                        if out.finished and out.request_id in pending:
+                            done[out.request_id] = out
+                            pending.discard(out.request_id)
+                            bar.update()
+        finally:  # interrupted (Ctrl-C in a notebook...): what is left must not linger
+            for rid in pending:
+                engine.abort_request(rid)
         return [done[rid] for rid in rids]
 
     def chat(self, messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
@@ -85,7 +92,8 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate the assistant's turn of one conversation (a list of ``{"role", "content"}``
         messages) or of several (a list of such lists), through the tokenizer's chat template,
         as the server's /v1/chat/completions does. ``chat_template`` (a Jinja template, or a
@@ -100,7 +108,8 @@ class LLM:
         ids = [self.loaded.encode_chat(list(c), template, add_generation_prompt,
                                        continue_final_message, chat_template_kwargs, tools)
                for c in conversations]
-        return self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
+        return self.generate(sampling_params=sampling_params, prompt_token_ids=ids,
+                             use_tqdm=use_tqdm)
 
     def _inputs(self, prompts, prompt_token_ids) -> list[tuple[list[int], list[int]]]:
         """(prompt ids, suffix ids) of each prompt."""

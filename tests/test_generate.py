@@ -245,6 +245,31 @@ def test_vllm_prompt_dicts_and_progress_bar(llms, capsys):
             llm.generate([bad])
 
 
+def test_an_interrupted_generate_leaves_nothing_behind(llms, monkeypatch):
+    """Ctrl-C during generate (KeyboardInterrupt out of a step) aborts its requests: their
+    pages come back, and the next generate returns its own outputs, in full."""
+    llm = llms["llada"]
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, block_length=4, stop_at_eos=False)
+    want = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    step, calls = engine.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    monkeypatch.setattr(engine, "step", step)
+    assert not engine.has_unfinished_requests()
+    assert engine.pool.allocator.num_used == 0
+    again = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)
+    assert [o.token_ids for o in again] == [want[0].token_ids]
+
+
 def test_input_validation(llms):
     llm = llms["llada"]
     with pytest.raises(ValueError, match="empty"):
