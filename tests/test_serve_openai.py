@@ -160,11 +160,6 @@ def test_tokenize_and_detokenize(server, llm):
     assert httpx.get(f"{server}/version").json() == {"version": __version__}
 
 
-def test_models(client):
-    models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
-
-
 def test_completion_matches_llm(client, llm):
     opts = dict(block_length=4, unmasking="factor", factor=1.0, cache="prefix", stop_at_eos=False)
     res = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=10, seed=5,
@@ -563,6 +558,15 @@ def test_concurrent_streams_match_llm(aclient, llm):
         assert all(len(c.token_ids) == opts["block_length"] for c in chunks[:-1])
         if not opts["stop_at_eos"]:
             assert len(chunks) == -(-opts["max_tokens"] // opts["block_length"])
+
+
+def test_models(client):
+    """/v1/models lists the model; /v1/models/{id} (OpenAI's retrieve) shows it, or 404s."""
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
 
 
 def test_metrics_after_traffic(server, client):

@@ -229,6 +229,9 @@ class _Server:
         self.tool_parser = (make_tool_parser(config.tool_call_parser)
                             if config.enable_auto_tool_choice else None)
 
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, max_model_len=self.loaded.context_length)
+
     # Validation (all before any work is submitted).
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -619,8 +622,12 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=srv.model_name,
-                                         max_model_len=srv.loaded.context_length)])
+        return ModelList(data=[srv.model_card()])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        srv.check_model(model)
+        return srv.model_card()
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
