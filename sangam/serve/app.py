@@ -36,7 +36,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sangam import __version__
 from sangam.engine.async_engine import AsyncEngine
 from sangam.engine.engine import QueueFull, RequestRejected
-from sangam.models.tokenizer import load_chat_template
 from sangam.sampling_params import RequestOutput, SamplingParams
 from sangam.serve.chunks import (
     Delta,
@@ -224,8 +223,6 @@ class _Server:
         self.model_name = config.model_name(engine.config.model)
         self.metrics = ServerMetrics(engine)
         self.in_flight: set[str] = set()  # engine request ids of open generators
-        self.chat_template = (load_chat_template(config.chat_template)
-                              if config.chat_template is not None else None)
         self.tool_parser = (make_tool_parser(config.tool_call_parser)
                             if config.enable_auto_tool_choice else None)
 
@@ -335,7 +332,7 @@ class _Server:
         self._tokenizer("chat (it needs a chat template)")
         try:
             return self.loaded.encode_chat(
-                [m.for_template() for m in messages], self.chat_template,
+                [m.for_template() for m in messages], self.config.chat_template_text,
                 options.add_generation_prompt, options.continue_final_message,
                 options.chat_template_kwargs, options.tool_dicts())
         except ValueError as e:

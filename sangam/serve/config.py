@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -99,12 +100,16 @@ class ServerConfig:
                 raise ValueError(f"ServerConfig: {name}: no such file: {path}")
         self.origins()  # raises ValueError for a malformed list, at startup
         self.default_params()  # raises ValueError for bad defaults, at startup
-        if self.chat_template is not None:
-            load_chat_template(self.chat_template)
+        _ = self.chat_template_text  # read now: a missing file or broken template raises
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("ServerConfig: enable_auto_tool_choice needs tool_call_parser")
         if self.tool_call_parser is not None:
             make_tool_parser(self.tool_call_parser)
+
+    @functools.cached_property
+    def chat_template_text(self) -> str | None:
+        """The --chat-template's Jinja text (read from its file, if it names one), once."""
+        return None if self.chat_template is None else load_chat_template(self.chat_template)
 
     def default_params(self, checkpoint_defaults: dict | None = None,
                        **overrides) -> SamplingParams:
