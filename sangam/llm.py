@@ -43,6 +43,11 @@ class LLM:
     def tokenizer(self):
         return self.loaded.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams gets: the checkpoint's generation_config.json
+        defaults over SamplingParams' own (vLLM's name)."""
+        return self.loaded.default_params()
+
     def get_tokenizer(self):
         """The checkpoint's tokenizer (None without one): vLLM's name for ``tokenizer``."""
         return self.loaded.tokenizer
@@ -138,7 +143,7 @@ class LLM:
 
     def _params(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:  # the checkpoint's generation_config.json, if any
-            return [self.loaded.default_params()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         sampling_params = list(sampling_params)

@@ -375,6 +375,8 @@ def test_checkpoint_generation_config_sets_defaults(llada_path, tmp_path):
     out = llm.generate(prompt_token_ids=[[5, 6]])[0]
     assert len(out.token_ids) <= 6 and out.num_forwards <= 6
     assert llm.loaded.default_params(max_tokens=9).block_length == 2
+    defaults = llm.get_default_sampling_params()  # vLLM's name
+    assert (defaults.max_tokens, defaults.block_length) == (6, 2)
     (path / "generation_config.json").write_text(json.dumps({"block_length": 0}))
     with pytest.raises(ValueError, match="block_length"):
         LLM(str(path), device="cpu")
