@@ -1,6 +1,8 @@
 """The batched engine reproduces the single-request reference exactly (float64, CPU)."""
 
+import dataclasses
 import random
+import types
 
 import pytest
 import torch
@@ -193,6 +195,33 @@ def test_padded_decode_batches_match_reference(loaded, arch):
     engine.runner.graphs = graphs
     _assert_same(_run_staggered(engine, reqs, seed=4), _reference(lm, reqs))
     assert graphs.runs > 5, graphs.runs
+
+
+def test_failed_graph_capture_falls_back_to_eager(loaded, monkeypatch, caplog):
+    """A capture that fails (graphs have never run on this machine's GPU kind) leaves the
+    engine eager, which computes the same tokens, with a warning that says why."""
+    from sangam.engine import engine as engine_module
+
+    tries = []
+
+    def failing(*args, **kwargs):
+        tries.append(args)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(engine_module, "DecodeGraphRunner", failing)
+    lm = loaded["llada"]
+    on_gpu = types.SimpleNamespace(  # what decode_graphs reads of a model loaded on a GPU
+        model=types.SimpleNamespace(attention_backend=types.SimpleNamespace(name="triton")),
+        device=torch.device("cuda"), context_length=lm.context_length,
+        default_params=lm.default_params)
+    config = EngineConfig(model=lm.path, page_size=4, num_pages=8)
+    pool = types.SimpleNamespace(kv=None)
+    with caplog.at_level("WARNING"):
+        assert engine_module.decode_graphs(config, on_gpu, pool) is None
+    assert "CUDA graph capture failed" in caplog.text and "not permitted" in caplog.text
+    assert len(tries) == 1
+    eager = dataclasses.replace(config, enforce_eager=True)
+    assert engine_module.decode_graphs(eager, on_gpu, pool) is None and len(tries) == 1
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ then go back to the builder (seated decode, waiting for the next block's re-pref
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import deque
@@ -22,6 +23,8 @@ from sangam.engine.model_runner import ModelRunner
 from sangam.engine.request import Request, RequestMetrics
 from sangam.engine.scheduler import BatchBuilder, ScheduledBatch
 from sangam.sampling_params import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class RequestRejected(ValueError):
@@ -77,8 +80,14 @@ def decode_graphs(config: EngineConfig, loaded: LoadedModel,
             or model.attention_backend.name != "triton"):
         return None
     max_pages = -(-loaded.context_length // config.page_size)
-    return DecodeGraphRunner(model, pool.kv, loaded.default_params().block_length,
-                             config.max_batch_size, max_pages, loaded.device)
+    span, kv = loaded.default_params().block_length, pool.kv
+    try:
+        return DecodeGraphRunner(model, kv, span, config.max_batch_size, max_pages,
+                                 loaded.device)
+    except Exception as e:  # eager steps compute the same tokens: serve, and say why
+        logger.warning("CUDA graph capture failed, so decode steps run eagerly "
+                       "(--enforce-eager skips the capture): %r", e)
+        return None
 
 
 def new_request(in_flight: Mapping[str, object], config: EngineConfig, loaded: LoadedModel,
