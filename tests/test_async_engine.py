@@ -1,6 +1,8 @@
 """AsyncEngine: block streaming, many concurrent callers, aborts, bad requests."""
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +106,29 @@ def test_shutdown_ends_open_streams(dream_path):
 
     outs = asyncio.run(main())
     assert outs[-1].finished and outs[-1].finish_reason == "abort"
+
+    async def after():  # a request after shutdown is refused at once, never left waiting
+        with pytest.raises(RuntimeError, match="shut down"):
+            await asyncio.wait_for(_collect(eng, [3], SamplingParams(max_tokens=4), "late"), 5)
+        with pytest.raises(RuntimeError, match="shut down"):
+            await asyncio.wait_for(eng.start_profile("unused"), 5)
+
+    asyncio.run(after())
+
+
+def test_profile_traces_the_engine_loop(engine, tmp_path):
+    """start_profile / stop_profile (vLLM's): a Chrome trace of the forwards between them."""
+
+    async def main():
+        with pytest.raises(ValueError, match="no profile is running"):
+            await engine.stop_profile()
+        await engine.start_profile(tmp_path / "traces")
+        with pytest.raises(ValueError, match="already running"):
+            await engine.start_profile(tmp_path / "traces")
+        await _collect(engine, [5, 6, 7], _params(0), "profiled")
+        return await engine.stop_profile()
+
+    path = Path(asyncio.run(main()))
+    assert path.parent == tmp_path / "traces" and path.name.startswith("sangam-trace-")
+    names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+    assert any(str(n).startswith("aten::") for n in names)  # the model's ops were recorded

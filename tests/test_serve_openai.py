@@ -676,6 +676,20 @@ def serve_in_thread(model: str, **server_options) -> Iterator[str]:
     assert engine.dead is None
 
 
+def test_profile_endpoints(chat_ckpt, server, tmp_path):
+    """--profiler-dir serves vLLM's /start_profile and /stop_profile: a trace of the requests
+    between them; without the flag the routes do not exist."""
+    assert httpx.post(f"{server}/start_profile").status_code == 404
+    with serve_in_thread(chat_ckpt, profiler_dir=str(tmp_path)) as url:
+        assert httpx.post(f"{url}/stop_profile").status_code == 400
+        assert httpx.post(f"{url}/start_profile").json() == {"status": "profiling"}
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                      "max_tokens": 4})
+        assert r.status_code == 200
+        trace = Path(httpx.post(f"{url}/stop_profile").json()["trace"])
+    assert trace.parent == tmp_path and "traceEvents" in trace.read_text()
+
+
 def test_request_ids(chat_ckpt):
     """A request's X-Request-Id header (else vLLM's request_id field) names it: the response id,
     and with --enable-request-id-headers an X-Request-Id header back. While it runs, another

@@ -10,14 +10,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from sangam.config import EngineConfig
+from sangam.engine.engine import Engine
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import make_engine
+from sangam.engine.profiler import EngineProfiler
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,9 +44,14 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
+        self._profiler: EngineProfiler | None = None  # touched by the engine thread only
+        # Set, under the lock, once the engine thread reads no more commands: a command is
+        # either queued before (and answered) or refused, never left waiting.
+        self._closing = threading.Lock()
+        self._closed = False
+        self.dead: BaseException | None = None  # set before the thread can fail
         self._thread = threading.Thread(target=self._loop, name="sangam-engine", daemon=True)
         self._thread.start()
-        self.dead: BaseException | None = None
 
     @property
     def tokenizer(self):
@@ -68,7 +77,7 @@ class AsyncEngine:
         tail = loaded.encode(suffix, False) if isinstance(suffix, str) else list(suffix or ())
         stream = _Stream(asyncio.get_running_loop())
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("add", request_id, ids, tail, params, stream, accepted))
+        self._submit(("add", request_id, ids, tail, params, stream, accepted))
         await asyncio.wrap_future(accepted)  # raises the engine's validation error, if any
         finished = False
         try:
@@ -80,11 +89,38 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self._inbox.put(("abort", request_id))
+                self._post(("abort", request_id))
+
+    async def start_profile(self, out_dir: str | os.PathLike) -> None:
+        """Start a ``torch.profiler`` trace of the engine loop (see ``EngineProfiler``)."""
+        await self._call("profile", "start", out_dir)
+
+    async def stop_profile(self) -> str:
+        """Stop the trace; returns the path of the Chrome trace file written."""
+        return str(await self._call("profile", "stop", None))
+
+    async def _call(self, *cmd: object) -> object:
+        """Run a command on the engine thread; its result, or its exception raised here."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit((*cmd, done))
+        return await asyncio.wrap_future(done)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with a ``finish_reason="abort"`` output."""
-        self._inbox.put(("abort", request_id))
+        self._post(("abort", request_id))
+
+    def _submit(self, cmd: tuple) -> None:
+        """Hand the engine thread a command whose last element is a Future it will resolve."""
+        if not self._post(cmd):
+            raise RuntimeError("the engine is shut down")
+
+    def _post(self, cmd: tuple) -> bool:
+        """Queue ``cmd`` unless the engine thread has stopped reading (False then)."""
+        with self._closing:
+            if self._closed:
+                return False
+            self._inbox.put(cmd)
+            return True
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -103,11 +139,30 @@ class AsyncEngine:
                 return
             self._streams[rid] = stream
             accepted.set_result(None)
+        elif cmd[0] == "profile":
+            _, action, out_dir, done = cmd
+            try:
+                done.set_result(self._profile(action, out_dir))
+            except Exception as e:  # e.g. stop without start: the caller's error
+                done.set_exception(e)
         elif cmd[0] == "abort":
             out = self.engine.abort_request(cmd[1])
             stream = self._streams.pop(cmd[1], None)
             if out is not None and stream is not None:
                 stream.put(out)
+
+    def _profile(self, action: str, out_dir: str | os.PathLike | None) -> Path | None:
+        if not isinstance(self.engine, Engine):
+            raise ValueError("profiling traces the single-process engine; the workers of a "
+                             "multi-worker engine are not profiled")
+        if action == "start":
+            if self._profiler is None or not self._profiler.active:
+                self._profiler = EngineProfiler(out_dir)
+            self._profiler.start()
+            return None
+        if self._profiler is None:
+            raise ValueError("no profile is running: start one first")
+        return self._profiler.stop()
 
     def _loop(self) -> None:
         try:
@@ -140,3 +195,14 @@ class AsyncEngine:
                 stream = self._streams.pop(rid, None)
                 if stream is not None and out is not None:
                     stream.put(out)
+            if self._profiler is not None and self._profiler.active:
+                logger.info("profile trace written to %s", self._profiler.stop())
+            with self._closing:
+                self._closed = True
+            while True:  # commands that came too late: refused
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(cmd[-1], concurrent.futures.Future):
+                    cmd[-1].set_exception(RuntimeError("the engine is shut down"))

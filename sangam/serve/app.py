@@ -613,6 +613,22 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return srv.detokenize(body)
 
+    if server_config.profiler_dir is not None:  # a developer's tool: only when asked for
+        @app.post("/start_profile")
+        async def start_profile() -> dict[str, str]:
+            try:
+                await engine.start_profile(server_config.profiler_dir)
+            except ValueError as e:
+                raise ApiError(400, str(e)) from None
+            return {"status": "profiling"}
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> dict[str, str]:
+            try:
+                return {"trace": await engine.stop_profile()}
+            except ValueError as e:
+                raise ApiError(400, str(e)) from None
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}

@@ -67,6 +67,9 @@ class ServerConfig:
     tool_call_parser: str | None = field(default=None, metadata=_meta(
         "How the model writes tool calls: hermes (<tool_call>JSON</tool_call>: Hermes, Qwen2.5, "
         "Dream)", choices=TOOL_CALL_PARSERS))
+    profiler_dir: str | None = field(default=None, metadata=_meta(
+        "Serve POST /start_profile and /stop_profile (vLLM's), which write torch.profiler "
+        "traces of the engine loop to this directory; off by default"))
     shutdown_grace: float = field(default=5.0, metadata=_meta(
         "On SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are "
         "aborted"))
