@@ -195,29 +195,38 @@ class ChatTemplateOptions(BaseModel):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
-class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # the newer OpenAI name of max_tokens
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    # None: "auto" with tools (OpenAI's default), else "none". "required" and a named
-    # function need constrained decoding, which Sangam does not have.
+class ToolChoice(BaseModel):
+    """How a request with ``tools`` (a field of the class this mixes into) lets them be
+    called: ``tool_choice`` None is "auto" with tools (OpenAI's default), else "none";
+    "required" and a named function need constrained decoding, which Sangam does not have."""
+
+    model_config = _REQUEST_CONFIG
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True  # false: the first call only
-    response_format: dict | None = None
 
-    def unsupported_fields(self) -> list[str]:
-        """Fields set to a value whose behaviour Sangam does not implement."""
-        return [name for name, is_bad in (
-            ("tool_choice", self.tool_choice not in (None, "none", "auto")),
-            ("response_format", self.response_format not in (None, {"type": "text"})))
-            if is_bad]
+    def tool_choice_supported(self) -> bool:
+        return self.tool_choice in (None, "none", "auto")
 
     def calls_tools(self) -> bool:
         """Whether the response is to be parsed for tool calls."""
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
         return bool(self.tools) and self.tool_choice != "none"
+
+
+class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions, ToolChoice):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer OpenAI name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        """Fields set to a value whose behaviour Sangam does not implement."""
+        return [name for name, is_bad in (
+            ("tool_choice", not self.tool_choice_supported()),
+            ("response_format", self.response_format not in (None, {"type": "text"})))
+            if is_bad]
 
     def sampling_overrides(self) -> dict[str, object]:
         overrides = super().sampling_overrides()

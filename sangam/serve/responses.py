@@ -28,6 +28,7 @@ from sangam.serve.protocol import (
     FunctionCall,
     FunctionDefinition,
     ToolCall,
+    ToolChoice,
     _GenerationRequest,
 )
 from sangam.serve.tool_calls import HermesToolParser, ParsedCall, ToolCallStream
@@ -93,13 +94,11 @@ InputItem = Annotated[Annotated[InputMessage, Tag("message")]
                       Discriminator(_item_type)]
 
 
-class ResponsesRequest(_GenerationRequest):
+class ResponsesRequest(_GenerationRequest, ToolChoice):
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool = True
     store: bool = True  # accepted; nothing is ever stored
     previous_response_id: str | None = None
     text: dict | None = None
@@ -111,7 +110,7 @@ class ResponsesRequest(_GenerationRequest):
         return [name for name, is_bad in (
             ("previous_response_id", self.previous_response_id is not None),
             ("text", text_format != {"type": "text"}),
-            ("tool_choice", self.tool_choice not in (None, "none", "auto")),
+            ("tool_choice", not self.tool_choice_supported()),
             ("n", self.n not in (None, 1))) if is_bad]
 
     def sampling_overrides(self) -> dict[str, object]:
@@ -119,12 +118,6 @@ class ResponsesRequest(_GenerationRequest):
         if self.max_output_tokens is not None:
             overrides["max_tokens"] = self.max_output_tokens
         return overrides
-
-    def calls_tools(self) -> bool:
-        """Whether the response is to be parsed for tool calls."""
-        if self.tool_choice not in (None, "none") and not self.tools:
-            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
-        return bool(self.tools) and self.tool_choice != "none"
 
     def messages(self) -> list[ChatMessage]:
         """The conversation the chat template renders: instructions first, as a system
