@@ -148,3 +148,74 @@ def test_a_conversation_with_function_calls(client, llm):
 def test_refused(client, body, match):
     with pytest.raises(openai.BadRequestError, match=match):
         client.responses.create(**{"model": MODEL, "input": "hi", **body})
+
+
+@pytest.fixture(scope="module")
+def store_url(chat_ckpt) -> Iterator[str]:  # noqa: F811
+    with serve_in_thread(chat_ckpt, chat_template=TOOL_TEMPLATE, enable_auto_tool_choice=True,
+                         tool_call_parser="hermes", responses_store_size=3) as url:
+        yield url
+
+
+def test_stored_responses_continue_conversations(store_url, llm):
+    """--responses-store-size: previous_response_id continues a stored response (its turns
+    and output, not its instructions); GET and DELETE /v1/responses/{id}; the oldest go first;
+    store: false keeps nothing."""
+    client = openai.OpenAI(base_url=f"{store_url}/v1", api_key="x", max_retries=0)
+    ask = dict(model=MODEL, max_output_tokens=8, extra_body={"stop_at_eos": False})
+    first = client.responses.create(input="Say hi", instructions="Be brief.", **ask)
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(input="Again", previous_response_id=first.id, **ask)
+    ref = _chat(llm, [{"role": "user", "content": "Say hi"},
+                      {"role": "assistant", "content": first.output_text},
+                      {"role": "user", "content": "Again"}], 8)
+    assert second.usage.input_tokens == len(ref.prompt_token_ids)
+    assert second.output_text == ref.text
+    # Streamed responses are stored too, whole.
+    events = list(client.responses.create(input="Go on", previous_response_id=second.id,
+                                           stream=True, **ask))
+    third = client.responses.retrieve(events[-1].response.id)
+    assert third.output_text == events[-1].response.output_text
+    unkept = client.responses.create(input="Forget me", store=False, **ask)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    client.responses.create(input="One more", **ask)  # a fourth: the first is evicted
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    client.responses.delete(second.id)
+    for gone in (lambda: client.responses.retrieve(second.id),
+                 lambda: client.responses.create(input="x", previous_response_id=second.id,
+                                                 **ask)):
+        with pytest.raises(openai.NotFoundError, match="no stored response"):
+            gone()
+
+
+def test_a_stored_call_continues_with_its_output(store_url, llm, monkeypatch):
+    """A stored response's function calls come back as the assistant's tool calls, before
+    the function_call_output items that answer them."""
+    from sangam.engine.loaded_model import LoadedModel
+
+    def scripted(self, token_ids, skip_special_tokens=True):
+        return SCRIPTED[:len(SCRIPTED) * len(token_ids) // 16]
+
+    client = openai.OpenAI(base_url=f"{store_url}/v1", api_key="x", max_retries=0)
+    with monkeypatch.context() as patch:
+        patch.setattr(LoadedModel, "decode", scripted)
+        called = client.responses.create(model=MODEL, input="Weather in Paris?",
+                                         tools=[WEATHER_TOOL], max_output_tokens=16,
+                                         extra_body={"stop_at_eos": False})
+    calls = [item for item in called.output if item.type == "function_call"]
+    answers = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"}
+               for c in calls]
+    after = client.responses.create(model=MODEL, input=answers, tools=[WEATHER_TOOL],
+                                    previous_response_id=called.id, max_output_tokens=8,
+                                    extra_body={"stop_at_eos": False})
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": "Checking.", "tool_calls": [
+                 {"id": c.call_id, "type": "function",
+                  "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                 for c in calls]},
+             *[{"role": "tool", "tool_call_id": c.call_id, "content": "sunny"} for c in calls]]
+    ref = _chat(llm, turns, 8, tools=[WEATHER])
+    assert after.usage.input_tokens == len(ref.prompt_token_ids)
+    assert after.output_text == ref.text

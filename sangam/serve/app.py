@@ -74,7 +74,12 @@ from sangam.serve.protocol import (
     TokenizeResponse,
     ToolCall,
 )
-from sangam.serve.responses import ResponseBuilder, ResponsesRequest
+from sangam.serve.responses import (
+    ResponseBuilder,
+    ResponsesRequest,
+    ResponseStore,
+    StoredResponse,
+)
 from sangam.serve.tool_calls import HermesToolParser, ParsedCall, ToolCallStream, make_tool_parser
 
 logger = logging.getLogger(__name__)
@@ -225,6 +230,8 @@ class _Server:
         self.in_flight: set[str] = set()  # engine request ids of open generators
         self.tool_parser = (make_tool_parser(config.tool_call_parser)
                             if config.enable_auto_tool_choice else None)
+        self.store = (ResponseStore(config.responses_store_size)
+                      if config.responses_store_size else None)
 
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, max_model_len=self.loaded.context_length)
@@ -241,8 +248,8 @@ class _Server:
         if unsupported:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
                            "does not implement best_of, response_format (or text.format), "
-                           "previous_response_id (it stores nothing), n > 1 in /v1/responses, "
-                           "or a tool_choice other than auto and none (constrained decoding)",
+                           "n > 1 in /v1/responses, or a tool_choice other than auto and none "
+                           "(they need constrained decoding)",
                            param=unsupported[0], code="unsupported_parameter")
         try:
             return self.config.default_params(self.loaded.generation_defaults,
@@ -512,9 +519,10 @@ class _Server:
         outs = await _unless_disconnected(request, _collect(streams))
         return JSONResponse(whole(outs).model_dump(), headers=headers)
 
-    async def response_events(self, streams: list[Stream], builder: ResponseBuilder
-                              ) -> AsyncGenerator[str, None]:
-        """SSE of the Responses API: named events, one text delta per committed block."""
+    async def response_events(self, streams: list[Stream], builder: ResponseBuilder,
+                              keep: list[ChatMessage] | None) -> AsyncGenerator[str, None]:
+        """SSE of the Responses API: named events, one text delta per committed block; the
+        whole response is stored at the end when ``keep`` (its history) is given."""
         for event in builder.start():
             yield _named_sse(event)
         delta = Delta(self.token_pieces)
@@ -526,6 +534,30 @@ class _Server:
         except Exception as e:  # the status line is long gone: report in-band, then end
             logger.exception("stream %s failed", builder.id)
             yield _named_sse(builder.error(f"generation failed: {e}"))
+            return
+        if keep is not None and builder.streamed is not None:
+            self.store.put(keep, builder.streamed)
+
+    def responses_history(self, body: ResponsesRequest) -> list[ChatMessage]:
+        """The turns a Responses request answers: the stored conversation it continues
+        (``previous_response_id``), then its input."""
+        if body.previous_response_id is None:
+            return body.input_messages()
+        if self.store is None:
+            raise ApiError(400, "previous_response_id needs stored responses: start the server "
+                           "with --responses-store-size N", param="previous_response_id")
+        earlier = self.store.continued(body.previous_response_id)
+        if earlier is None:
+            raise ApiError(404, f"no stored response {body.previous_response_id!r}",
+                           param="previous_response_id", code="response_not_found")
+        return [*earlier, *body.input_messages()]
+
+    def stored(self, response_id: str) -> StoredResponse:
+        found = self.store.get(response_id) if self.store is not None else None
+        if found is None:
+            raise ApiError(404, f"no stored response {response_id!r}",
+                           code="response_not_found")
+        return found
 
     async def events(self, streams: list[Stream], request_id: str, n: int,
                      options: StreamOptions | None, chunk_type: type[Chunk],
@@ -696,16 +728,32 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     @app.post("/v1/responses", response_model=None)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         params, tools = srv.check_with_tools(body)
-        prompt = srv.chat_prompt(body.messages(), body.template_options())
+        history = srv.responses_history(body)
+        prompt = srv.chat_prompt(body.conversation(history), body.template_options())
         response_id = srv.request_id(request, body, "resp_")
         streams = await _unless_disconnected(request, srv.open([prompt], params, 1,
                                                                 response_id))
         builder = ResponseBuilder(response_id, srv.model_name, body, tools)
+        keep = srv.store is not None and body.store
         headers = srv.id_headers(response_id)
         if body.stream:
-            return _EventStream(srv.response_events(streams, builder), streams, headers)
+            return _EventStream(srv.response_events(streams, builder, history if keep else None),
+                                streams, headers)
         out = (await _unless_disconnected(request, _collect(streams)))[0]
-        return JSONResponse(builder.final(out.text or "", out).model_dump(), headers=headers)
+        response = builder.final(out.text or "", out)
+        if keep:
+            srv.store.put(history, response)
+        return JSONResponse(response.model_dump(), headers=headers)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return JSONResponse(srv.stored(response_id).response.model_dump())
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        srv.stored(response_id)
+        srv.store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return app
 

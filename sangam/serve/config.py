@@ -67,6 +67,10 @@ class ServerConfig:
     tool_call_parser: str | None = field(default=None, metadata=_meta(
         "How the model writes tool calls: hermes (<tool_call>JSON</tool_call>: Hermes, Qwen2.5, "
         "Dream)", choices=TOOL_CALL_PARSERS))
+    responses_store_size: int = field(default=0, metadata=_meta(
+        "Keep the newest N /v1/responses responses that ask to be stored (store: true, "
+        "OpenAI's default) in memory, for previous_response_id and GET/DELETE "
+        "/v1/responses/{id}; 0 (default, as vLLM): none"))
     profiler_dir: str | None = field(default=None, metadata=_meta(
         "Serve POST /start_profile and /stop_profile (vLLM's), which write torch.profiler "
         "traces of the engine loop to this directory; off by default"))
@@ -85,6 +89,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"ServerConfig: port must be in [0, 65536), got {self.port}")
+        if self.responses_store_size < 0:
+            raise ValueError("ServerConfig: responses_store_size must be >= 0")
         if self.shutdown_grace < 0:
             raise ValueError("ServerConfig: shutdown_grace must be >= 0")
         if self.log_stats_interval < 0:

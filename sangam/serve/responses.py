@@ -1,10 +1,13 @@
-"""OpenAI's Responses API (``POST /v1/responses``), stateless, over the chat path.
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat path.
 
 A request's ``instructions`` and ``input`` (a text, or message, ``function_call`` and
 ``function_call_output`` items) become chat messages through the chat template; its function
 tools are the template's tools and, with ``--enable-auto-tool-choice``, the calls the model
-writes come back as ``function_call`` output items. Nothing is stored, as with ``store: false``
-(vLLM's default): ``previous_response_id`` is refused. Streamed, the response is OpenAI's
+writes come back as ``function_call`` output items. With ``--responses-store-size N`` the
+newest N responses that ask to be stored (``store``, true by default) are kept in memory, so a
+request may continue one (``previous_response_id``: its conversation and output come before
+the new input; its instructions do not carry over) and ``GET``/``DELETE /v1/responses/{id}``
+work; by default, as in vLLM, nothing is stored. Streamed, the response is OpenAI's
 sequence of events: created, in progress, the message's item and text part, one text delta per
 committed block, then the closing events of each item and ``response.completed`` (or
 ``response.incomplete`` when ``max_output_tokens`` cut it or it was aborted, with status
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag
@@ -108,7 +113,6 @@ class ResponsesRequest(_GenerationRequest, ToolChoice):
         """Fields set to a value whose behaviour Sangam does not implement."""
         text_format = (self.text or {}).get("format", {"type": "text"})
         return [name for name, is_bad in (
-            ("previous_response_id", self.previous_response_id is not None),
             ("text", text_format != {"type": "text"}),
             ("tool_choice", not self.tool_choice_supported()),
             ("n", self.n not in (None, 1))) if is_bad]
@@ -119,33 +123,45 @@ class ResponsesRequest(_GenerationRequest, ToolChoice):
             overrides["max_tokens"] = self.max_output_tokens
         return overrides
 
-    def messages(self) -> list[ChatMessage]:
-        """The conversation the chat template renders: instructions first, as a system
-        message; a model's function calls and their outputs as assistant and tool messages."""
+    def input_messages(self) -> list[ChatMessage]:
+        """The input as chat messages: a model's function calls and their outputs as assistant
+        and tool messages."""
         items = ([InputMessage(role="user", content=self.input)] if isinstance(self.input, str)
                  else self.input)
-        messages = ([ChatMessage(role="system", content=self.instructions)]
-                    if self.instructions else [])
+        messages: list[ChatMessage] = []
         for item in items:
             if isinstance(item, InputMessage):
                 messages.append(ChatMessage(role=item.role, content=item.text()))
             elif isinstance(item, FunctionCallItem):
-                call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
-                                                                       arguments=item.arguments))
-                if messages and messages[-1].role == "assistant" and messages[-1].tool_calls:
-                    messages[-1].tool_calls.append(call)  # parallel calls: one turn
-                else:
-                    messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+                _add_call(messages, ToolCall(id=item.call_id, function=FunctionCall(
+                    name=item.name, arguments=item.arguments)))
             else:
                 messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
                                             content=item.output))
         return messages
+
+    def conversation(self, history: list[ChatMessage]) -> list[ChatMessage]:
+        """What the chat template renders: the instructions first, as a system message, then
+        ``history`` (earlier turns, if any, and this input)."""
+        system = [ChatMessage(role="system", content=self.instructions)] if self.instructions \
+            else []
+        return system + history
 
     def template_options(self) -> ChatTemplateOptions:
         tools = [ChatTool(type="function", function=FunctionDefinition(
             name=t.name, description=t.description, parameters=t.parameters))
             for t in self.tools] if self.tools else None
         return ChatTemplateOptions(tools=tools)
+
+
+def _add_call(messages: list[ChatMessage], call: ToolCall) -> None:
+    """Append an assistant's call: calls in a row are one turn (parallel calls)."""
+    if messages and messages[-1].role == "assistant" and messages[-1].tool_calls:
+        messages[-1].tool_calls.append(call)
+    elif messages and messages[-1].role == "assistant" and messages[-1].tool_calls is None:
+        messages[-1].tool_calls = [call]  # the text the calls came after: the same turn
+    else:
+        messages.append(ChatMessage(role="assistant", tool_calls=[call]))
 
 
 # Response.
@@ -221,6 +237,7 @@ class ResponseBuilder:
         self.sequence = 0
         self.sent = ""  # text sent in deltas
         self.message_open = False
+        self.streamed: ResponseObject | None = None  # the whole response, once streamed
         self._where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         self.calls = (ToolCallStream(tools, body.parallel_tool_calls) if tools is not None
                       else None)
@@ -331,13 +348,60 @@ class ResponseBuilder:
                                 output_index=index, arguments=item.arguments),
                     self._event("response.output_item.done", output_index=index,
                                 item=item.model_dump())]
-        final = self._response(status, output, out).model_dump()
+        self.streamed = self._response(status, output, out)
         # There is no cancelled event: an aborted response ends as incomplete ones do.
         end = "response.completed" if status == "completed" else "response.incomplete"
-        events.append(self._event(end, response=final))
+        events.append(self._event(end, response=self.streamed.model_dump()))
         return events
 
 
 def _item_status(status: str) -> str:
     """An output item's status in a response of ``status``."""
     return "completed" if status == "completed" else "incomplete"
+
+
+def output_messages(response: ResponseObject) -> list[ChatMessage]:
+    """A response's output as the assistant turn that continues its conversation."""
+    messages: list[ChatMessage] = []
+    for item in response.output:
+        if isinstance(item, OutputMessage):
+            text = "".join(part.text for part in item.content)
+            messages.append(ChatMessage(role="assistant", content=text))
+        else:
+            _add_call(messages, ToolCall(id=item.call_id, function=FunctionCall(
+                name=item.name, arguments=item.arguments)))
+    return messages
+
+
+@dataclass
+class StoredResponse:
+    history: list[ChatMessage]  # the turns it answered, without its instructions
+    response: ResponseObject
+
+
+class ResponseStore:
+    """The newest ``capacity`` stored responses, in memory: for ``previous_response_id`` and
+    ``GET``/``DELETE /v1/responses/{id}``. Not thread-safe: the event loop alone uses it."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, history: list[ChatMessage], response: ResponseObject) -> None:
+        self._responses[response.id] = StoredResponse(history, response)
+        self._responses.move_to_end(response.id)
+        while len(self._responses) > self.capacity:
+            self._responses.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        return self._responses.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self._responses.pop(response_id, None) is not None
+
+    def continued(self, response_id: str) -> list[ChatMessage] | None:
+        """The conversation a response ended, its output included (None: not stored)."""
+        stored = self.get(response_id)
+        if stored is None:
+            return None
+        return [*stored.history, *output_messages(stored.response)]
