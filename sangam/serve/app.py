@@ -18,20 +18,16 @@ import contextlib
 import dataclasses
 import json
 import logging
-import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sangam import __version__
 from sangam.engine.async_engine import AsyncEngine
@@ -47,6 +43,7 @@ from sangam.serve.chunks import (
     usage_of,
 )
 from sangam.serve.config import ServerConfig
+from sangam.serve.errors import ApiError, ApiKeyMiddleware, install_error_handlers
 from sangam.serve.metrics import ServerMetrics
 from sangam.serve.protocol import (
     AssistantMessage,
@@ -80,138 +77,25 @@ from sangam.serve.responses import (
     ResponseStore,
     StoredResponse,
 )
+from sangam.serve.streams import (
+    EventStream,
+    Stream,
+    close_all,
+    collect,
+    merge,
+    unless_disconnected,
+)
 from sangam.serve.tool_calls import HermesToolParser, ParsedCall, ToolCallStream, make_tool_parser
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-Stream = tuple[AsyncGenerator[RequestOutput, None], RequestOutput]  # (generator, first output)
 Chunk = CompletionResponse | ChatCompletionChunk  # a streamed response's events
 GenerationRequest = CompletionRequest | ChatCompletionRequest | ResponsesRequest
 
 RETRY_AFTER_S = 1  # a full queue drains at the pace of whole requests: retry soon
 METRICS_INGEST_PERIOD_S = 1.0
 LOGGED_PARAMS_CHARS = 500  # --enable-log-requests: stop strings can make parameters long
-MAX_ERRORS_SHOWN = 4
 MAX_REQUEST_ID_CHARS = 256
-
-
-class ApiError(Exception):
-    """An error the client should see as ``{"error": {...}}`` with this status."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status, message, type_, param, code)
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
-                                             param=self.param, code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its response was ready."""
-
-
-class _ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` on /v1/*; /health and /metrics stay open (as in vLLM)."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                error = ApiError(401, "invalid or missing API key: send 'Authorization: Bearer "
-                                 "<key>'", code="invalid_api_key")
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events that always close their generators, whether the stream ended, the
-    client went away or the server is shutting down: closing them aborts unfinished requests.
-    (Starlette only cancels the sending task: a generator suspended at ``yield`` would stay
-    open until garbage-collected.)"""
-
-    def __init__(self, events: AsyncGenerator[str, None], streams: list[Stream],
-                 headers: dict[str, str]):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", **headers})
-        self._events = events
-        self._streams = streams
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._events.aclose()
-            await _close_all([gen for gen, _ in self._streams])  # if events never started
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; cancel it (which closes its generators) if the client disconnects."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        task.cancel()  # no-op when done; else the client left, or we are being cancelled
-        await asyncio.gather(task, watch, return_exceptions=True)
-    if task.cancelled():
-        raise _ClientGone
-    return task.result()
-
-
-async def _merge(streams: list[Stream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """(choice index, output) of every stream as it comes: the first outputs, then the rest;
-    each stream's outputs stay in order."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
-
-    async def pump(i: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
-        try:
-            async for out in gen:
-                queue.put_nowait((i, out))
-            queue.put_nowait((i, None))
-        except Exception as e:  # handed to the consumer, which raises it
-            queue.put_nowait((i, e))
-
-    tasks: list[asyncio.Task] = []
-    try:
-        for i, (_, first) in enumerate(streams):
-            yield i, first
-        tasks = [asyncio.create_task(pump(i, gen)) for i, (gen, _) in enumerate(streams)]
-        running = len(tasks)
-        while running:
-            i, item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        # A generator must be idle before it is closed, so wait for the pumps, even through
-        # repeated cancellation (anyio re-delivers it until its cancelled scope is left).
-        while not all(task.done() for task in tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait(tasks)
-        await _close_all([gen for gen, _ in streams])
 
 
 def _clip(text: str, limit: int) -> str:
@@ -458,12 +342,12 @@ class _Server:
             # generator is idle again, so each can be closed.
             firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
         except BaseException:
-            await _close_all(gens)
+            await close_all(gens)
             raise
         errors = [f for f in firsts if isinstance(f, BaseException)]
         if not errors:
             return list(zip(gens, firsts))
-        await _close_all(gens)
+        await close_all(gens)
         e = errors[0]
         if isinstance(e, QueueFull):
             raise ApiError(503, f"server overloaded: {e}; retry later", "server_error",
@@ -513,10 +397,10 @@ class _Server:
         of the final outputs."""
         headers = self.id_headers(request_id)
         if body.stream:
-            return _EventStream(self.events(streams, request_id, body.n or 1,
+            return EventStream(self.events(streams, request_id, body.n or 1,
                                             body.stream_options, chunk_type, choice), streams,
                                 headers)
-        outs = await _unless_disconnected(request, _collect(streams))
+        outs = await unless_disconnected(request, collect(streams))
         return JSONResponse(whole(outs).model_dump(), headers=headers)
 
     async def response_events(self, streams: list[Stream], builder: ResponseBuilder,
@@ -527,7 +411,7 @@ class _Server:
             yield _named_sse(event)
         delta = Delta(self.token_pieces)
         try:
-            async with contextlib.aclosing(_merge(streams)) as merged:
+            async with contextlib.aclosing(merge(streams)) as merged:
                 async for _, out in merged:
                     for event in builder.advance(delta.advance(out).text, out):
                         yield _named_sse(event)
@@ -571,7 +455,7 @@ class _Server:
         deltas = [Delta(self.token_pieces) for _ in streams]
         finals: dict[int, RequestOutput] = {}  # by choice index
         try:
-            async with contextlib.aclosing(_merge(streams)) as merged:
+            async with contextlib.aclosing(merge(streams)) as merged:
                 async for i, out in merged:
                     first = deltas[i].num_chunks == 0
                     payload = chunk_type(id=request_id, model=self.model_name, choices=[
@@ -621,11 +505,11 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     app = FastAPI(title="Sangam", version=__version__, lifespan=lifespan)
     app.state.server = srv
     if server_config.api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=server_config.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=server_config.api_key)
     if server_config.origins():  # added last, so outermost: it answers preflights, keyless
         app.add_middleware(CORSMiddleware, allow_origins=list(server_config.origins()),
                            allow_methods=["*"], allow_headers=["*"])
-    _install_error_handlers(app)
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -683,7 +567,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         request_id = srv.request_id(request, body, "cmpl-")
         n = body.n or 1
         suffix = srv.suffix_ids(body.suffix)
-        streams = await _unless_disconnected(request, srv.open(
+        streams = await unless_disconnected(request, srv.open(
             [srv.prompt_ids(p, body.add_special_tokens) for p in prompts], params, n, request_id,
             suffix))
 
@@ -703,7 +587,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         prompt = srv.chat_prompt(body.messages, body)
         request_id = srv.request_id(request, body, "chatcmpl-")
         n = body.n or 1
-        streams = await _unless_disconnected(request, srv.open([prompt], params, n, request_id))
+        streams = await unless_disconnected(request, srv.open([prompt], params, n, request_id))
         # Streamed, each choice's tool calls are parsed as its text grows.
         calls = [ToolCallStream(tools, body.parallel_tool_calls) for _ in streams
                  ] if tools is not None and body.stream else []
@@ -731,15 +615,15 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         history = srv.responses_history(body)
         prompt = srv.chat_prompt(body.conversation(history), body.template_options())
         response_id = srv.request_id(request, body, "resp_")
-        streams = await _unless_disconnected(request, srv.open([prompt], params, 1,
+        streams = await unless_disconnected(request, srv.open([prompt], params, 1,
                                                                 response_id))
         builder = ResponseBuilder(response_id, srv.model_name, body, tools)
         keep = srv.store is not None and body.store
         headers = srv.id_headers(response_id)
         if body.stream:
-            return _EventStream(srv.response_events(streams, builder, history if keep else None),
+            return EventStream(srv.response_events(streams, builder, history if keep else None),
                                 streams, headers)
-        out = (await _unless_disconnected(request, _collect(streams)))[0]
+        out = (await unless_disconnected(request, collect(streams)))[0]
         response = builder.final(out.text or "", out)
         if keep:
             srv.store.put(history, response)
@@ -772,55 +656,3 @@ def _with_calls(reason: str | None) -> str | None:
     return reason if reason == "abort" else "tool_calls"
 
 
-async def _close_all(gens: list[AsyncGenerator[RequestOutput, None]]) -> None:
-    for gen in gens:
-        await gen.aclose()
-
-
-async def _collect(streams: list[Stream]) -> list[RequestOutput]:
-    last = [first for _, first in streams]
-    async with contextlib.aclosing(_merge(streams)) as merged:
-        async for i, out in merged:
-            last[i] = out
-    return last
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError) -> Response:
-        return e.response()
-
-    @app.exception_handler(_ClientGone)
-    async def client_gone(request: Request, e: _ClientGone) -> Response:
-        # Nobody is listening; 499 ("client closed request") only shows in the access log.
-        return Response(status_code=499)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, e: RequestValidationError) -> Response:
-        errors = e.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return ApiError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', '')}"
-                            ).response()
-        def where(err: dict) -> list[str]:
-            return [str(x) for x in err.get("loc", ()) if x != "body"]
-
-        # A union field fails once per member ("prompt.str", "prompt.list[int]"...): list a few.
-        shown = [f"{'.'.join(where(err)) or 'body'}: {err.get('msg', 'invalid')}"
-                 for err in errors[:MAX_ERRORS_SHOWN]]
-        if len(errors) > MAX_ERRORS_SHOWN:
-            shown.append(f"and {len(errors) - MAX_ERRORS_SHOWN} more")
-        param = where(first)[0] if where(first) else None
-        if "json" not in request.headers.get("content-type", ""):
-            shown.insert(0, "send a JSON object with 'Content-Type: application/json'")
-        return ApiError(400, "; ".join(shown), param=param, code="invalid_value").response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
-        type_ = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return ApiError(e.status_code, str(e.detail), type_, headers=e.headers).response()
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception) -> Response:
-        logger.exception("internal error on %s", request.url.path)
-        return ApiError(500, f"internal error: {e!r}", "server_error").response()
