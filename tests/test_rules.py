@@ -177,3 +177,37 @@ def test_logit_bias_validation():
     for bad in ({1: 101}, {-1: 1.0}, {"7": 1.0}, {1: float("nan")}, [(1, 1.0), (1, 2.0)], 3):
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, (
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])])
+def test_scoring_with_known_sampled_rows_needs_no_sync(device):
+    """Given the sampled rows (``hot``, known on the host), scoring with sampling filters
+    equals the search on the device, and on a GPU it never waits for the device."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 50, generator=gen) * 3).to(device)
+    temp = torch.tensor([0.0, 0.7] * 32, dtype=torch.float64)
+    keys = torch.tensor([row_key(noise_key(1, 0, 0), i) for i in range(64)])
+    filters = (torch.full((64,), 0.8), torch.full((64,), 5), torch.full((64,), 0.05))
+    args = [t.to(device) for t in (temp, keys, *filters)]
+    searched = score_logits(logits, 49, *args, top_n=3)
+    hot = torch.nonzero(temp > 0).flatten().to(device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        given = score_logits(logits, 49, *args, top_n=3, hot=hot)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip((searched.tokens, searched.conf, *searched.top),
+                    (given.tokens, given.conf, *given.top)):
+        assert torch.equal(a, b)
+    greedy = logits.clone()
+    greedy[:, 49] = float("-inf")  # the mask token is never chosen
+    greedy = greedy.argmax(-1)
+    assert torch.equal(given.tokens[0::2], greedy[0::2])  # greedy rows stay greedy
+    assert not torch.equal(given.tokens[1::2], greedy[1::2])  # sampled rows sample
+    # No sampled row: nothing is drawn.
+    none = score_logits(logits, 49, *args, hot=torch.empty(0, dtype=torch.int64, device=device))
+    assert torch.equal(none.tokens, greedy)

@@ -21,7 +21,8 @@ class Scores(NamedTuple):
 def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Tensor | None = None,
                  row_keys: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
                  top_k: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
-                 edits: LogitEdits | None = None, top_n: int = 0) -> Scores:
+                 edits: LogitEdits | None = None, top_n: int = 0,
+                 hot: torch.Tensor | None = None) -> Scores:
     """Token and confidence for each row of ``logits [M, V]``, after ``edits`` (logit_bias,
     penalties, min_tokens: see ``logit_edits.py``; tensors on any device) of the logits.
 
@@ -32,7 +33,9 @@ def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Te
     probability of that token. The mask token is never chosen. Math runs in fp32, or fp64 for
     fp64 logits. ``top_n`` > 0 also ranks each row's most probable tokens under the same
     (edited, untempered) distribution, whose log-probability the confidence is: the
-    alternatives of OpenAI's ``top_logprobs``.
+    alternatives of OpenAI's ``top_logprobs``. ``hot``: the indices of the rows with
+    temperature > 0, when the caller knows them on the host (finding them on the device costs
+    two syncs).
     """
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(cdt, copy=True)
@@ -41,9 +44,10 @@ def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Te
     x[:, mask_token_id] = float("-inf")
     logp = torch.log_softmax(x, dim=-1)
     tokens = x.argmax(dim=-1)
-    if temperature is not None and bool((temperature > 0).any()):
+    if hot is None and temperature is not None and bool((temperature > 0).any()):
+        hot = (temperature.to(x.device) > 0).nonzero().flatten()
+    if hot is not None and hot.numel():  # the shape: known without a sync
         temperature = temperature.to(x.device)
-        hot = (temperature > 0).nonzero().flatten()
         scaled = x[hot] / temperature[hot].to(cdt)[:, None]
         noisy = scaled + gumbel_noise(row_keys.to(x.device)[hot], x.shape[1], cdt)
         if top_p is not None or top_k is not None or min_p is not None:
@@ -52,7 +56,7 @@ def score_logits(logits: torch.Tensor, mask_token_id: int, temperature: torch.Te
 
             keep = sampling_support(scaled, per_row(top_p, 1.0), per_row(top_k, 0),
                                     per_row(min_p, 0.0))
-            noisy[~keep] = float("-inf")
+            noisy.masked_fill_(~keep, float("-inf"))  # a boolean index would sync
         tokens[hot] = noisy.argmax(dim=-1)
     conf = logp.gather(1, tokens[:, None]).squeeze(1).exp()
     top = None

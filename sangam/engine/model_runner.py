@@ -136,9 +136,11 @@ class Rescore:
         # Each request's rows, in order: firsts[j], firsts[j] + 1, ... (one arange, shifted).
         rows = np.arange(total) + np.repeat(firsts - (np.cumsum(sizes) - sizes), sizes)
         params = [st.params for st in picked]
+        temperatures = batch.temperatures[rows]
         arrays = {
             "rescore_rows": rows,
-            "rescore_temperature": batch.temperatures[rows],
+            "rescore_temperature": temperatures,
+            "rescore_hot": np.flatnonzero(temperatures > 0),  # sampled rows: no device search
             "rescore_row_keys": batch.row_keys[rows],
             "rescore_top_p": np.repeat(np.array([p.top_p for p in params], np.float64), counts),
             "rescore_top_k": np.repeat(np.array([p.top_k for p in params], np.int64), counts),
@@ -162,7 +164,8 @@ class Rescore:
         index = dev["rescore_rows"]
         t, c, top = score_logits(logits[index], mask_token_id, dev["rescore_temperature"],
                                  dev["rescore_row_keys"], dev["rescore_top_p"],
-                                 dev["rescore_top_k"], dev["rescore_min_p"], edits, self.top_n)
+                                 dev["rescore_top_k"], dev["rescore_min_p"], edits, self.top_n,
+                                 hot=dev["rescore_hot"])
         tokens[index] = t.to(tokens.dtype)
         conf[index] = c.to(conf.dtype)
         return top
