@@ -224,7 +224,8 @@ def _new_id(prefix: str) -> str:
 
 
 class ResponseBuilder:
-    """One request's Response object: whole (``final``), or as events (``events``)."""
+    """One request's Response object: whole (``final``), or as events (``start``, then
+    ``advance`` with each output)."""
 
     def __init__(self, response_id: str, model: str, body: ResponsesRequest,
                  tools: HermesToolParser | None):
@@ -266,7 +267,7 @@ class ResponseBuilder:
         if text or not calls:
             items.append(OutputMessage(id=self.message_id, status=status,
                                        content=[OutputText(text=text)]))
-        items += [FunctionCallOutput(id=_new_id("fc"), call_id=ParsedCall.new_id(),
+        items += [FunctionCallOutput(id=_new_id("fc"), call_id=_new_id("call"),
                                      name=c.name, arguments=c.arguments) for c in calls]
         return items
 
