@@ -398,8 +398,8 @@ class _Server:
         headers = self.id_headers(request_id)
         if body.stream:
             return EventStream(self.events(streams, request_id, body.n or 1,
-                                            body.stream_options, chunk_type, choice), streams,
-                                headers)
+                                           body.stream_options, chunk_type, choice), streams,
+                               headers)
         outs = await unless_disconnected(request, collect(streams))
         return JSONResponse(whole(outs).model_dump(), headers=headers)
 
@@ -616,13 +616,13 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         prompt = srv.chat_prompt(body.conversation(history), body.template_options())
         response_id = srv.request_id(request, body, "resp_")
         streams = await unless_disconnected(request, srv.open([prompt], params, 1,
-                                                                response_id))
+                                                               response_id))
         builder = ResponseBuilder(response_id, srv.model_name, body, tools)
         keep = srv.store is not None and body.store
         headers = srv.id_headers(response_id)
         if body.stream:
             return EventStream(srv.response_events(streams, builder, history if keep else None),
-                                streams, headers)
+                               streams, headers)
         out = (await unless_disconnected(request, collect(streams)))[0]
         response = builder.final(out.text or "", out)
         if keep:
