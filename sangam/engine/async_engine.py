@@ -156,8 +156,9 @@ class AsyncEngine:
             raise ValueError("profiling traces the single-process engine; the workers of a "
                              "multi-worker engine are not profiled")
         if action == "start":
-            if self._profiler is None or not self._profiler.active:
-                self._profiler = EngineProfiler(out_dir)
+            if self._profiler is None or (not self._profiler.active
+                                          and self._profiler.out_dir != Path(out_dir)):
+                self._profiler = EngineProfiler(out_dir)  # one per directory: names stay unique
             self._profiler.start()
             return None
         if self._profiler is None:
