@@ -30,7 +30,8 @@ class StreamOptions(BaseModel):
 
 
 class _GenerationRequest(BaseModel):
-    """Fields shared by completions and chat completions. ``None`` means the server's default."""
+    """Fields shared by completions, chat completions and responses. ``None`` means the server's
+    default."""
 
     model_config = _REQUEST_CONFIG
 
