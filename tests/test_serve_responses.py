@@ -85,6 +85,8 @@ def test_streamed_events_add_up_to_the_response(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].response.output_text == whole.output_text
     assert events[-1].response.usage.output_tokens == 12
+    with client.responses.stream(**ask) as stream:  # the client's helper follows the events
+        assert stream.get_final_response().output_text == whole.output_text
 
 
 def test_function_calls(client, llm, monkeypatch):
@@ -115,6 +117,13 @@ def test_function_calls(client, llm, monkeypatch):
         ("message", None), ("function_call", "weather"), ("function_call", "time")]
     args = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
     assert args == [c.arguments for c in calls]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert deltas == args
+    # The client's own stream helper follows the events to the same response.
+    with client.responses.stream(**ask) as stream:
+        followed = stream.get_final_response()
+    assert [(i.type, getattr(i, "arguments", None)) for i in followed.output] == [
+        (i.type, getattr(i, "arguments", None)) for i in res.output]
     assert events[-1].type == "response.completed"
     assert [i.type for i in events[-1].response.output] == [i.type for i in res.output]
 

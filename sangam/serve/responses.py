@@ -343,10 +343,13 @@ class ResponseBuilder:
         for index, item in enumerate(output):
             if isinstance(item, FunctionCallOutput):
                 opened = item.model_copy(update={"arguments": ""}).model_dump()
-                events += [
+                where = {"item_id": item.id, "output_index": index}
+                events += [  # a call is known whole: its arguments in one delta
                     self._event("response.output_item.added", output_index=index, item=opened),
-                    self._event("response.function_call_arguments.done", item_id=item.id,
-                                output_index=index, arguments=item.arguments),
+                    self._event("response.function_call_arguments.delta", **where,
+                                delta=item.arguments),
+                    self._event("response.function_call_arguments.done", **where,
+                                arguments=item.arguments),
                     self._event("response.output_item.done", output_index=index,
                                 item=item.model_dump())]
         self.streamed = self._response(status, output, out)
