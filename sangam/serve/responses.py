@@ -104,10 +104,9 @@ class ResponsesRequest(_GenerationRequest, ToolChoice):
     instructions: str | None = None
     max_output_tokens: int | None = None
     tools: list[FunctionTool] | None = None
-    store: bool = True  # accepted; nothing is ever stored
-    previous_response_id: str | None = None
-    text: dict | None = None
-    reasoning: dict | None = None
+    store: bool = True  # kept with --responses-store-size (OpenAI's default: true)
+    previous_response_id: str | None = None  # a stored response this one continues
+    text: dict | None = None  # {"format": {"type": "text"}} only
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
