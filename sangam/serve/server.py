@@ -72,10 +72,13 @@ TRUST_REMOTE_CODE_HELP = ("Accepted so that vLLM command lines run; changes noth
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Every EngineConfig field and every ServerConfig field, one flag each."""
-    EngineConfig.add_cli_args(parser)
-    ServerConfig.add_cli_args(parser)
-    parser.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
+    """Every EngineConfig field and every ServerConfig field, one flag each (grouped so that
+    --help reads as two lists: what runs the model, what serves it)."""
+    EngineConfig.add_cli_args(parser.add_argument_group(
+        "engine", "the model, its KV pool, the scheduler and the workers (LLM(...) keywords)"))
+    server = parser.add_argument_group("server", "HTTP, the API and its request defaults")
+    ServerConfig.add_cli_args(server)
+    server.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
 
 
 def uvicorn_server(app: FastAPI, config: ServerConfig) -> uvicorn.Server:
