@@ -518,6 +518,8 @@ def test_async_engine_on_workers(paths):
         return rid, _outcome(outs[-1])
 
     async def main():
+        with pytest.raises(ValueError, match="workers of a multi-worker engine"):
+            await engine.start_profile("unused")  # traces one process: refused, clearly
         return dict(await asyncio.gather(*(one(*r) for r in reqs)))
 
     pids = _descendants(os.getpid())
