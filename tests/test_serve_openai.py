@@ -918,6 +918,18 @@ def tool_server(chat_ckpt) -> Iterator[str]:
         yield url
 
 
+def test_a_template_that_ignores_tools_is_reported(chat_ckpt, caplog):
+    """--enable-auto-tool-choice with a chat template that never shows the model its tools
+    (the demo's, as LLaDA's) logs a warning at startup; one that renders them does not."""
+    for template, warned in ((None, True), (TOOL_TEMPLATE, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="sangam.serve.app"):
+            with serve_in_thread(chat_ckpt, chat_template=template, enable_auto_tool_choice=True,
+                                 tool_call_parser="hermes"):
+                pass
+        assert ("this chat template ignores tools" in caplog.text) == warned
+
+
 def test_tools_reach_the_chat_template(llm, tool_server):
     """Tools and a conversation with tool calls render through the template as in vLLM (the
     calls' arguments as objects), in /tokenize, /v1/chat/completions and LLM.chat alike."""

@@ -54,6 +54,7 @@ from sangam.serve.protocol import (
     ChatCompletionResponse,
     ChatMessage,
     ChatTemplateOptions,
+    ChatTool,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -64,6 +65,7 @@ from sangam.serve.protocol import (
     ErrorInfo,
     ErrorResponse,
     FunctionCall,
+    FunctionDefinition,
     ModelCard,
     ModelList,
     StreamOptions,
@@ -116,6 +118,23 @@ class _Server:
                             if config.enable_auto_tool_choice else None)
         self.store = (ResponseStore(config.responses_store_size)
                       if config.responses_store_size else None)
+        if self.tool_parser is not None and not self._template_shows_tools():
+            logger.warning("--enable-auto-tool-choice: this chat template ignores tools, so "
+                           "the model never sees them; give a --chat-template that renders "
+                           "tools (as Qwen2.5's and Dream's do)")
+
+    def _template_shows_tools(self) -> bool:
+        """Whether the chat template renders a conversation differently with a tool (LLaDA's,
+        for one, does not). Without a tokenizer or template there is nothing to warn about."""
+        probe = ChatTemplateOptions(tools=[ChatTool(type="function", function=FunctionDefinition(
+            name="probe_tool", description="Sangam's startup check"))])
+        try:
+            plain = self.chat_prompt([ChatMessage(role="user", content="hi")],
+                                     ChatTemplateOptions())
+            with_tool = self.chat_prompt([ChatMessage(role="user", content="hi")], probe)
+        except ApiError:
+            return True
+        return plain != with_tool
 
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, max_model_len=self.loaded.context_length)
