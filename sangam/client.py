@@ -75,12 +75,18 @@ def _raise_for_error(response: httpx.Response) -> None:
 
 
 def _echo(pieces: Iterator[str], out: IO[str]) -> str:
-    """Write the pieces as they come; return them joined."""
+    """Write the pieces as they come, then a newline (also when the stream fails midway, so
+    that the error starts a line of its own); return them joined."""
     reply = []
-    for piece in pieces:
-        out.write(piece)
-        out.flush()
-        reply.append(piece)
+    try:
+        for piece in pieces:
+            out.write(piece)
+            out.flush()
+            reply.append(piece)
+    except ServerError:
+        if reply:
+            out.write("\n")
+        raise
     out.write("\n")
     return "".join(reply)
 
