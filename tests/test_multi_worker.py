@@ -517,6 +517,8 @@ def test_async_engine_on_workers(paths):
             assert b.token_ids[:len(a.token_ids)] == a.token_ids
         return rid, _outcome(outs[-1])
 
+    assert "disaggregated over 2 workers" in engine.describe()
+
     async def main():
         with pytest.raises(ValueError, match="workers of a multi-worker engine"):
             await engine.start_profile("unused")  # traces one process: refused, clearly

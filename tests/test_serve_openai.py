@@ -620,6 +620,14 @@ def test_stats_are_logged_periodically(server, server_log):
     assert "in flight" in line
 
 
+def test_startup_says_what_serves(server, server_log):
+    """The first log line names the model, precision, context, and how many tokens the KV
+    pool holds."""
+    line = next(x for x in server_log.read_text().splitlines() if "serving " in x)
+    assert "LLaDAModelLM from" in line and "float64 on cpu" in line
+    assert "KV pool 1024 pages x 16 = 16384 tokens" in line and "policy deficit" in line
+
+
 def test_requests_are_logged(client, server_log):
     """--enable-log-requests: a line when a request arrives and one when it ends."""
     res = client.completions.create(model=MODEL, prompt="log me", max_tokens=8,

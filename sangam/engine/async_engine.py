@@ -57,6 +57,25 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.loaded.tokenizer
 
+    def describe(self) -> str:
+        """One line on what serves: the model, its precision and device, the context, the KV
+        pool (how many tokens fit) or the workers, and the scheduling policy."""
+        loaded, cfg = self.engine.loaded, self.config
+        parts = [f"{loaded.config.architecture} from {loaded.path}",
+                 f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device}",
+                 f"context {loaded.context_length} tokens"]
+        if isinstance(self.engine, Engine):
+            pool, runner = self.engine.pool, self.engine.runner
+            parts.append(f"KV pool {pool.num_pages} pages x {pool.page_size} = "
+                         f"{pool.num_pages * pool.page_size} tokens")
+            parts.append(f"{loaded.model.attention_backend.name} attention, CUDA graphs "
+                         f"{'on' if runner.graphs is not None else 'off'}")
+        else:
+            parts.append(f"{cfg.mode} over {len(self.engine.worker_states())} workers")
+        budget = "" if cfg.policy == "fastdllm" else f", token budget {cfg.effective_token_budget}"
+        parts.append(f"policy {cfg.policy}{budget}")
+        return "; ".join(parts)
+
     async def get_tokenizer(self):
         """The checkpoint's tokenizer (None without one), as vLLM's ``AsyncLLM``."""
         return self.engine.loaded.tokenizer

@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         logger.error("cannot load the model: %s", e)
         return 1
+    logger.info("serving %s", engine.describe())
     app = build_app(engine, server_config)
     uvicorn_server(app, server_config).run()
     return 0
