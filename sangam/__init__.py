@@ -2,7 +2,7 @@
 
 from sangam.config import EngineConfig
 from sangam.llm import LLM
-from sangam.sampling_params import RequestOutput, SamplingParams
+from sangam.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -6,6 +6,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 UNMASKING_RULES = ("threshold", "factor", "topk")
 CACHE_MODES = ("dual", "prefix", "none")
@@ -190,6 +191,28 @@ def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+class Logprob(NamedTuple):
+    """vLLM's record of one token's log-probability at the step that committed a position."""
+
+    logprob: float
+    rank: int | None  # 1: the most probable; None: not among the alternatives asked for
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """vLLM's view of a completion: ``RequestOutput.outputs[0]``, so that code written for
+    vLLM's ``LLM`` runs unchanged."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float | None  # with logprobs: the sum over the tokens
+    logprobs: list[dict[int, Logprob]] | None  # per token: it, then its step's alternatives
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
 @dataclass(repr=False)
 class RequestOutput:
     """A request's response so far (streamed) or in full (``finished=True``). Its ``text`` (None
@@ -215,6 +238,24 @@ class RequestOutput:
     @functools.cached_property
     def text(self) -> str | None:
         return self.make_text()
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The same response in vLLM's shape: one completion per request (Sangam runs each of
+        ``n`` choices as a request of its own)."""
+        per_token = None
+        if self.logprobs is not None:
+            per_token = []
+            for i, (token, logprob) in enumerate(zip(self.token_ids, self.logprobs)):
+                ranked = {t: Logprob(lp, rank) for rank, (t, lp) in enumerate(
+                    self.top_logprobs[i] if self.top_logprobs else (), start=1)}
+                # The token's own value, as in .logprobs (its alternative's agrees to rounding).
+                own = Logprob(logprob, ranked[token].rank if token in ranked else None)
+                per_token.append({token: own, **{t: r for t, r in ranked.items() if t != token}})
+        return [CompletionOutput(
+            0, self.text, self.token_ids,
+            None if self.logprobs is None else math.fsum(self.logprobs), per_token,
+            self.finish_reason, self.stop_reason)]
 
     def __repr__(self) -> str:
         shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.compare]

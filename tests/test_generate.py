@@ -380,3 +380,26 @@ def test_checkpoint_generation_config_sets_defaults(llada_path, tmp_path):
     (path / "generation_config.json").write_text(json.dumps({"block_length": 0}))
     with pytest.raises(ValueError, match="block_length"):
         LLM(str(path), device="cpu")
+
+
+def test_vllm_shaped_outputs(llms):
+    """``outputs[0]`` is vLLM's CompletionOutput of the same response, so vLLM code runs."""
+    llm = llms["llada"]
+    params = SamplingParams(max_tokens=8, block_length=4, stop_at_eos=False, logprobs=2)
+    out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=params)[0]
+    (completion,) = out.outputs
+    assert (completion.index, completion.text, completion.token_ids) == (0, out.text,
+                                                                         out.token_ids)
+    assert (completion.finish_reason, completion.stop_reason) == ("length", None)
+    assert completion.cumulative_logprob == pytest.approx(sum(out.logprobs))
+    for token, logprob, alternatives, ranked in zip(out.token_ids, out.logprobs,
+                                                    out.top_logprobs, completion.logprobs):
+        assert next(iter(ranked)) == token and ranked[token].logprob == logprob
+        for rank, (alt, alt_logprob) in enumerate(alternatives, start=1):
+            assert ranked[alt].rank == rank
+            assert ranked[alt].logprob == (logprob if alt == token else alt_logprob)
+        if token not in dict(alternatives):
+            assert ranked[token].rank is None
+    plain = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=SamplingParams(
+        max_tokens=8, block_length=4, stop_at_eos=False))[0].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None
