@@ -145,5 +145,33 @@ class EngineConfig:
             parser.add_argument(flag, *aliases, dest=f.name, default=f.default, **kw)
 
     @classmethod
+    def from_options(cls, **options: object) -> EngineConfig:
+        """An EngineConfig from keyword options (``LLM(...)``, ``AsyncEngine(...)``): its field
+        names, or vLLM's names of the same options (``gpu_memory_utilization``,
+        ``max_num_seqs``), so vLLM code runs. An unknown name is a TypeError."""
+        names = {f.name: f.name for f in dataclasses.fields(cls)}
+        for f in dataclasses.fields(cls):
+            for alias in f.metadata["aliases"]:
+                names[alias.removeprefix("--").replace("-", "_")] = f.name
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(f"unknown options {unknown}; valid: {sorted(names)}")
+        resolved: dict[str, object] = {}
+        for given, value in options.items():
+            if names[given] in resolved:
+                raise TypeError(f"{names[given]} is given twice (once as {given})")
+            resolved[names[given]] = value
+        return cls(**resolved)
+
+    @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def check_tensor_parallel_size(size: int) -> None:
+    """vLLM's ``tensor_parallel_size``, accepted so its code and command lines run: only 1."""
+    if size != 1:
+        raise ValueError(f"tensor_parallel_size {size}: Sangam runs one replica of the model "
+                         "per GPU (LLaDA-8B and Dream-7B fit one); serve on more GPUs with "
+                         "num_workers and devices (--num-workers, --devices), or a "
+                         "disaggregated or hybrid mode")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from sangam.config import EngineConfig
+from sangam.config import EngineConfig, check_tensor_parallel_size
 from sangam.engine.multi import make_engine
 from sangam.models.tokenizer import load_chat_template
 from sangam.sampling_params import RequestOutput, SamplingParams
@@ -23,18 +22,20 @@ class LLM:
     """Load a checkpoint and generate.
 
     ``LLM(model="path/to/checkpoint", device="cpu", dtype="float64", token_budget=1024, ...)``:
-    every :class:`~sangam.config.EngineConfig` field is a keyword argument. vLLM's
-    ``trust_remote_code`` is accepted and changes nothing: Sangam implements LLaDA and Dream
-    itself and never runs a checkpoint's code.
+    every :class:`~sangam.config.EngineConfig` field is a keyword argument, also under vLLM's
+    names (``gpu_memory_utilization``, ``max_num_seqs``). vLLM's ``trust_remote_code`` is
+    accepted and changes nothing: Sangam implements LLaDA and Dream itself and never runs a
+    checkpoint's code. ``tensor_parallel_size`` may only be 1: the models fit one GPU, and
+    more GPUs serve through ``num_workers`` and ``devices``.
     """
 
     def __init__(self, model: str | None = None, *, trust_remote_code: bool = False,
-                 **engine_options):
-        fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(engine_options) - fields)
-        if unknown:
-            raise TypeError(f"LLM() got unknown options {unknown}; valid: {sorted(fields)}")
-        self.config = EngineConfig(model=model, **engine_options)
+                 tensor_parallel_size: int = 1, **engine_options):
+        check_tensor_parallel_size(tensor_parallel_size)
+        try:
+            self.config = EngineConfig.from_options(model=model, **engine_options)
+        except TypeError as e:
+            raise TypeError(f"LLM(): {e}") from None
         self.engine = make_engine(self.config)
         self.loaded = self.engine.loaded
         self._counter = itertools.count()

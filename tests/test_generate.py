@@ -292,6 +292,17 @@ def test_input_validation(llms):
         LLM(llm.loaded.path, tau=3)
 
 
+def test_vllm_engine_option_names(llada_path):
+    """LLM(...) takes vLLM's names of engine options, and its tensor_parallel_size of 1."""
+    llm = LLM(llada_path, device="cpu", num_pages=64, gpu_memory_utilization=0.5,
+              max_num_seqs=8, tensor_parallel_size=1)
+    assert (llm.config.gpu_memory_fraction, llm.config.max_batch_size) == (0.5, 8)
+    with pytest.raises(TypeError, match="max_batch_size is given twice"):
+        LLM(llada_path, device="cpu", max_batch_size=8, max_num_seqs=4)
+    with pytest.raises(ValueError, match="one replica of the model per GPU"):
+        LLM(llada_path, device="cpu", tensor_parallel_size=2)
+
+
 def test_tokenizer_from_another_directory(llada_path, tmp_path):
     """--tokenizer / LLM(tokenizer=...): the tokenizer files may live elsewhere; vLLM's
     trust_remote_code is accepted (Sangam never runs checkpoint code)."""

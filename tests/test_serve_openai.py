@@ -37,7 +37,7 @@ from sangam.demo.tokenizer import (
 )
 from sangam.engine.async_engine import AsyncEngine
 from sangam.serve import ServerConfig, build_app
-from sangam.serve.server import add_cli_args, uvicorn_server
+from sangam.serve.server import add_cli_args, run, uvicorn_server
 from sangam.testing import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1045,3 +1045,5 @@ def test_every_config_field_is_a_flag():
     server = ServerConfig.from_cli_args(parser.parse_args(
         ["--disable-log-stats", "--uvicorn-log-level", "debug"]))
     assert (server.log_stats_interval, server.log_level) == (0.0, "debug")
+    assert parser.parse_args(["-tp", "1"]).tensor_parallel_size == 1
+    assert run(parser.parse_args(["--tensor-parallel-size", "2"])) == 2  # refused, no model

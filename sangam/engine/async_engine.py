@@ -39,7 +39,7 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  **engine_options):
-        self.config = config or EngineConfig(**engine_options)
+        self.config = config or EngineConfig.from_options(**engine_options)
         self.engine = make_engine(self.config, loaded)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
