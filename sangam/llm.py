@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -64,15 +65,21 @@ class LLM:
         """Generate for ``prompts`` (texts, or vLLM's ``{"prompt": text}`` and
         ``{"prompt_token_ids": ids}``, to which ``"suffix"`` (text) or ``"suffix_token_ids"``
         may add a suffix: the response then fills the gap before it) or ``prompt_token_ids``;
-        one SamplingParams or one per prompt. Outputs come back in input order; ``use_tqdm``
-        shows a progress bar."""
+        one SamplingParams or one per prompt. One output per prompt, in input order; with
+        ``n`` > 1 its ``outputs`` hold the prompt's n samples (the output itself is the first).
+        ``use_tqdm`` shows a progress bar."""
         inputs = self._inputs(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(inputs))
+        # Each prompt's n samples are n requests (seeds seed + j, as the server's n choices).
+        work = [(i, dataclasses.replace(sp, n=1, seed=sp.seed if sp.seed is None or j == 0
+                                        else (sp.seed + j) % 2**63))
+                for i, sp in enumerate(params) for j in range(sp.n)]
         engine = self.engine
-        rids = [f"generate-{next(self._counter)}" for _ in inputs]
+        rids = [f"generate-{next(self._counter)}" for _ in work]
         try:
-            for rid, (p, suffix), sp in zip(rids, inputs, params):
-                engine.add_request(rid, p, sp, suffix_token_ids=suffix)
+            for rid, (i, sp) in zip(rids, work):
+                prompt, suffix = inputs[i]
+                engine.add_request(rid, prompt, sp, suffix_token_ids=suffix)
         except Exception:  # refuse the whole call; requests already queued are withdrawn
             for rid in rids:
                 engine.abort_request(rid)
@@ -91,7 +98,13 @@ class LLM:
         finally:  # interrupted (Ctrl-C in a notebook...): what is left must not linger
             for rid in pending:
                 engine.abort_request(rid)
-        return [done[rid] for rid in rids]
+        outs: list[RequestOutput] = []
+        for rid, (i, _) in zip(rids, work):  # a prompt's first sample carries the others
+            if len(outs) == i:
+                outs.append(done[rid])
+            else:
+                outs[i].siblings.append(done[rid])
+        return outs
 
     def chat(self, messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

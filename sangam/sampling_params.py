@@ -19,6 +19,7 @@ MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024  # biased tokens per request
 MAX_LOGPROBS = 20  # alternatives per token, vLLM's default max_logprobs
 MAX_PENALTY = 2.0  # presence / frequency penalties, OpenAI's range
+MAX_N = 128  # samples per prompt, OpenAI's limit
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,18 @@ class SamplingParams:
     # vLLM's priority: waiting prefills are admitted lower value first (then by arrival); a
     # request's tokens never depend on it, only its latency.
     priority: int = 0
+    # vLLM's n: LLM.generate samples each prompt n times (as n requests, seeds seed + j when
+    # seed is set) and returns them as one output's ``outputs``. A request is one sequence:
+    # the engines take n = 1 only (the server's n makes n requests itself).
+    n: int = 1
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(f"SamplingParams: {msg}")
 
+        need(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], "
+             f"got {self.n!r}")
         need(_is_int(self.max_tokens) and self.max_tokens >= 1,
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         need(_is_int(self.block_length) and self.block_length >= 1,
@@ -234,6 +241,8 @@ class RequestOutput:
     # Per token of token_ids, with SamplingParams.logprobs = n > 0: the n most probable tokens
     # at the step that committed it, as (token id, logprob), most probable first.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # LLM.generate with n > 1: the prompt's other samples (this output is the first).
+    siblings: list[RequestOutput] = field(default_factory=list, compare=False)
 
     @functools.cached_property
     def text(self) -> str | None:
@@ -241,8 +250,10 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """The same response in vLLM's shape: one completion per request (Sangam runs each of
-        ``n`` choices as a request of its own)."""
+        """The response in vLLM's shape: its completion, then its siblings' (``n`` > 1)."""
+        return [out._completion(j) for j, out in enumerate([self, *self.siblings])]
+
+    def _completion(self, index: int) -> CompletionOutput:
         per_token = None
         if self.logprobs is not None:
             per_token = []
@@ -252,10 +263,10 @@ class RequestOutput:
                 # The token's own value, as in .logprobs (its alternative's agrees to rounding).
                 own = Logprob(logprob, ranked[token].rank if token in ranked else None)
                 per_token.append({token: own, **{t: r for t, r in ranked.items() if t != token}})
-        return [CompletionOutput(
-            0, self.text, self.token_ids,
+        return CompletionOutput(
+            index, self.text, self.token_ids,
             None if self.logprobs is None else math.fsum(self.logprobs), per_token,
-            self.finish_reason, self.stop_reason)]
+            self.finish_reason, self.stop_reason)
 
     def __repr__(self) -> str:
         shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.compare]

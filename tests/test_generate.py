@@ -414,3 +414,24 @@ def test_vllm_shaped_outputs(llms):
     plain = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=SamplingParams(
         max_tokens=8, block_length=4, stop_at_eos=False))[0].outputs[0]
     assert plain.logprobs is None and plain.cumulative_logprob is None
+
+
+def test_n_samples_per_prompt(llms):
+    """vLLM's SamplingParams(n=...): one output per prompt whose ``outputs`` are its n
+    samples, sample j exactly a request of its own with seed + j; an engine takes n = 1."""
+    llm = llms["dream"]
+    sampled = SamplingParams(max_tokens=8, block_length=4, stop_at_eos=False, temperature=1.0,
+                             seed=5)
+    outs = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=[
+        dataclasses.replace(sampled, n=3), dataclasses.replace(sampled, n=1)])
+    assert len(outs) == 2 and [len(o.outputs) for o in outs] == [3, 1]
+    for j, completion in enumerate(outs[0].outputs):
+        alone = llm.generate(prompt_token_ids=[PROMPTS[0]],
+                             sampling_params=dataclasses.replace(sampled, seed=5 + j))[0]
+        assert (completion.index, completion.token_ids) == (j, alone.token_ids)
+    assert outs[0].token_ids == outs[0].outputs[0].token_ids  # the output is its first sample
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1  # they differ
+    with pytest.raises(ValueError, match="a request is one sequence"):
+        llm.engine.add_request("many", PROMPTS[0], dataclasses.replace(sampled, n=2))
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=0)

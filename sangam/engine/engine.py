@@ -98,6 +98,9 @@ def new_request(in_flight: Mapping[str, object], config: EngineConfig, loaded: L
     its canvas. Raises (RequestRejected, QueueFull, ValueError) without side effects."""
     if request_id in in_flight:
         raise ValueError(f"request id {request_id!r} is already in use")
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: a request is one sequence; submit n requests (as "
+                         "LLM.generate and the server do)")
     if len(in_flight) >= config.max_queue_len:
         raise QueueFull(f"{len(in_flight)} requests in flight (max_queue_len "
                         f"{config.max_queue_len})")
