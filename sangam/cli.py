@@ -1,7 +1,7 @@
 """``sangam``: the command line. ``sangam serve [MODEL] [flags]`` runs the OpenAI-compatible
 server; MODEL may be given positionally, as in ``vllm serve``, or as ``--model``.
 ``sangam chat`` and ``sangam complete`` talk to a running server, as ``vllm chat`` and
-``vllm complete``."""
+``vllm complete``; ``sangam bench ...`` is ``sangam-bench ...``, as ``vllm bench``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                               description="Complete prompts; each line is a prompt.")
     client.add_client_args(complete, "prompt")
     complete.set_defaults(func=client.complete)
+    # Listed for --help; main() hands "bench" and everything after it to sangam-bench.
+    sub.add_parser("bench", help="benchmarks: the same as sangam-bench", add_help=False)
     args = parser.parse_args(argv)
     if args.command == "serve" and args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -39,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from sangam.bench.cli import main as bench_main  # only here: it imports every bench
+
+        return bench_main(argv[1:])
     args = parse_args(argv)
     try:
         return args.func(args)

@@ -1,5 +1,6 @@
 """The README's main command: the server with no --model serves the shipped demo model, which
-answers held-out task prompts correctly through the OpenAI API and through ``sangam chat``."""
+answers held-out task prompts correctly through the OpenAI API and through ``sangam chat``;
+and the ``sangam`` command's other subcommands."""
 
 from __future__ import annotations
 
@@ -69,3 +70,12 @@ def test_sangam_chat_and_complete(demo_server):
     assert refused.returncode == 0 and refused.stdout.count("error: HTTP 400") == 2, refused
     gone = _sangam("chat", "--url", "http://127.0.0.1:9/v1", "-q", "hi")
     assert gone.returncode == 1 and "cannot reach the server" in gone.stderr
+
+
+def test_sangam_bench_is_sangam_bench(capsys):
+    """`sangam bench ...` runs `sangam-bench ...`, as `vllm bench`."""
+    from sangam.cli import main
+
+    assert main(["bench", "host", "--batch-sizes", "1", "--iters", "3", "--rounds", "1",
+                 "--impl", "python"]) == 0
+    assert "outputs" in capsys.readouterr().out
