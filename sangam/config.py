@@ -9,83 +9,112 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 POLICIES = ("deficit", "prefill_first", "fastdllm")
 MODES = ("colocated", "disaggregated", "hybrid")
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 
+T = TypeVar("T")
 
-def _meta(help_: str, aliases: tuple[str, ...] = (), **kw) -> dict:
-    """A field's CLI flag: help, argparse options, and other spellings users know (vLLM's)."""
+
+def flag_meta(help_: str, aliases: tuple[str, ...] = (), **kw) -> dict:
+    """A config field's CLI flag: help, argparse options, and other spellings users know
+    (vLLM's)."""
     return {"help": help_, "aliases": aliases, **kw}
+
+
+def add_config_flags(cls: type, parser: argparse.ArgumentParser,
+                     types: Mapping[str, type] | None = None) -> None:
+    """One ``--kebab-case`` flag per field of the config dataclass ``cls`` (plus its aliases):
+    a bool default makes ``--x/--no-x``, a number default types the flag, and ``types`` types
+    the others (fields whose default is None) or overrides."""
+    types = types or {}
+    for f in dataclasses.fields(cls):
+        kw = dict(f.metadata)
+        aliases = kw.pop("aliases")
+        if f.name in types:
+            kw["type"] = types[f.name]
+        elif isinstance(f.default, bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        elif isinstance(f.default, (int, float)):
+            kw["type"] = type(f.default)
+        parser.add_argument("--" + f.name.replace("_", "-"), *aliases, dest=f.name,
+                            default=f.default, **kw)
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """The config dataclass ``cls`` from parsed flags (see :func:`add_config_flags`)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = field(default=None, metadata=_meta(
+    model: str | None = field(default=None, metadata=flag_meta(
         "Local checkpoint directory in Hugging Face layout; default: the embedded demo model"))
-    tokenizer: str | None = field(default=None, metadata=_meta(
+    tokenizer: str | None = field(default=None, metadata=flag_meta(
         "Directory of the tokenizer files (default: the checkpoint's own, if any)"))
-    device: str | None = field(default=None, metadata=_meta(
+    device: str | None = field(default=None, metadata=flag_meta(
         "'cpu' or 'cuda' (default: cuda when available)"))
-    dtype: str = field(default="auto", metadata=_meta(
+    dtype: str = field(default="auto", metadata=flag_meta(
         "Model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, float64, bfloat16, "
         "float16", choices=DTYPE_NAMES))
-    attention_backend: str | None = field(default=None, metadata=_meta(
+    attention_backend: str | None = field(default=None, metadata=flag_meta(
         "Attention implementation: triton (GPU default) or torch (CPU default)",
         choices=ATTENTION_BACKENDS))
-    page_size: int = field(default=16, metadata=_meta("KV page size in tokens"))
-    num_pages: int | None = field(default=None, metadata=_meta(
+    page_size: int = field(default=16, metadata=flag_meta("KV page size in tokens"))
+    num_pages: int | None = field(default=None, metadata=flag_meta(
         "KV pool size in pages (default: from --gpu-memory-fraction on GPU, "
         "--cpu-kv-cache-gb on CPU)"))
-    gpu_memory_fraction: float = field(default=0.9, metadata=_meta(
+    gpu_memory_fraction: float = field(default=0.9, metadata=flag_meta(
         "Fraction of GPU memory for weights + KV pool", aliases=("--gpu-memory-utilization",)))
-    cpu_kv_cache_gb: float = field(default=2.0, metadata=_meta(
+    cpu_kv_cache_gb: float = field(default=2.0, metadata=flag_meta(
         "KV pool size on CPU, GiB, when --num-pages is not given"))
-    policy: str = field(default="deficit", metadata=_meta(
+    policy: str = field(default="deficit", metadata=flag_meta(
         "Scheduling policy: deficit token budget, prefill_first (tau = infinity), or fastdllm "
         "(batch size 1, each request to completion)", choices=POLICIES))
-    token_budget: float = field(default=1024, metadata=_meta(
+    token_budget: float = field(default=1024, metadata=flag_meta(
         "Deficit token budget tau per iteration ('inf' = prefill-first)"))
-    max_model_len: int | None = field(default=None, metadata=_meta(
+    max_model_len: int | None = field(default=None, metadata=flag_meta(
         "Longest prompt + response canvas a request may have (default: the model's context); "
         "CUDA-graph block tables are sized for it"))
-    max_batch_size: int = field(default=256, metadata=_meta(
+    max_batch_size: int = field(default=256, metadata=flag_meta(
         "Most requests in one forward (seated decodes plus admitted prefills)",
         aliases=("--max-num-seqs",)))
-    enforce_eager: bool = field(default=False, metadata=_meta(
+    enforce_eager: bool = field(default=False, metadata=flag_meta(
         "Never capture CUDA graphs (by default decode batches of the model's block length "
         "replay graphs on GPU with the triton backend)"))
-    max_queue_len: int = field(default=1024, metadata=_meta(
+    max_queue_len: int = field(default=1024, metadata=flag_meta(
         "Most requests waiting or running; beyond it new requests are refused (HTTP 503)"))
-    mode: str = field(default="colocated", metadata=_meta(
+    mode: str = field(default="colocated", metadata=flag_meta(
         "Multi-worker serving mode: colocated, disaggregated (prefill/decode workers) or hybrid "
         "(disaggregated + prefill overflow onto decode workers)", choices=MODES))
-    num_workers: int = field(default=1, metadata=_meta(
+    num_workers: int = field(default=1, metadata=flag_meta(
         "Worker processes (one per GPU; CPU processes without GPUs) in colocated mode"))
-    devices: str | None = field(default=None, metadata=_meta(
+    devices: str | None = field(default=None, metadata=flag_meta(
         "Explicit comma-separated device list for the workers, e.g. cuda:0,cuda:1"))
-    prefill_workers: int = field(default=1, metadata=_meta(
+    prefill_workers: int = field(default=1, metadata=flag_meta(
         "Prefill workers in disaggregated / hybrid mode"))
-    decode_workers: int = field(default=1, metadata=_meta(
+    decode_workers: int = field(default=1, metadata=flag_meta(
         "Decode workers in disaggregated / hybrid mode"))
-    overflow_threshold: int = field(default=4096, metadata=_meta(
+    overflow_threshold: int = field(default=4096, metadata=flag_meta(
         "Hybrid mode: outstanding prefill tokens (theta) on every prefill worker before a "
         "prefill overflows onto a decode worker"))
-    layerwise_kv_streaming: bool = field(default=False, metadata=_meta(
+    layerwise_kv_streaming: bool = field(default=False, metadata=flag_meta(
         "Disaggregated modes: send each layer's K/V while the next layer computes"))
-    nnodes: int = field(default=1, metadata=_meta("Number of nodes (hosts) serving together"))
-    node_rank: int = field(default=0, metadata=_meta(
+    nnodes: int = field(default=1, metadata=flag_meta("Number of nodes (hosts) serving together"))
+    node_rank: int = field(default=0, metadata=flag_meta(
         "This node's rank; node 0 runs the front process"))
-    dist_init_addr: str | None = field(default=None, metadata=_meta(
+    dist_init_addr: str | None = field(default=None, metadata=flag_meta(
         "host:port of node 0 for joining workers across nodes"))
-    watchdog_timeout: float = field(default=300.0, metadata=_meta(
+    watchdog_timeout: float = field(default=300.0, metadata=flag_meta(
         "Multi-worker: seconds a worker with work may go without a report from its loop "
         "(which reports at least every second while it has work) before it is declared hung, "
         "stopped, and its requests are placed elsewhere; keep it above the longest forward"))
-    seed: int = field(default=0, metadata=_meta(
+    seed: int = field(default=0, metadata=flag_meta(
         "Seed of the engine's own randomness (router tie-breaks, seeds for unseeded sampling)"))
 
     def __post_init__(self) -> None:
@@ -129,20 +158,9 @@ class EngineConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """One ``--kebab-case`` flag per field (plus its aliases), typed from the default."""
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            kw = dict(f.metadata)
-            aliases = kw.pop("aliases")
-            if f.name == "token_budget":
-                kw["type"] = float
-            elif isinstance(f.default, bool):
-                kw["action"] = argparse.BooleanOptionalAction
-            elif isinstance(f.default, (int, float)) and not isinstance(f.default, bool):
-                kw["type"] = type(f.default)
-            elif f.name in ("num_pages", "max_model_len"):
-                kw["type"] = int
-            parser.add_argument(flag, *aliases, dest=f.name, default=f.default, **kw)
+        # token_budget: a float flag, so that "inf" parses.
+        add_config_flags(cls, parser, {"token_budget": float, "num_pages": int,
+                                       "max_model_len": int})
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:
@@ -165,7 +183,7 @@ class EngineConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        return config_from_args(cls, args)
 
 
 def check_tensor_parallel_size(size: int) -> None:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
 from dataclasses import dataclass, field
 
+from sangam.config import add_config_flags, config_from_args, flag_meta
 from sangam.models.tokenizer import load_chat_template
 from sangam.sampling_params import CACHE_MODES, UNMASKING_RULES, SamplingParams
 from sangam.serve.tool_calls import TOOL_CALL_PARSERS, make_tool_parser
@@ -16,73 +16,68 @@ from sangam.serve.tool_calls import TOOL_CALL_PARSERS, make_tool_parser
 DEMO_MODEL_NAME = "sangam-demo"
 
 
-def _meta(help_: str, aliases: tuple[str, ...] = (), **kw) -> dict:
-    # aliases: vLLM's names of the same flag, so vLLM command lines run.
-    return {"help": help_, "aliases": aliases, **kw}
-
-
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = field(default="127.0.0.1", metadata=_meta("Address to listen on"))
-    port: int = field(default=8000, metadata=_meta("Port to listen on"))
-    api_key: str | None = field(default=None, metadata=_meta(
+    host: str = field(default="127.0.0.1", metadata=flag_meta("Address to listen on"))
+    port: int = field(default=8000, metadata=flag_meta("Port to listen on"))
+    api_key: str | None = field(default=None, metadata=flag_meta(
         "Require 'Authorization: Bearer KEY' on /v1/* requests"))
-    allowed_origins: str | None = field(default=None, metadata=_meta(
+    allowed_origins: str | None = field(default=None, metadata=flag_meta(
         "Web origins whose browser pages may call the API (CORS): comma-separated, or a JSON "
         "list as vLLM's; '*' for any. Default: none"))
-    ssl_keyfile: str | None = field(default=None, metadata=_meta(
+    ssl_keyfile: str | None = field(default=None, metadata=flag_meta(
         "Serve HTTPS with this private key (PEM; with --ssl-certfile)"))
-    ssl_certfile: str | None = field(default=None, metadata=_meta(
+    ssl_certfile: str | None = field(default=None, metadata=flag_meta(
         "Serve HTTPS with this certificate chain (PEM; it may hold the key too)"))
-    ssl_ca_certs: str | None = field(default=None, metadata=_meta(
+    ssl_ca_certs: str | None = field(default=None, metadata=flag_meta(
         "CA certificates (PEM) that client certificates are checked against, with "
         "--ssl-cert-reqs"))
-    ssl_cert_reqs: int = field(default=0, metadata=_meta(
+    ssl_cert_reqs: int = field(default=0, metadata=flag_meta(
         "Client certificates: 0 not asked for, 1 optional, 2 required (Python's ssl.CERT_*)",
         choices=(0, 1, 2)))
-    enable_request_id_headers: bool = field(default=False, metadata=_meta(
+    enable_request_id_headers: bool = field(default=False, metadata=flag_meta(
         "Send each completion's request id back as an X-Request-Id header, as vLLM's (a "
         "request's own X-Request-Id header, if any, is its id)"))
-    served_model_name: str | None = field(default=None, metadata=_meta(
+    served_model_name: str | None = field(default=None, metadata=flag_meta(
         "Model name in the API (default: the --model path, or 'sangam-demo')"))
     # Defaults for requests that leave the diffusion options out. Unset (None): the
     # checkpoint's generation_config.json, else SamplingParams' own defaults.
-    max_tokens_default: int | None = field(default=None, metadata=_meta(
+    max_tokens_default: int | None = field(default=None, metadata=flag_meta(
         "max_tokens of requests that do not set it (default: the checkpoint's "
         "generation_config.json max_new_tokens, else 256)"))
-    block_length: int | None = field(default=None, metadata=_meta(
+    block_length: int | None = field(default=None, metadata=flag_meta(
         "Default block length B (default: generation_config.json, else 32)"))
-    unmasking: str | None = field(default=None, metadata=_meta(
+    unmasking: str | None = field(default=None, metadata=flag_meta(
         "Default unmasking rule (default: threshold)", choices=UNMASKING_RULES))
-    threshold: float | None = field(default=None, metadata=_meta(
+    threshold: float | None = field(default=None, metadata=flag_meta(
         "Default confidence threshold (default: 0.9)"))
-    cache: str | None = field(default=None, metadata=_meta(
+    cache: str | None = field(default=None, metadata=flag_meta(
         "Default KV cache mode (default: dual)", choices=CACHE_MODES))
-    chat_template: str | None = field(default=None, metadata=_meta(
+    chat_template: str | None = field(default=None, metadata=flag_meta(
         "Chat template replacing the tokenizer's: a Jinja file, or the template itself "
         "(as vLLM's --chat-template)"))
-    enable_auto_tool_choice: bool = field(default=False, metadata=_meta(
+    enable_auto_tool_choice: bool = field(default=False, metadata=flag_meta(
         "Turn the tool calls the model writes in chat responses into OpenAI tool_calls when a "
         "request offers tools (tool_choice auto), with --tool-call-parser, as vLLM's"))
-    tool_call_parser: str | None = field(default=None, metadata=_meta(
+    tool_call_parser: str | None = field(default=None, metadata=flag_meta(
         "How the model writes tool calls: hermes (<tool_call>JSON</tool_call>: Hermes, Qwen2.5, "
         "Dream)", choices=TOOL_CALL_PARSERS))
-    responses_store_size: int = field(default=0, metadata=_meta(
+    responses_store_size: int = field(default=0, metadata=flag_meta(
         "Keep the newest N /v1/responses responses that ask to be stored (store: true, "
         "OpenAI's default) in memory, for previous_response_id and GET/DELETE "
         "/v1/responses/{id}; 0 (default, as vLLM): none"))
-    profiler_dir: str | None = field(default=None, metadata=_meta(
+    profiler_dir: str | None = field(default=None, metadata=flag_meta(
         "Serve POST /start_profile and /stop_profile (vLLM's), which write torch.profiler "
         "traces of the engine loop to this directory; off by default"))
-    shutdown_grace: float = field(default=5.0, metadata=_meta(
+    shutdown_grace: float = field(default=5.0, metadata=flag_meta(
         "On SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are "
         "aborted"))
-    log_level: str = field(default="info", metadata=_meta(
+    log_level: str = field(default="info", metadata=flag_meta(
         "Log level", choices=("critical", "error", "warning", "info", "debug"),
         aliases=("--uvicorn-log-level",)))
-    log_stats_interval: float = field(default=10.0, metadata=_meta(
+    log_stats_interval: float = field(default=10.0, metadata=flag_meta(
         "Seconds between log lines of engine stats (throughput, queue, KV pool use); 0: none"))
-    enable_log_requests: bool = field(default=False, metadata=_meta(
+    enable_log_requests: bool = field(default=False, metadata=flag_meta(
         "Log a line when each request is received (prompt length, sampling parameters) and "
         "when it ends (reason, tokens, forwards, seconds), as vLLM's --enable-log-requests"))
 
@@ -149,23 +144,12 @@ class ServerConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(cls):
-            kw = dict(f.metadata)
-            aliases = kw.pop("aliases")
-            if isinstance(f.default, bool):
-                kw["action"] = argparse.BooleanOptionalAction
-            elif isinstance(f.default, (int, float)):
-                kw["type"] = type(f.default)
-            elif f.name in ("max_tokens_default", "block_length"):
-                kw["type"] = int
-            elif f.name == "threshold":
-                kw["type"] = float
-            parser.add_argument("--" + f.name.replace("_", "-"), *aliases, dest=f.name,
-                                default=f.default, **kw)
+        add_config_flags(cls, parser, {"max_tokens_default": int, "block_length": int,
+                                       "threshold": float})
         parser.add_argument("--disable-log-stats", dest="log_stats_interval",
                             action="store_const", const=0.0,
                             help="No periodic stats lines: --log-stats-interval 0 (vLLM's flag)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        return config_from_args(cls, args)
