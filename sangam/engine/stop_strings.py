@@ -37,13 +37,18 @@ def apply_stop_strings(state: DecodeState, decode: Decode) -> bool:
         found = find_stop(text, params.stop, start)
         return None if found is None else text[found[0]:found[1]]
 
-    if stop_in(len(tokens)) is None:
+    found = stop_in(len(tokens))
+    if found is None:
         return False
-    lo, hi = floor, len(tokens)  # the text of tokens[:lo] holds no stop string, tokens[:hi] does
-    while hi - lo > 1:
+    lo, hi = floor, len(tokens)  # the text of tokens[:lo] holds no stop string, tokens[:hi]
+    while hi - lo > 1:  # holds ``found``
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if stop_in(mid) is not None else (mid, hi)
-    state.stop_after(hi, stop_in(hi))
+        at_mid = stop_in(mid)
+        if at_mid is None:
+            lo = mid
+        else:
+            hi, found = mid, at_mid
+    state.stop_after(hi, found)
     return True
 
 
