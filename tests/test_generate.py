@@ -323,13 +323,13 @@ def test_output_text_is_made_when_read(llada_path, tmp_path):
     write_tokenizer(tmp_path / "tok")
     llm = LLM(llada_path, device="cpu", dtype="float64", tokenizer=str(tmp_path / "tok"))
     decoded = []
-    decode = llm.loaded.decode
+    decode = llm.tokenizer.decode
 
-    def counted(token_ids, skip_special_tokens=True):
+    def counted(token_ids, **kw):
         decoded.append(len(token_ids))
-        return decode(token_ids, skip_special_tokens)
+        return decode(token_ids, **kw)
 
-    llm.loaded.decode = counted
+    llm.tokenizer.decode = counted
     params = SamplingParams(max_tokens=12, block_length=4, stop_at_eos=False)
     engine = llm.engine
     engine.add_request("r", [5, 6, 7], params)
@@ -337,9 +337,9 @@ def test_output_text_is_made_when_read(llada_path, tmp_path):
     while engine.has_unfinished_requests():
         outs.extend(engine.step())
     assert len(outs) == 3 and decoded == []  # three blocks, no text made
-    assert outs[-1].text == llm.tokenizer.decode(outs[-1].token_ids, skip_special_tokens=True)
+    assert outs[-1].text == decode(outs[-1].token_ids, skip_special_tokens=True)
     assert outs[-1].text is outs[-1].text and decoded == [12]  # made once
-    assert outs[0].text == llm.tokenizer.decode(outs[0].token_ids, skip_special_tokens=True)
+    assert outs[0].text == decode(outs[0].token_ids, skip_special_tokens=True)
     again = pickle.loads(pickle.dumps(outs[1]))
     assert (again.text, again.token_ids) == (outs[1].text, outs[1].token_ids)
     assert f"text={outs[1].text!r}" in repr(outs[1])

@@ -919,6 +919,17 @@ SCRIPTED = ('Checking.<tool_call>\n{"name": "weather", "arguments": {"city": "Pa
             '</tool_call>\n<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>')
 
 
+def script_text(patch: pytest.MonkeyPatch, skips: list[bool] | None = None) -> None:
+    """Make each output's text the first len(tokens) / 16 of SCRIPTED (no tiny model writes
+    tool calls), recording each request's skip_special_tokens in ``skips``."""
+    def scripted(tokens, params, finished, decode):
+        if skips is not None:
+            skips.append(params.skip_special_tokens)
+        return SCRIPTED[:len(SCRIPTED) * len(tokens) // 16]
+
+    patch.setattr("sangam.engine.loaded_model.response_text", scripted)
+
+
 @pytest.fixture(scope="module")
 def tool_server(chat_ckpt) -> Iterator[str]:
     with serve_in_thread(chat_ckpt, chat_template=TOOL_TEMPLATE, enable_auto_tool_choice=True,
@@ -968,15 +979,8 @@ def test_tools_reach_the_chat_template(llm, tool_server):
 def test_tool_calls_in_responses(tool_server, monkeypatch):
     """With --enable-auto-tool-choice, the calls the model writes come back as OpenAI
     tool_calls, the text before them as content; streamed, they add up to the same."""
-    from sangam.engine.loaded_model import LoadedModel
-
-    skips = []  # each decode's skip_special_tokens
-
-    def scripted(self, token_ids, skip_special_tokens=True):  # the text grows with the tokens
-        skips.append(skip_special_tokens)
-        return SCRIPTED[:len(SCRIPTED) * len(token_ids) // 16]
-
-    monkeypatch.setattr(LoadedModel, "decode", scripted)
+    skips = []  # each text's skip_special_tokens
+    script_text(monkeypatch, skips)
     client = openai.OpenAI(base_url=f"{tool_server}/v1", api_key="x", max_retries=0)
     ask = dict(model=MODEL, messages=TOOL_TURNS[:1], tools=[WEATHER], max_tokens=16,
                extra_body={"stop_at_eos": False})

@@ -15,6 +15,7 @@ from test_serve_openai import (  # noqa: F401 (chat_ckpt is a fixture)
     TOOL_TURNS,
     WEATHER,
     chat_ckpt,
+    script_text,
     serve_in_thread,
 )
 
@@ -90,12 +91,7 @@ def test_streamed_events_add_up_to_the_response(client):
 def test_function_calls(client, llm, monkeypatch):
     """The calls the model writes are function_call items after the message; streamed, the
     same items arrive, each with its events."""
-    from sangam.engine.loaded_model import LoadedModel
-
-    def scripted(self, token_ids, skip_special_tokens=True):
-        return SCRIPTED[:len(SCRIPTED) * len(token_ids) // 16]
-
-    monkeypatch.setattr(LoadedModel, "decode", scripted)
+    script_text(monkeypatch)
     ask = dict(model=MODEL, input="Weather in Paris?", tools=[WEATHER_TOOL],
                max_output_tokens=16, extra_body={"stop_at_eos": False})
     res = client.responses.create(**ask)
@@ -200,14 +196,9 @@ def test_stored_responses_continue_conversations(store_url, llm):
 def test_a_stored_call_continues_with_its_output(store_url, llm, monkeypatch):
     """A stored response's function calls come back as the assistant's tool calls, before
     the function_call_output items that answer them."""
-    from sangam.engine.loaded_model import LoadedModel
-
-    def scripted(self, token_ids, skip_special_tokens=True):
-        return SCRIPTED[:len(SCRIPTED) * len(token_ids) // 16]
-
     client = openai.OpenAI(base_url=f"{store_url}/v1", api_key="x", max_retries=0)
     with monkeypatch.context() as patch:
-        patch.setattr(LoadedModel, "decode", scripted)
+        script_text(patch)
         called = client.responses.create(model=MODEL, input="Weather in Paris?",
                                          tools=[WEATHER_TOOL], max_output_tokens=16,
                                          extra_body={"stop_at_eos": False})

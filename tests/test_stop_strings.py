@@ -10,6 +10,7 @@ import pytest
 from sangam import LLM, EngineConfig, SamplingParams
 from sangam.demo.tokenizer import START_HEADER, TOKEN_ID, VOCAB_SIZE, write_tokenizer
 from sangam.engine.async_engine import AsyncEngine
+from sangam.engine.detokenizer import CONTEXT_TOKENS
 from sangam.engine.stop_strings import find_stop, response_text
 from sangam.testing import make_tiny_checkpoint
 
@@ -149,6 +150,31 @@ def test_skip_special_tokens(llm):
         for skip in (True, False)])
     assert outs[0].token_ids == outs[1].token_ids == [special] * BASE["max_tokens"]
     assert (outs[0].text, outs[1].text) == ("", START_HEADER * BASE["max_tokens"])
+
+
+def test_each_block_decodes_only_its_own_tokens(llm, monkeypatch):
+    """The engine's stop-string search and the outputs' text decode each block once (with a
+    few tokens of context), not the whole response at every block, and give the same text."""
+    tokenizer = llm.engine.loaded.tokenizer
+    lengths = []
+
+    def counting_decode(ids, **kw):
+        lengths.append(len(ids))
+        return type(tokenizer).decode(tokenizer, ids, **kw)
+
+    monkeypatch.setattr(tokenizer, "decode", counting_decode)
+    params = SamplingParams(**{**BASE, "max_tokens": 64}, stop="\u00e9")  # not in the vocab
+    llm.engine.add_request("blocks", llm.engine.loaded.encode(PROMPTS[2]), params)
+    outs = []
+    while llm.engine.has_unfinished_requests():
+        outs += llm.engine.step()
+    texts = [o.text for o in outs]
+    whole = [type(tokenizer).decode(tokenizer, o.token_ids, skip_special_tokens=True)
+             for o in outs]
+    assert len(outs) == 16 and texts == whole
+    # Per block, twice (search and text): the context (6 tokens) alone, then with the block
+    # (4). Whole decodes would be 2 * (4 + 8 + ... + 64) = 1,088 tokens.
+    assert sum(lengths) <= 2 * 16 * (4 + 2 * CONTEXT_TOKENS), lengths
 
 
 def test_stop_token_ids_end_the_response_without_stop_at_eos(llm, reference):

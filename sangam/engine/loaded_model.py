@@ -15,6 +15,7 @@ import torch
 
 from sangam.config import EngineConfig
 from sangam.decoding.state import DecodeState
+from sangam.engine.detokenizer import Detokenizers
 from sangam.engine.stop_strings import response_text
 from sangam.models import (
     AttentionBackend,
@@ -90,6 +91,9 @@ class LoadedModel:
     dtype: torch.dtype
     generation_defaults: dict = field(default_factory=dict)
     max_model_len: int | None = None  # EngineConfig.max_model_len, checked by context_limit
+
+    def __post_init__(self) -> None:
+        self.texts = Detokenizers(self.decode)  # each request's outputs' text, read in order
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> LoadedModel:
@@ -214,7 +218,7 @@ class LoadedModel:
         return RequestOutput(
             request_id=request_id, prompt_token_ids=prompt_ids, token_ids=tokens,
             make_text=functools.partial(response_text, tokens, state.params, finished,
-                                        self.decode),
+                                        self.texts.of(state)),
             num_forwards=state.num_forwards,
             logprobs=(state.output_logprobs(len(tokens))
                       if state.params.logprobs is not None else None),

@@ -12,13 +12,9 @@ Token-level stops (EOS, ``stop_token_ids``) are the DecodeState's own and need n
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from sangam.decoding.state import DecodeState
+from sangam.engine.detokenizer import Decode
 from sangam.sampling_params import SamplingParams
-
-# Token ids -> text, or None without a tokenizer; the flag is ``skip_special_tokens``.
-Decode = Callable[[list[int], bool], "str | None"]
 
 
 def apply_stop_strings(state: DecodeState, decode: Decode) -> bool:
