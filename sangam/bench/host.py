@@ -8,7 +8,9 @@ the demo model's tokenizer; "outputs" is making the RequestOutput of each comple
 the engine loop does; their text is made when, and where, a caller reads it: ``--read-text``
 reads it in the loop, as the engine did before text was made on demand, for comparison).
 ``--penalized F`` gives a share F of them a frequency penalty, so their rows are scored again
-and the host builds those inputs too (the assemble phase).
+and the host builds those inputs too (the assemble phase). With ``--stop`` each request has a
+stop string (one that never occurs), so each completed block's text is searched, as the engine
+loop does (in the outputs phase). ``--gen-len`` sets the responses' length.
 Both host implementations (pure Python, and the C++ extension when built) are measured in the
 same run, alternating per batch size and round, so a busy machine skews them alike; each cell
 is the best round's mean.
@@ -27,6 +29,7 @@ from sangam.bench.report import parse_int_list
 from sangam.config import EngineConfig
 from sangam.decoding.state import DecodeState
 from sangam.demo.tokenizer import MASK_ID, VOCAB_SIZE
+from sangam.engine.detokenizer import Detokenizers
 from sangam.engine.device_batch import BatchUploader
 from sangam.engine.host_batch import IMPLS, cext_available, make_host_batcher
 from sangam.engine.loaded_model import LoadedModel, checkpoint_path
@@ -34,6 +37,7 @@ from sangam.engine.model_runner import stage_batch
 from sangam.engine.page_allocator import PageAllocator
 from sangam.engine.request import Request
 from sangam.engine.scheduler import BatchBuilder
+from sangam.engine.stop_strings import apply_stop_strings
 from sangam.models import read_config
 from sangam.sampling_params import SamplingParams
 
@@ -42,12 +46,13 @@ MASK = MASK_ID
 
 
 def _seated(batch: int, prompt_len: int, gen_len: int, block: int, page_size: int,
-            penalized: float):
+            penalized: float, stop: bool):
     alloc = PageAllocator(batch * (-(-(prompt_len + gen_len) // page_size)) + 1)
     builder = BatchBuilder(alloc, page_size, "deficit", 10**9, max_batch_size=batch)
-    plain = SamplingParams(max_tokens=gen_len, block_length=block, unmasking="topk")
-    penalty = SamplingParams(max_tokens=gen_len, block_length=block, unmasking="topk",
-                             frequency_penalty=0.5)
+    common = dict(max_tokens=gen_len, block_length=block, unmasking="topk",
+                  stop="\u00e9" if stop else ())  # not in the demo's vocabulary
+    plain = SamplingParams(**common)
+    penalty = SamplingParams(**common, frequency_penalty=0.5)
     rng = np.random.default_rng(1)
     states = {}
     for i in range(batch):
@@ -61,14 +66,16 @@ def _seated(batch: int, prompt_len: int, gen_len: int, block: int, page_size: in
 
 def measure(batch: int, iters: int, impl: str = "python", prompt_len: int = 512,
             gen_len: int = 256, block: int = 32, page_size: int = 16,
-            penalized: float = 0.0, read_text: bool = False) -> dict[str, float]:
+            penalized: float = 0.0, read_text: bool = False, stop: bool = False
+            ) -> dict[str, float]:
     """Mean microseconds per iteration of each host phase, over ``iters`` decode iterations,
     with the ``impl`` host batcher; a share ``penalized`` of the requests is scored again;
-    ``read_text`` reads each output's text at once."""
-    builder, states = _seated(batch, prompt_len, gen_len, block, page_size, penalized)
+    ``read_text`` reads each output's text at once; ``stop`` gives each a stop string."""
+    builder, states = _seated(batch, prompt_len, gen_len, block, page_size, penalized, stop)
     host = make_host_batcher(page_size, impl)
     uploader = BatchUploader("cpu")  # the staging a GPU runner does; a memcpy stands in for DMA
     loaded = _demo_tokenizer_only()
+    stop_texts = Detokenizers(loaded.decode)  # as the ModelRunner's
     phases = {"schedule": 0.0, "assemble": 0.0, "apply": 0.0, "outputs": 0.0}
     rng = np.random.default_rng(0)
     n = 0
@@ -93,6 +100,7 @@ def measure(batch: int, iters: int, impl: str = "python", prompt_len: int = 512,
         t4 = time.perf_counter()
         for req, st, d in zip(reqs, sts, done):
             if d:
+                apply_stop_strings(st, stop_texts.of(st))
                 out = loaded.output(req.request_id, [], st, st.finished, st.finish_reason, {})
                 if read_text:
                     _ = out.text
@@ -129,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
     for b in sizes:
         for _ in range(args.rounds):
             for impl in impls:
-                r = measure(b, args.iters, impl, penalized=args.penalized,
-                            read_text=args.read_text)
+                r = measure(b, args.iters, impl, gen_len=args.gen_len,
+                            penalized=args.penalized, read_text=args.read_text, stop=args.stop)
                 best = results[impl].get(b)
                 if best is None or r["total"] < best["total"]:
                     results[impl][b] = r
@@ -160,5 +168,9 @@ def register(sub) -> None:
                    help="share of requests with a frequency penalty (scored again), 0..1")
     p.add_argument("--read-text", action="store_true",
                    help="read each output's text in the loop (detokenize at once)")
+    p.add_argument("--stop", action="store_true",
+                   help="give each request a stop string: search each completed block's text")
+    p.add_argument("--gen-len", type=int, default=256,
+                   help="response tokens per request (a multiple of 32)")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.set_defaults(func=run)
