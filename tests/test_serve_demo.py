@@ -79,3 +79,14 @@ def test_sangam_bench_is_sangam_bench(capsys):
     assert main(["bench", "host", "--batch-sizes", "1", "--iters", "3", "--rounds", "1",
                  "--impl", "python"]) == 0
     assert "outputs" in capsys.readouterr().out
+
+
+def test_sangam_bench_host_stop_strings_and_long_responses(capsys):
+    from sangam.cli import main
+
+    args = ["bench", "host", "--batch-sizes", "2", "--rounds", "1", "--impl", "python",
+            "--stop", "--gen-len", "64"]
+    assert main([*args, "--iters", "40"]) == 0
+    assert "outputs" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="lower --iters"):  # 64 tokens end in ~64 iterations
+        main([*args, "--iters", "500"])

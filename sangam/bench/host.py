@@ -85,6 +85,9 @@ def measure(batch: int, iters: int, impl: str = "python", prompt_len: int = 512,
         t0 = time.perf_counter()
         sb = builder.schedule(now)
         reqs = sb.decodes + sb.prefills
+        if not reqs:
+            raise SystemExit(f"the responses ended after {n} of {iters} iterations: lower "
+                             "--iters or raise --gen-len")
         sts = [states[r.request_id] for r in reqs]
         t1 = time.perf_counter()
         pb, dev, _ = stage_batch(host, uploader, sts, [r.pages for r in reqs], True)
