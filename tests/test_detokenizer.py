@@ -5,14 +5,17 @@ token sequences (invalid UTF-8 and special tokens included), while decoding only
 
 from __future__ import annotations
 
+import functools
+import pickle
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from sangam.decoding.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
 from sangam.demo.tokenizer import write_tokenizer
-from sangam.engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
 from sangam.models import load_tokenizer
 
 CORPUS = [
@@ -69,7 +72,7 @@ def test_each_step_gives_the_whole_decode(tokenizer, data):
     chunks = data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12),
                                 max_size=12))
     decode = Counting(tokenizer)
-    detok = IncrementalDetokenizer(decode, skip)
+    detok = functools.partial(IncrementalDetokenizer(skip), decode)
     ids: list[int] = []
     for chunk in chunks:
         ids = ids + chunk
@@ -83,8 +86,10 @@ def test_each_step_gives_the_whole_decode(tokenizer, data):
 def test_a_growing_text_decodes_only_its_new_tokens(tokenizer):
     ids = tokenizer(" ".join(CORPUS), add_special_tokens=False)["input_ids"][:640]
     decode = Counting(tokenizer)
-    detok = IncrementalDetokenizer(decode, True)
+    detok = functools.partial(IncrementalDetokenizer(True), decode)
     for end in range(32, len(ids) + 1, 32):
+        if end == 320:  # pickled, as it travels with a request's state between workers
+            detok = functools.partial(pickle.loads(pickle.dumps(detok.func)), decode)
         assert detok(ids[:end], True) == tokenizer.decode(ids[:end], skip_special_tokens=True)
     # One block and its context per step, but for a character split across blocks (whose
     # decoding waits for its last byte); the whole-text decode would be 6,720 tokens here.
@@ -95,14 +100,14 @@ def test_a_growing_text_decodes_only_its_new_tokens(tokenizer):
 def test_a_different_sequence_is_decoded_whole(tokenizer):
     ids = tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
     other = tokenizer("a lazy dog indeed", add_special_tokens=False)["input_ids"]
-    detok = IncrementalDetokenizer(Counting(tokenizer), True)
+    detok = functools.partial(IncrementalDetokenizer(True), Counting(tokenizer))
     assert detok(ids, True) == tokenizer.decode(ids, skip_special_tokens=True)
     assert detok(other, True) == tokenizer.decode(other, skip_special_tokens=True)
     assert detok(ids + other, True) == tokenizer.decode(ids + other, skip_special_tokens=True)
 
 
 def test_without_a_tokenizer_there_is_no_text():
-    detok = IncrementalDetokenizer(lambda ids, skip: None, True)
+    detok = functools.partial(IncrementalDetokenizer(True), lambda ids, skip: None)
     assert detok([], True) is None and detok([1, 2], True) is None and detok([1, 2], True) is None
 
 
@@ -113,7 +118,7 @@ def test_special_tokens_before_a_block_are_no_context(tokenizer):
     eot = tokenizer.convert_tokens_to_ids(SPECIALS[1])
     ids = words + [eot] * (3 * CONTEXT_TOKENS) + words
     for skip in (True, False):
-        detok = IncrementalDetokenizer(Counting(tokenizer), skip)
+        detok = functools.partial(IncrementalDetokenizer(skip), Counting(tokenizer))
         cut = len(words) + 3 * CONTEXT_TOKENS
         assert detok(ids[:cut], skip) == tokenizer.decode(ids[:cut], skip_special_tokens=skip)
         assert detok(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip)

@@ -4,14 +4,16 @@ send, and that stopping early frees the request's pages (float64, CPU)."""
 from __future__ import annotations
 
 import asyncio
+import pickle
 
 import pytest
 
 from sangam import LLM, EngineConfig, SamplingParams
+from sangam.decoding.detokenizer import CONTEXT_TOKENS
+from sangam.decoding.state import DecodeState
 from sangam.demo.tokenizer import START_HEADER, TOKEN_ID, VOCAB_SIZE, write_tokenizer
 from sangam.engine.async_engine import AsyncEngine
-from sangam.engine.detokenizer import CONTEXT_TOKENS
-from sangam.engine.stop_strings import find_stop, response_text
+from sangam.engine.stop_strings import apply_stop_strings, find_stop, response_text
 from sangam.testing import make_tiny_checkpoint
 
 PROMPTS = ["hello", "abc", "Reverse: sangam", "x"]
@@ -175,6 +177,34 @@ def test_each_block_decodes_only_its_own_tokens(llm, monkeypatch):
     # Per block, twice (search and text): the context (6 tokens) alone, then with the block
     # (4). Whole decodes would be 2 * (4 + 8 + ... + 64) = 1,088 tokens.
     assert sum(lengths) <= 2 * 16 * (4 + 2 * CONTEXT_TOKENS), lengths
+
+
+def test_the_searched_text_travels_with_the_state(llm):
+    """Between workers a request's state is pickled at each block: its searched text goes with
+    it, so each block is still decoded once, and the stop is found where a whole search says."""
+    loaded = llm.engine.loaded
+    lengths = []
+
+    def counting_decode(ids, skip):
+        lengths.append(len(ids))
+        return loaded.decode(ids, skip)
+
+    text = "the quick brown fox jumps over the lazy dog; " * 3
+    params = SamplingParams(max_tokens=128, block_length=8, stop="dog; the q")
+    state = DecodeState(loaded.encode("x"), params, loaded.config.mask_token_id, frozenset(),
+                        False)
+    found = []
+    while not state.finished:
+        state = pickle.loads(pickle.dumps(state))  # to another worker and back
+        s, e = state.block_bounds()
+        state.tokens[s:e] = loaded.encode(text[s - state.prompt_len:e - state.prompt_len],
+                                          add_special_tokens=False)
+        state.block += 1
+        found.append(apply_stop_strings(state, counting_decode))
+    end = text.index(params.stop[0]) + len(params.stop[0])  # 50, in the seventh block
+    assert found == [False] * 6 + [True]
+    assert state.output_token_ids() == loaded.encode(text[:end], add_special_tokens=False)
+    assert sum(lengths) < 7 * (8 + 2 * CONTEXT_TOKENS) + 3 * 56  # blocks, and the bisection
 
 
 def test_stop_token_ids_end_the_response_without_stop_at_eos(llm, reference):

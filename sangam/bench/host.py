@@ -27,9 +27,9 @@ import torch
 
 from sangam.bench.report import parse_int_list
 from sangam.config import EngineConfig
+from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.state import DecodeState
 from sangam.demo.tokenizer import MASK_ID, VOCAB_SIZE
-from sangam.engine.detokenizer import Detokenizers
 from sangam.engine.device_batch import BatchUploader
 from sangam.engine.host_batch import IMPLS, cext_available, make_host_batcher
 from sangam.engine.loaded_model import LoadedModel, checkpoint_path
@@ -75,7 +75,7 @@ def measure(batch: int, iters: int, impl: str = "python", prompt_len: int = 512,
     host = make_host_batcher(page_size, impl)
     uploader = BatchUploader("cpu")  # the staging a GPU runner does; a memcpy stands in for DMA
     loaded = _demo_tokenizer_only()
-    stop_texts = Detokenizers(loaded.decode)  # as the ModelRunner's
+    texts = {rid: IncrementalDetokenizer(True) for rid in states}  # as the engine's
     phases = {"schedule": 0.0, "assemble": 0.0, "apply": 0.0, "outputs": 0.0}
     rng = np.random.default_rng(0)
     n = 0
@@ -103,8 +103,9 @@ def measure(batch: int, iters: int, impl: str = "python", prompt_len: int = 512,
         t4 = time.perf_counter()
         for req, st, d in zip(reqs, sts, done):
             if d:
-                apply_stop_strings(st, stop_texts.of(st))
-                out = loaded.output(req.request_id, [], st, st.finished, st.finish_reason, {})
+                apply_stop_strings(st, loaded.decode)  # as the ModelRunner does
+                out = loaded.output(req.request_id, [], st, st.finished, st.finish_reason, {},
+                                    texts[req.request_id])
                 if read_text:
                     _ = out.text
         t5 = time.perf_counter()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.noise import noise_key, row_keys
 from sangam.decoding.rules import select_commits
 from sangam.sampling_params import SamplingParams
@@ -69,6 +70,10 @@ class DecodeState:
         self.finish_reason: str | None = None
         self.stop_len: int | None = None  # response tokens kept when a stop string ended it
         self.stop_string: str | None = None  # that stop string
+        # The response's text as far as the stop strings were searched (it travels with the
+        # state between workers, so each block is decoded once).
+        self.stop_text = (IncrementalDetokenizer(params.skip_special_tokens) if params.stop
+                          else None)
 
     def prompt_ids(self) -> list[int]:
         """The prompt's token ids (after any truncation)."""

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sangam.config import EngineConfig
+from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.state import DecodeState
 from sangam.engine.cuda_graphs import DecodeGraphRunner
 from sangam.engine.kv_pool import KVPool, pool_num_pages
@@ -52,6 +53,10 @@ class _Tracked:
     prompt_ids: list[int]
     arrival: float
     outputs: int = 0  # blocks already reported
+    text: IncrementalDetokenizer = field(init=False)  # the outputs' text
+
+    def __post_init__(self) -> None:
+        self.text = IncrementalDetokenizer(self.state.params.skip_special_tokens)
 
 
 @dataclass
@@ -209,4 +214,4 @@ class Engine:
 
     def _output(self, t: _Tracked, finished: bool, reason: str | None) -> RequestOutput:
         return self.loaded.output(t.request.request_id, t.prompt_ids, t.state, finished, reason,
-                                  request_metrics(t.request.metrics, t.state))
+                                  request_metrics(t.request.metrics, t.state), t.text)

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from sangam.config import EngineConfig
+from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.state import DecodeState
-from sangam.engine.detokenizer import Detokenizers
 from sangam.engine.stop_strings import response_text
 from sangam.models import (
     AttentionBackend,
@@ -91,9 +91,6 @@ class LoadedModel:
     dtype: torch.dtype
     generation_defaults: dict = field(default_factory=dict)
     max_model_len: int | None = None  # EngineConfig.max_model_len, checked by context_limit
-
-    def __post_init__(self) -> None:
-        self.texts = Detokenizers(self.decode)  # each request's outputs' text, read in order
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> LoadedModel:
@@ -210,15 +207,17 @@ class LoadedModel:
                            self.config.shift_logits, seed, suffix_ids)
 
     def output(self, request_id: str, prompt_ids: list[int], state: DecodeState,
-               finished: bool, reason: str | None, metrics: dict) -> RequestOutput:
+               finished: bool, reason: str | None, metrics: dict,
+               text: IncrementalDetokenizer | None = None) -> RequestOutput:
         """What the caller sees of a request now: its tokens, their text (which, while the
         request runs, holds back what could still become a stop string), their logprobs when
-        asked for."""
+        asked for. ``text``, the request's own, makes reading its outputs in order decode each
+        block once."""
         tokens = state.output_token_ids()
+        decode = self.decode if text is None else functools.partial(text, self.decode)
         return RequestOutput(
             request_id=request_id, prompt_token_ids=prompt_ids, token_ids=tokens,
-            make_text=functools.partial(response_text, tokens, state.params, finished,
-                                        self.texts.of(state)),
+            make_text=functools.partial(response_text, tokens, state.params, finished, decode),
             num_forwards=state.num_forwards,
             logprobs=(state.output_logprobs(len(tokens))
                       if state.params.logprobs is not None else None),

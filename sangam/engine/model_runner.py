@@ -21,7 +21,6 @@ from sangam.decoding.logit_edits import LogitEdits, batch_edits
 from sangam.decoding.rules import RULE_IDS
 from sangam.decoding.state import DecodeState
 from sangam.engine.cuda_graphs import DecodeGraphRunner
-from sangam.engine.detokenizer import Detokenizers
 from sangam.engine.device_batch import BatchUploader
 from sangam.engine.host_batch import HostBatcher, PackedBatch, make_host_batcher
 from sangam.engine.kv_pool import KVPool
@@ -38,7 +37,6 @@ class ModelRunner:
         self.host = make_host_batcher(pool.page_size, host_impl)
         self.graphs = graphs
         self.uploader = BatchUploader(self.device)
-        self.stop_texts = Detokenizers(loaded.decode)  # each request's text, for stop strings
         # With the Triton backend, scoring is the fused online-softmax kernel (no [rows, vocab]
         # fp32 copy); the host then commits by the same rule, as on the reference path.
         self.fused_scoring = loaded.model.attention_backend.name == "triton"
@@ -82,7 +80,7 @@ class ModelRunner:
             rescore.record_top(batch, *(t.cpu().numpy() for t in top))
         for st, done in zip(states, block_done):
             if done:
-                apply_stop_strings(st, self.stop_texts.of(st))
+                apply_stop_strings(st, self.loaded.decode)
         return block_done
 
 

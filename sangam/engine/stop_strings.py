@@ -12,8 +12,10 @@ Token-level stops (EOS, ``stop_token_ids``) are the DecodeState's own and need n
 
 from __future__ import annotations
 
+import functools
+
+from sangam.decoding.detokenizer import Decode
 from sangam.decoding.state import DecodeState
-from sangam.engine.detokenizer import Decode
 from sangam.sampling_params import SamplingParams
 
 
@@ -24,6 +26,7 @@ def apply_stop_strings(state: DecodeState, decode: Decode) -> bool:
     if not params.stop or state.stop_len is not None:
         return False
     tokens = state.output_token_ids()
+    decode = functools.partial(state.stop_text, decode)  # decodes only the new block
     floor = min(params.min_tokens, len(tokens))  # tokens[:floor] cannot end the response
     start = _chars_before_search(tokens, params, decode)
 
@@ -36,8 +39,10 @@ def apply_stop_strings(state: DecodeState, decode: Decode) -> bool:
     found = stop_in(len(tokens))
     if found is None:
         return False
-    lo, hi = floor, len(tokens)  # the text of tokens[:lo] holds no stop string, tokens[:hi]
-    while hi - lo > 1:  # holds ``found``
+    # The text of tokens[:lo] holds no stop string (that counts), that of tokens[:hi] holds
+    # ``found``. Blocks are searched as they complete, so the stop is in the last one.
+    lo, hi = max(floor, len(tokens) - params.block_length), len(tokens)
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         at_mid = stop_in(mid)
         if at_mid is None:

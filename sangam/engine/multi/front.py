@@ -52,6 +52,7 @@ import torch.distributed as dist
 import zmq
 
 from sangam.config import EngineConfig
+from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.state import DecodeState
 from sangam.engine.engine import EngineStats, RequestRejected, new_request, tokens_per_forward
 from sangam.engine.loaded_model import LoadedModel, checkpoint_path
@@ -91,6 +92,10 @@ class _Entry:
     kv_bytes: int = 0
     kv_transfers: int = 0
     restarts: int = 0
+    text: IncrementalDetokenizer = field(init=False)  # the outputs' text
+
+    def __post_init__(self) -> None:
+        self.text = IncrementalDetokenizer(self.state.params.skip_special_tokens)
 
 
 @dataclass
@@ -552,7 +557,7 @@ class MultiWorkerEngine:
         return self.loaded.output(e.request.request_id, e.prompt_ids, e.state, finished, reason,
                                   {"kv_bytes": e.kv_bytes, "kv_transfers": e.kv_transfers,
                                    "restarts": e.restarts,
-                                   "tokens_per_forward": tokens_per_forward(e.state)})
+                                   "tokens_per_forward": tokens_per_forward(e.state)}, e.text)
 
     # Failures.
     def _check_workers(self) -> None:
