@@ -132,3 +132,33 @@ def test_profile_traces_the_engine_loop(engine, tmp_path):
     assert path.parent == tmp_path / "traces" and path.name.startswith("sangam-trace-")
     names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
     assert any(str(n).startswith("aten::") for n in names)  # the model's ops were recorded
+
+
+def test_the_engine_thread_runs_on_the_models_device(dream_path, monkeypatch):
+    """CUDA's current device is per thread and Triton launches on it: the engine thread makes
+    the model's device current before it runs anything (a model on cuda:1 would otherwise be
+    run from cuda:0), as building the engine did on the caller's thread."""
+    import threading
+
+    import torch
+
+    from sangam.engine import async_engine, loaded_model
+    from sangam.engine import engine as engine_module
+
+    current = []  # (thread, device) of each set_device
+    monkeypatch.setattr(loaded_model.torch.cuda, "set_device",
+                        lambda d: current.append((threading.current_thread().name, d)))
+    loaded_model.use_device(torch.device("cpu"))
+    loaded_model.use_device(torch.device("cuda"))  # no index: nothing to choose
+    loaded_model.use_device(torch.device("cuda:1"))
+    assert current == [("MainThread", torch.device("cuda:1"))]
+    current.clear()
+    seen = []
+    for module in (async_engine, engine_module):
+        monkeypatch.setattr(module, "use_device",
+                            lambda d: seen.append((threading.current_thread().name, d)))
+    eng = AsyncEngine(EngineConfig(model=dream_path, device="cpu", dtype="float32",
+                                   page_size=4, num_pages=64))
+    eng.shutdown()
+    device = eng.engine.loaded.device
+    assert seen == [("MainThread", device), ("sangam-engine", device)]

@@ -19,7 +19,7 @@ from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.state import DecodeState
 from sangam.engine.cuda_graphs import DecodeGraphRunner
 from sangam.engine.kv_pool import KVPool, pool_num_pages
-from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.loaded_model import LoadedModel, use_device
 from sangam.engine.model_runner import ModelRunner
 from sangam.engine.request import Request, RequestMetrics
 from sangam.engine.scheduler import BatchBuilder, ScheduledBatch
@@ -68,6 +68,7 @@ class EngineStats:
 def build_worker_parts(config: EngineConfig,
                        loaded: LoadedModel) -> tuple[KVPool, BatchBuilder, ModelRunner]:
     """What every worker owns: its KV pool, its scheduler over that pool, its model runner."""
+    use_device(loaded.device)  # the graphs are captured on this thread's current device
     num_pages = pool_num_pages(loaded.config, config, loaded.dtype, loaded.device)
     pool = KVPool(loaded.config, num_pages, config.page_size, loaded.dtype, loaded.device)
     builder = BatchBuilder(pool.allocator, config.page_size, config.policy,

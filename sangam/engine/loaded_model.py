@@ -33,6 +33,15 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (a no-op elsewhere). Triton
+    launches kernels, and CUDA graphs capture, on the current device's stream, and the current
+    device is per thread: a model on cuda:1 run from a thread still on cuda:0 would be handed
+    cuda:0 streams (an illegal memory access, or a failed capture)."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def checkpoint_path(cfg: EngineConfig) -> str | Path:
     """``cfg.model``, or the embedded demo model's directory."""
     if cfg.model is not None:
@@ -96,6 +105,7 @@ class LoadedModel:
     def load(cls, cfg: EngineConfig) -> LoadedModel:
         path = checkpoint_path(cfg)
         device = torch.device(cfg.device or default_device())
+        use_device(device)
         model = load_model(path, device, None if cfg.dtype == "auto" else cfg.dtype)
         model.attention_backend = make_attention_backend(cfg.attention_backend, device)
         p = next(model.parameters())
