@@ -197,6 +197,24 @@ def _check_transfers(engine, outs, reqs):
     assert sum(o.metrics["kv_bytes"] for o in outs.values()) == engine.counters.kv_bytes
 
 
+def test_choosing_the_workers_devices_leaves_cuda_uninitialized(monkeypatch):
+    """A node picks its workers' devices, then forks them: the default device is counted
+    through NVML (torch.cuda.device_count), not torch.cuda.is_available, which initializes
+    CUDA and so breaks it in every forked child."""
+    import torch
+
+    from sangam.engine.multi.launcher import worker_device
+
+    def poisons_fork():
+        raise AssertionError("torch.cuda.is_available() initializes CUDA before the fork")
+
+    monkeypatch.setattr(torch.cuda, "is_available", poisons_fork)
+    config = EngineConfig(mode="disaggregated", prefill_workers=1, decode_workers=1)
+    for count, want in ((2, "cuda:1"), (0, "cpu")):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda count=count: count)
+        assert worker_device(config, 1) == want
+
+
 # Scheduler additions for multi-worker serving (no processes).
 
 

@@ -30,7 +30,10 @@ from sangam.sampling_params import RequestOutput, SamplingParams
 
 
 def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """cuda when a GPU is visible, else cpu. Counted through NVML where it works, which leaves
+    CUDA uninitialized (``torch.cuda.is_available`` would not): a process that asks may still
+    fork workers that use CUDA, as a multi-worker node does."""
+    return "cuda" if torch.cuda.device_count() > 0 else "cpu"
 
 
 def use_device(device: torch.device) -> None:
