@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from sangam.kernels.paged_attention import paged_attention
+from sangam.kernels.paged_attention import paged_attention, plan_attention
 from sangam.kernels.reference import paged_attention_ref
 from sangam.models.attention import PagedKV
 
@@ -95,6 +95,22 @@ def test_cached_steps_of_32_queries(device, dtype, hq, hkv):
 def test_split_kv_path(device, dtype, num_splits):
     # 7 splits of a 40-key request leave some splits empty (chunks round up to the tile).
     check([9, 4], [150, 40], 4, 2, 16, 16, device, dtype, num_splits=num_splits, block_n=16)
+
+
+@pytest.mark.parametrize("device,dtype", FAST_CASES)
+def test_empty_splits_are_neither_written_nor_read(device, dtype):
+    """Splits past a request's KV hold no partial: the split buffers start as NaN (a graph's
+    buffers hold an earlier layer's, or anything), and the result is still exact."""
+    q, kc, vc, cu, bt, kvl = make_batch([9, 4, 3], [150, 40, 0], 4, 2, 16, 16, device, dtype)
+    plan = plan_attention(q, kc, cu, bt, num_splits=8, block_n=16)
+    plan.part.fill_(float("nan"))
+    plan.lse.fill_(float("nan"))
+    out = paged_attention(q, kc, vc, cu, bt, kvl, 0.25, plan=plan)
+    ref = paged_attention_ref(q, kc, vc, cu, bt, kvl, 0.25)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    assert not plan.lse.isnan().any()  # every split's lse is written, -inf when empty
+    assert plan.part[3:, 9:13].isnan().all()  # 40 keys fill 3 splits of 16: the rest unwritten
 
 
 @pytest.mark.parametrize("device,dtype", FAST_CASES)

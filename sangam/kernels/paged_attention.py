@@ -105,6 +105,8 @@ def _attn_kernel(
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         o_off = split.to(tl.int64) * s_o_split + tok[:, None] * s_o_n + head[:, None] * s_o_h
         o_mask = row_ok[:, None] & d_ok[None, :]
+        if SPLIT:  # an empty split's partial is never read (its lse is -inf): not written
+            o_mask = o_mask & has[:, None]
         tl.store(out_ptr + o_off + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
         if SPLIT:
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -128,7 +130,9 @@ def _merge_splits_kernel(
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     total = tl.sum(w, 0)
-    mask = s_ok[:, None] & (offs_d[None, :] < head_dim)
+    # Only splits that saw keys wrote a partial: graphs size the splits for the longest
+    # context, so most are empty on short KV, and their reads are skipped.
+    mask = (s_ok & (lse > float("-inf")))[:, None] & (offs_d[None, :] < head_dim)
     part = tl.load(part_ptr + sp[:, None] * s_p_split + n * s_p_n + h * s_p_h + offs_d[None, :],
                    mask=mask, other=0.0).to(ACC_DTYPE)
     o = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
