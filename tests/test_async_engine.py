@@ -134,16 +134,16 @@ def test_profile_traces_the_engine_loop(engine, tmp_path):
     assert any(str(n).startswith("aten::") for n in names)  # the model's ops were recorded
 
 
-def test_the_engine_thread_runs_on_the_models_device(dream_path, monkeypatch):
-    """CUDA's current device is per thread and Triton launches on it: the engine thread makes
-    the model's device current before it runs anything (a model on cuda:1 would otherwise be
-    run from cuda:0), as building the engine did on the caller's thread."""
+def test_each_thread_that_steps_runs_on_the_models_device(dream_path, monkeypatch):
+    """CUDA's current device is per thread and Triton launches on it: building the engine (which
+    captures its graphs) and every step make the model's device current on the thread that
+    does them (a model on cuda:1 would otherwise be run from cuda:0)."""
     import threading
 
     import torch
 
-    from sangam.engine import async_engine, loaded_model
     from sangam.engine import engine as engine_module
+    from sangam.engine import loaded_model
 
     current = []  # (thread, device) of each set_device
     monkeypatch.setattr(loaded_model.torch.cuda, "set_device",
@@ -152,13 +152,14 @@ def test_the_engine_thread_runs_on_the_models_device(dream_path, monkeypatch):
     loaded_model.use_device(torch.device("cuda"))  # no index: nothing to choose
     loaded_model.use_device(torch.device("cuda:1"))
     assert current == [("MainThread", torch.device("cuda:1"))]
-    current.clear()
-    seen = []
-    for module in (async_engine, engine_module):
-        monkeypatch.setattr(module, "use_device",
-                            lambda d: seen.append((threading.current_thread().name, d)))
+    seen = set()
+    monkeypatch.setattr(engine_module, "use_device",
+                        lambda d: seen.add((threading.current_thread().name, d)))
     eng = AsyncEngine(EngineConfig(model=dream_path, device="cpu", dtype="float32",
                                    page_size=4, num_pages=64))
-    eng.shutdown()
+    try:
+        asyncio.run(_collect(eng, [3] * 4, SamplingParams(max_tokens=4, block_length=4), "d"))
+    finally:
+        eng.shutdown()
     device = eng.engine.loaded.device
-    assert seen == [("MainThread", device), ("sangam-engine", device)]
+    assert seen == {("MainThread", device), ("sangam-engine", device)}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from sangam.config import EngineConfig
 from sangam.engine.engine import Engine
-from sangam.engine.loaded_model import LoadedModel, use_device
+from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import make_engine
 from sangam.engine.profiler import EngineProfiler
 from sangam.sampling_params import RequestOutput, SamplingParams
@@ -186,8 +186,6 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         try:
-            if isinstance(self.engine, Engine):  # it runs the model on this thread
-                use_device(self.engine.loaded.device)
             while not self._stop.is_set():
                 block = not self.engine.has_unfinished_requests()
                 try:

@@ -188,6 +188,7 @@ class Engine:
     # One iteration.
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that completed a block."""
+        use_device(self.loaded.device)  # whichever thread steps (an AsyncEngine's, a user's)
         start = time.monotonic()
         batch = self.builder.schedule(start)
         if batch.is_empty:
