@@ -18,7 +18,6 @@ import torch
 
 from sangam.decoding.confidence import score_logits
 from sangam.decoding.logit_edits import LogitEdits, batch_edits
-from sangam.decoding.rules import RULE_IDS
 from sangam.decoding.state import DecodeState
 from sangam.engine.cuda_graphs import DecodeGraphRunner
 from sangam.engine.device_batch import BatchUploader
@@ -38,12 +37,13 @@ class ModelRunner:
         self.graphs = graphs
         self.uploader = BatchUploader(self.device)
         # With the Triton backend, scoring is the fused online-softmax kernel (no [rows, vocab]
-        # fp32 copy); the host then commits by the same rule, as on the reference path.
+        # fp32 copy); the host then commits by the rules, as on the reference path (rows
+        # scored again included), so the kernel's own rule pass is not launched.
         self.fused_scoring = loaded.model.attention_backend.name == "triton"
         if self.fused_scoring:  # imported here: the CPU reference path never loads Triton
-            from sangam.kernels.unmask import fused_unmask
+            from sangam.kernels.unmask import fused_score
 
-            self._fused_unmask = fused_unmask
+            self._fused_score = fused_score
 
     @torch.inference_mode()
     def execute(self, states: list[DecodeState], pages: list[list[int]],
@@ -62,10 +62,8 @@ class ModelRunner:
                                          batch.metadata(dev), self.pool.kv)
         logits = model.logits(hidden, dev["logits_indices"])
         if self.fused_scoring:
-            tokens, conf, _ = self._fused_unmask(
-                logits, self.loaded.config.mask_token_id, dev["cu_rows"], dev["num_forced"],
-                dev["rule"], dev["threshold"], dev["factor"], dev["tokens_per_step"],
-                dev["temperature"], dev["row_keys"])
+            tokens, conf = self._fused_score(logits, self.loaded.config.mask_token_id,
+                                             dev["cu_rows"], dev["temperature"], dev["row_keys"])
         else:
             tokens, conf, _ = score_logits(logits, self.loaded.config.mask_token_id,
                                            torch.from_numpy(batch.temperatures),
@@ -88,12 +86,12 @@ def stage_batch(host: HostBatcher, uploader: BatchUploader, states: list[DecodeS
                 pages: list[list[int]], fused_scoring: bool
                 ) -> tuple[PackedBatch, dict[str, torch.Tensor], Rescore | None]:
     """The host work before a forward: pack the batch, find the requests whose rows are scored
-    again, and move everything the device reads in one upload (the unmasking kernel's inputs
+    again, and move everything the device reads in one upload (the scoring kernel's inputs
     with ``fused_scoring``). Returns the batch, its device tensors by name, and the rescoring."""
     batch = host.build(states, pages)
     arrays = batch.device_arrays()
     if fused_scoring:
-        arrays.update(unmask_arrays(batch, states))
+        arrays.update(score_arrays(batch, states))
     # Read for every request of every iteration: one attribute and one cached property.
     full = [i for i, st in enumerate(states) if st.block < st.params.full_scoring_blocks]
     rescore = Rescore.build(batch, states, full) if full else None
@@ -184,17 +182,11 @@ class Rescore:
             start += b - a
 
 
-def unmask_arrays(batch: PackedBatch, states: list[DecodeState]) -> dict[str, np.ndarray]:
-    """The fused unmasking kernel's inputs beyond the logits: row ranges, forced rows, and each
-    request's rule parameters (float64, so the kernel compares exactly as the host rules do)."""
-    params = [st.params for st in states]
+def score_arrays(batch: PackedBatch, states: list[DecodeState]) -> dict[str, np.ndarray]:
+    """The fused scoring kernel's inputs beyond the logits: row ranges, each request's
+    temperature (float64, as the host's), and the rows' noise keys."""
     return {
         "cu_rows": batch.cu_rows.astype(np.int32),
-        "num_forced": batch.num_forced.astype(np.int32),
-        "rule": np.array([RULE_IDS[p.unmasking] for p in params], dtype=np.int32),
-        "threshold": np.array([p.threshold for p in params], dtype=np.float64),
-        "factor": np.array([p.factor for p in params], dtype=np.float64),
-        "tokens_per_step": np.array([p.tokens_per_step for p in params], dtype=np.int32),
-        "temperature": np.array([p.temperature for p in params], dtype=np.float64),
+        "temperature": np.array([st.params.temperature for st in states], dtype=np.float64),
         "row_keys": batch.row_keys,
     }

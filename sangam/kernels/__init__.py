@@ -15,10 +15,10 @@ from sangam.kernels.reference import (
     store_kv_rope_ref,
     unmask_ref,
 )
-from sangam.kernels.unmask import fused_unmask
+from sangam.kernels.unmask import fused_score, fused_unmask
 
 __all__ = [
-    "fused_unmask", "gather_pages", "gather_pages_ref", "paged_attention", "paged_attention_ref",
-    "scatter_pages", "scatter_pages_ref", "store_kv", "store_kv_ref", "store_kv_rope",
-    "store_kv_rope_ref", "unmask_ref",
+    "fused_score", "fused_unmask", "gather_pages", "gather_pages_ref", "paged_attention",
+    "paged_attention_ref", "scatter_pages", "scatter_pages_ref", "store_kv", "store_kv_ref",
+    "store_kv_rope", "store_kv_rope_ref", "unmask_ref",
 ]

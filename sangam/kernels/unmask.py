@@ -195,6 +195,55 @@ def _rule_kernel(
         tl.store(commit_ptr + i, commit, mask=i < b)
 
 
+def fused_score(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor,
+                temperature: torch.Tensor, row_keys: torch.Tensor, *,
+                block_v: int | None = None, num_splits: int | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of :func:`fused_unmask` alone: each row's token and confidence (arguments as
+    there). The engine uses it alone, since its host commits by the rules itself (after any
+    rows are scored again). Returns (tokens int64 ``[M]``, confidence ``[M]`` fp32 — fp64 for
+    fp64 logits)."""
+    m_rows, vocab = logits.shape
+    num_requests = cu_rows.numel() - 1
+    dev = logits.device
+    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    tokens = torch.empty(m_rows, dtype=torch.int64, device=dev)
+    conf = torch.empty(m_rows, dtype=cdt, device=dev)
+    if m_rows == 0 or num_requests == 0:
+        return tokens, conf
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    on_gpu = compiled(dev)
+    tl_cdt = tl.float64 if cdt == torch.float64 else tl.float32
+
+    if block_v is None:
+        block_v = 4096 if on_gpu else 256
+    block_v = min(block_v, triton.next_power_of_2(vocab))
+    if num_splits is None:
+        num_splits = 1
+        if on_gpu:
+            num_splits = max(1, min(triton.cdiv(4 * num_sms(dev), m_rows), vocab // (4 * block_v)))
+    split = num_splits > 1
+    if split:
+        pm, ps, pkey, px = (torch.empty(m_rows, num_splits, dtype=cdt, device=dev)
+                            for _ in range(4))
+        pidx = torch.empty(m_rows, num_splits, dtype=torch.int32, device=dev)
+    else:
+        pm = ps = pkey = px = pidx = conf  # unused
+    _score_kernel[(m_rows, num_splits)](
+        logits, cu_rows.to(torch.int32), temperature, row_keys.contiguous(), tokens, conf,
+        pm, ps, pkey, pidx, px,
+        vocab, logits.stride(0), mask_token_id, num_requests, num_requests.bit_length(),
+        num_splits, BLOCK_V=block_v, SPLIT=split, CDT=tl_cdt,
+        num_warps=8 if on_gpu else 1,
+    )
+    if split:
+        _merge_kernel[(m_rows,)](
+            pm, ps, pkey, pidx, px, tokens, conf, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), CDT=tl_cdt, num_warps=1)
+    return tokens, conf
+
+
 def fused_unmask(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor,
                  num_forced: torch.Tensor, rule: torch.Tensor, threshold: torch.Tensor,
                  factor: torch.Tensor, tokens_per_step: torch.Tensor, temperature: torch.Tensor,
@@ -215,48 +264,16 @@ def fused_unmask(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor
     Returns (tokens int64 ``[M]``, confidence ``[M]`` fp32 — fp64 for fp64 logits —, commit
     bool ``[M]``).
     """
-    m_rows, vocab = logits.shape
+    tokens, conf = fused_score(logits, mask_token_id, cu_rows, temperature, row_keys,
+                               block_v=block_v, num_splits=num_splits)
     num_requests = cu_rows.numel() - 1
-    dev = logits.device
-    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    tokens = torch.empty(m_rows, dtype=torch.int64, device=dev)
-    conf = torch.empty(m_rows, dtype=cdt, device=dev)
-    commit = torch.zeros(m_rows, dtype=torch.bool, device=dev)
-    if m_rows == 0 or num_requests == 0:
+    commit = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    if logits.shape[0] == 0 or num_requests == 0:
         return tokens, conf, commit
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    on_gpu = compiled(dev)
-    cu = cu_rows.to(torch.int32)
-    tl_cdt = tl.float64 if cdt == torch.float64 else tl.float32
-
-    if block_v is None:
-        block_v = 4096 if on_gpu else 256
-    block_v = min(block_v, triton.next_power_of_2(vocab))
-    if num_splits is None:
-        num_splits = 1
-        if on_gpu:
-            num_splits = max(1, min(triton.cdiv(4 * num_sms(dev), m_rows), vocab // (4 * block_v)))
-    split = num_splits > 1
-    if split:
-        pm, ps, pkey, px = (torch.empty(m_rows, num_splits, dtype=cdt, device=dev)
-                            for _ in range(4))
-        pidx = torch.empty(m_rows, num_splits, dtype=torch.int32, device=dev)
-    else:
-        pm = ps = pkey = px = pidx = conf  # unused
-    _score_kernel[(m_rows, num_splits)](
-        logits, cu, temperature, row_keys.contiguous(), tokens, conf,
-        pm, ps, pkey, pidx, px,
-        vocab, logits.stride(0), mask_token_id, num_requests, num_requests.bit_length(),
-        num_splits, BLOCK_V=block_v, SPLIT=split, CDT=tl_cdt,
-        num_warps=8 if on_gpu else 1,
-    )
-    if split:
-        _merge_kernel[(m_rows,)](
-            pm, ps, pkey, pidx, px, tokens, conf, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), CDT=tl_cdt, num_warps=1)
+    on_gpu = compiled(logits.device)
     _rule_kernel[(num_requests,)](
-        conf, commit, cu, num_forced, rule, threshold, factor, tokens_per_step,
-        BLOCK_R=block_r or (64 if on_gpu else 32), num_warps=4 if on_gpu else 1,
+        conf, commit, cu_rows.to(torch.int32), num_forced, rule, threshold, factor,
+        tokens_per_step, BLOCK_R=block_r or (64 if on_gpu else 32),
+        num_warps=4 if on_gpu else 1,
     )
     return tokens, conf, commit
