@@ -1,17 +1,18 @@
 """Incremental detokenization gives the whole decode's text at every step, for byte-level BPE
 (LLaMA-3 / Qwen2 style, with and without transformers' clean-up of spaces), SentencePiece-style
-and the demo's character tokenizers, on random
+(Metaspace, and LLaMA-2's byte fallback) and the demo's character tokenizers, on random
 token sequences (invalid UTF-8 and special tokens included), while decoding only new tokens."""
 
 from __future__ import annotations
 
 import functools
+import json
 import pickle
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from sangam.decoding.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
@@ -38,7 +39,26 @@ def _trained(pre_tokenizer, decoder, alphabet=(), clean_up=False) -> PreTrainedT
                                    clean_up_tokenization_spaces=clean_up)
 
 
-@pytest.fixture(scope="module", params=["byte_level", "byte_level_clean_up", "metaspace", "demo"])
+def _byte_fallback() -> PreTrainedTokenizerFast:
+    """LLaMA-2 style: SentencePiece pieces, unknown characters as <0xNN> byte tokens, and a
+    decoder that fuses the bytes and strips the text's first space."""
+    trained = _trained(pre_tokenizers.Metaspace(), decoders.Metaspace())._tokenizer
+    model = json.loads(trained.to_str())["model"]
+    vocab = model["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                           normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0],
+                                   additional_special_tokens=SPECIALS[1:])
+
+
+@pytest.fixture(scope="module", params=["byte_level", "byte_level_clean_up", "metaspace",
+                                        "byte_fallback", "demo"])
 def tokenizer(request, tmp_path_factory):
     if request.param.startswith("byte_level"):
         # With clean-up, transformers drops the space before punctuation (" ." -> "."): a new
@@ -47,6 +67,8 @@ def tokenizer(request, tmp_path_factory):
                         pre_tokenizers.ByteLevel.alphabet(), request.param.endswith("clean_up"))
     if request.param == "metaspace":
         return _trained(pre_tokenizers.Metaspace(), decoders.Metaspace())
+    if request.param == "byte_fallback":
+        return _byte_fallback()
     path = tmp_path_factory.mktemp("demo_tok")
     write_tokenizer(path)
     return load_tokenizer(path)
