@@ -97,6 +97,14 @@ def validate(config: EngineConfig) -> list[str]:
         if devices and len(devices) < local:
             raise ValueError(f"node {r} runs {local} workers but --devices lists "
                              f"{len(devices)}")
+        # Two workers on one GPU would each size their KV pool to most of its memory, and
+        # NCCL refuses two ranks on one GPU.
+        gpus = [d for d in (worker_device(config, i) for i in range(local))
+                if d.startswith("cuda")]
+        if len(set(gpus)) < len(gpus):
+            raise ValueError(f"node {r}'s {local} workers would share a GPU ({', '.join(gpus)})"
+                             ": give each its own with --devices cuda:0,cuda:1,... or --device "
+                             "cuda")
     return roles
 
 
