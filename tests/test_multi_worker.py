@@ -215,6 +215,18 @@ def test_choosing_the_workers_devices_leaves_cuda_uninitialized(monkeypatch):
         assert worker_device(config, 1) == want
 
 
+def test_workers_on_one_node_never_share_a_gpu():
+    from sangam.engine.multi.launcher import validate
+
+    two = dict(mode="disaggregated", prefill_workers=1, decode_workers=1)
+    for bad in (dict(device="cuda:1"), dict(devices="cuda:0,cuda:0")):
+        with pytest.raises(ValueError, match="would share a GPU"):
+            validate(EngineConfig(**two, **bad))
+    for good in (dict(device="cuda"), dict(devices="cuda:1,cuda:0"), dict(device="cpu"),
+                 dict(device="cuda:1", mode="colocated", num_workers=1)):
+        validate(EngineConfig(**{**two, **good}))
+
+
 # Scheduler additions for multi-worker serving (no processes).
 
 
@@ -301,9 +313,12 @@ def test_modes_match_reference(paths, arch, layout):
         outs = _run(engine, reqs)
         assert _tokens(outs) == want
         _check_transfers(engine, outs, reqs)
-        if "streaming" in layout:  # every layer's send was posted during the forward
-            assert all(r.streamed_layers == engine.loaded.config.num_layers
-                       for r in engine.transfers)
+        if "streaming" in layout:
+            # A forward streams its first transfer to each receiver, every layer's send posted
+            # during it; more to the same receiver go whole after it (sends to one receiver
+            # match its receives in posting order, as NCCL does: no tags are used).
+            layers = {r.streamed_layers for r in engine.transfers}
+            assert layers <= {0, engine.loaded.config.num_layers} and max(layers) > 0
         if layout.startswith("hybrid"):
             assert engine.counters.overflow_prefills > 0
         assert engine.dead_workers == []

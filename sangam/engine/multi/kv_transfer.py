@@ -2,9 +2,17 @@
 
 One transfer moves one request's pages, every layer, K and V. Per layer ``l`` the sender gathers
 layer ``l`` of the request's pages into a contiguous buffer ``[2, n, page_size, Hkv, D]`` (the
-page kernel; its PyTorch reference on CPU) and posts a send with tag ``base + l``; the receiver
-posts a receive of the same shape per layer and, once all arrived, scatters them into its own
-pages (page ids differ between the two pools). NCCL carries it on GPU, gloo on CPU.
+page kernel; its PyTorch reference on CPU) and posts a send; the receiver posts a receive of the
+same shape per layer and, once all arrived, scatters them into its own pages (page ids differ
+between the two pools). NCCL carries it on GPU, gloo on CPU.
+
+Sends and receives between two workers match in the order they are posted: NCCL ignores tags,
+so none are used, and gloo then matches the same way (the CPU tests check the rule NCCL
+needs). A sender therefore posts all layers of a transfer before the next transfer to the same
+receiver, and the receiver posts its receives in the order the front relays the transfers,
+which is the order the sender reported them. ``connect`` opens every sender-receiver pair at
+startup: NCCL opens a pair's communicator at its first send or receive, blocking until both
+ends take part, and the receiver of a first transfer only posts once the sender reported it.
 
 Completion is never polled from the worker loop directly: gloo's ``Work.is_completed()`` stays
 False until ``wait()`` is called, and a ``wait`` with a timeout tears the connection down. So a
@@ -29,9 +37,6 @@ import torch
 import torch.distributed as dist
 
 from sangam.models import AttentionBackend, AttentionMetadata
-
-# Tags are 32-bit in the backends; a transfer uses num_layers consecutive tags.
-_TAG_SPACE = 1 << 30
 
 
 def layer_page_bytes(kv_buffer: torch.Tensor) -> int:
@@ -110,8 +115,19 @@ class KVTransport:
     def num_open(self) -> int:
         return len(self._open)
 
-    def _tag(self, transfer_id: int, layer: int) -> int:
-        return (transfer_id * self.num_layers + layer) % _TAG_SPACE
+    def connect(self, me: int, senders: list[int], receivers: list[int]) -> None:
+        """Open every (sender, receiver) pair that ``me`` belongs to with one small blocking
+        message. All workers go through the pairs in one order (by sender, then receiver), so
+        the first pair not yet open always has both ends waiting on it: nobody deadlocks."""
+        token = torch.zeros(1, dtype=self.kv_buffer.dtype, device=self.device)
+        for s in senders:
+            for r in receivers:
+                if me == s and r != s:
+                    dist.send(token, r)
+                elif me == r and r != s:
+                    dist.recv(token, s)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # Sending.
     def open_send(self, dest: int) -> int:
@@ -132,8 +148,8 @@ class KVTransport:
         if t.error is not None:
             return
         try:
-            for j, layer in enumerate(layers):
-                t.works.append(dist.isend(buf[j], dest, tag=self._tag(transfer_id, layer)))
+            for j in range(len(layers)):
+                t.works.append(dist.isend(buf[j], dest))
         except RuntimeError as e:  # the connection is already gone
             t.error = str(e)
 
@@ -160,7 +176,7 @@ class KVTransport:
             return
         try:
             for layer in range(self.num_layers):
-                t.works.append(dist.irecv(buf[layer], src, tag=self._tag(transfer_id, layer)))
+                t.works.append(dist.irecv(buf[layer], src))
         except RuntimeError as e:
             self._finish(t, str(e))
             return
@@ -194,6 +210,9 @@ class KVTransport:
         error = None
         try:
             if self.device.type == "cuda":
+                # A new thread's current device is cuda:0; leaving the stream context below
+                # would make it current, opening a context there for every worker.
+                torch.cuda.set_device(self.device)
                 # NCCL's wait() only orders streams: make a private stream wait and sync it,
                 # never the model's.
                 side = torch.cuda.Stream(self.device)

@@ -97,6 +97,8 @@ class Worker:
         if spec.store_addr is not None:
             self._join_process_group(spec, device)
             self.transport = KVTransport(self.pool.kv.buffer)
+            self.transport.connect(self.index, _ranks(spec.roles, "prefill"),
+                                   _ranks(spec.roles, "decode"))
         self.tasks: dict[str, _Task] = {}  # in the builder
         self.ready: dict[str, _Task] = {}  # K/V received, waiting for a free seat
         self.parked: dict[str, list[int]] = {}  # canvas pages kept between blocks
@@ -118,7 +120,8 @@ class Worker:
                               timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo", store=store, rank=spec.worker,
-            world_size=len(spec.roles), timeout=datetime.timedelta(seconds=TRANSFER_TIMEOUT_S))
+            world_size=len(spec.roles), timeout=datetime.timedelta(seconds=TRANSFER_TIMEOUT_S),
+            device_id=device if device.type == "cuda" else None)
 
     def _send(self, message: object) -> None:
         self.sock.send(msg.dumps(message))
@@ -269,11 +272,20 @@ class Worker:
             len(batch.prefills), end - start))
 
     def _open_streams(self, senders: list[_Task]) -> dict[str, _Stream]:
-        """Layer-wise streaming: open each sender's transfer before the forward."""
-        return {t.request.request_id: _Stream(
-                    t.kv_dest, self.transport.open_send(t.kv_dest),
-                    torch.tensor(t.request.pages, dtype=torch.int64))
-                for t in senders}
+        """Layer-wise streaming: open a sender's transfer before the forward, the first one per
+        receiver only. Sends to one receiver match its receives in posting order, and it posts
+        a transfer's layers together: a second transfer to it goes whole after the forward."""
+        streams = {}
+        for t in senders:
+            if all(s.dest != t.kv_dest for s in streams.values()):
+                streams[t.request.request_id] = _Stream(
+                    t.kv_dest, self.transport.open_send(t.kv_dest), self._page_ids(t.request))
+        return streams
+
+    def _page_ids(self, req: Request) -> torch.Tensor:
+        """A request's pages on the device, once per transfer (not per layer, which would
+        copy and sync each time)."""
+        return torch.tensor(req.pages, dtype=torch.int64).to(self.transport.device)
 
     def _execute_streaming(self, states: list[DecodeState], pages: list[list[int]],
                            streams: dict[str, _Stream]) -> list[bool]:
@@ -301,7 +313,7 @@ class Worker:
             if block_done:
                 return
             tid = self.transport.open_send(t.kv_dest)
-            self.transport.send_layers(t.kv_dest, tid, torch.tensor(req.pages, dtype=torch.int64),
+            self.transport.send_layers(t.kv_dest, tid, self._page_ids(req),
                                        range(self.pool.kv.buffer.shape[0]))
             streamed = 0
         else:
@@ -332,6 +344,10 @@ class Worker:
         else:
             self.builder.abort(rid)
         self.events.append(msg.BlockDone(rid, t.attempt, st, list(kept)))
+
+
+def _ranks(roles: tuple[str, ...], role: str) -> list[int]:
+    return [i for i, r in enumerate(roles) if r == role]
 
 
 def _watchdog(ctx: zmq.Context, spec: WorkerSpec, parent_pid: int) -> None:
