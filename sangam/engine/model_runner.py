@@ -63,7 +63,7 @@ class ModelRunner:
         logits = model.logits(hidden, dev["logits_indices"])
         if self.fused_scoring:
             tokens, conf = self._fused_score(logits, self.loaded.config.mask_token_id,
-                                             dev["cu_rows"], dev["temperature"], dev["row_keys"])
+                                             dev["temperatures"], dev["row_keys"])
         else:
             tokens, conf, _ = score_logits(logits, self.loaded.config.mask_token_id,
                                            torch.from_numpy(batch.temperatures),
@@ -90,8 +90,8 @@ def stage_batch(host: HostBatcher, uploader: BatchUploader, states: list[DecodeS
     with ``fused_scoring``). Returns the batch, its device tensors by name, and the rescoring."""
     batch = host.build(states, pages)
     arrays = batch.device_arrays()
-    if fused_scoring:
-        arrays.update(score_arrays(batch, states))
+    if fused_scoring:  # the scoring kernel's inputs beyond the logits, per row
+        arrays.update(temperatures=batch.temperatures, row_keys=batch.row_keys)
     # Read for every request of every iteration: one attribute and one cached property.
     full = [i for i, st in enumerate(states) if st.block < st.params.full_scoring_blocks]
     rescore = Rescore.build(batch, states, full) if full else None
@@ -180,13 +180,3 @@ class Rescore:
                 st.record_top(batch.cand_positions[a:b], logprobs[start:end, :n],
                               ids[start:end, :n])
             start += b - a
-
-
-def score_arrays(batch: PackedBatch, states: list[DecodeState]) -> dict[str, np.ndarray]:
-    """The fused scoring kernel's inputs beyond the logits: row ranges, each request's
-    temperature (float64, as the host's), and the rows' noise keys."""
-    return {
-        "cu_rows": batch.cu_rows.astype(np.int32),
-        "temperature": np.array([st.params.temperature for st in states], dtype=np.float64),
-        "row_keys": batch.row_keys,
-    }

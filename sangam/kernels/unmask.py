@@ -35,19 +35,6 @@ def _mix32(x):
 
 
 @triton.jit
-def _find_request(cu_ptr, num_requests, search_steps, i):
-    """The r with cu[r] <= i < cu[r + 1] (cu non-decreasing)."""
-    lo = tl.full([], 0, tl.int32)
-    hi = lo + num_requests - 1
-    for _ in range(search_steps):
-        mid = (lo + hi) // 2
-        right = tl.load(cu_ptr + mid + 1) <= i
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(right, hi, mid)
-    return lo
-
-
-@triton.jit
 def _confidence(x, m, s):
     """softmax probability exp(x - m - log s), evaluated in fp64 (GPU fp32 exp/log are
     approximate; this runs once per row)."""
@@ -56,16 +43,15 @@ def _confidence(x, m, s):
 
 @triton.jit
 def _score_kernel(
-    logits_ptr, cu_ptr, temp_ptr, keys_ptr,
+    logits_ptr, temp_ptr, keys_ptr,
     tok_ptr, conf_ptr,  # final outputs (one split)
     pm_ptr, ps_ptr, pkey_ptr, pidx_ptr, px_ptr,  # per-split partials [M, S]
-    vocab, s_row, mask_token_id, num_requests, search_steps, num_splits,
+    vocab, s_row, mask_token_id, num_splits,
     BLOCK_V: tl.constexpr, SPLIT: tl.constexpr, CDT: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    r = _find_request(cu_ptr, num_requests, search_steps, row)
-    t = tl.load(temp_ptr + r).to(CDT)
+    t = tl.load(temp_ptr + row).to(CDT)
     hot = t > 0
     key = tl.load(keys_ptr + row).to(tl.uint32)
     chunk = tl.cdiv(tl.cdiv(vocab, num_splits), BLOCK_V) * BLOCK_V
@@ -195,21 +181,20 @@ def _rule_kernel(
         tl.store(commit_ptr + i, commit, mask=i < b)
 
 
-def fused_score(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor,
-                temperature: torch.Tensor, row_keys: torch.Tensor, *,
-                block_v: int | None = None, num_splits: int | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 1 of :func:`fused_unmask` alone: each row's token and confidence (arguments as
-    there). The engine uses it alone, since its host commits by the rules itself (after any
-    rows are scored again). Returns (tokens int64 ``[M]``, confidence ``[M]`` fp32 — fp64 for
-    fp64 logits)."""
+def fused_score(logits: torch.Tensor, mask_token_id: int, temperature: torch.Tensor,
+                row_keys: torch.Tensor, *, block_v: int | None = None,
+                num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of :func:`fused_unmask` alone: each row's token and confidence, with
+    ``temperature`` per row (float ``[M]``, as ``sangam.decoding.score_logits``; other
+    arguments as there). The engine uses it alone, since its host commits by the rules itself
+    (after any rows are scored again). Returns (tokens int64 ``[M]``, confidence ``[M]`` fp32
+    — fp64 for fp64 logits)."""
     m_rows, vocab = logits.shape
-    num_requests = cu_rows.numel() - 1
     dev = logits.device
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     tokens = torch.empty(m_rows, dtype=torch.int64, device=dev)
     conf = torch.empty(m_rows, dtype=cdt, device=dev)
-    if m_rows == 0 or num_requests == 0:
+    if m_rows == 0:
         return tokens, conf
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -231,10 +216,10 @@ def fused_score(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor,
     else:
         pm = ps = pkey = px = pidx = conf  # unused
     _score_kernel[(m_rows, num_splits)](
-        logits, cu_rows.to(torch.int32), temperature, row_keys.contiguous(), tokens, conf,
+        logits, temperature, row_keys.contiguous(), tokens, conf,
         pm, ps, pkey, pidx, px,
-        vocab, logits.stride(0), mask_token_id, num_requests, num_requests.bit_length(),
-        num_splits, BLOCK_V=block_v, SPLIT=split, CDT=tl_cdt,
+        vocab, logits.stride(0), mask_token_id, num_splits,
+        BLOCK_V=block_v, SPLIT=split, CDT=tl_cdt,
         num_warps=8 if on_gpu else 1,
     )
     if split:
@@ -264,16 +249,19 @@ def fused_unmask(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor
     Returns (tokens int64 ``[M]``, confidence ``[M]`` fp32 — fp64 for fp64 logits —, commit
     bool ``[M]``).
     """
-    tokens, conf = fused_score(logits, mask_token_id, cu_rows, temperature, row_keys,
-                               block_v=block_v, num_splits=num_splits)
+    m_rows = logits.shape[0]
     num_requests = cu_rows.numel() - 1
-    commit = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    if logits.shape[0] == 0 or num_requests == 0:
+    cu = cu_rows.to(torch.int32)
+    # Each row's temperature is its request's (output_size: no host sync on GPU).
+    row_temperature = torch.repeat_interleave(temperature, cu[1:] - cu[:-1], output_size=m_rows)
+    tokens, conf = fused_score(logits, mask_token_id, row_temperature, row_keys,
+                               block_v=block_v, num_splits=num_splits)
+    commit = torch.zeros(m_rows, dtype=torch.bool, device=logits.device)
+    if m_rows == 0 or num_requests == 0:
         return tokens, conf, commit
     on_gpu = compiled(logits.device)
     _rule_kernel[(num_requests,)](
-        conf, commit, cu_rows.to(torch.int32), num_forced, rule, threshold, factor,
-        tokens_per_step, BLOCK_R=block_r or (64 if on_gpu else 32),
-        num_warps=4 if on_gpu else 1,
+        conf, commit, cu, num_forced, rule, threshold, factor, tokens_per_step,
+        BLOCK_R=block_r or (64 if on_gpu else 32), num_warps=4 if on_gpu else 1,
     )
     return tokens, conf, commit
