@@ -108,7 +108,6 @@ class LoadedModel:
     def load(cls, cfg: EngineConfig) -> LoadedModel:
         path = checkpoint_path(cfg)
         device = torch.device(cfg.device or default_device())
-        use_device(device)
         model = load_model(path, device, None if cfg.dtype == "auto" else cfg.dtype)
         model.attention_backend = make_attention_backend(cfg.attention_backend, device)
         p = next(model.parameters())
