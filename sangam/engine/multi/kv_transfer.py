@@ -116,15 +116,16 @@ class KVTransport:
         return len(self._open)
 
     def connect(self, me: int, senders: list[int], receivers: list[int]) -> None:
-        """Open every (sender, receiver) pair that ``me`` belongs to with one small blocking
-        message. All workers go through the pairs in one order (by sender, then receiver), so
-        the first pair not yet open always has both ends waiting on it: nobody deadlocks."""
+        """Open every (sender, receiver) pair that ``me`` belongs to (the lists are disjoint)
+        with one small blocking message. All workers go through the pairs in one order (by
+        sender, then receiver), so the first pair not yet open always has both ends waiting on
+        it: nobody deadlocks."""
         token = torch.zeros(1, dtype=self.kv_buffer.dtype, device=self.device)
         for s in senders:
             for r in receivers:
-                if me == s and r != s:
+                if me == s:
                     dist.send(token, r)
-                elif me == r and r != s:
+                elif me == r:
                     dist.recv(token, s)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

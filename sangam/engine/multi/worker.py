@@ -275,9 +275,10 @@ class Worker:
         """Layer-wise streaming: open a sender's transfer before the forward, the first one per
         receiver only. Sends to one receiver match its receives in posting order, and it posts
         a transfer's layers together: a second transfer to it goes whole after the forward."""
-        streams = {}
+        streams, dests = {}, set()
         for t in senders:
-            if all(s.dest != t.kv_dest for s in streams.values()):
+            if t.kv_dest not in dests:
+                dests.add(t.kv_dest)
                 streams[t.request.request_id] = _Stream(
                     t.kv_dest, self.transport.open_send(t.kv_dest), self._page_ids(t.request))
         return streams
