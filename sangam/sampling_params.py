@@ -20,6 +20,10 @@ MAX_LOGIT_BIAS = 1024  # biased tokens per request
 MAX_LOGPROBS = 20  # alternatives per token, vLLM's default max_logprobs
 MAX_PENALTY = 2.0  # presence / frequency penalties, OpenAI's range
 MAX_N = 128  # samples per prompt, OpenAI's limit
+MAX_STOP_TOKEN_IDS = 1024
+# Lengths, counts and token ids reach int32 arrays on the device and int64 ones on the host:
+# bounded here, so no request can overflow either downstream.
+MAX_INT32 = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -80,18 +84,16 @@ class SamplingParams:
 
         need(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], "
              f"got {self.n!r}")
-        need(_is_int(self.max_tokens) and self.max_tokens >= 1,
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        need(_is_int(self.block_length) and self.block_length >= 1,
-             f"block_length must be an integer >= 1, got {self.block_length!r}")
+        for name in ("max_tokens", "block_length", "tokens_per_step"):
+            value = getattr(self, name)
+            need(_is_int(value) and 1 <= value <= MAX_INT32,
+                 f"{name} must be an integer in [1, {MAX_INT32}], got {value!r}")
         need(self.unmasking in UNMASKING_RULES,
              f"unmasking must be one of {UNMASKING_RULES}, got {self.unmasking!r}")
         need(_is_num(self.threshold) and 0.0 <= self.threshold <= 1.0,
              f"threshold must be in [0, 1], got {self.threshold!r}")
         need(_is_num(self.factor) and self.factor > 0.0,
              f"factor must be > 0, got {self.factor!r}")
-        need(_is_int(self.tokens_per_step) and self.tokens_per_step >= 1,
-             f"tokens_per_step must be an integer >= 1, got {self.tokens_per_step!r}")
         need(self.cache in CACHE_MODES, f"cache must be one of {CACHE_MODES}, got {self.cache!r}")
         need(_is_num(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
              f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
@@ -111,9 +113,10 @@ class SamplingParams:
              "include_stop_str_in_output must be a bool")
         need(isinstance(self.skip_special_tokens, bool), "skip_special_tokens must be a bool")
         ids = self.stop_token_ids or ()
-        need(isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids),
-             f"stop_token_ids must be a list of non-negative integers, got "
-             f"{self.stop_token_ids!r}")
+        need(isinstance(ids, (list, tuple)) and len(ids) <= MAX_STOP_TOKEN_IDS
+             and all(_is_int(t) and 0 <= t <= MAX_INT32 for t in ids),
+             f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids (integers "
+             f"in [0, {MAX_INT32}]), got {_short(self.stop_token_ids)}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         need(self.logprobs is None or (_is_int(self.logprobs)
                                        and 0 <= self.logprobs <= MAX_LOGPROBS),
@@ -121,8 +124,9 @@ class SamplingParams:
              f"{self.logprobs!r}")
         need(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
              f"top_p must be in (0, 1], got {self.top_p!r}")
-        need(_is_int(self.top_k) and self.top_k >= -1,
-             f"top_k must be an integer >= 0 (0 or -1: all tokens), got {self.top_k!r}")
+        need(_is_int(self.top_k) and -1 <= self.top_k <= MAX_INT32,
+             f"top_k must be an integer in [0, {MAX_INT32}] (0 or -1: all tokens), got "
+             f"{self.top_k!r}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         need(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
@@ -131,9 +135,11 @@ class SamplingParams:
         bias = self.logit_bias or ()
         pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
         need(isinstance(pairs, (list, tuple)) and all(
-            isinstance(p, (list, tuple)) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0
-            and _is_num(p[1]) and math.isfinite(p[1]) and -100 <= p[1] <= 100 for p in pairs),
-            f"logit_bias must map token ids to biases in [-100, 100], got {self.logit_bias!r}")
+            isinstance(p, (list, tuple)) and len(p) == 2 and _is_int(p[0])
+            and 0 <= p[0] <= MAX_INT32 and _is_num(p[1]) and math.isfinite(p[1])
+            and -100 <= p[1] <= 100 for p in pairs),
+            f"logit_bias must map token ids (in [0, {MAX_INT32}]) to biases in [-100, 100], got "
+            f"{_short(self.logit_bias)}")
         need(len(pairs) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
         need(len({t for t, _ in pairs}) == len(pairs), "logit_bias names a token twice")
         object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
@@ -150,8 +156,9 @@ class SamplingParams:
         need(_is_int(self.priority) and abs(self.priority) < 2**63,
              f"priority must be an integer, got {self.priority!r}")
         k = self.truncate_prompt_tokens
-        need(k is None or (_is_int(k) and (k >= 1 or k == -1)),
-             f"truncate_prompt_tokens must be None, -1 or an integer >= 1, got {k!r}")
+        need(k is None or (_is_int(k) and (1 <= k <= MAX_INT32 or k == -1)),
+             f"truncate_prompt_tokens must be None, -1 or an integer in [1, {MAX_INT32}], got "
+             f"{k!r}")
 
     @property
     def restricts_sampling(self) -> bool:
@@ -198,6 +205,12 @@ def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _short(value: object, limit: int = 200) -> str:
+    """A value's repr for an error message, clipped: a field may hold a thousand entries."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class Logprob(NamedTuple):
     """vLLM's record of one token's log-probability at the step that committed a position."""
 
@@ -233,7 +246,9 @@ class RequestOutput:
     make_text: Callable[[], str | None] = field(compare=False)
     num_forwards: int
     finished: bool = False
-    finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "abort"
+    # "stop" (EOS, a stop token or string), "length", "abort", or "error": the request failed
+    # (``error`` says why) and everything it held was freed; other requests go on.
+    finish_reason: str | None = None
     # vLLM's: the stop string or stop_token_ids id that ended the response (None: EOS or other).
     stop_reason: int | str | None = None
     metrics: dict = field(default_factory=dict)
@@ -243,6 +258,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # LLM.generate with n > 1: the prompt's other samples (this output is the first).
     siblings: list[RequestOutput] = field(default_factory=list, compare=False)
+    error: str | None = None  # with finish_reason "error": what failed
 
     @functools.cached_property
     def text(self) -> str | None:

@@ -107,13 +107,37 @@ def test_dead_workers_are_never_chosen():
     with pytest.raises(RuntimeError):
         rt.route_prefill(mk(holder=0), ROOMY[:3])  # its pages died with worker 0
     assert rt.route_decode(mk(), [100, 5, 6], 4) == 2
-    dis = Router("disaggregated", ["prefill", "decode", "decode"])
-    dis.mark_dead(0)
-    with pytest.raises(RuntimeError):
-        dis.route_prefill(mk(), ROOMY[:3])
     hyb = Router("hybrid", ["prefill", "decode"], overflow_threshold=10)
-    hyb.mark_dead(0)  # no live prefill worker: "every" one is busy, decode worker 1 takes it
+    hyb.mark_dead(0)  # no live prefill worker: decode worker 1 takes it
     assert hyb.route_prefill(mk(), ROOMY[:2]) == 1
+    for w in range(3):
+        rt.mark_dead(w)
+    with pytest.raises(RuntimeError, match="no worker is alive"):
+        rt.route_prefill(mk(), ROOMY[:3])
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "hybrid"])
+def test_workers_of_one_role_serve_as_colocated_ones(mode):
+    """Failover: with every prefill worker dead the decode workers run refreshes, with every
+    decode worker dead the prefill workers hold canvases; a request's block runs where its
+    canvas is."""
+    roles = ["prefill", "prefill", "decode", "decode"]
+    no_prefill = Router(mode, roles, overflow_threshold=10)
+    assert not no_prefill.one_role_left
+    no_prefill.mark_dead(0)
+    assert no_prefill.route_prefill(mk(), ROOMY[:4]) == 1  # one prefill worker left: as ever
+    no_prefill.mark_dead(1)
+    assert no_prefill.one_role_left
+    assert no_prefill.prefill_capable() == no_prefill.canvas_capable() == [2, 3]
+    assert no_prefill.route_prefill(mk(holder=3), ROOMY[:4]) == 3  # where its canvas is
+    assert no_prefill.route_prefill(mk(), [0, 0, 50, 5]) == 2  # a new one: where it fits
+    assert no_prefill.route_decode(mk(), [0, 0, 5, 50], 8) == 3
+    no_decode = Router(mode, roles, overflow_threshold=10)
+    no_decode.mark_dead(2)
+    no_decode.mark_dead(3)
+    assert no_decode.one_role_left and no_decode.canvas_capable() == [0, 1]
+    assert no_decode.route_decode(mk(), [5, 50, 0, 0], 8) == 1  # a prefill worker holds it
+    assert no_decode.route_prefill(mk(holder=0), ROOMY[:4]) == 0  # and runs its blocks
 
 
 def test_decode_placement_by_free_pages():

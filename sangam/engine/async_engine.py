@@ -14,17 +14,25 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from sangam.config import EngineConfig
-from sangam.engine.engine import Engine
+from sangam.engine.engine import Engine, QueueFull
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import make_engine
-from sangam.engine.profiler import EngineProfiler
+from sangam.engine.profiler import MAX_PROFILED_STEPS, EngineProfiler
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class RequestFailed(RuntimeError):
+    """A request ended by a failure in the engine (its pages are freed; others go on)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine loop failed: no request can run any more (the server exits)."""
 
 
 class _Stream:
@@ -32,11 +40,23 @@ class _Stream:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """Hand ``item`` to the caller's loop; False when that loop is closed (nobody will
+        ever read this stream)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
 
 
 class AsyncEngine:
+    """Invariants: only the engine thread touches ``engine``; every command is either queued
+    before the thread stops reading (and answered) or refused; a request whose caller left
+    (its generator closed, its accept future cancelled) is aborted, whatever moment it left
+    at; ``open_requests`` counts the callers' generators that may still hold a request, so an
+    overloaded engine refuses new ones (QueueFull) without a trip through the engine thread."""
+
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  **engine_options):
         self.config = config or EngineConfig.from_options(**engine_options)
@@ -49,6 +69,9 @@ class AsyncEngine:
         # either queued before (and answered) or refused, never left waiting.
         self._closing = threading.Lock()
         self._closed = False
+        self.open_requests = 0  # callers' generators between submission and their end
+        self._count_lock = threading.Lock()  # callers may run on several event loops
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
         self.dead: BaseException | None = None  # set before the thread can fail
         self._thread = threading.Thread(target=self._loop, name="sangam-engine", daemon=True)
         self._thread.start()
@@ -84,31 +107,63 @@ class AsyncEngine:
                        request_id: str | None = None,
                        suffix: str | list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Yield one output per committed block; the last has ``finished=True``. Raises
-        ValueError (or RequestRejected / QueueFull) at once for a request that cannot run.
-        Leaving the loop early aborts the request and frees its pages. With a ``suffix`` the
-        response fills the gap between prompt and suffix (infilling)."""
-        if self.dead is not None:
-            raise RuntimeError(f"the engine thread died: {self.dead!r}")
+        ValueError (or RequestRejected / QueueFull) at once for a request that cannot run,
+        RequestFailed if it fails in the engine, EngineDead if the engine loop has failed.
+        Leaving the loop early (or cancelling the task at any point) aborts the request and
+        frees its pages. With a ``suffix`` the response fills the gap between prompt and
+        suffix (infilling). Text is tokenized off the event loop."""
+        self._check_alive()
+        with self._count_lock:
+            if self.open_requests >= self.config.max_queue_len:  # refused here: fast
+                raise QueueFull(f"{self.open_requests} requests in flight (max_queue_len "
+                                f"{self.config.max_queue_len})")
+            self.open_requests += 1
         request_id = request_id or uuid.uuid4().hex
-        loaded = self.engine.loaded
-        ids = loaded.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        # The suffix continues the text: no special tokens (BOS) of its own.
-        tail = loaded.encode(suffix, False) if isinstance(suffix, str) else list(suffix or ())
-        stream = _Stream(asyncio.get_running_loop())
-        accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", request_id, ids, tail, params, stream, accepted))
-        await asyncio.wrap_future(accepted)  # raises the engine's validation error, if any
+        accepted: concurrent.futures.Future | None = None  # None: nothing submitted yet
         finished = False
         try:
+            loaded = self.engine.loaded
+            ids = (await asyncio.to_thread(loaded.encode, prompt) if isinstance(prompt, str)
+                   else list(prompt))
+            # The suffix continues the text: no special tokens (BOS) of its own.
+            tail = (await asyncio.to_thread(loaded.encode, suffix, False)
+                    if isinstance(suffix, str) else list(suffix or ()))
+            stream = _Stream(asyncio.get_running_loop())
+            accepted = concurrent.futures.Future()
+            self._submit(("add", request_id, ids, tail, params, stream, accepted))
+            try:
+                await asyncio.wrap_future(accepted)  # the engine's validation error, if any
+            except Exception:
+                finished = True  # refused: there is nothing to abort (the id may be another's)
+                raise
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.finish_reason == "error":
+                    raise RequestFailed(item.error)
                 yield item
         finally:
-            if not finished:
+            with self._count_lock:
+                self.open_requests -= 1
+            # The caller left (or the engine failed) once the engine may have added it. A
+            # cancel that reached the future first means the engine thread never will.
+            if not finished and accepted is not None and not accepted.cancelled():
                 self._post(("abort", request_id))
+
+    def on_death(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` once the engine loop has failed (at once if it has), on the
+        engine thread: e.g. to stop a server, so that a supervisor restarts it."""
+        with self._closing:
+            if self.dead is None:
+                self._death_callbacks.append(callback)
+                return
+        callback(self.dead)
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDead(f"the engine loop failed: {self.dead!r}")
 
     async def start_profile(self, out_dir: str | os.PathLike) -> None:
         """Start a ``torch.profiler`` trace of the engine loop (see ``EngineProfiler``)."""
@@ -151,6 +206,8 @@ class AsyncEngine:
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, rid, ids, tail, params, stream, accepted = cmd
+            if not accepted.set_running_or_notify_cancel():
+                return  # the caller left before the engine saw it: its abort follows
             try:
                 self.engine.add_request(rid, ids, params, suffix_token_ids=tail)
             except Exception as e:  # a bad request is refused; nothing else is touched
@@ -160,6 +217,8 @@ class AsyncEngine:
             accepted.set_result(None)
         elif cmd[0] == "profile":
             _, action, out_dir, done = cmd
+            if not done.set_running_or_notify_cancel():
+                return
             try:
                 done.set_result(self._profile(action, out_dir))
             except Exception as e:  # e.g. stop without start: the caller's error
@@ -169,6 +228,16 @@ class AsyncEngine:
             stream = self._streams.pop(cmd[1], None)
             if out is not None and stream is not None:
                 stream.put(out)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            if stream is not None and not stream.put(out) and not out.finished:
+                # Its caller's event loop is gone: nobody reads this stream again.
+                self._streams.pop(out.request_id, None)
+                self.engine.abort_request(out.request_id)
 
     def _profile(self, action: str, out_dir: str | os.PathLike | None) -> Path | None:
         if not isinstance(self.engine, Engine):
@@ -195,23 +264,24 @@ class AsyncEngine:
                         self._handle(self._inbox.get_nowait())
                 except queue.Empty:
                     pass
-                if not self.engine.has_unfinished_requests():
-                    continue
-                for out in self.engine.step():
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put(out)
-                    if out.finished:
-                        self._streams.pop(out.request_id, None)
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                    if self._profiler is not None and (path := self._profiler.step()):
+                        logger.info("the profile reached %d iterations: trace written to %s",
+                                    MAX_PROFILED_STEPS, path)
         except BaseException as e:  # report to every waiting caller rather than hang them
-            logger.exception("engine thread died")
+            logger.exception("the engine loop failed; no request can run now")
             self.dead = e
             for stream in self._streams.values():
-                stream.put(RuntimeError(f"engine failure: {e!r}"))
+                stream.put(EngineDead(f"the engine loop failed: {e!r}"))
             self._streams.clear()
         finally:  # shutdown or failure: every open stream ends with an "abort" output
             for rid in list(self.engine.requests):
-                out = self.engine.abort_request(rid)
+                try:
+                    out = self.engine.abort_request(rid)
+                except Exception:  # a failed engine may fail here too: the stream still ends
+                    logger.exception("aborting %s", rid)
+                    out = None
                 stream = self._streams.pop(rid, None)
                 if stream is not None and out is not None:
                     stream.put(out)
@@ -219,10 +289,15 @@ class AsyncEngine:
                 logger.info("profile trace written to %s", self._profiler.stop())
             with self._closing:
                 self._closed = True
+                callbacks, self._death_callbacks = self._death_callbacks, []
             while True:  # commands that came too late: refused
                 try:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(cmd[-1], concurrent.futures.Future):
+                if isinstance(cmd[-1], concurrent.futures.Future) and \
+                        cmd[-1].set_running_or_notify_cancel():
                     cmd[-1].set_exception(RuntimeError("the engine is shut down"))
+            if self.dead is not None:
+                for callback in callbacks:
+                    callback(self.dead)

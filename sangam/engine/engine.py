@@ -115,6 +115,11 @@ def new_request(in_flight: Mapping[str, object], config: EngineConfig, loaded: L
     return scheduling_request(request_id, now, state), state
 
 
+def request_error(error: BaseException) -> str:
+    """What a failed request's caller is told."""
+    return f"the request failed in the engine: {error!r}"
+
+
 def scheduling_request(request_id: str, arrival_time: float, state: DecodeState) -> Request:
     """The scheduler's view of a request whose canvas is ``state``, at its current block."""
     p = state.params
@@ -195,10 +200,12 @@ class Engine:
             return []
         reqs = batch.decodes + batch.prefills
         tracked = [self.requests[r.request_id] for r in reqs]
-        block_done = self.runner.execute([t.state for t in tracked], [r.pages for r in reqs])
+        result = self.runner.execute([t.state for t in tracked], [r.pages for r in reqs])
         now = time.monotonic()
-        outputs = []
-        for req, t, done in zip(reqs, tracked, block_done):
+        outputs = [self._fail(tracked[i], e) for i, e in result.errors.items()]
+        for req, t, done in zip(reqs, tracked, result.block_done):
+            if t.request.request_id not in self.requests:
+                continue  # failed
             finished = t.state.finished
             self.builder.step_done(req, now, done, finished, t.state.finish_reason)
             if done:
@@ -209,11 +216,20 @@ class Engine:
         self._record(batch, now - start)
         return outputs
 
+    def _fail(self, t: _Tracked, error: Exception) -> RequestOutput:
+        """End a request whose step failed: its pages are freed, its caller gets the error."""
+        rid = t.request.request_id
+        logger.error("request %s failed and was ended: %r", rid, error)
+        del self.requests[rid]
+        self.builder.abort(rid)
+        return self._output(t, finished=True, reason="error", error=request_error(error))
+
     def _record(self, batch: ScheduledBatch, seconds: float) -> None:
         self.stats.iterations.append(IterationStats(
             batch.prefill_tokens, batch.decode_tokens, batch.deficit,
             len(batch.prefills) + len(batch.decodes), len(batch.prefills), seconds))
 
-    def _output(self, t: _Tracked, finished: bool, reason: str | None) -> RequestOutput:
+    def _output(self, t: _Tracked, finished: bool, reason: str | None,
+                error: str | None = None) -> RequestOutput:
         return self.loaded.output(t.request.request_id, t.prompt_ids, t.state, finished, reason,
-                                  request_metrics(t.request.metrics, t.state), t.text)
+                                  request_metrics(t.request.metrics, t.state), t.text, error)

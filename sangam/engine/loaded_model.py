@@ -208,9 +208,11 @@ class LoadedModel:
                 f"prompt ({len(prompt_ids)} tokens) plus response canvas "
                 f"({params.canvas_length} tokens){suffix} is {total} tokens, beyond the model's "
                 f"context of {self.context_length}")
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name}: token ids must be in [0, {vocab}); got {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer and this checkpoint has none: use "
                              "stop_token_ids")
@@ -220,7 +222,8 @@ class LoadedModel:
 
     def output(self, request_id: str, prompt_ids: list[int], state: DecodeState,
                finished: bool, reason: str | None, metrics: dict,
-               text: IncrementalDetokenizer | None = None) -> RequestOutput:
+               text: IncrementalDetokenizer | None = None,
+               error: str | None = None) -> RequestOutput:
         """What the caller sees of a request now: its tokens, their text (which, while the
         request runs, holds back what could still become a stop string), their logprobs when
         asked for. ``text``, the request's own, makes reading its outputs in order decode each
@@ -237,4 +240,4 @@ class LoadedModel:
                           if state.params.logprobs else None),
             finished=finished, finish_reason=reason if finished else None,
             stop_reason=state.stop_reason() if finished and reason == "stop" else None,
-            metrics=metrics)
+            metrics=metrics, error=error)

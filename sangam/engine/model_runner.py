@@ -11,6 +11,7 @@ batches of the default block length replay CUDA graphs on GPU (``cuda_graphs.py`
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,8 @@ from sangam.engine.host_batch import HostBatcher, PackedBatch, make_host_batcher
 from sangam.engine.kv_pool import KVPool
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.stop_strings import apply_stop_strings
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -47,11 +50,41 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, states: list[DecodeState], pages: list[list[int]],
-                allow_graphs: bool = True) -> list[bool]:
+                allow_graphs: bool = True, isolate: bool = True) -> StepResult:
         """Run one step of every request in one forward; returns, per request, whether its
         current block was completed (a completed block's stop strings are checked here, so a
-        request they end is finished on return). ``allow_graphs=False`` forces the eager
-        forward (e.g. when a hook must see every layer)."""
+        request they end is finished on return), and the errors of requests that failed.
+        ``allow_graphs=False`` forces the eager forward (e.g. when a hook must see every
+        layer).
+
+        A failure is confined to the requests it concerns. When the batch's forward or scoring
+        fails (nothing is committed then, and rewriting a span's K/V from the same tokens is
+        idempotent), each request runs again alone, as it would have in any batch; those that
+        fail alone end with their error. Commit and stop-string errors are per request. An
+        error every request of the batch also meets alone is nobody's (the device, a bug):
+        it is raised, as is a device error. With ``isolate=False`` a batch failure is raised
+        (the caller retries)."""
+        try:
+            scored = self._score(states, pages, allow_graphs)
+        except FATAL_ERRORS:
+            raise
+        except Exception as e:
+            if not isolate:
+                raise
+            if len(states) == 1:
+                return StepResult([False], {0: e})
+            alone = [self.execute([st], [pg], allow_graphs) for st, pg in zip(states, pages)]
+            errors = {i: r.errors[0] for i, r in enumerate(alone) if r.errors}
+            if len(errors) == len(states):
+                raise
+            logger.warning("a batch of %d failed (%r); alone, %d of them fail and end with "
+                           "an error", len(states), e, len(errors))
+            return StepResult([r.block_done[0] for r in alone], errors)
+        return self._commit(states, *scored)
+
+    def _score(self, states: list[DecodeState], pages: list[list[int]], allow_graphs: bool
+               ) -> tuple[PackedBatch, np.ndarray, np.ndarray, Rescore | None, tuple | None]:
+        """The forward and the scoring, read back to the host; changes no request."""
         batch, dev, rescore = stage_batch(self.host, self.uploader, states, pages,
                                           self.fused_scoring)
         model = self.loaded.model
@@ -71,15 +104,60 @@ class ModelRunner:
         top = None
         if rescore is not None:
             top = rescore.score(logits, dev, self.loaded.config.mask_token_id, tokens, conf)
-        tokens = tokens.cpu().numpy()
-        conf = conf.cpu().numpy().astype(np.float64)
-        block_done = self.host.apply(states, batch, tokens, conf)
+            if top is not None:
+                top = tuple(t.cpu().numpy() for t in top)
+        return (batch, tokens.cpu().numpy(), conf.cpu().numpy().astype(np.float64), rescore,
+                top)
+
+    def _commit(self, states: list[DecodeState], batch: PackedBatch, tokens: np.ndarray,
+                conf: np.ndarray, rescore: Rescore | None, top: tuple | None) -> StepResult:
+        """Commit the scored rows into each request, then its alternatives and stop strings;
+        an error there ends only its request."""
+        errors: dict[int, Exception] = {}
+        forwards = [st.num_forwards for st in states]
+        try:
+            block_done = self.host.apply(states, batch, tokens, conf)
+        except Exception:  # per request: those committed before the error keep their step
+            block_done = [_commit_alone(st, forwards[r], batch, r, tokens, conf, errors)
+                          for r, st in enumerate(states)]
         if top is not None:
-            rescore.record_top(batch, *(t.cpu().numpy() for t in top))
-        for st, done in zip(states, block_done):
-            if done:
-                apply_stop_strings(st, self.loaded.decode)
-        return block_done
+            rescore.record_top(batch, *top, errors)
+        for r, (st, done) in enumerate(zip(states, block_done)):
+            if done and r not in errors:
+                try:
+                    apply_stop_strings(st, self.loaded.decode)
+                except Exception as e:
+                    errors[r] = e
+        return StepResult(block_done, errors)
+
+
+@dataclass
+class StepResult:
+    """One step of a batch, per request: whether it completed its block, and the errors of
+    those that failed (by position in the batch; they end with that error)."""
+
+    block_done: list[bool]
+    errors: dict[int, Exception]
+
+
+# Errors no request causes: the device is unusable, so the engine must not go on.
+FATAL_ERRORS = (torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()
+
+
+def _commit_alone(st: DecodeState, forwards: int, batch: PackedBatch, r: int,
+                  tokens: np.ndarray, conf: np.ndarray, errors: dict[int, Exception]) -> bool:
+    """Request ``r``'s commit after a batched commit failed: done already if its forward count
+    moved (then its block ended iff it finished or a new block began), else the reference
+    commit of its rows (identical to the batched one), its error recorded."""
+    if st.num_forwards != forwards:
+        return st.finished or st.step == 0
+    a, b = int(batch.cu_rows[r]), int(batch.cu_rows[r + 1])
+    try:
+        return st.commit(batch.cand_positions[a:b], int(batch.num_forced[r]), tokens[a:b],
+                         conf[a:b])
+    except Exception as e:
+        errors[r] = e
+        return False
 
 
 def stage_batch(host: HostBatcher, uploader: BatchUploader, states: list[DecodeState],
@@ -168,15 +246,20 @@ class Rescore:
         conf[index] = c.to(conf.dtype)
         return top
 
-    def record_top(self, batch: PackedBatch, logprobs: np.ndarray, ids: np.ndarray) -> None:
+    def record_top(self, batch: PackedBatch, logprobs: np.ndarray, ids: np.ndarray,
+                   errors: dict[int, Exception]) -> None:
         """Give each request that asks for alternatives those of its committed rows (call after
-        the commit; ``logprobs``, ``ids``: :meth:`score`'s, read back)."""
+        the commit; ``logprobs``, ``ids``: :meth:`score`'s, read back). A request already in
+        ``errors`` is skipped; one that fails here is added."""
         start = 0
         for st, i in zip(self.states, self.indices, strict=True):
             a, b = batch.cu_rows[i], batch.cu_rows[i + 1]
             n = st.params.logprobs or 0
-            if n:
+            if n and i not in errors:
                 end = start + b - a
-                st.record_top(batch.cand_positions[a:b], logprobs[start:end, :n],
-                              ids[start:end, :n])
+                try:
+                    st.record_top(batch.cand_positions[a:b], logprobs[start:end, :n],
+                                  ids[start:end, :n])
+                except Exception as e:
+                    errors[i] = e
             start += b - a

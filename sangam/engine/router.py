@@ -27,6 +27,9 @@ Policy (dead workers are never chosen; "least loaded" ties are broken by a seede
   decodes are never migrated); otherwise the live decode-capable worker (role "decode", or any
   worker when colocated) with the most free pages that fit it, ties broken at random; None if
   none fits now.
+- Failover (disaggregated, hybrid): while workers of only one role survive (``one_role_left``),
+  they serve as colocated workers do: prefill workers hold canvases and decode, or decode
+  workers run refreshes, each block on the worker that holds its canvas.
 """
 
 from __future__ import annotations
@@ -96,12 +99,27 @@ class Router:
     def mark_dead(self, worker: int) -> None:
         self._alive[worker] = False
 
+    @property
+    def one_role_left(self) -> bool:
+        """Disaggregated or hybrid, with no live prefill worker or no live decode worker: the
+        live ones serve as colocated workers (see the module's docstring)."""
+        return self.mode != "colocated" and not (self._live(self._prefill_workers)
+                                                 and self._live(self._decode_workers))
+
+    def prefill_capable(self) -> list[int]:
+        """The live workers that may run a refresh now."""
+        return self._live(self._prefill_workers) or self._live(self._decode_workers)
+
+    def canvas_capable(self) -> list[int]:
+        """The live workers that may hold a canvas (and decode) now."""
+        return self._live(self._decode_workers) or self._live(self._prefill_workers)
+
     # Placement.
     def route_prefill(self, req: Request, free_pages: list[int]) -> int:
         """The worker that runs ``req``'s next refresh; records its cost there as load."""
         self._check(free_pages)
         holder = req.worker if req.pages else None
-        if self.mode == "colocated" and holder is not None:
+        if holder is not None and (self.mode == "colocated" or self.one_role_left):
             if not self._alive[holder]:
                 raise RuntimeError(f"request {req.request_id!r}: worker {holder}, which holds "
                                    f"its pages, is dead")
@@ -109,9 +127,9 @@ class Router:
         else:
             worker = self._overflow(req, holder, free_pages)
             if worker is None:
-                prefill = self._live(self._prefill_workers)
+                prefill = self.prefill_capable()
                 if not prefill:
-                    raise RuntimeError("no live worker can run prefills")
+                    raise RuntimeError("no worker is alive")
                 worker = self._least_loaded(self._with_room(req, holder, prefill, free_pages)
                                             or prefill)
         self.add(worker, req.prefill_cost)
@@ -125,7 +143,7 @@ class Router:
                 raise RuntimeError(f"request {req.request_id!r}: worker {req.worker}, which "
                                    f"holds its pages, is dead")
             return req.worker
-        fit = [w for w in self._live(self._decode_workers) if free_pages[w] >= pages_needed]
+        fit = [w for w in self.canvas_capable() if free_pages[w] >= pages_needed]
         if not fit:
             return None
         most = max(free_pages[w] for w in fit)
@@ -134,7 +152,7 @@ class Router:
     # Helpers.
     def _overflow(self, req: Request, holder: int | None, free_pages: list[int]) -> int | None:
         """Hybrid: a decode worker for this prefill when every prefill worker is busy."""
-        if self.mode != "hybrid":
+        if self.mode != "hybrid" or self.one_role_left:
             return None
         theta = self.overflow_threshold
         if any(self._load[w] < theta for w in self._live(self._prefill_workers)):

@@ -14,18 +14,20 @@ its ``AsyncEngine.generate`` generator, which aborts it and frees its KV pages.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
@@ -44,7 +46,9 @@ from sangam.serve.chunks import (
 )
 from sangam.serve.config import ServerConfig
 from sangam.serve.errors import ApiError, ApiKeyMiddleware, install_error_handlers
+from sangam.serve.limits import BodyLimitMiddleware, JSONRoute
 from sangam.serve.metrics import ServerMetrics
+from sangam.serve.openapi import errors, install_schema, json_or_events
 from sangam.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -58,6 +62,7 @@ from sangam.serve.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DeletedResponse,
     DeltaMessage,
     DeltaToolCall,
     DetokenizeRequest,
@@ -66,15 +71,21 @@ from sangam.serve.protocol import (
     ErrorResponse,
     FunctionCall,
     FunctionDefinition,
+    HealthResponse,
     ModelCard,
     ModelList,
+    ProfileStarted,
+    ProfileStopped,
     StreamOptions,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
     ToolCall,
+    VersionResponse,
 )
 from sangam.serve.responses import (
     ResponseBuilder,
+    ResponseObject,
     ResponsesRequest,
     ResponseStore,
     StoredResponse,
@@ -94,7 +105,12 @@ logger = logging.getLogger(__name__)
 Chunk = CompletionResponse | ChatCompletionChunk  # a streamed response's events
 GenerationRequest = CompletionRequest | ChatCompletionRequest | ResponsesRequest
 
+T = TypeVar("T")
+
 RETRY_AFTER_S = 1  # a full queue drains at the pace of whole requests: retry soon
+# Tokenizing and chat templates run on these threads, never on the event loop (HF tokenizers
+# release the GIL while they encode).
+TOKENIZER_THREADS = 4
 METRICS_INGEST_PERIOD_S = 1.0
 LOGGED_PARAMS_CHARS = 500  # --enable-log-requests: stop strings can make parameters long
 MAX_REQUEST_ID_CHARS = 256
@@ -114,6 +130,9 @@ class _Server:
         self.model_name = config.model_name(engine.config.model)
         self.metrics = ServerMetrics(engine)
         self.in_flight: set[str] = set()  # engine request ids of open generators
+        self.preparing = 0  # engine requests being prepared (tokenized) before they open
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(
+            TOKENIZER_THREADS, thread_name_prefix="sangam-tokenize")
         self.tool_parser = (make_tool_parser(config.tool_call_parser)
                             if config.enable_auto_tool_choice else None)
         self.store = (ResponseStore(config.responses_store_size)
@@ -129,12 +148,42 @@ class _Server:
         probe = ChatTemplateOptions(tools=[ChatTool(type="function", function=FunctionDefinition(
             name="probe_tool", description="Sangam's startup check"))])
         try:
-            plain = self.chat_prompt([ChatMessage(role="user", content="hi")],
-                                     ChatTemplateOptions())
-            with_tool = self.chat_prompt([ChatMessage(role="user", content="hi")], probe)
+            plain = self._render_chat([ChatMessage(role="user", content="hi")],
+                                      ChatTemplateOptions())
+            with_tool = self._render_chat([ChatMessage(role="user", content="hi")], probe)
         except ApiError:
             return True
         return plain != with_tool
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a tokenizer thread: the event loop keeps serving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizing, functools.partial(fn, *args))
+
+    @contextlib.contextmanager
+    def admitting(self, num_requests: int) -> Iterator[None]:
+        """Hold ``num_requests`` engine requests' places from validation until they are open
+        (while their prompts are tokenized): an engine that could not take them anyway is a
+        503 at once, before that work is done, and a request that could never fit a 400."""
+        limit = self.engine.config.max_queue_len
+        if num_requests > limit:
+            raise ApiError(400, f"this request makes {num_requests} engine requests (prompts "
+                           f"x n), more than the server ever holds (--max-queue-len {limit})",
+                           param="n")
+        busy = self.preparing + self.engine.open_requests
+        if busy + num_requests > limit:
+            self.metrics.requests_rejected.labels("queue_full").inc()
+            raise ApiError(503, f"server overloaded: {busy} requests in flight (max_queue_len "
+                           f"{limit}); retry later", "server_error", code="overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.preparing += num_requests
+        try:
+            yield
+        finally:
+            self.preparing -= num_requests
 
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, max_model_len=self.loaded.context_length)
@@ -211,35 +260,41 @@ class _Server:
         """The body's prompt as a list of prompts (texts or token ids)."""
         prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(
             prompt[0], int) else [prompt]
+        vocab = self.loaded.config.vocab_size
         for p in prompts:
             if isinstance(p, str):
-                if not p:
-                    raise ApiError(400, "the prompt is empty", param="prompt")
                 self._tokenizer("text prompts")
+            elif any(t >= vocab for t in p):  # before anything decodes them (echo)
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab}); got "
+                               f"{[t for t in p if t >= vocab][:5]}", param="prompt")
         return prompts
 
-    def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+    async def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
-            return self.loaded.encode(prompt, add_special_tokens)
+            return await self.offload(self.loaded.encode, prompt, add_special_tokens)
         return prompt
 
-    def suffix_ids(self, suffix: str | None) -> list[int]:
+    async def suffix_ids(self, suffix: str | None) -> list[int]:
         """The token ids of an infilling ``suffix`` (OpenAI's field), without special tokens."""
         if not suffix:
             return []
         self._tokenizer("a suffix")
-        return self.loaded.encode(suffix, add_special_tokens=False)
+        return await self.offload(self.loaded.encode, suffix, False)
 
-    def prompt_text(self, prompt: str | list[int]) -> str:
+    async def prompt_text(self, prompt: str | list[int]) -> str:
         """A prompt's text, for echo: as given, or its token ids decoded."""
         if isinstance(prompt, str):
             return prompt
         self._tokenizer("echo of token prompts")
-        return self.loaded.decode(prompt) or ""
+        return await self.offload(self.loaded.decode, prompt) or ""
 
-    def chat_prompt(self, messages: list[ChatMessage], options: ChatTemplateOptions
-                    ) -> list[int]:
+    async def chat_prompt(self, messages: list[ChatMessage], options: ChatTemplateOptions
+                          ) -> list[int]:
         self._tokenizer("chat (it needs a chat template)")
+        return await self.offload(self._render_chat, messages, options)
+
+    def _render_chat(self, messages: list[ChatMessage], options: ChatTemplateOptions
+                     ) -> list[int]:
         try:
             return self.loaded.encode_chat(
                 [m.for_template() for m in messages], self.config.chat_template_text,
@@ -255,19 +310,30 @@ class _Server:
             return [f"token_id:{t}" for t in token_ids]
         return [tokenizer.decode([t]) for t in token_ids]
 
-    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
         self._tokenizer("/tokenize")
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            ids = self.chat_prompt(body.messages, body)
+            ids = await self.chat_prompt(body.messages, body)
         else:
-            ids = self.loaded.encode(body.prompt, body.add_special_tokens)
+            ids = await self.offload(self.loaded.encode, body.prompt, body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=self.loaded.context_length,
                                 tokens=ids)
 
-    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+    def tokenizer_info(self) -> TokenizerInfoResponse:
+        """vLLM's: the tokenizer's class and configuration, and the chat template served."""
+        tokenizer = self._tokenizer("/tokenizer_info")
+        config = {k: v for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+                  if not k.endswith("_file") and k not in ("name_or_path", "tokenizer_object")}
+        config = json.loads(json.dumps(config, default=str))  # added tokens and the like
+        template = self.config.chat_template_text or getattr(tokenizer, "chat_template", None)
+        if template:
+            config["chat_template"] = template
+        return TokenizerInfoResponse(**{**config, "tokenizer_class": type(tokenizer).__name__})
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(body.model)
         tokenizer = self._tokenizer("/detokenize")
         vocab = self.loaded.config.vocab_size
@@ -275,7 +341,7 @@ class _Server:
         if bad:
             raise ApiError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}",
                            param="tokens")
-        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await self.offload(tokenizer.decode, body.tokens))
 
     # Submission.
     async def _generate(self, ids: list[int], params: SamplingParams, request_id: str,
@@ -347,11 +413,6 @@ class _Server:
         # (reproducible), else a random seed each.
         samples = [params if params.seed is None or j == 0 else
                    dataclasses.replace(params, seed=(params.seed + j) % 2**63) for j in range(n)]
-        limit = self.engine.config.max_queue_len
-        if len(prompts) * n > limit:  # could never all be in flight at once
-            raise ApiError(400, f"{len(prompts)} prompt(s) x n={n} is {len(prompts) * n} "
-                           f"requests, more than the server ever holds (--max-queue-len "
-                           f"{limit})", param="n")
         work = [(ids, p) for ids in prompts for p in samples]
         gens = [self._generate(ids, p, request_id if len(work) == 1 else f"{request_id}-{i}",
                                list(suffix))
@@ -519,76 +580,90 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
             yield
         finally:
             task.cancel()
+            srv.close()
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="Sangam", version=__version__, lifespan=lifespan)
+    app.router.route_class = JSONRoute
     app.state.server = srv
     if server_config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=server_config.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_request_body_bytes)
     if server_config.origins():  # added last, so outermost: it answers preflights, keyless
         app.add_middleware(CORSMiddleware, allow_origins=list(server_config.origins()),
                            allow_methods=["*"], allow_headers=["*"])
     install_error_handlers(app)
+    install_schema(app, api_key=server_config.api_key is not None)
+    body_errors = errors(400, 404, 413, 500)  # a route with a body that names a model
+    generation_errors = errors(400, 404, 413, 500, 503)
 
-    @app.get("/health")
-    async def health() -> Response:
+    @app.get("/health", responses=errors(503))
+    async def health() -> HealthResponse:
         if engine.dead is not None:
-            return ApiError(503, f"engine failed: {engine.dead!r}", "server_error").response()
-        return JSONResponse({"status": "ok"})
+            raise ApiError(503, f"engine failed: {engine.dead!r}", "server_error",
+                           code="engine_dead")
+        return HealthResponse()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
+        """Prometheus metrics (text exposition format)."""
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=body_errors)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return srv.tokenize(body)
+        return await srv.tokenize(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=body_errors)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return srv.detokenize(body)
+        return await srv.detokenize(body)
+
+    @app.get("/tokenizer_info", responses=errors(400))
+    async def tokenizer_info() -> TokenizerInfoResponse:
+        return srv.tokenizer_info()
 
     if server_config.profiler_dir is not None:  # a developer's tool: only when asked for
-        @app.post("/start_profile")
-        async def start_profile() -> dict[str, str]:
+        @app.post("/start_profile", responses=errors(400))
+        async def start_profile() -> ProfileStarted:
             try:
                 await engine.start_profile(server_config.profiler_dir)
             except ValueError as e:
                 raise ApiError(400, str(e)) from None
-            return {"status": "profiling"}
+            return ProfileStarted()
 
-        @app.post("/stop_profile")
-        async def stop_profile() -> dict[str, str]:
+        @app.post("/stop_profile", responses=errors(400))
+        async def stop_profile() -> ProfileStopped:
             try:
-                return {"trace": await engine.stop_profile()}
+                return ProfileStopped(trace=await engine.stop_profile())
             except ValueError as e:
                 raise ApiError(400, str(e)) from None
 
     @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[srv.model_card()])
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=errors(404))
     async def model(model: str) -> ModelCard:
         srv.check_model(model)
         return srv.model_card()
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None,
+              responses={**json_or_events(CompletionResponse), **generation_errors})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         params = srv.check(body)
         prompts = srv.completion_prompts(body.prompt)
-        # echo: each choice's text begins with its prompt's (in its first chunk, streamed).
-        echoed = [srv.prompt_text(p) if body.echo else "" for p in prompts]
         request_id = srv.request_id(request, body, "cmpl-")
         n = body.n or 1
-        suffix = srv.suffix_ids(body.suffix)
-        streams = await unless_disconnected(request, srv.open(
-            [srv.prompt_ids(p, body.add_special_tokens) for p in prompts], params, n, request_id,
-            suffix))
+        with srv.admitting(len(prompts) * n):
+            # echo: each choice's text begins with its prompt's (in its first chunk, streamed).
+            echoed = [await srv.prompt_text(p) if body.echo else "" for p in prompts]
+            suffix = await srv.suffix_ids(body.suffix)
+            ids = [await srv.prompt_ids(p, body.add_special_tokens) for p in prompts]
+            streams = await unless_disconnected(request, srv.open(ids, params, n, request_id,
+                                                                   suffix))
 
         def choice(i: int, first: bool, step: Step, reason: str | None) -> BaseModel:
             return CompletionChoice(index=i, text=echoed[i // n] + step.text if first else
@@ -600,13 +675,16 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
             request, body, streams, request_id, CompletionResponse, choice,
             lambda outs: srv.completion_response(request_id, outs, n, echoed))
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={**json_or_events(ChatCompletionResponse), **generation_errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         params, tools = srv.check_with_tools(body)
-        prompt = srv.chat_prompt(body.messages, body)
         request_id = srv.request_id(request, body, "chatcmpl-")
         n = body.n or 1
-        streams = await unless_disconnected(request, srv.open([prompt], params, n, request_id))
+        with srv.admitting(n):
+            prompt = await srv.chat_prompt(body.messages, body)
+            streams = await unless_disconnected(request, srv.open([prompt], params, n,
+                                                                   request_id))
         # Streamed, each choice's tool calls are parsed as its text grows.
         calls = [ToolCallStream(tools, body.parallel_tool_calls) for _ in streams
                  ] if tools is not None and body.stream else []
@@ -628,14 +706,16 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
             request, body, streams, request_id, ChatCompletionChunk, choice,
             lambda outs: srv.chat_response(request_id, outs, tools, body.parallel_tool_calls))
 
-    @app.post("/v1/responses", response_model=None)
+    @app.post("/v1/responses", response_model=None,
+              responses={**json_or_events(ResponseObject), **generation_errors})
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         params, tools = srv.check_with_tools(body)
         history = srv.responses_history(body)
-        prompt = srv.chat_prompt(body.conversation(history), body.template_options())
         response_id = srv.request_id(request, body, "resp_")
-        streams = await unless_disconnected(request, srv.open([prompt], params, 1,
-                                                               response_id))
+        with srv.admitting(1):
+            prompt = await srv.chat_prompt(body.conversation(history), body.template_options())
+            streams = await unless_disconnected(request, srv.open([prompt], params, 1,
+                                                                   response_id))
         builder = ResponseBuilder(response_id, srv.model_name, body, tools)
         keep = srv.store is not None and body.store
         headers = srv.id_headers(response_id)
@@ -648,15 +728,16 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
             srv.store.put(history, response)
         return JSONResponse(response.model_dump(), headers=headers)
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}", response_model=None,
+             responses={200: {"model": ResponseObject}, **errors(404)})
     async def get_response(response_id: str) -> Response:
         return JSONResponse(srv.stored(response_id).response.model_dump())
 
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> Response:
+    @app.delete("/v1/responses/{response_id}", responses=errors(404))
+    async def delete_response(response_id: str) -> DeletedResponse:
         srv.stored(response_id)
         srv.store.delete(response_id)
-        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return DeletedResponse(id=response_id)
 
     return app
 

@@ -38,6 +38,9 @@ class ServerConfig:
     enable_request_id_headers: bool = field(default=False, metadata=flag_meta(
         "Send each completion's request id back as an X-Request-Id header, as vLLM's (a "
         "request's own X-Request-Id header, if any, is its id)"))
+    max_request_body_bytes: int = field(default=8 * 2**20, metadata=flag_meta(
+        "Largest request body accepted; a larger one is refused with 413 (8 MiB holds a "
+        "prompt of a million tokens)"))
     served_model_name: str | None = field(default=None, metadata=flag_meta(
         "Model name in the API (default: the --model path, or 'sangam-demo')"))
     # Defaults for requests that leave the diffusion options out. Unset (None): the
@@ -84,6 +87,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"ServerConfig: port must be in [0, 65536), got {self.port}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("ServerConfig: max_request_body_bytes must be >= 1")
         if self.responses_store_size < 0:
             raise ValueError("ServerConfig: responses_store_size must be >= 0")
         if self.shutdown_grace < 0:

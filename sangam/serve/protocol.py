@@ -10,63 +10,111 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-_REQUEST_CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
-
-MAX_N = 128  # choices per prompt, OpenAI's limit
+from sangam.sampling_params import (
+    CACHE_MODES,
+    MAX_INT32,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    UNMASKING_RULES,
+)
 
 # Far above any useful value (OpenAI caps at 2), far below where the engine's fp32 tempered
 # logits overflow: at temperature ~3e38 a request never finishes.
 MAX_TEMPERATURE = 100.0
+MAX_MESSAGES = 4096  # messages (or Responses input items) per conversation
 
 
-class StreamOptions(BaseModel):
-    model_config = _REQUEST_CONFIG
+def _nullable_optionals(schema: dict[str, Any], model: type) -> None:
+    """The schema of a request body says what the server accepts: ``null`` for every optional
+    field (``RequestBody`` takes it as unset)."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required or any(s.get("type") == "null" for s in prop.get("anyOf", ())):
+            continue
+        keep = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+        schema["properties"][name] = {"anyOf": [dict(prop), {"type": "null"}], **keep}
+
+
+class RequestBody(BaseModel):
+    """Every request body and its parts: strict types (``"3"`` is not an integer, ``NaN`` not a
+    number), unknown fields ignored, and ``null`` meaning "unset" for every optional field, as
+    in OpenAI's API."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore",
+                              json_schema_extra=_nullable_optionals)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too
 
 
-class _GenerationRequest(BaseModel):
-    """Fields shared by completions, chat completions and responses. ``None`` means the server's
+# Bounds the engine enforces (SamplingParams), stated in the schema too.
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Length = Annotated[int, Field(ge=1, le=MAX_INT32)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+BiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # a token id, as JSON keys are
+Bias = Annotated[float, Field(ge=-100, le=100)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+class _GenerationRequest(RequestBody):
+    """Fields shared by completions, chat completions and responses. Unset means the server's
     default."""
 
-    model_config = _REQUEST_CONFIG
-
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = Field(default=None, le=MAX_TEMPERATURE)
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM's extra field
-    min_p: float | None = None  # vLLM's extra field
-    seed: int | None = None
+    max_tokens: Length | None = None
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32)  # vLLM's extra field
+    min_p: float | None = Field(default=None, ge=0, le=1)  # vLLM's extra field
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     request_id: str | None = None  # vLLM's: the response id's base (X-Request-Id wins)
     # Sangam's diffusion options (DESIGN.md §2), as extra body fields.
-    block_length: int | None = None
-    unmasking: str | None = None
-    threshold: float | None = None
-    factor: float | None = None
-    tokens_per_step: int | None = None
-    cache: str | None = None
+    block_length: Length | None = None
+    unmasking: Literal[UNMASKING_RULES] | None = None
+    threshold: float | None = Field(default=None, ge=0, le=1)
+    factor: float | None = Field(default=None, gt=0)
+    tokens_per_step: Length | None = None
+    cache: Literal[CACHE_MODES] | None = None
     stop_at_eos: bool | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None \
+        = None
     include_stop_str_in_output: bool | None = None  # vLLM's extra field
     skip_special_tokens: bool | None = None  # vLLM's extra field
-    stop_token_ids: list[int] | None = None  # vLLM's extra field
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None \
+        = None  # vLLM's extra field
     ignore_eos: bool | None = None  # vLLM's extra field: the inverse of stop_at_eos
     n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt (None: 1)
-    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's extra field
-    min_tokens: int | None = None  # vLLM's extra field
-    truncate_prompt_tokens: int | None = None  # vLLM's extra field
-    priority: int | None = None  # vLLM's extra field
+    # token id (a JSON key: a string) -> bias
+    logit_bias: Annotated[dict[BiasKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0, le=100)  # vLLM's extra field
+    min_tokens: int | None = Field(default=None, ge=0, le=MAX_INT32)  # vLLM's extra field
+    # vLLM's extra field: the prompt's last k tokens, or -1: as many as fit
+    truncate_prompt_tokens: Length | Literal[-1] | None = None
+    priority: int | None = Field(default=None, gt=-2**63, lt=2**63)  # vLLM's extra field
 
     def sampling_overrides(self) -> dict[str, object]:
         """The SamplingParams fields this request sets explicitly."""
@@ -81,19 +129,21 @@ class _GenerationRequest(BaseModel):
                 raise ValueError("ignore_eos and stop_at_eos contradict each other: give one")
             out["stop_at_eos"] = not self.ignore_eos
         if self.logit_bias:
-            if not all(k.isdecimal() for k in self.logit_bias):
-                raise ValueError(f"logit_bias keys must be token ids, got "
-                                 f"{[k for k in self.logit_bias if not k.isdecimal()][:5]}")
             out["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         return out
 
 
+PromptText = Annotated[str, Field(min_length=1)]
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(_GenerationRequest):
     # One prompt or a batch; a prompt is text or token ids.
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: (PromptText | PromptIds | Annotated[list[PromptText], Field(min_length=1)]
+             | Annotated[list[PromptIds], Field(min_length=1)])
     echo: bool | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None
     suffix: str | None = None  # infilling: the response fills the gap before it
     # vLLM's: the tokenizer's special tokens (BOS...) around text prompts; false for a prompt
     # that already holds them (a chat template applied by the client)
@@ -113,29 +163,25 @@ class CompletionRequest(_GenerationRequest):
         return overrides
 
 
-class TextPart(BaseModel):
-    model_config = _REQUEST_CONFIG
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = _REQUEST_CONFIG
+class FunctionCall(RequestBody):
     name: str
     arguments: str  # a JSON object's text
 
 
-class ToolCall(BaseModel):
+class ToolCall(RequestBody):
     """A call the assistant made: in a response, and in the history a client sends back."""
 
-    model_config = _REQUEST_CONFIG
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = _REQUEST_CONFIG
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -169,24 +215,21 @@ class ChatMessage(BaseModel):
         return message
 
 
-class FunctionDefinition(BaseModel):
-    model_config = _REQUEST_CONFIG
+class FunctionDefinition(RequestBody):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema
 
 
-class ChatTool(BaseModel):
-    model_config = _REQUEST_CONFIG
+class ChatTool(RequestBody):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class ChatTemplateOptions(BaseModel):
+class ChatTemplateOptions(RequestBody):
     """What the chat template renders besides the messages: vLLM's options (see
     ``LoadedModel.encode_chat``) and the tools the model may call."""
 
-    model_config = _REQUEST_CONFIG
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -196,12 +239,11 @@ class ChatTemplateOptions(BaseModel):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
-class ToolChoice(BaseModel):
+class ToolChoice(RequestBody):
     """How a request with ``tools`` (a field of the class this mixes into) lets them be
     called: ``tool_choice`` None is "auto" with tools (OpenAI's default), else "none";
     "required" and a named function need constrained decoding, which Sangam does not have."""
 
-    model_config = _REQUEST_CONFIG
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True  # false: the first call only
 
@@ -215,11 +257,14 @@ class ToolChoice(BaseModel):
         return bool(self.tools) and self.tool_choice != "none"
 
 
+Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+
+
 class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions, ToolChoice):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # the newer OpenAI name of max_tokens
+    messages: Messages
+    max_completion_tokens: Length | None = None  # the newer OpenAI name of max_tokens
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     response_format: dict | None = None
 
     def unsupported_fields(self) -> list[str]:
@@ -366,10 +411,9 @@ class ModelList(BaseModel):
 class TokenizeRequest(ChatTemplateOptions):
     """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
 
-    model_config = _REQUEST_CONFIG
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True  # prompts only: the template writes its own
 
 
@@ -379,10 +423,9 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = _REQUEST_CONFIG
+class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):
@@ -398,3 +441,34 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ProfileStarted(BaseModel):
+    status: Literal["profiling"] = "profiling"
+
+
+class ProfileStopped(BaseModel):
+    trace: str  # the Chrome trace file written
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True
+
+
+class TokenizerInfoResponse(BaseModel):
+    """vLLM's ``GET /tokenizer_info``: the tokenizer's class and its configuration (the
+    tokenizer_config.json keys it was built with, file paths left out), and the chat template
+    the server applies; clients such as lm-eval build the same tokenizer from it."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str

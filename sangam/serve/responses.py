@@ -26,12 +26,14 @@ from pydantic import BaseModel, Discriminator, Field, Tag
 
 from sangam.sampling_params import RequestOutput
 from sangam.serve.protocol import (
-    _REQUEST_CONFIG,
+    MAX_MESSAGES,
     ChatMessage,
     ChatTemplateOptions,
     ChatTool,
     FunctionCall,
     FunctionDefinition,
+    Length,
+    RequestBody,
     ToolCall,
     ToolChoice,
     _GenerationRequest,
@@ -41,14 +43,12 @@ from sangam.serve.tool_calls import HermesToolParser, ParsedCall, ToolCallStream
 # Request.
 
 
-class InputText(BaseModel):
-    model_config = _REQUEST_CONFIG
+class InputText(RequestBody):
     type: Literal["input_text", "output_text"]  # output_text: an earlier reply sent back
     text: str
 
 
-class InputMessage(BaseModel):
-    model_config = _REQUEST_CONFIG
+class InputMessage(RequestBody):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
@@ -58,27 +58,24 @@ class InputMessage(BaseModel):
             part.text for part in self.content)
 
 
-class FunctionCallItem(BaseModel):
+class FunctionCallItem(RequestBody):
     """A call the model made earlier, sent back with its output."""
 
-    model_config = _REQUEST_CONFIG
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class FunctionCallOutputItem(BaseModel):
-    model_config = _REQUEST_CONFIG
+class FunctionCallOutputItem(RequestBody):
     type: Literal["function_call_output"]
     call_id: str
     output: str
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(RequestBody):
     """The Responses API's function tool: the chat API's, flattened."""
 
-    model_config = _REQUEST_CONFIG
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -100,9 +97,10 @@ InputItem = Annotated[Annotated[InputMessage, Tag("message")]
 
 
 class ResponsesRequest(_GenerationRequest, ToolChoice):
-    input: str | list[InputItem]
+    input: (Annotated[str, Field(min_length=1)]
+            | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)])
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: Length | None = None
     tools: list[FunctionTool] | None = None
     store: bool = True  # kept with --responses-store-size (OpenAI's default: true)
     previous_response_id: str | None = None  # a stored response this one continues

@@ -2,7 +2,8 @@
 
 SIGINT/SIGTERM stop the server gracefully: it stops accepting connections, lets in-flight
 requests finish for ``--shutdown-grace`` seconds, aborts the rest, shuts the engine down (the
-app's lifespan) and exits 0.
+app's lifespan) and exits 0. If the engine loop fails, the server stops the same way and exits
+1.
 """
 
 from __future__ import annotations
@@ -112,7 +113,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     logger.info("serving %s", engine.describe())
     app = build_app(engine, server_config)
-    uvicorn_server(app, server_config).run()
+    server = uvicorn_server(app, server_config)
+    # A failed engine loop is final: stop serving (health has failed meanwhile) and exit
+    # non-zero, so that a supervisor restarts the server, as vLLM's does.
+    engine.on_death(lambda e: setattr(server, "should_exit", True))
+    server.run()
+    if engine.dead is not None:
+        logger.error("exiting: the engine loop failed: %r", engine.dead)
+        return 1
     return 0
 
 

@@ -20,12 +20,17 @@ Who runs what (the worker's side is in ``worker.py``):
   is no cache worth shipping. Each block runs entirely where ``route_prefill`` puts it (a
   prefill worker, or a decode worker on overflow) on pages held for that block only; decode
   workers keep running cached steps only.
+- Failover: when only prefill workers or only decode workers survive (``one_role_left``), the
+  survivors serve as colocated workers (each block runs whole where its canvas is), so any
+  subset of workers that is not empty keeps serving. With none left, ``step`` raises.
 
 Memory: the front mirrors every worker's page commitments (canvases held or promised, pages of
 refreshes for other workers) to give the router free-page counts that do not lag behind.
 
 Failures: a worker found dead (its process exited, it reported a failure, its heartbeats
-stopped, or it had work and its loop reported nothing for ``watchdog_timeout`` seconds) is
+stopped, or it had work and its loop reported nothing for ``watchdog_timeout`` seconds while
+not computing - its heartbeats say how much CPU the loop used - or for ``BUSY_SILENCE_FACTOR``
+times as long while computing) is
 marked dead in the router and reported in ``dead_workers``, and made to exit if it still runs
 (a worker on this node is killed, one on another node is told to by its heartbeat thread).
 Every request that had anything on it is taken back to the start of its current block (the
@@ -67,6 +72,11 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # model loading on every worker of every node
 HEARTBEAT_TIMEOUT_S = 30.0  # workers on other nodes (local ones are watched by their process)
+# A loop whose thread used this share of a core between two heartbeats is computing (one long
+# forward or K/V gather), not stuck in a wait; but a wedged device can keep a thread spinning,
+# so a computing loop that does not report is declared hung after this many watchdog timeouts.
+COMPUTING_CPU_SHARE = 0.1
+BUSY_SILENCE_FACTOR = 10.0
 _POLL_MS = 10  # step() waits this long for a worker report when there is nothing to return
 _SHUTDOWN_WAIT_S = 10.0
 
@@ -121,6 +131,8 @@ class _WorkerInfo:
     # Since when it owes a report: it has work (or unhandled messages) and has not reported
     # since; a live worker loop with work reports at least every second. None while idle.
     owes_progress_since: float | None = None
+    loop_cpu: tuple[float, float] | None = None  # (time, loop CPU seconds) of the last beat
+    computing_at: float = 0.0  # when a heartbeat last showed its loop computing
 
 
 @dataclass
@@ -309,11 +321,10 @@ class MultiWorkerEngine:
         self._pending[request_id] = entry
 
     def _check_fits(self, need: int, tokens: int) -> None:
-        def biggest(role_ok) -> int:
-            return max((self._num_pages[w] for w, r in enumerate(self.roles)
-                        if role_ok(r) and w not in self.dead_workers), default=0)
+        def biggest(workers: list[int]) -> int:
+            return max((self._num_pages[w] for w in workers), default=0)
 
-        room = min(biggest(lambda r: r != "decode"), biggest(lambda r: r != "prefill"))
+        room = min(biggest(self.router.prefill_capable()), biggest(self.router.canvas_capable()))
         if need > room:
             raise RequestRejected(f"request needs {need} KV pages for {tokens} tokens, more "
                                   f"than the pool's {room}")
@@ -370,7 +381,7 @@ class MultiWorkerEngine:
             # A new canvas that finds no decode memory blocks later new canvases (strict
             # priority); blocks of requests that hold their canvas never wait for memory.
             needs_canvas = e.holder is None and self.config.mode != "colocated" \
-                and e.request.cache != "none"
+                and e.request.cache != "none" and not self.router.one_role_left
             if not (blocked and needs_canvas) and self._place(e):
                 del self._pending[e.request.request_id]
             else:
@@ -379,7 +390,8 @@ class MultiWorkerEngine:
     def _place(self, e: _Entry) -> bool:
         req = e.request
         free = self._free_pages()
-        if self.config.mode == "colocated":
+        if self.config.mode == "colocated" or (self.router.one_role_left
+                                               and req.cache != "none"):
             w = self.router.route_prefill(req, free)
             self._dispatch(e, w, None, keep=True, holder=w)
         elif req.cache == "none":
@@ -455,8 +467,21 @@ class MultiWorkerEngine:
             self._workers[w].last_heard = time.monotonic()
             if isinstance(m, msg.Report):
                 self._on_report(m)
+            elif isinstance(m, msg.Heartbeat):
+                self._on_heartbeat(self._workers[w], m)
             elif isinstance(m, msg.WorkerFailed):
                 self._on_dead(w, f"it failed:\n{m.error}")
+
+    @staticmethod
+    def _on_heartbeat(info: _WorkerInfo, beat: msg.Heartbeat) -> None:
+        now = time.monotonic()
+        if beat.loop_cpu_s is None:
+            return
+        if info.loop_cpu is not None:
+            then, cpu = info.loop_cpu
+            if beat.loop_cpu_s - cpu >= COMPUTING_CPU_SHARE * (now - then):
+                info.computing_at = now
+        info.loop_cpu = (now, beat.loop_cpu_s)
 
     def _on_report(self, r: msg.Report) -> None:
         w = r.worker
@@ -483,6 +508,8 @@ class MultiWorkerEngine:
                 self._on_kv_received(w, ev, e)
             elif isinstance(ev, msg.BlockDone):
                 self._on_block_done(w, ev, e)
+            elif isinstance(ev, msg.RequestFailed):
+                self._on_request_failed(ev, e)
 
     def _on_refresh(self, w: int, ev: msg.RefreshRan, e: _Entry) -> None:
         if e.load_worker == w:
@@ -553,11 +580,21 @@ class MultiWorkerEngine:
         self._pending[rid] = e
         self._outputs.append(self._output(e, False, None))
 
-    def _output(self, e: _Entry, finished: bool, reason: str | None) -> RequestOutput:
+    def _on_request_failed(self, ev: msg.RequestFailed, e: _Entry) -> None:
+        rid = e.request.request_id
+        logger.error("request %s failed and was ended: %s", rid, ev.error)
+        self._release(e)
+        self._pending.pop(rid, None)
+        del self.requests[rid]
+        self._outputs.append(self._output(e, True, "error", ev.error))
+
+    def _output(self, e: _Entry, finished: bool, reason: str | None,
+                error: str | None = None) -> RequestOutput:
         return self.loaded.output(e.request.request_id, e.prompt_ids, e.state, finished, reason,
                                   {"kv_bytes": e.kv_bytes, "kv_transfers": e.kv_transfers,
                                    "restarts": e.restarts,
-                                   "tokens_per_forward": tokens_per_forward(e.state)}, e.text)
+                                   "tokens_per_forward": tokens_per_forward(e.state)}, e.text,
+                                  error)
 
     # Failures.
     def _check_workers(self) -> None:
@@ -567,15 +604,19 @@ class MultiWorkerEngine:
                 continue
             p = self._procs.get(w)
             since = info.owes_progress_since
+            timeout = self.config.watchdog_timeout
             if p is not None and not p.is_alive():
                 self._on_dead(w, "its process exited")
             elif p is None and now - info.last_heard > HEARTBEAT_TIMEOUT_S:
                 self._on_dead(w, f"no heartbeat for {now - info.last_heard:.0f}s")
-            elif since is not None and now - since > self.config.watchdog_timeout:
+            elif since is not None and now - max(since, info.computing_at) > timeout:
                 # Alive (its heartbeat thread may still run) but its loop is stuck, e.g. in a
                 # blocking call. A loop merely waiting on a slow peer keeps reporting.
                 self._on_dead(w, f"hung: its loop has not reported for {now - since:.0f}s "
-                                 "with work to do (--watchdog-timeout)")
+                                 "with work to do, and is not computing (--watchdog-timeout)")
+            elif since is not None and now - since > BUSY_SILENCE_FACTOR * timeout:
+                self._on_dead(w, f"hung: its loop has computed for {now - since:.0f}s without "
+                                 f"a report ({BUSY_SILENCE_FACTOR:g} x --watchdog-timeout)")
 
     def _on_dead(self, w: int, why: str) -> None:
         logger.error("worker %d (%s, pid %d on %s) is dead: %s; its requests are taken back",

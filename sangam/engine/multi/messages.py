@@ -99,7 +99,10 @@ class Hello:
 
 @dataclass
 class Heartbeat:
+    """From a worker's heartbeat thread, which runs even while its loop is busy or stuck."""
+
     worker: int
+    loop_cpu_s: float | None  # CPU seconds its loop's thread has used (None: unknown here)
 
 
 @dataclass
@@ -160,7 +163,17 @@ class BlockDone:
     pages: list[int]
 
 
-Event = RefreshRan | KVSent | KVReceived | BlockDone
+@dataclass
+class RequestFailed:
+    """A request's step failed here (the others of its batch went on): it is dropped here, and
+    the front ends it with ``error``."""
+
+    request_id: str
+    attempt: int
+    error: str
+
+
+Event = RefreshRan | KVSent | KVReceived | BlockDone | RequestFailed
 
 
 @dataclass

@@ -34,8 +34,14 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from sangam.decoding.state import DecodeState
-from sangam.engine.engine import IterationStats, build_worker_parts, scheduling_request
+from sangam.engine.engine import (
+    IterationStats,
+    build_worker_parts,
+    request_error,
+    scheduling_request,
+)
 from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.model_runner import FATAL_ERRORS, StepResult
 from sangam.engine.multi import messages as msg
 from sangam.engine.multi.kv_transfer import Done, KVTransport, LayerHook, layer_page_bytes
 from sangam.engine.multi.launcher import WorkerSpec, signature
@@ -256,17 +262,22 @@ class Worker:
         states = [t.state for t in tasks]
         pages = [r.pages for r in reqs]
         if streams:
-            block_done = self._execute_streaming(states, pages, streams)
+            result = self._execute_streaming(states, pages, streams)
         else:
-            block_done = self.runner.execute(states, pages)
+            result = self.runner.execute(states, pages)
         end = time.monotonic()
         for r in batch.prefills:
             self.events.append(msg.RefreshRan(r.request_id, self.tasks[r.request_id].attempt,
                                               end - start))
         for t in senders:
-            self._ship(t, block_done[reqs.index(t.request)], streams.get(t.request.request_id))
-        for req, t, done in zip(reqs, tasks, block_done):
-            self._after_step(req, t, done, end)
+            i = reqs.index(t.request)
+            self._ship(t, result.block_done[i], streams.get(t.request.request_id),
+                       failed=i in result.errors)
+        for i, (req, t, done) in enumerate(zip(reqs, tasks, result.block_done)):
+            if i in result.errors:
+                self._fail(t, result.errors[i])
+            else:
+                self._after_step(req, t, done, end)
         self.iterations.append(IterationStats(
             batch.prefill_tokens, batch.decode_tokens, batch.deficit, len(reqs),
             len(batch.prefills), end - start))
@@ -289,7 +300,11 @@ class Worker:
         return torch.tensor(req.pages, dtype=torch.int64).to(self.transport.device)
 
     def _execute_streaming(self, states: list[DecodeState], pages: list[list[int]],
-                           streams: dict[str, _Stream]) -> list[bool]:
+                           streams: dict[str, _Stream]) -> StepResult:
+        """The forward with each finished layer's K/V posted to its stream. If the batch fails,
+        its requests run again alone (``ModelRunner.execute``) without streaming: the layers
+        already posted stand (a request's K/V does not depend on its batch), ``_ship`` sends
+        the rest."""
         def on_layer(layer: int) -> None:
             for s in streams.values():
                 self.transport.send_layers(s.dest, s.transfer_id, s.page_ids,
@@ -299,29 +314,44 @@ class Worker:
         model = self.loaded.model
         inner = model.attention_backend
         model.attention_backend = LayerHook(inner, on_layer)
-        try:
-            return self.runner.execute(states, pages, allow_graphs=False)  # graphs skip hooks
+        try:  # graphs skip hooks
+            return self.runner.execute(states, pages, allow_graphs=False, isolate=False)
+        except FATAL_ERRORS:
+            raise
+        except Exception:
+            model.attention_backend = inner
+            return self.runner.execute(states, pages, allow_graphs=False)
         finally:
             model.attention_backend = inner
 
-    def _ship(self, t: _Task, block_done: bool, stream: _Stream | None) -> None:
+    def _ship(self, t: _Task, block_done: bool, stream: _Stream | None, failed: bool) -> None:
         """Send a refresh's K/V to the canvas holder (or finish the streamed send). A refresh
-        that completed its block leaves nothing to decode: no send, or a streamed one that the
-        receiver drains."""
+        that completed its block, or failed, leaves nothing to decode: no send, or a streamed
+        one (its last layers posted now) that the receiver drains."""
         req = t.request
         n = len(req.pages)
+        layers = self.pool.kv.buffer.shape[0]
         if stream is None:
-            if block_done:
+            if block_done or failed:
                 return
             tid = self.transport.open_send(t.kv_dest)
-            self.transport.send_layers(t.kv_dest, tid, self._page_ids(req),
-                                       range(self.pool.kv.buffer.shape[0]))
+            self.transport.send_layers(t.kv_dest, tid, self._page_ids(req), range(layers))
             streamed = 0
         else:
             tid, streamed = stream.transfer_id, stream.layers_sent
+            if streamed < layers:  # the streamed forward failed and the request ran again
+                self.transport.send_layers(t.kv_dest, tid, stream.page_ids,
+                                           range(streamed, layers))
         nbytes = self.transport.close_send(t.kv_dest, tid)
         self.events.append(msg.KVSent(req.request_id, t.attempt, t.kv_dest, tid, n, nbytes,
-                                      streamed, t.state, block_done))
+                                      streamed, t.state, block_done or failed))
+
+    def _fail(self, t: _Task, error: Exception) -> None:
+        """A request whose step failed: free all it holds here, and tell the front."""
+        rid = t.request.request_id
+        self.builder.abort(rid)
+        del self.tasks[rid]
+        self.events.append(msg.RequestFailed(rid, t.attempt, request_error(error)))
 
     def _after_step(self, req: Request, t: _Task, block_done: bool, now: float) -> None:
         st = t.state
@@ -351,10 +381,25 @@ def _ranks(roles: tuple[str, ...], role: str) -> list[int]:
     return [i for i, r in enumerate(roles) if r == role]
 
 
-def _watchdog(ctx: zmq.Context, spec: WorkerSpec, parent_pid: int) -> None:
-    """Heartbeats to the front, and exit when the parent or the front is gone (a SIGKILLed
-    front runs no cleanup: its workers must notice by themselves) or when the front says
-    ``Kill`` (it declared this worker dead, perhaps because the loop hung)."""
+def thread_cpu_seconds(native_id: int) -> float | None:
+    """CPU time a thread of this process has used (Linux's /proc); None where unknown."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime + stime
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _watchdog(ctx: zmq.Context, spec: WorkerSpec, parent_pid: int, loop_thread: int) -> None:
+    """Heartbeats to the front, each with the CPU time the loop's thread has used (so the
+    front tells a loop busy in one long operation from a stuck one), and exit when the parent
+    or the front is gone (a SIGKILLed front runs no cleanup: its workers must notice by
+    themselves) or when the front says ``Kill`` (it declared this worker dead, perhaps because
+    the loop hung)."""
     hb = ctx.socket(zmq.DEALER)
     hb.setsockopt(zmq.IDENTITY, f"h{spec.worker}".encode())
     hb.setsockopt(zmq.LINGER, 0)
@@ -363,13 +408,13 @@ def _watchdog(ctx: zmq.Context, spec: WorkerSpec, parent_pid: int) -> None:
     poller = zmq.Poller()
     poller.register(monitor, zmq.POLLIN)
     poller.register(hb, zmq.POLLIN)
-    beat = msg.dumps(msg.Heartbeat(spec.worker))
     connected = False
     while True:
         if os.getppid() != parent_pid:
             os._exit(1)
         try:
-            hb.send(beat, zmq.NOBLOCK)
+            hb.send(msg.dumps(msg.Heartbeat(spec.worker, thread_cpu_seconds(loop_thread))),
+                    zmq.NOBLOCK)
         except zmq.Again:
             pass  # not connected yet
         deadline = time.monotonic() + HEARTBEAT_S
@@ -398,8 +443,8 @@ def run_worker(spec: WorkerSpec, parent_pid: int) -> None:
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(spec.front_addr)
-    threading.Thread(target=_watchdog, args=(ctx, spec, parent_pid), daemon=True,
-                     name="sangam-watchdog").start()
+    threading.Thread(target=_watchdog, args=(ctx, spec, parent_pid, threading.get_native_id()),
+                     daemon=True, name="sangam-watchdog").start()
     code = 0
     try:
         Worker(spec, sock).serve()

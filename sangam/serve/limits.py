@@ -1,0 +1,119 @@
+"""Bounded inputs: no request body can stall the server or reach the engine malformed.
+
+- ``BodyLimitMiddleware``: a body beyond ``--max-request-body-bytes`` is refused with 413,
+  from its Content-Length before anything is read, or as soon as a chunked body passes it.
+- ``JSONRoute``: JSON bodies are parsed off the event loop (a megabyte of JSON takes
+  milliseconds to parse: on the loop, every other client would wait), and text that is not
+  valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON can escape but no tokenizer
+  can encode) is a 400 naming the field.
+
+Tokenizing and chat templates run off the loop too (``_Server.offload`` in app.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import HTTPException, Request, Response
+from fastapi.routing import APIRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sangam.serve.errors import ApiError
+
+# A surrogate escape (\ud800-\udfff) in JSON text: only then can the parsed text hold a lone one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._too_large().response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # FastAPI passes HTTPException through
+                    raise HTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body is larger than {self.max_bytes} bytes "
+                        "(--max-request-body-bytes)", code="body_too_large")
+
+
+class JSONRoute(APIRoute):
+    """A route whose JSON body is parsed, and checked for invalid text, on a worker thread."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handle = super().get_route_handler()
+
+        async def parse_then_handle(request: Request) -> Response:
+            body = await request.body()
+            if body and "json" in request.headers.get("content-type", "json"):
+                parsed = await asyncio.to_thread(_parse, body)
+                if parsed is not _MALFORMED:
+                    request._json = parsed  # Starlette's cache of request.json(): FastAPI reads it
+            return await handle(request)
+
+        return parse_then_handle
+
+
+_MALFORMED = object()  # left for FastAPI to report, with the position of the error
+
+
+def _parse(body: bytes) -> Any:
+    try:
+        value = json.loads(body)
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not valid UTF-8") from None
+    except json.JSONDecodeError:
+        return _MALFORMED
+    if _SURROGATE_ESCAPE.search(body):
+        where = _lone_surrogate(value, [])
+        if where is not None:
+            raise ApiError(400, f"{'.'.join(where) or 'body'}: the text holds a lone surrogate "
+                           "(an unpaired \\ud800-\\udfff escape), which is not Unicode text",
+                           param=where[0] if where else None, code="invalid_value")
+    return value
+
+
+def _lone_surrogate(value: Any, path: list[str]) -> list[str] | None:
+    """The path of the first string (value or key) in ``value`` that UTF-8 cannot encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, list):
+        items = ((str(i), v) for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        for key in value:
+            if _lone_surrogate(key, path) is not None:
+                return [*path, "(key)"]
+        items = value.items()
+    else:
+        return None
+    for key, item in items:
+        found = _lone_surrogate(item, [*path, key])
+        if found is not None:
+            return found
+    return None
