@@ -41,7 +41,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-benchmark", "ruff", "hypothesis", "openai", "httpx"],
+        "dev": ["pytest", "pytest-benchmark", "ruff", "hypothesis", "openai", "httpx",
+                "schemathesis"],
     },
     entry_points={
         "console_scripts": [

@@ -19,6 +19,8 @@ MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024  # biased tokens per request
 MAX_LOGPROBS = 20  # alternatives per token, vLLM's default max_logprobs
 MAX_PENALTY = 2.0  # presence / frequency penalties, OpenAI's range
+# Logits are divided (or multiplied) by it: far beyond any use, far from fp32 overflow.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_N = 128  # samples per prompt, OpenAI's limit
 MAX_STOP_TOKEN_IDS = 1024
 # Lengths, counts and token ids reach int32 arrays on the device and int64 ones on the host:
@@ -148,13 +150,16 @@ class SamplingParams:
             need(_is_num(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
                  f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
             object.__setattr__(self, name, float(value))
-        need(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0,
-             f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        need(_is_num(self.repetition_penalty)
+             and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
-        need(_is_int(self.priority) and abs(self.priority) < 2**63,
-             f"priority must be an integer, got {self.priority!r}")
+        need(_is_int(self.priority) and abs(self.priority) <= MAX_INT32,
+             f"priority must be an integer in [-{MAX_INT32}, {MAX_INT32}], got "
+             f"{self.priority!r}")
         k = self.truncate_prompt_tokens
         need(k is None or (_is_int(k) and (1 <= k <= MAX_INT32 or k == -1)),
              f"truncate_prompt_tokens must be None, -1 or an integer in [1, {MAX_INT32}], got "

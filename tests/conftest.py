@@ -1,5 +1,6 @@
 import pytest
 
+from sangam.demo.tokenizer import VOCAB_SIZE, write_tokenizer
 from sangam.testing import make_tiny_checkpoint
 
 
@@ -18,3 +19,12 @@ def dream_path(tmp_path_factory):
 @pytest.fixture(scope="session", params=["llada", "dream"])
 def tiny_path(request, llada_path, dream_path):
     return llada_path if request.param == "llada" else dream_path
+
+
+@pytest.fixture(scope="session")
+def chat_ckpt(tmp_path_factory) -> str:
+    """A tiny LLaDA checkpoint with the demo's char-level tokenizer and chat template."""
+    path = tmp_path_factory.mktemp("llada_tok")
+    make_tiny_checkpoint(path, arch="llada", seed=3, vocab_size=VOCAB_SIZE)
+    write_tokenizer(path)
+    return str(path)

@@ -84,15 +84,6 @@ def serve_subprocess(args: list[str], log: Path, entry: tuple[str, ...] = ("-m",
 
 
 @pytest.fixture(scope="module")
-def chat_ckpt(tmp_path_factory) -> str:
-    """A tiny LLaDA checkpoint with the demo's char-level tokenizer and chat template."""
-    path = tmp_path_factory.mktemp("llada_tok")
-    make_tiny_checkpoint(path, arch="llada", seed=3, vocab_size=VOCAB_SIZE)
-    write_tokenizer(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def server_log(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("logs") / "server.log"
 

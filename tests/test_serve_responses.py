@@ -8,13 +8,12 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from test_serve_openai import (  # noqa: F401 (chat_ckpt is a fixture)
+from test_serve_openai import (
     MODEL,
     SCRIPTED,
     TOOL_TEMPLATE,
     TOOL_TURNS,
     WEATHER,
-    chat_ckpt,
     script_text,
     serve_in_thread,
 )

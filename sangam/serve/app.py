@@ -23,16 +23,17 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
+from starlette.convertors import Convertor, register_url_convertor
 
 from sangam import __version__
-from sangam.engine.async_engine import AsyncEngine
+from sangam.engine.async_engine import AsyncEngine, RequestFailed
 from sangam.engine.engine import QueueFull, RequestRejected
 from sangam.sampling_params import RequestOutput, SamplingParams
 from sangam.serve.chunks import (
@@ -77,6 +78,7 @@ from sangam.serve.protocol import (
     ProfileStarted,
     ProfileStopped,
     StreamOptions,
+    TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfoResponse,
@@ -108,12 +110,30 @@ GenerationRequest = CompletionRequest | ChatCompletionRequest | ResponsesRequest
 T = TypeVar("T")
 
 RETRY_AFTER_S = 1  # a full queue drains at the pace of whole requests: retry soon
-# Tokenizing and chat templates run on these threads, never on the event loop (HF tokenizers
-# release the GIL while they encode).
-TOKENIZER_THREADS = 4
+# Tokenizing and chat templates run on this many threads, never on the event loop. One: a
+# tokenizer holds the GIL for long stretches (its Rust encode does not release it, its Python
+# wrapper rarely pauses), and with several of them the loop's thread waits behind each in turn.
+TOKENIZER_THREADS = 1
 METRICS_INGEST_PERIOD_S = 1.0
 LOGGED_PARAMS_CHARS = 500  # --enable-log-requests: stop strings can make parameters long
 MAX_REQUEST_ID_CHARS = 256
+
+
+class _AnyText(Convertor):
+    """A path parameter of any characters, "/" and newlines included (Starlette's ``path``
+    stops at a newline): a model id such as "org/name", and for any other text the API's own
+    404 (no such model) rather than a route's."""
+
+    regex = "(?s:.+)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("text", _AnyText())
 
 
 def _clip(text: str, limit: int) -> str:
@@ -162,6 +182,10 @@ class _Server:
         """``fn(*args)`` on a tokenizer thread: the event loop keeps serving meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(
             self._tokenizing, functools.partial(fn, *args))
+
+    async def json_response(self, body: BaseModel) -> Response:
+        """``body`` as a JSON response, serialized on a tokenizer thread."""
+        return Response(await self.offload(body.model_dump_json), media_type="application/json")
 
     @contextlib.contextmanager
     def admitting(self, num_requests: int) -> Iterator[None]:
@@ -313,9 +337,7 @@ class _Server:
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
         self._tokenizer("/tokenize")
-        if (body.prompt is None) == (body.messages is None):
-            raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
-        if body.messages is not None:
+        if isinstance(body, TokenizeChatRequest):
             ids = await self.chat_prompt(body.messages, body)
         else:
             ids = await self.offload(self.loaded.encode, body.prompt, body.add_special_tokens)
@@ -328,6 +350,8 @@ class _Server:
         config = {k: v for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
                   if not k.endswith("_file") and k not in ("name_or_path", "tokenizer_object")}
         config = json.loads(json.dumps(config, default=str))  # added tokens and the like
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):  # as strings
+            config[name] = getattr(tokenizer, name, None)
         template = self.config.chat_template_text or getattr(tokenizer, "chat_template", None)
         if template:
             config["chat_template"] = template
@@ -387,6 +411,12 @@ class _Server:
             m.requests_rejected.labels(reason).inc()
             if log:
                 logger.info("Refused request %s (%s): %s", request_id, reason, e)
+            raise
+        except RequestFailed as e:  # it failed in the engine: ended, counted as such
+            done = True
+            m.requests_finished.labels("error").inc()
+            if log:
+                logger.info("Failed request %s: %s", request_id, e)
             raise
         finally:
             self.in_flight.discard(request_id)
@@ -593,7 +623,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(server_config.origins()),
                            allow_methods=["*"], allow_headers=["*"])
     install_error_handlers(app)
-    install_schema(app, api_key=server_config.api_key is not None)
+    install_schema(app, api_key=server_config.api_key is not None,
+                   vocab_size=srv.loaded.config.vocab_size, events=(ChatCompletionChunk,))
     body_errors = errors(400, 404, 413, 500)  # a route with a body that names a model
     generation_errors = errors(400, 404, 413, 500, 503)
 
@@ -609,13 +640,15 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         """Prometheus metrics (text exposition format)."""
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize", responses=body_errors)
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return await srv.tokenize(body)
+    # Their responses may be megabytes: serialized off the event loop too.
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=body_errors)
+    async def tokenize(body: TokenizeRequest) -> Response:
+        out = await srv.tokenize(body)
+        return Response(await srv.offload(_tokenize_json, out), media_type="application/json")
 
-    @app.post("/detokenize", responses=body_errors)
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return await srv.detokenize(body)
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=body_errors)
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await srv.json_response(await srv.detokenize(body))
 
     @app.get("/tokenizer_info", responses=errors(400))
     async def tokenizer_info() -> TokenizerInfoResponse:
@@ -645,13 +678,14 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     async def models() -> ModelList:
         return ModelList(data=[srv.model_card()])
 
-    @app.get("/v1/models/{model:path}", responses=errors(404))
-    async def model(model: str) -> ModelCard:
+    @app.get("/v1/models/{model:text}", responses=errors(404))
+    async def model(model: Annotated[str, Path(min_length=1)]) -> ModelCard:
         srv.check_model(model)
         return srv.model_card()
 
     @app.post("/v1/completions", response_model=None,
-              responses={**json_or_events(CompletionResponse), **generation_errors})
+              responses={**json_or_events(CompletionResponse, CompletionResponse),
+                         **generation_errors})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         params = srv.check(body)
         prompts = srv.completion_prompts(body.prompt)
@@ -676,7 +710,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
             lambda outs: srv.completion_response(request_id, outs, n, echoed))
 
     @app.post("/v1/chat/completions", response_model=None,
-              responses={**json_or_events(ChatCompletionResponse), **generation_errors})
+              responses={**json_or_events(ChatCompletionResponse, ChatCompletionChunk),
+                         **generation_errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         params, tools = srv.check_with_tools(body)
         request_id = srv.request_id(request, body, "chatcmpl-")
@@ -740,6 +775,18 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         return DeletedResponse(id=response_id)
 
     return app
+
+
+IDS_PER_CHUNK = 16_384  # a serializer holds the GIL for one chunk at a time, never a million ids
+
+
+def _tokenize_json(out: TokenizeResponse) -> str:
+    """``out`` as JSON (``TokenizeResponse.model_dump_json``'s text), its token ids written
+    chunk by chunk, so that the event loop's thread is never locked out for long."""
+    ids = out.tokens
+    tokens = ",".join(",".join(map(str, ids[i:i + IDS_PER_CHUNK]))
+                      for i in range(0, len(ids), IDS_PER_CHUNK))
+    return f'{{"count":{out.count},"max_model_len":{out.max_model_len},"tokens":[{tokens}]}}'
 
 
 def _named_sse(event: dict) -> str:

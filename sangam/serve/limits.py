@@ -3,9 +3,10 @@
 - ``BodyLimitMiddleware``: a body beyond ``--max-request-body-bytes`` is refused with 413,
   from its Content-Length before anything is read, or as soon as a chunked body passes it.
 - ``JSONRoute``: JSON bodies are parsed off the event loop (a megabyte of JSON takes
-  milliseconds to parse: on the loop, every other client would wait), and text that is not
-  valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON can escape but no tokenizer
-  can encode) is a 400 naming the field.
+  milliseconds to parse: on the loop, every other client would wait), a number such as ``4.0``
+  is the integer it equals (JSON Schema's rule, and the schema says "integer"), and text that
+  is not valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON can escape but no
+  tokenizer can encode) is a 400 naming the field.
 
 Tokenizing and chat templates run off the loop too (``_Server.offload`` in app.py).
 """
@@ -13,6 +14,7 @@ Tokenizing and chat templates run off the loop too (``_Server.offload`` in app.p
 from __future__ import annotations
 
 import asyncio
+import decimal
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -81,11 +83,13 @@ _MALFORMED = object()  # left for FastAPI to report, with the position of the er
 
 def _parse(body: bytes) -> Any:
     try:
-        value = json.loads(body)
+        value = json.loads(body, parse_float=_number)
     except UnicodeDecodeError:
         raise ApiError(400, "the request body is not valid UTF-8") from None
     except json.JSONDecodeError:
         return _MALFORMED
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise ApiError(400, f"malformed JSON body: {e}") from None
     if _SURROGATE_ESCAPE.search(body):
         where = _lone_surrogate(value, [])
         if where is not None:
@@ -93,6 +97,17 @@ def _parse(body: bytes) -> Any:
                            "(an unpaired \\ud800-\\udfff escape), which is not Unicode text",
                            param=where[0] if where else None, code="invalid_value")
     return value
+
+
+def _number(text: str) -> int | float:
+    """A JSON number with a fraction or exponent: an integer if it has an integer's value, as
+    JSON Schema counts it (``4.0`` is a valid ``max_tokens``; float fields take integers),
+    exactly (``9223372036854775807.0`` is no float's value); beyond 10^40 a float, never a
+    huge integer."""
+    exact = decimal.Decimal(text)
+    if abs(exact.adjusted()) <= 40 and exact == exact.to_integral_value():
+        return int(exact)
+    return float(text)
 
 
 def _lone_surrogate(value: Any, path: list[str]) -> list[str] | None:

@@ -99,7 +99,8 @@ class ServerMetrics:
         r = self.registry
         r.register(self._gauges)
         self.requests_finished = Counter(
-            "sangam_requests_finished", "Requests that completed, by finish reason",
+            "sangam_requests_finished", "Requests that ended, by finish reason (error: it "
+            "failed in the engine)",
             ["finish_reason"], registry=r)
         self.requests_aborted = Counter(
             "sangam_requests_aborted", "Requests aborted (client gone, server shutting down)",

@@ -1,6 +1,7 @@
 """The OpenAPI schema (``GET /openapi.json``) as the server behaves: each route's statuses with
 their bodies, a generation's two response types (JSON, or server-sent events when streamed),
-the request constraints the server enforces (declared on the request models), and, with
+the request constraints the server enforces (declared on the request models; a token id's
+bound is the served model's vocabulary), and, with
 ``--api-key``, the bearer scheme on every route but ``OPEN_PATHS``. FastAPI's default 422 is
 dropped: validation errors are 400s, in OpenAI's error format.
 """
@@ -13,7 +14,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from sangam.serve.errors import OPEN_PATHS
-from sangam.serve.protocol import ErrorResponse
+from sangam.serve.protocol import TOKEN_ID_MARK, ErrorResponse
 
 _ERRORS = {
     400: "The request is invalid (its body, a parameter, or what the model can serve)",
@@ -30,15 +31,31 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
 
 
-def json_or_events(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """A generation's 200: ``model`` as JSON, or with ``stream: true`` server-sent events."""
+def json_or_events(model: type[BaseModel], event: type[BaseModel] | None = None
+                   ) -> dict[int | str, dict[str, Any]]:
+    """A generation's 200: ``model`` as JSON, or with ``stream: true`` server-sent events whose
+    data is an ``event`` (its JSON), an error, or the closing ``[DONE]``; without ``event``,
+    named events (the Responses API's) whose data is an object with their ``type``."""
+    data = ({"anyOf": [_ref(event.__name__), _ref("ErrorResponse")]} if event is not None else
+            {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}}})
+    item = {"type": "object", "required": ["data"], "properties": {
+        "event": {"type": "string"},
+        "data": {"anyOf": [{"const": "[DONE]"}, {"type": "string",
+                                                   "contentMediaType": "application/json",
+                                                   "contentSchema": data}]}}}
     return {200: {"model": model, "description": "The response (JSON), or with stream: true "
                   "its chunks as server-sent events, one per committed block",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"itemSchema": item}}}}
 
 
-def install_schema(app: FastAPI, api_key: bool) -> None:
-    """Make ``app.openapi()`` return the schema described above."""
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def install_schema(app: FastAPI, api_key: bool, vocab_size: int,
+                   events: tuple[type[BaseModel], ...] = ()) -> None:
+    """Make ``app.openapi()`` return the schema described above; ``events`` are the models
+    streamed events hold (``json_or_events``), which no route returns whole."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -46,6 +63,11 @@ def install_schema(app: FastAPI, api_key: bool) -> None:
             return app.openapi_schema
         schema = build()
         components = schema.setdefault("components", {})
+        schemas = components.setdefault("schemas", {})
+        for model in events:
+            found = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            for name, definition in {**found.pop("$defs", {}), model.__name__: found}.items():
+                schemas.setdefault(name, definition)
         unauthorized = {"description": _ERRORS[401], "content": {"application/json": {
             "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
         for path, operations in schema["paths"].items():
@@ -55,10 +77,22 @@ def install_schema(app: FastAPI, api_key: bool) -> None:
                     operation["responses"]["401"] = unauthorized
                     operation["security"] = [{"bearer": []}]
         for unused in ("HTTPValidationError", "ValidationError"):
-            components.get("schemas", {}).pop(unused, None)
+            schemas.pop(unused, None)
         if api_key:
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        _bound_token_ids(schema, vocab_size)
         app.openapi_schema = schema
         return schema
 
     app.openapi = openapi
+
+
+def _bound_token_ids(node: Any, vocab_size: int) -> None:
+    if isinstance(node, dict):
+        if node.pop(TOKEN_ID_MARK, False):
+            node["maximum"] = vocab_size - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab_size)

@@ -12,7 +12,7 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from sangam.sampling_params import (
     CACHE_MODES,
@@ -21,9 +21,11 @@ from sangam.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MIN_REPETITION_PENALTY,
     UNMASKING_RULES,
 )
 
@@ -65,12 +67,14 @@ class StreamOptions(RequestBody):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too
 
 
-# Bounds the engine enforces (SamplingParams), stated in the schema too.
-TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+# Bounds the engine enforces (SamplingParams), stated in the schema too. A token id's bound is
+# the model's vocabulary: the served schema says so (TOKEN_ID_MARK, see openapi.py).
+TOKEN_ID_MARK = "x-sangam-token-id"
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32, json_schema_extra={TOKEN_ID_MARK: True})]
 Length = Annotated[int, Field(ge=1, le=MAX_INT32)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
-BiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # a token id, as JSON keys are
+BiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # a token id, as JSON keys are
 Bias = Annotated[float, Field(ge=-100, le=100)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
@@ -85,7 +89,7 @@ class _GenerationRequest(RequestBody):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32)  # vLLM's extra field
     min_p: float | None = Field(default=None, ge=0, le=1)  # vLLM's extra field
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=0)  # taken modulo 2**63
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -107,14 +111,17 @@ class _GenerationRequest(RequestBody):
     ignore_eos: bool | None = None  # vLLM's extra field: the inverse of stop_at_eos
     n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt (None: 1)
     # token id (a JSON key: a string) -> bias
-    logit_bias: Annotated[dict[BiasKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: Annotated[dict[BiasKey, Bias], Field(
+        max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})] | None \
+        = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
-    repetition_penalty: float | None = Field(default=None, gt=0, le=100)  # vLLM's extra field
+    repetition_penalty: float | None = Field(  # vLLM's extra field
+        default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int | None = Field(default=None, ge=0, le=MAX_INT32)  # vLLM's extra field
     # vLLM's extra field: the prompt's last k tokens, or -1: as many as fit
     truncate_prompt_tokens: Length | Literal[-1] | None = None
-    priority: int | None = Field(default=None, gt=-2**63, lt=2**63)  # vLLM's extra field
+    priority: int | None = Field(default=None, ge=-MAX_INT32, le=MAX_INT32)  # vLLM's
 
     def sampling_overrides(self) -> dict[str, object]:
         """The SamplingParams fields this request sets explicitly."""
@@ -124,6 +131,8 @@ class _GenerationRequest(RequestBody):
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens",
                  "truncate_prompt_tokens", "priority")
         out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.seed is not None:  # any integer is a seed, as OpenAI's; the engine's are int63
+            out["seed"] = self.seed % 2**63
         if self.ignore_eos is not None:
             if self.stop_at_eos is not None and self.stop_at_eos == self.ignore_eos:
                 raise ValueError("ignore_eos and stop_at_eos contradict each other: give one")
@@ -408,13 +417,36 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(ChatTemplateOptions):
-    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+def _not_both(data: Any) -> Any:
+    if isinstance(data, dict) and data.get("prompt") is not None \
+            and data.get("messages") is not None:
+        raise ValueError("give exactly one of prompt or messages")
+    return data
 
+
+class TokenizePromptRequest(RequestBody):
     model: str | None = None
-    prompt: str | None = None
-    messages: Messages | None = None
-    add_special_tokens: bool = True  # prompts only: the template writes its own
+    prompt: str
+    add_special_tokens: bool = True
+
+    _exclusive = model_validator(mode="before")(_not_both)
+
+
+class TokenizeChatRequest(ChatTemplateOptions):
+    model: str | None = None
+    messages: Messages
+
+    _exclusive = model_validator(mode="before")(_not_both)
+
+
+# vLLM's /tokenize: a prompt, or chat messages through the chat template (the template writes
+# its own special tokens).
+TokenizeRequest = Annotated[
+    Annotated[TokenizePromptRequest, Tag("prompt-request")]
+    | Annotated[TokenizeChatRequest, Tag("chat-request")],
+    Discriminator(lambda data: "chat-request" if (
+        isinstance(data, TokenizeChatRequest) or isinstance(data, dict) and "messages" in data)
+        else "prompt-request")]
 
 
 class TokenizeResponse(BaseModel):

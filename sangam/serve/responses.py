@@ -85,7 +85,7 @@ class FunctionTool(RequestBody):
 
 def _item_type(item: Any) -> str:
     """An input item's kind; a message may leave its type out."""
-    return (item.get("type", "message") if isinstance(item, dict)
+    return ((item.get("type") or "message") if isinstance(item, dict)  # null: unset
             else getattr(item, "type", "message"))
 
 
