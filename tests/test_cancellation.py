@@ -53,7 +53,7 @@ def _reference(path: str, reqs) -> dict[str, list[int]]:
 
 
 async def _drive(engine: AsyncEngine, reqs, horizon: float) -> dict[str, object]:
-    """Run every request at once, each left as its plan says at ``u * horizon`` seconds;
+    """Run every request at once, each left as its plan says at ``u**3 * horizon`` seconds;
     returns each one's last output (or the exception that ended its task)."""
     loop = asyncio.get_running_loop()
 
@@ -73,10 +73,12 @@ async def _drive(engine: AsyncEngine, reqs, horizon: float) -> dict[str, object]
     tasks = []
     for rid, prompt, params, plan, u in reqs:
         task = asyncio.create_task(one(rid, prompt, params, plan, u))
+        # u**3: many moments are early, while the engine thread has yet to see the request.
         if plan == "cancel":
-            loop.call_later(u * horizon, task.cancel)
+            loop.call_later(u**3 * horizon, task.cancel)
         elif plan == "abort":
-            loop.call_later(u * horizon, lambda r=rid: asyncio.ensure_future(engine.abort(r)))
+            loop.call_later(u**3 * horizon,
+                            lambda r=rid: asyncio.ensure_future(engine.abort(r)))
         tasks.append(task)
     results = await asyncio.gather(*tasks, return_exceptions=True)
     return {r[0]: res for r, res in zip(reqs, results)}
@@ -123,6 +125,41 @@ def test_cancellation_at_any_moment_in_one_process(llada_path):
         again = asyncio.run(_drive(engine, [(r, p, s, "finish", 0) for r, p, s, *_ in reqs[:4]],
                                    0))  # still serving, the same tokens
         assert all(again[r[0]].finished for r in reqs[:4])
+    finally:
+        engine.shutdown()
+
+
+def test_callers_that_leave_before_the_engine_sees_their_request(llada_path, monkeypatch):
+    """The moment a proxy's timeout hits under load: the engine thread is in a step while
+    requests are submitted, and their callers cancel before it reads them."""
+    engine = AsyncEngine(EngineConfig(model=llada_path, device="cpu", dtype="float64",
+                                      page_size=4, num_pages=200))
+    step = engine.engine.step
+
+    def slow_step():
+        time.sleep(0.05)
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step", slow_step)
+    params = SamplingParams(max_tokens=16, block_length=4, stop_at_eos=False)
+
+    async def main():
+        async def run(rid):
+            return [o async for o in engine.generate([5, 6], params, rid)][-1]
+
+        busy = asyncio.create_task(run("busy"))
+        await asyncio.sleep(0.1)  # the engine thread is stepping it
+        leavers = [asyncio.create_task(run(f"l{i}")) for i in range(50)]
+        await asyncio.sleep(0.01)  # submitted, waiting to be accepted
+        for task in leavers:
+            task.cancel()
+        await asyncio.gather(*leavers, return_exceptions=True)
+        return await busy
+
+    try:
+        assert asyncio.run(main()).finish_reason == "length"
+        assert engine.dead is None
+        _wait_drained(engine)
     finally:
         engine.shutdown()
 
