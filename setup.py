@@ -33,7 +33,7 @@ setup(
         "tokenizers",
         "jinja2",
         "fastapi",
-        "uvicorn",
+        "uvicorn[standard]",  # uvloop and httptools: a faster event loop and HTTP parser
         "prometheus-client",
         "httpx",
         "pyzmq",

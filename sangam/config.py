@@ -112,8 +112,9 @@ class EngineConfig:
         "host:port of node 0 for joining workers across nodes"))
     watchdog_timeout: float = field(default=300.0, metadata=flag_meta(
         "Multi-worker: seconds a worker with work may go without a report from its loop "
-        "(which reports at least every second while it has work) before it is declared hung, "
-        "stopped, and its requests are placed elsewhere; keep it above the longest forward"))
+        "(which reports at least every second while it has work) and without computing (its "
+        "heartbeats carry the loop's CPU time) before it is declared hung, stopped, and its "
+        "requests are placed elsewhere; a loop that computes is given 10x as long"))
     seed: int = field(default=0, metadata=flag_meta(
         "Seed of the engine's own randomness (router tie-breaks, seeds for unseeded sampling)"))
 
