@@ -25,7 +25,7 @@ setup(
     package_data={"sangam.demo": ["model/*"]},
     ext_modules=[HOST_EXT],
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.5",  # scaled_dot_product_attention(enable_gqa=...)
         "triton>=3.2",
         "numpy",
         "safetensors",

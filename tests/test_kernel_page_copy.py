@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sangam.kernels.page_copy import gather_pages, scatter_pages
-from sangam.kernels.reference import gather_pages_ref, scatter_pages_ref
+from sangam.kernels.reference import gather_pages_ref, layer_indices, scatter_pages_ref
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CASES = [
@@ -64,3 +64,14 @@ def test_empty_page_list():
     pool = torch.zeros(2, 2, 3, 4, 1, 8)
     out = gather_pages(pool, torch.zeros(0, dtype=torch.int64))
     assert out.shape == (2, 2, 0, 4, 1, 8)
+
+
+@pytest.mark.parametrize("layers", [None, slice(1, 3), range(0, 3, 2), slice(None, None, -1),
+                                    slice(None, None, -2), range(2, 2)])
+def test_reference_gather_is_the_definition(layers):
+    """The reference reads only the pages asked for (a view of the layers, one copy of the
+    pages), and equals the plain definition: every selected layer's pool, then the pages."""
+    pool = _pool("cpu", torch.float64, layers=4)
+    ids = torch.tensor([7, 0, 3], dtype=torch.int32)
+    chosen = torch.tensor(list(layer_indices(pool.shape[0], layers)), dtype=torch.int64)
+    assert torch.equal(gather_pages_ref(pool, ids, layers), pool[chosen][:, :, ids.long()])

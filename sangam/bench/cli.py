@@ -10,8 +10,8 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("kernels", "graphs", "host", "quality", "serve", "sim", "capacity",
-               "calibrate")
+SUBCOMMANDS = ("kernels", "graphs", "host", "batching", "workers", "quality", "serve", "sim",
+               "capacity", "calibrate")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,10 +26,12 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
                  slot_mapping: torch.Tensor) -> None:
     """Write row i of k/v ``[N, Hkv, D]`` to flat slot ``slot_mapping[i]`` of the caches
     ``[num_pages, page_size, Hkv, D]``; slot -1 means skip."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    slots, k, v = slot_mapping, k.to(k_cache.dtype), v.to(v_cache.dtype)
+    if bool((slots < 0).any()):  # only padded (CUDA-graph) batches skip rows
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
 def store_kv_rope_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -52,9 +54,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         query_lens: list[int] | None = None,
                         kv_lens_host: list[int] | None = None) -> torch.Tensor:
     """Each request's queries attend, without a causal mask, over its first ``kv_lens[r]`` cached
-    positions: gather the pages, then exact softmax attention in fp32 (fp64 for fp64 inputs)."""
+    positions: gather the pages, then softmax attention in fp32 (fp64 for fp64 inputs) through
+    ``scaled_dot_product_attention`` (K/V heads shared by query heads are never repeated)."""
     page_size = k_cache.shape[1]
-    group = q.shape[1] // k_cache.shape[2]
+    gqa = q.shape[1] != k_cache.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if query_lens is None:
         query_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
@@ -67,12 +70,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             start += n
             continue
         pages = block_tables[r, : -(-kv_len // page_size)].long()
-        kk = k_cache[pages].flatten(0, 1)[:kv_len].to(acc).repeat_interleave(group, dim=1)
-        vv = v_cache[pages].flatten(0, 1)[:kv_len].to(acc).repeat_interleave(group, dim=1)
-        qq = q[start:start + n].to(acc)
-        scores = torch.einsum("nhd,lhd->hnl", qq, kk) * scale
-        probs = torch.softmax(scores, dim=-1)
-        out[start:start + n] = torch.einsum("hnl,lhd->nhd", probs, vv).to(q.dtype)
+        # [1, heads, positions, D], as scaled_dot_product_attention takes them.
+        kk = k_cache[pages].flatten(0, 1)[:kv_len].to(acc).transpose(0, 1)[None]
+        vv = v_cache[pages].flatten(0, 1)[:kv_len].to(acc).transpose(0, 1)[None]
+        qq = q[start:start + n].to(acc).transpose(0, 1)[None]
+        o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, scale=scale,
+                                                             enable_gqa=gqa)
+        out[start:start + n] = o[0].transpose(0, 1).to(q.dtype)
         start += n
     return out
 
@@ -109,10 +113,13 @@ def unmask_ref(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor,
 
 def gather_pages_ref(kv_buffer: torch.Tensor, page_ids: torch.Tensor,
                      layers: slice | range | None = None) -> torch.Tensor:
-    """``kv_buffer[layers, :, page_ids]`` as a new contiguous tensor."""
+    """``kv_buffer[layers, :, page_ids]`` as a new contiguous tensor; only those pages are read
+    (the layers are a view, the pages the one copy)."""
     lr = layer_indices(kv_buffer.shape[0], layers)
-    idx = torch.tensor(list(lr), dtype=torch.int64, device=kv_buffer.device)
-    return kv_buffer[idx][:, :, page_ids.to(kv_buffer.device).long()].contiguous()
+    pages = page_ids.to(kv_buffer.device).long()
+    if len(lr) and lr.step < 0:  # tensors slice forwards only: gather forwards, then flip
+        return gather_pages_ref(kv_buffer, page_ids, lr[::-1]).flip(0)
+    return kv_buffer[lr.start:lr.start + len(lr) * lr.step:lr.step, :, pages].contiguous()
 
 
 def scatter_pages_ref(buffer: torch.Tensor, kv_buffer: torch.Tensor, page_ids: torch.Tensor,
