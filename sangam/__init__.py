@@ -1,8 +1,24 @@
-"""Sangam: a serving engine for diffusion language models (LLaDA, Dream)."""
+"""Sangam: a serving engine for diffusion language models (LLaDA, Dream).
+
+``LLM`` is imported when first used: the policy core (``sangam.sched``) and the request types
+import without PyTorch.
+"""
+
+from typing import TYPE_CHECKING
 
 from sangam.config import EngineConfig
-from sangam.llm import LLM
 from sangam.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from sangam.llm import LLM
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    if name == "LLM":
+        from sangam.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'sangam' has no attribute {name!r}")

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-POLICIES = ("deficit", "prefill_first", "fastdllm")
-MODES = ("colocated", "disaggregated", "hybrid")
+from sangam.sched.batch_builder import POLICIES
+from sangam.sched.router import MODES
+
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 

@@ -18,10 +18,10 @@ from test_serve_openai import MODEL, serve_in_thread
 
 from sangam import LLM, SamplingParams
 from sangam.config import EngineConfig
-from sangam.decoding import ReferenceDecoder
 from sangam.engine.async_engine import AsyncEngine
 from sangam.engine.engine import Engine
 from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.reference_decoder import ReferenceDecoder
 
 # How a caller leaves: it does not (reads to the end), its task is cancelled (at a random
 # moment: before the engine saw the request, queued, mid-block, at a boundary...), it closes

@@ -9,10 +9,10 @@ import torch
 
 from sangam import LLM
 from sangam.config import EngineConfig
-from sangam.decoding import ReferenceDecoder
 from sangam.engine.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
 from sangam.engine.engine import Engine, QueueFull, RequestRejected
 from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.reference_decoder import ReferenceDecoder
 from sangam.sampling_params import SamplingParams
 
 BIAS = {1: -100.0, 7: 3.0, 42: 1.5}  # EOS banned, two tokens favoured

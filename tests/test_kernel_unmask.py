@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sangam.decoding import RULE_IDS
-from sangam.kernels.reference import unmask_ref
+from sangam.decoding.unmask_reference import unmask_ref
 from sangam.kernels.unmask import fused_unmask
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

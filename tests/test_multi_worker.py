@@ -17,16 +17,16 @@ import pytest
 
 from sangam import LLM
 from sangam.config import EngineConfig
-from sangam.decoding import ReferenceDecoder
 from sangam.engine.async_engine import AsyncEngine
 from sangam.engine.engine import tokens_per_forward
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import make_engine
 from sangam.engine.multi.front import MultiWorkerEngine
-from sangam.engine.page_allocator import PageAllocator
-from sangam.engine.request import Request, RequestStatus
-from sangam.engine.scheduler import BatchBuilder
+from sangam.engine.reference_decoder import ReferenceDecoder
 from sangam.sampling_params import SamplingParams
+from sangam.sched.batch_builder import BatchBuilder
+from sangam.sched.page_allocator import PageAllocator
+from sangam.sched.request import Request, RequestStatus
 
 PAGE_SIZE = 4
 NUM_PAGES = 48  # three of the largest canvases (64 tokens): decode workers run out of room

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sangam.engine.request import Request
-from sangam.engine.router import Router
+from sangam.sched.request import Request
+from sangam.sched.router import Router
 
 ROOMY = [10_000] * 4  # free pages per worker: room everywhere
 

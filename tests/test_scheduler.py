@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sangam.engine.page_allocator import OutOfPagesError, PageAllocator
-from sangam.engine.request import CACHE_MODES, Request, RequestStatus
-from sangam.engine.scheduler import BatchBuilder, ScheduledBatch
+from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
+from sangam.sched.page_allocator import OutOfPagesError, PageAllocator
+from sangam.sched.request import CACHE_MODES, Request, RequestStatus
 
 W, PF, DE, FI = (RequestStatus.WAITING, RequestStatus.PREFILL, RequestStatus.DECODE,
                  RequestStatus.FINISHED)

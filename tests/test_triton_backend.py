@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from sangam.decoding import DecodeState, ReferenceDecoder
+from sangam.decoding import DecodeState
+from sangam.engine.reference_decoder import ReferenceDecoder
 from sangam.models import TorchAttentionBackend, load_model
 from sangam.models.triton_attention import TritonAttentionBackend
 from sangam.sampling_params import SamplingParams

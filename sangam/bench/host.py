@@ -34,12 +34,12 @@ from sangam.engine.device_batch import BatchUploader
 from sangam.engine.host_batch import IMPLS, cext_available, make_host_batcher
 from sangam.engine.loaded_model import LoadedModel, checkpoint_path
 from sangam.engine.model_runner import stage_batch
-from sangam.engine.page_allocator import PageAllocator
-from sangam.engine.request import Request
-from sangam.engine.scheduler import BatchBuilder
 from sangam.engine.stop_strings import apply_stop_strings
 from sangam.models import read_config
 from sangam.sampling_params import SamplingParams
+from sangam.sched.batch_builder import BatchBuilder
+from sangam.sched.page_allocator import PageAllocator
+from sangam.sched.request import Request
 
 VOCAB = VOCAB_SIZE
 MASK = MASK_ID

@@ -66,10 +66,10 @@ from sangam.bench.report import (
     write_outputs,
 )
 from sangam.bench.traces import LengthSample, TraceRequest, arrivals, build_trace, load_lengths
-from sangam.engine.page_allocator import PageAllocator
-from sangam.engine.request import Request
-from sangam.engine.router import Router
-from sangam.engine.scheduler import BatchBuilder, ScheduledBatch
+from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
+from sangam.sched.page_allocator import PageAllocator
+from sangam.sched.request import Request
+from sangam.sched.router import Router
 
 MODES = ("colocated", "disaggregated", "hybrid")
 

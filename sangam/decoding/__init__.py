@@ -2,11 +2,10 @@
 
 from sangam.decoding.confidence import score_logits
 from sangam.decoding.noise import gumbel_noise, noise_key, row_key
-from sangam.decoding.reference import ReferenceDecoder
 from sangam.decoding.rules import RULE_IDS, rank_candidates, select_commits
 from sangam.decoding.state import DecodeState, StepPlan
 
 __all__ = [
-    "RULE_IDS", "DecodeState", "ReferenceDecoder", "StepPlan", "gumbel_noise", "noise_key",
+    "RULE_IDS", "DecodeState", "StepPlan", "gumbel_noise", "noise_key",
     "rank_candidates", "row_key", "score_logits", "select_commits",
 ]

@@ -21,9 +21,9 @@ from sangam.engine.cuda_graphs import DecodeGraphRunner
 from sangam.engine.kv_pool import KVPool, pool_num_pages
 from sangam.engine.loaded_model import LoadedModel, use_device
 from sangam.engine.model_runner import ModelRunner
-from sangam.engine.request import Request, RequestMetrics
-from sangam.engine.scheduler import BatchBuilder, ScheduledBatch
 from sangam.sampling_params import RequestOutput, SamplingParams
+from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
+from sangam.sched.request import Request, RequestMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from sangam.config import EngineConfig
-from sangam.engine.page_allocator import PageAllocator
 from sangam.models import ModelConfig, PagedKV
+from sangam.sched.page_allocator import PageAllocator
 
 GIB = 1 << 30
 

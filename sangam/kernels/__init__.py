@@ -1,4 +1,5 @@
-"""Triton kernels of the serving hot path, each with a PyTorch reference in ``reference``.
+"""Triton kernels of the serving hot path, each with a PyTorch reference in ``reference`` (the
+unmasking kernel's is decoding's scoring and rules: ``sangam.decoding.unmask_reference``).
 
 The kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before
 Triton is first imported).
@@ -13,12 +14,11 @@ from sangam.kernels.reference import (
     scatter_pages_ref,
     store_kv_ref,
     store_kv_rope_ref,
-    unmask_ref,
 )
 from sangam.kernels.unmask import fused_score, fused_unmask
 
 __all__ = [
     "fused_score", "fused_unmask", "gather_pages", "gather_pages_ref", "paged_attention",
     "paged_attention_ref", "scatter_pages", "scatter_pages_ref", "store_kv", "store_kv_ref",
-    "store_kv_rope", "store_kv_rope_ref", "unmask_ref",
+    "store_kv_rope", "store_kv_rope_ref",
 ]

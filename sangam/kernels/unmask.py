@@ -12,7 +12,7 @@ rest, each candidate's rank by (confidence desc, row asc) comes from pairwise co
 the request's rule (threshold / factor / topk) decides from the ranks.
 
 The result equals ``sangam.decoding.score_logits`` + ``select_commits`` (see
-``sangam.kernels.reference.unmask_ref``).
+``sangam.decoding.unmask_reference.unmask_ref``).
 """
 
 from __future__ import annotations

@@ -63,10 +63,10 @@ from sangam.engine.engine import EngineStats, RequestRejected, new_request, toke
 from sangam.engine.loaded_model import LoadedModel, checkpoint_path
 from sangam.engine.multi import launcher
 from sangam.engine.multi import messages as msg
-from sangam.engine.request import Request
-from sangam.engine.router import Router
 from sangam.models import read_config, resolve_dtype
 from sangam.sampling_params import RequestOutput, SamplingParams
+from sangam.sched.request import Request
+from sangam.sched.router import Router
 
 logger = logging.getLogger(__name__)
 

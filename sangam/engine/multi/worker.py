@@ -45,7 +45,7 @@ from sangam.engine.model_runner import FATAL_ERRORS, StepResult
 from sangam.engine.multi import messages as msg
 from sangam.engine.multi.kv_transfer import Done, KVTransport, LayerHook, layer_page_bytes
 from sangam.engine.multi.launcher import WorkerSpec, signature
-from sangam.engine.request import Request
+from sangam.sched.request import Request
 
 HEARTBEAT_S = 0.5
 STORE_TIMEOUT_S = 300  # joining the process group: every worker of every node must come up

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import random
 
-from sangam.engine.request import Request
+from sangam.sched.request import Request
 
 MODES = ("colocated", "disaggregated", "hybrid")
 ROLES = ("colocated", "prefill", "decode")

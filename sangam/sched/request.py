@@ -18,7 +18,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-CACHE_MODES = ("dual", "prefix", "none")
+from sangam.sampling_params import CACHE_MODES
 
 # Creation order, the tie-break after arrival time. next() on a count is atomic under the GIL.
 _SEQ = itertools.count()

@@ -32,10 +32,10 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from sangam.engine.page_allocator import PageAllocator
-from sangam.engine.request import Request, RequestStatus
+from sangam.sched.page_allocator import PageAllocator
+from sangam.sched.request import Request, RequestStatus
 
-POLICIES = ("deficit", "prefill_first", "fastdllm")
+POLICIES = ("deficit", "prefill_first", "fastdllm")  # EngineConfig.policy's choices
 
 
 @dataclass
