@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from sangam.sampling_params import CACHE_MODES, UNMASKING_RULES, SamplingParams
 from sangam.sched.batch_builder import POLICIES
 from sangam.sched.router import MODES
 
@@ -20,6 +21,11 @@ ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 
 T = TypeVar("T")
+
+_REQUEST = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+# EngineConfig's request defaults, by the SamplingParams field each sets.
+REQUEST_DEFAULTS = {"max_tokens_default": "max_tokens", "block_length": "block_length",
+                    "unmasking": "unmasking", "threshold": "threshold", "cache": "cache"}
 
 
 def flag_meta(help_: str, aliases: tuple[str, ...] = (), **kw) -> dict:
@@ -118,6 +124,24 @@ class EngineConfig:
         "requests are placed elsewhere; a loop that computes is given 10x as long"))
     seed: int = field(default=0, metadata=flag_meta(
         "Seed of the engine's own randomness (router tie-breaks, seeds for unseeded sampling)"))
+    # Defaults of requests that leave these options out (the server's, and LLM's
+    # get_default_sampling_params). Unset (None): the checkpoint's generation_config.json,
+    # else SamplingParams' own defaults. Merged by LoadedModel.default_params.
+    max_tokens_default: int | None = field(default=None, metadata=flag_meta(
+        "max_tokens of requests that do not set it (default: the checkpoint's "
+        f"generation_config.json max_new_tokens, else {_REQUEST['max_tokens']})"))
+    block_length: int | None = field(default=None, metadata=flag_meta(
+        "Default block length B (default: generation_config.json, else "
+        f"{_REQUEST['block_length']})"))
+    unmasking: str | None = field(default=None, metadata=flag_meta(
+        f"Default unmasking rule (default: {_REQUEST['unmasking']})", choices=UNMASKING_RULES))
+    threshold: float | None = field(default=None, metadata=flag_meta(
+        f"Default confidence threshold (default: {_REQUEST['threshold']})"))
+    cache: str | None = field(default=None, metadata=flag_meta(
+        f"Default KV cache mode (default: {_REQUEST['cache']})", choices=CACHE_MODES))
+    cuda_graph_block_lengths: str | None = field(default=None, metadata=flag_meta(
+        "Comma-separated block lengths whose decode steps replay CUDA graphs (one capture "
+        "each; default: the default block length); other lengths run eagerly"))
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -149,6 +173,24 @@ class EngineConfig:
              f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
         need(self.nnodes == 1 or self.dist_init_addr is not None,
              "dist_init_addr (host:port of node 0) is required when nnodes > 1")
+        SamplingParams(**self.request_defaults())  # bad defaults fail here, at startup
+        lengths = self.graph_block_lengths()
+        need(all(n >= 1 for n in lengths), f"cuda_graph_block_lengths must be integers >= 1, "
+             f"got {self.cuda_graph_block_lengths!r}")
+
+    def request_defaults(self) -> dict[str, object]:
+        """The request defaults set here, by SamplingParams field name."""
+        return {ours: getattr(self, name) for name, ours in REQUEST_DEFAULTS.items()
+                if getattr(self, name) is not None}
+
+    def graph_block_lengths(self) -> tuple[int, ...]:
+        """``cuda_graph_block_lengths`` parsed (empty: unset)."""
+        given = self.cuda_graph_block_lengths
+        try:
+            return tuple(int(x) for x in given.split(",") if x.strip()) if given else ()
+        except ValueError:
+            raise ValueError(f"EngineConfig: cuda_graph_block_lengths must be comma-separated "
+                             f"integers, got {given!r}") from None
 
     @property
     def is_multi_worker(self) -> bool:
@@ -162,7 +204,8 @@ class EngineConfig:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         # token_budget: a float flag, so that "inf" parses.
         add_config_flags(cls, parser, {"token_budget": float, "num_pages": int,
-                                       "max_model_len": int})
+                                       "max_model_len": int, "max_tokens_default": int,
+                                       "block_length": int, "threshold": float})
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -13,6 +13,7 @@ from sangam.engine.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
 from sangam.engine.engine import Engine, QueueFull, RequestRejected
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.reference_decoder import ReferenceDecoder
+from sangam.models import read_config
 from sangam.sampling_params import SamplingParams
 
 BIAS = {1: -100.0, 7: 3.0, 42: 1.5}  # EOS banned, two tokens favoured
@@ -192,7 +193,7 @@ def test_padded_decode_batches_match_reference(loaded, arch):
     graphs = DecodeGraphRunner(lm.model, engine.pool.kv, span=8, max_batch_size=6,
                                max_pages=-(-lm.context_length // 4), device=lm.device,
                                use_graphs=False)
-    engine.runner.graphs = graphs
+    engine.runner.graphs = [graphs]
     _assert_same(_run_staggered(engine, reqs, seed=4), _reference(lm, reqs))
     assert graphs.runs > 5, graphs.runs
 
@@ -217,11 +218,43 @@ def test_failed_graph_capture_falls_back_to_eager(loaded, monkeypatch, caplog):
     config = EngineConfig(model=lm.path, page_size=4, num_pages=8)
     pool = types.SimpleNamespace(kv=None)
     with caplog.at_level("WARNING"):
-        assert engine_module.decode_graphs(config, on_gpu, pool) is None
-    assert "CUDA graph capture failed" in caplog.text and "not permitted" in caplog.text
+        assert engine_module.decode_graphs(config, on_gpu, pool) == []
+    assert "CUDA graph capture for block length" in caplog.text and "not permitted" in caplog.text
     assert len(tries) == 1
     eager = dataclasses.replace(config, enforce_eager=True)
-    assert engine_module.decode_graphs(eager, on_gpu, pool) is None and len(tries) == 1
+    assert engine_module.decode_graphs(eager, on_gpu, pool) == [] and len(tries) == 1
+
+
+def test_graphs_are_captured_for_the_block_lengths_requests_get(tiny_path, monkeypatch, caplog):
+    """The capture plan: the default block length requests get (the checkpoint's, or
+    --block-length: ``serve --block-length 16`` replays graphs for its requests), or the
+    --cuda-graph-block-lengths listed; logged."""
+    from sangam.engine import engine as engine_module
+
+    class Captured:
+        def __init__(self, model, kv, span, *args):
+            self.span = span
+
+    monkeypatch.setattr(engine_module, "DecodeGraphRunner", Captured)
+    pool = types.SimpleNamespace(kv=None)
+
+    def plan(**options) -> list[int]:
+        config = EngineConfig(model=tiny_path, page_size=4, num_pages=8, **options)
+        lm = LoadedModel.around(config, tiny_path, None, read_config(tiny_path),
+                                torch.device("cpu"), torch.float32)
+        on_gpu = types.SimpleNamespace(
+            model=types.SimpleNamespace(attention_backend=types.SimpleNamespace(name="triton")),
+            device=torch.device("cuda"), context_length=lm.context_length,
+            default_params=lm.default_params)
+        return [g.span for g in engine_module.decode_graphs(config, on_gpu, pool)]
+
+    with caplog.at_level("INFO"):
+        assert plan() == [SamplingParams().block_length]  # no generation_config.json here
+        assert plan(block_length=16) == [16]
+        assert plan(block_length=16, cuda_graph_block_lengths="8,32") == [8, 32]
+    assert "CUDA graphs for decode steps of block length 8, 32" in caplog.text
+    with pytest.raises(ValueError, match="cuda_graph_block_lengths"):
+        EngineConfig(cuda_graph_block_lengths="8,x")
 
 
 @pytest.mark.gpu
@@ -237,10 +270,10 @@ def test_cuda_graphs_match_eager(llada_path):
         llm = LLM(model=llada_path, device="cuda", dtype="float64", enforce_eager=eager,
                   num_pages=512)
         graphs = llm.engine.runner.graphs
-        assert (graphs is None) == eager
+        assert (not graphs) == eager
         outs[eager] = [(o.token_ids, o.num_forwards)
                        for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
         if not eager:
-            assert graphs.runs > 0
+            assert graphs[0].runs > 0
         llm.shutdown()
     assert outs[True] == outs[False]

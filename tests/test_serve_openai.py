@@ -658,8 +658,8 @@ def test_stats_line_is_quiet_when_idle(dream_path):
 def serve_in_thread(model: str, **server_options) -> Iterator[str]:
     """A server for ``model`` (float64, CPU) in a thread of this process; yields its URL."""
     engine = AsyncEngine(EngineConfig(model=model, device="cpu", dtype="float64",
-                                      num_pages=256))
-    config = ServerConfig(port=0, served_model_name=MODEL, block_length=4, log_level="warning",
+                                      num_pages=256, block_length=4))
+    config = ServerConfig(port=0, served_model_name=MODEL, log_level="warning",
                           **server_options)
     server = uvicorn_server(build_app(engine, config), config)
     thread = threading.Thread(target=server.run, daemon=True)

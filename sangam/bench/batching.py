@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from sangam.sampling_params import SamplingParams
+from sangam.sampling_params import CACHE_MODES, SamplingParams
 
 
 class _TimedAttention:
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [torch.randint(2, 1000, (args.prompt_len,), generator=gen).tolist()
                for _ in range(n)]
     params = SamplingParams(max_tokens=args.gen_len, block_length=args.block_length,
-                            threshold=0.9, cache=args.cache, stop_at_eos=False)
+                            cache=args.cache, stop_at_eos=False)
     with tempfile.TemporaryDirectory() as ckpt:
         make_tiny_checkpoint(ckpt, arch=args.arch, seed=0, vocab_size=1024,
                              hidden_size=args.hidden, num_layers=args.layers,
@@ -105,8 +105,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=64)
-    p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--cache", default="dual", choices=("dual", "prefix", "none"))
+    p.add_argument("--block-length", type=int, default=SamplingParams().block_length)
+    p.add_argument("--cache", default=SamplingParams().cache, choices=CACHE_MODES)
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.set_defaults(func=run)

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     engines = {"graphs": _engine(loaded, args, eager=False)} if on_gpu else {}
     engines["eager"] = _engine(loaded, args, eager=True)
     if on_gpu:
-        assert engines["graphs"].runner.graphs is not None, "graphs were not captured"
+        assert engines["graphs"].runner.graphs, "graphs were not captured"
     print(f"{label}; prompt {args.prompt_len}, block {args.block_length}, DualCache, "
           f"{args.blocks} blocks per run, {args.rounds} rounds")
     print(f"{'batch':>5} {'graphs ms':>10} {'eager ms':>10} {'saved ms':>9} {'eager/graphs':>12}")

@@ -307,6 +307,10 @@ class Bench:
     """Everything needed to run one (configuration, QPS) point."""
 
     def __init__(self, args: argparse.Namespace):
+        defaults = SamplingParams()  # the engine's request-default flags, else SamplingParams'
+        for name in ("block_length", "unmasking", "threshold", "cache"):
+            if getattr(args, name) is None:
+                setattr(args, name, getattr(defaults, name))
         self.args = args
         self.factory = None if args.url else EngineFactory()
         self.configs = {} if args.url else configs_from_args(args)
@@ -432,11 +436,8 @@ def add_serve_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> No
     t.add_argument("--trace-seed", type=int, default=0, help="seed of lengths, arrivals, prompts")
     t.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply every prompt and output length (e.g. 0.05 for a tiny CPU model)")
-    s = p.add_argument_group("decoding (every request)")
-    s.add_argument("--block-length", type=int, default=32)
-    s.add_argument("--unmasking", default="threshold", choices=("threshold", "factor", "topk"))
-    s.add_argument("--threshold", type=float, default=0.9)
-    s.add_argument("--cache", default="dual", choices=("dual", "prefix", "none"))
+    s = p.add_argument_group("decoding (every request; --block-length, --unmasking, "
+                             "--threshold and --cache are the engine flags above)")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="decode every block of the canvas (stop_at_eos=False)")

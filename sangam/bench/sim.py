@@ -66,12 +66,16 @@ from sangam.bench.report import (
     write_outputs,
 )
 from sangam.bench.traces import LengthSample, TraceRequest, arrivals, build_trace, load_lengths
-from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
+from sangam.config import EngineConfig
+from sangam.sampling_params import CACHE_MODES, SamplingParams
+from sangam.sched.batch_builder import POLICIES, BatchBuilder, ScheduledBatch
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.request import Request
-from sangam.sched.router import Router
+from sangam.sched.router import MODES, Router
 
-MODES = ("colocated", "disaggregated", "hybrid")
+# The deployment options the simulator shares with the engine take the engine's defaults.
+_ENGINE = {f.name: f for f in dataclasses.fields(EngineConfig)}
+_REQUEST = SamplingParams()
 
 
 # Tokens committed per forward.
@@ -173,19 +177,19 @@ class SimConfig:
     num_workers: int = 1  # colocated
     prefill_workers: int = 5  # disaggregated / hybrid
     decode_workers: int = 3
-    policy: str = "deficit"
-    token_budget: float = 1024
-    max_batch_size: int = 256
-    overflow_threshold: int = 4096
-    block_length: int = 32
-    cache: str = "dual"
+    policy: str = _ENGINE["policy"].default
+    token_budget: float = _ENGINE["token_budget"].default
+    max_batch_size: int = _ENGINE["max_batch_size"].default
+    overflow_threshold: int = _ENGINE["overflow_threshold"].default
+    block_length: int = _REQUEST.block_length
+    cache: str = _REQUEST.cache
     max_tokens: int | None = None  # fixed canvas; None: each request's output length
-    page_size: int = 16
+    page_size: int = _ENGINE["page_size"].default
     num_pages: int | None = None  # per worker; None: what the GPU has left after the weights
-    memory_fraction: float = 0.9
+    memory_fraction: float = _ENGINE["gpu_memory_fraction"].default
     link: str = "nvlink"
-    layerwise_kv_streaming: bool = False
-    seed: int = 0
+    layerwise_kv_streaming: bool = _ENGINE["layerwise_kv_streaming"].default
+    seed: int = _ENGINE["seed"].default
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -530,8 +534,7 @@ _HELP = {
     "seed": "seed of router tie-breaks and of the tokens committed per step",
 }
 _CHOICES = {"model": sorted(MODELS), "gpu": sorted(GPUS), "mode": MODES, "link": sorted(LINKS),
-            "policy": ("deficit", "prefill_first", "fastdllm"),
-            "cache": ("dual", "prefix", "none")}
+            "policy": POLICIES, "cache": CACHE_MODES}
 
 
 def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None:

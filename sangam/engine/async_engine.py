@@ -91,8 +91,9 @@ class AsyncEngine:
             pool, runner = self.engine.pool, self.engine.runner
             parts.append(f"KV pool {pool.num_pages} pages x {pool.page_size} = "
                          f"{pool.num_pages * pool.page_size} tokens")
+            spans = ", ".join(str(g.span) for g in runner.graphs)
             parts.append(f"{loaded.model.attention_backend.name} attention, CUDA graphs "
-                         f"{'on' if runner.graphs is not None else 'off'}")
+                         f"{f'for block length {spans}' if spans else 'off'}")
         else:
             parts.append(f"{cfg.mode} over {len(self.engine.worker_states())} workers")
         budget = "" if cfg.policy == "fastdllm" else f", token budget {cfg.effective_token_budget}"

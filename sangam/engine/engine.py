@@ -76,24 +76,34 @@ def build_worker_parts(config: EngineConfig,
     return pool, builder, ModelRunner(loaded, pool, graphs=decode_graphs(config, loaded, pool))
 
 
+def graph_block_lengths(config: EngineConfig, loaded: LoadedModel) -> tuple[int, ...]:
+    """The block lengths whose DualCache decode steps replay CUDA graphs: those of
+    ``--cuda-graph-block-lengths``, else the one requests get by default (``default_params``:
+    the checkpoint's, or ``--block-length``)."""
+    return config.graph_block_lengths() or (loaded.default_params().block_length,)
+
+
 def decode_graphs(config: EngineConfig, loaded: LoadedModel,
-                  pool: KVPool) -> DecodeGraphRunner | None:
-    """CUDA graphs for decode steps at the model's default block length, when they can run:
-    on a GPU, with the Triton backend (the reference backend reads host-side lengths), unless
-    ``enforce_eager``."""
+                  pool: KVPool) -> list[DecodeGraphRunner]:
+    """CUDA graphs for decode steps at ``graph_block_lengths``, when they can run: on a GPU,
+    with the Triton backend (the reference backend reads host-side lengths), unless
+    ``enforce_eager``. Logs what was captured."""
     model = loaded.model
     if (config.enforce_eager or loaded.device.type != "cuda"
             or model.attention_backend.name != "triton"):
-        return None
+        return []
     max_pages = -(-loaded.context_length // config.page_size)
-    span, kv = loaded.default_params().block_length, pool.kv
-    try:
-        return DecodeGraphRunner(model, kv, span, config.max_batch_size, max_pages,
-                                 loaded.device)
-    except Exception as e:  # eager steps compute the same tokens: serve, and say why
-        logger.warning("CUDA graph capture failed, so decode steps run eagerly "
-                       "(--enforce-eager skips the capture): %r", e)
-        return None
+    runners = []
+    for span in graph_block_lengths(config, loaded):
+        try:
+            runners.append(DecodeGraphRunner(model, pool.kv, span, config.max_batch_size,
+                                             max_pages, loaded.device))
+        except Exception as e:  # eager steps compute the same tokens: serve, and say why
+            logger.warning("CUDA graph capture for block length %d failed, so its decode "
+                           "steps run eagerly (--enforce-eager skips the capture): %r", span, e)
+    logger.info("CUDA graphs for decode steps of block length %s (batch sizes up to %d)",
+                ", ".join(str(r.span) for r in runners) or "none", config.max_batch_size)
+    return runners
 
 
 def new_request(in_flight: Mapping[str, object], config: EngineConfig, loaded: LoadedModel,

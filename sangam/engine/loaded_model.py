@@ -101,7 +101,8 @@ class LoadedModel:
     stop_ids: frozenset[int]
     device: torch.device
     dtype: torch.dtype
-    generation_defaults: dict = field(default_factory=dict)
+    # Request defaults: the checkpoint's generation_config.json, then EngineConfig's.
+    request_defaults: dict = field(default_factory=dict)
     max_model_len: int | None = None  # EngineConfig.max_model_len, checked by context_limit
 
     @classmethod
@@ -122,11 +123,14 @@ class LoadedModel:
         tokenizer = load_tokenizer(cfg.tokenizer or path, required=cfg.tokenizer is not None)
         return cls(str(path), model, model_config, tokenizer,
                    stop_token_ids(model_config.eos_token_id, tokenizer), device, dtype,
-                   read_generation_defaults(path), context_limit(cfg, model_config))
+                   {**read_generation_defaults(path), **cfg.request_defaults()},
+                   context_limit(cfg, model_config))
 
     def default_params(self, **overrides) -> SamplingParams:
-        """SamplingParams from the checkpoint's suggested defaults, with ``overrides`` on top."""
-        return SamplingParams(**{**self.generation_defaults, **overrides})
+        """A request's SamplingParams: the one place its defaults merge. The checkpoint's
+        generation_config.json, then the engine's flags (--block-length...), then
+        ``overrides`` (a request's own fields)."""
+        return SamplingParams(**{**self.request_defaults, **overrides})
 
     @property
     def context_length(self) -> int:

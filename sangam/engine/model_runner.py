@@ -32,12 +32,12 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, pool: KVPool, host_impl: str | None = None,
-                 graphs: DecodeGraphRunner | None = None):
+                 graphs: list[DecodeGraphRunner] = ()):
         self.loaded = loaded
         self.pool = pool
         self.device = loaded.device
         self.host = make_host_batcher(pool.page_size, host_impl)
-        self.graphs = graphs
+        self.graphs = list(graphs)  # one per captured block length
         self.uploader = BatchUploader(self.device)
         # With the Triton backend, scoring is the fused online-softmax kernel (no [rows, vocab]
         # fp32 copy); the host then commits by the rules, as on the reference path (rows
@@ -88,8 +88,10 @@ class ModelRunner:
         batch, dev, rescore = stage_batch(self.host, self.uploader, states, pages,
                                           self.fused_scoring)
         model = self.loaded.model
-        if allow_graphs and self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch, dev)
+        graphs = next((g for g in self.graphs if g.can_run(batch)), None) if allow_graphs \
+            else None
+        if graphs is not None:
+            hidden = graphs.run(batch, dev)
         else:
             hidden = model.hidden_states(dev["input_ids"], dev["positions"],
                                          batch.metadata(dev), self.pool.kv)

@@ -228,8 +228,7 @@ class _Server:
                            "(they need constrained decoding)",
                            param=unsupported[0], code="unsupported_parameter")
         try:
-            return self.config.default_params(self.loaded.generation_defaults,
-                                              **body.sampling_overrides())
+            return self.loaded.default_params(**body.sampling_overrides())
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
@@ -369,12 +368,15 @@ class _Server:
 
     # Submission.
     async def _generate(self, ids: list[int], params: SamplingParams, request_id: str,
-                        suffix: list[int]) -> AsyncGenerator[RequestOutput, None]:
+                        suffix: list[int], started: set[str]
+                        ) -> AsyncGenerator[RequestOutput, None]:
         """``engine.generate`` plus outcome counters (and log lines, with
-        --enable-log-requests); closing this closes (aborts) that."""
+        --enable-log-requests); closing this closes (aborts) that. Its id joins ``started``
+        once it runs (one closed before that counts as aborted where it was opened)."""
         m = self.metrics
         log = self.config.enable_log_requests
         done = rejected = False
+        started.add(request_id)
         self.in_flight.add(request_id)
         if log:
             start = time.monotonic()
@@ -444,15 +446,17 @@ class _Server:
         samples = [params if params.seed is None or j == 0 else
                    dataclasses.replace(params, seed=(params.seed + j) % 2**63) for j in range(n)]
         work = [(ids, p) for ids in prompts for p in samples]
-        gens = [self._generate(ids, p, request_id if len(work) == 1 else f"{request_id}-{i}",
-                               list(suffix))
-                for i, (ids, p) in enumerate(work)]
+        ids_of = [request_id if len(work) == 1 else f"{request_id}-{i}" for i in range(len(work))]
+        started: set[str] = set()
+        gens = [self._generate(ids, p, rid, list(suffix), started)
+                for rid, (ids, p) in zip(ids_of, work)]
         try:
             # return_exceptions: gather returns (or raises CancelledError) only once every
             # generator is idle again, so each can be closed.
             firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
-        except BaseException:
+        except BaseException:  # the client left (or we are shutting down) meanwhile
             await close_all(gens)
+            self.metrics.requests_aborted.inc(len(set(ids_of) - started))  # never ran
             raise
         errors = [f for f in firsts if isinstance(f, BaseException)]
         if not errors:

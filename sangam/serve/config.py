@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from sangam.config import add_config_flags, config_from_args, flag_meta
 from sangam.models.tokenizer import load_chat_template
-from sangam.sampling_params import CACHE_MODES, UNMASKING_RULES, SamplingParams
 from sangam.serve.tool_calls import TOOL_CALL_PARSERS, make_tool_parser
 
 DEMO_MODEL_NAME = "sangam-demo"
@@ -44,19 +43,6 @@ class ServerConfig:
         "JSON) short enough that /health answers within 100 ms meanwhile"))
     served_model_name: str | None = field(default=None, metadata=flag_meta(
         "Model name in the API (default: the --model path, or 'sangam-demo')"))
-    # Defaults for requests that leave the diffusion options out. Unset (None): the
-    # checkpoint's generation_config.json, else SamplingParams' own defaults.
-    max_tokens_default: int | None = field(default=None, metadata=flag_meta(
-        "max_tokens of requests that do not set it (default: the checkpoint's "
-        "generation_config.json max_new_tokens, else 256)"))
-    block_length: int | None = field(default=None, metadata=flag_meta(
-        "Default block length B (default: generation_config.json, else 32)"))
-    unmasking: str | None = field(default=None, metadata=flag_meta(
-        "Default unmasking rule (default: threshold)", choices=UNMASKING_RULES))
-    threshold: float | None = field(default=None, metadata=flag_meta(
-        "Default confidence threshold (default: 0.9)"))
-    cache: str | None = field(default=None, metadata=flag_meta(
-        "Default KV cache mode (default: dual)", choices=CACHE_MODES))
     chat_template: str | None = field(default=None, metadata=flag_meta(
         "Chat template replacing the tokenizer's: a Jinja file, or the template itself "
         "(as vLLM's --chat-template)"))
@@ -109,7 +95,6 @@ class ServerConfig:
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"ServerConfig: {name}: no such file: {path}")
         self.origins()  # raises ValueError for a malformed list, at startup
-        self.default_params()  # raises ValueError for bad defaults, at startup
         _ = self.chat_template_text  # read now: a missing file or broken template raises
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("ServerConfig: enable_auto_tool_choice needs tool_call_parser")
@@ -120,15 +105,6 @@ class ServerConfig:
     def chat_template_text(self) -> str | None:
         """The --chat-template's Jinja text (read from its file, if it names one), once."""
         return None if self.chat_template is None else load_chat_template(self.chat_template)
-
-    def default_params(self, checkpoint_defaults: dict | None = None,
-                       **overrides) -> SamplingParams:
-        """SamplingParams from the checkpoint's defaults, then the server's flags, then a
-        request's own fields."""
-        flags = dict(max_tokens=self.max_tokens_default, block_length=self.block_length,
-                     unmasking=self.unmasking, threshold=self.threshold, cache=self.cache)
-        flags = {k: v for k, v in flags.items() if v is not None}
-        return SamplingParams(**{**(checkpoint_defaults or {}), **flags, **overrides})
 
     def origins(self) -> tuple[str, ...]:
         """``allowed_origins`` as a tuple (empty: no CORS)."""
@@ -150,8 +126,7 @@ class ServerConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        add_config_flags(cls, parser, {"max_tokens_default": int, "block_length": int,
-                                       "threshold": float})
+        add_config_flags(cls, parser)
         parser.add_argument("--disable-log-stats", dest="log_stats_interval",
                             action="store_const", const=0.0,
                             help="No periodic stats lines: --log-stats-interval 0 (vLLM's flag)")
