@@ -49,7 +49,7 @@ def test_workers_lost_one_after_another_down_to_the_last(paths, case):
         survivor = ({*range(len(engine.roles))} - {w for _, w, _ in blows}).pop()
         assert sorted(engine.dead_workers) == sorted(w for _, w, _ in blows)
         assert _tokens(outs) == want
-        assert engine.counters.restarts > 0
+        assert engine.placement.counters.restarts > 0
         # The survivor alone takes new requests of every size that fits its pool, and serves
         # them in full.
         again = [(f"{rid}-again", *rest) for rid, *rest in reqs[:6]]
@@ -83,7 +83,7 @@ def test_a_busy_worker_is_not_hung(paths, tmp_path, monkeypatch):
         start = time.monotonic()
         outs = _run(engine, [slow, *reqs])
         assert time.monotonic() - start > 6.0  # it did spin
-        assert engine.dead_workers == [] and engine.counters.restarts == 0
+        assert engine.dead_workers == [] and engine.placement.counters.restarts == 0
         assert outs.pop("slow").finish_reason == "length"
         assert _tokens(outs) == want
     finally:

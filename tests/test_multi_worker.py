@@ -302,7 +302,7 @@ def test_modes_match_reference(paths, arch, layout):
         assert isinstance(llm.engine, MultiWorkerEngine)
         outs = llm.generate([_prompt(r) for r in reqs], [r[2] for r in reqs])
         got = {rid: _outcome(o) for (rid, *_), o in zip(reqs, outs)}
-        by_worker = llm.engine.counters.prefills_by_worker
+        by_worker = llm.engine.placement.counters.prefills_by_worker
         assert len(by_worker) == 3 and min(by_worker.values()) > 0  # all three worked
         llm.shutdown()
         _wait_gone(pids, timeout=5)
@@ -320,7 +320,7 @@ def test_modes_match_reference(paths, arch, layout):
             layers = {r.streamed_layers for r in engine.transfers}
             assert layers <= {0, engine.loaded.config.num_layers} and max(layers) > 0
         if layout.startswith("hybrid"):
-            assert engine.counters.overflow_prefills > 0
+            assert engine.placement.counters.overflow_prefills > 0
         assert engine.dead_workers == []
         _settle(engine)
     finally:
@@ -334,10 +334,11 @@ def test_failed_transfer_is_retried(paths):
     engine = make_engine(EngineConfig(**_options(paths["llada"], mode="disaggregated",
                                                  prefill_workers=1, decode_workers=1)))
     try:
-        engine._num_pages[1] = 10 * NUM_PAGES  # a stale view: the front overcommits worker 1
+        engine.placement.num_pages[1] = 10 * NUM_PAGES  # a stale view: worker 1 overcommitted
         outs = _run(engine, reqs)
         assert _tokens(outs) == want
-        assert engine.counters.failed_transfers > 0 and engine.counters.restarts > 0
+        counters = engine.placement.counters
+        assert counters.failed_transfers > 0 and counters.restarts > 0
         _settle(engine)
     finally:
         engine.shutdown()
@@ -411,7 +412,7 @@ def test_killed_worker_loses_nothing(paths, arch, layout, sig):
         outs |= _run(engine, reqs[len(outs):], on_output=kill_midway)
         assert engine.dead_workers == [victim]
         assert _tokens(outs) == want
-        assert engine.counters.restarts > 0
+        assert engine.placement.counters.restarts > 0
         assert not engine.worker_states()[victim].alive
         _settle(engine)
     finally:

@@ -70,8 +70,9 @@ from sangam.config import EngineConfig
 from sangam.sampling_params import CACHE_MODES, SamplingParams
 from sangam.sched.batch_builder import POLICIES, BatchBuilder, ScheduledBatch
 from sangam.sched.page_allocator import PageAllocator
+from sangam.sched.placement import NeverFits, Placed, Placement
 from sangam.sched.request import Request
-from sangam.sched.router import MODES, Router
+from sangam.sched.router import MODES
 
 # The deployment options the simulator shares with the engine take the engine's defaults.
 _ENGINE = {f.name: f for f in dataclasses.fields(EngineConfig)}
@@ -228,14 +229,30 @@ class SimConfig:
 
 
 @dataclass
+class _Task:
+    """A request's work on one simulated worker, as ``engine/multi/worker.py`` keeps it."""
+
+    live: _Live
+    request: Request  # this worker's view of it (the engine's workers build their own too)
+    attempt: int
+    kv_dest: int | None  # a refresh for another worker: the K/V goes there
+    keep_pages: bool  # this worker holds the canvas after the block
+
+
+@dataclass
 class _Worker:
+    """One simulated worker: its pool and BatchBuilder, and what a worker process tracks (tasks
+    in the builder, K/V landed waiting for a seat, canvases parked between blocks)."""
+
     index: int
     role: str
     allocator: PageAllocator
     builder: BatchBuilder
+    tasks: dict[str, _Task] = field(default_factory=dict)
+    ready: deque = field(default_factory=deque)  # K/V landed, waiting for a seat
+    parked: dict[str, list[int]] = field(default_factory=dict)
     batch: ScheduledBatch | None = None  # the iteration in flight
     started: float = 0.0
-    landing: deque = field(default_factory=deque)  # K/V arrived, waiting for a seat
     send_free: float = 0.0  # when the outbound link is next free
     recv_free: float = 0.0  # when the inbound link is next free
     busy_s: float = 0.0
@@ -249,12 +266,27 @@ class _Live:
     """The simulator's view of one request."""
 
     index: int
-    request: Request
+    placed: Placed  # Placement's: its placement and metrics
     gen_len: int
     blocks_to_decode: int  # the request stops after this block (its output ends there)
     commits: deque = field(default_factory=deque)  # tokens the next steps of this block commit
     masks_left: int = 0
+    forwards: int = 0
     transfer_s: float = 0.0  # exposed K/V transfer time, summed over blocks
+
+    @property
+    def request(self) -> Request:
+        return self.placed.request
+
+
+@dataclass
+class _Transfer:
+    """K/V on its way from ``src`` to ``dst`` (into ``pages``; None: the receiver drains it)."""
+
+    task: _Task
+    src: int
+    dst: int
+    pages: list[int] | None
 
 
 @dataclass
@@ -270,6 +302,10 @@ _ITER_DONE, _LANDED, _ARRIVAL = 0, 1, 2  # event kinds; at equal times, in this 
 
 
 class Simulator:
+    """Placement's decisions are the engine's own (``sangam.sched.placement``); each simulated
+    worker does with them what a worker process does (``engine/multi/worker.py``), its
+    forwards lasting what the cost model says."""
+
     def __init__(self, config: SimConfig, coefficients: Coefficients | None = None,
                  steps: StepModel | None = None):
         self.config = config
@@ -285,37 +321,32 @@ class Simulator:
     def run(self, trace: Sequence[TraceRequest], qps: float = math.nan) -> SimResult:
         cfg = self.config
         self._rng = random.Random(cfg.seed)
+        budget = math.inf if cfg.policy == "prefill_first" else cfg.token_budget
         self._workers = []
-        for i, role in enumerate(cfg.roles):
+        for i, role in enumerate(cfg.roles):  # as the engine builds each worker's parts
             alloc = PageAllocator(self.num_pages)
-            # Decode workers in pure disaggregation never prefill: no budget to keep.
-            budget = math.inf if (role == "decode" and cfg.mode == "disaggregated") \
-                else cfg.token_budget
-            policy = "prefill_first" if math.isinf(budget) and cfg.policy == "deficit" \
-                else cfg.policy
             self._workers.append(_Worker(i, role, alloc, BatchBuilder(
-                alloc, cfg.page_size, policy, budget, cfg.max_batch_size)))
-        self._router = Router(cfg.mode, cfg.roles, cfg.overflow_threshold, cfg.seed,
-                              cfg.page_size)
+                alloc, cfg.page_size, cfg.policy, budget, cfg.max_batch_size)))
+        self.placement = Placement(cfg.mode, cfg.roles, [self.num_pages] * len(cfg.roles),
+                                   cfg.page_size, cfg.overflow_threshold, cfg.seed)
         self._events: list = []
         self._seq = 0
-        self._proxies: dict[str, _Live] = {}
-        self._pending: deque[_Live] = deque()
         self._records: list[dict] = []
         self._now = 0.0
-        lives = [self._make_live(i, t) for i, t in enumerate(trace)]
-        self._lives = {live.request.request_id: live for live in lives}
-        for live in lives:
-            self._push(live.request.arrival_time, _ARRIVAL, live)
+        lives = [(i, t) for i, t in enumerate(trace)]
+        self._lives: dict[str, _Live] = {}
+        for i, t in lives:
+            self._push(t.arrival_time, _ARRIVAL, (i, t))
         while self._events:
             now, kind, _, payload = heapq.heappop(self._events)
             self._now = now
             if kind == _ARRIVAL:
-                self._arrive(payload)
+                self._arrive(*payload)
             elif kind == _LANDED:
                 self._land(payload)
             else:
                 self._iteration_done(payload)
+            self._place()
             self._kick()
         if len(self._records) != len(lives):
             raise RuntimeError(f"simulation stalled with {len(lives) - len(self._records)} of "
@@ -328,73 +359,47 @@ class Simulator:
         return SimResult(cfg, qps, sorted(self._records, key=lambda r: r["id"]), workers,
                          makespan)
 
-    def _make_live(self, index: int, t: TraceRequest) -> _Live:
+    def _push(self, t: float, kind: int, payload) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, kind, self._seq, payload))
+
+    # The front's side: requests in, Placement's decisions out.
+    def _arrive(self, index: int, t: TraceRequest) -> None:
         cfg = self.config
         b = cfg.block_length
         out = t.gen_len if cfg.max_tokens is None else min(t.gen_len, cfg.max_tokens)
         canvas = -(-(out if cfg.max_tokens is None else cfg.max_tokens) // b) * b
         req = Request(f"r{index}", t.arrival_time, t.prompt_len, canvas, b, cfg.cache)
-        if req.pages_needed(cfg.page_size) > self.num_pages:
-            raise ValueError(f"request {index} ({req.total_len} tokens) can never fit a worker's "
-                             f"KV pool of {self.num_pages} pages")
-        return _Live(index, req, out, -(-out // b))
+        try:
+            placed = self.placement.add(req)
+        except NeverFits as e:
+            raise ValueError(f"request {index} can never fit a worker's KV pool: {e}") from None
+        self._lives[req.request_id] = _Live(index, placed, out, -(-out // b))
 
-    def _push(self, t: float, kind: int, payload) -> None:
-        self._seq += 1
-        heapq.heappush(self._events, (t, kind, self._seq, payload))
+    def _place(self) -> None:
+        for d in self.placement.place():
+            live = self._lives[d.request_id]
+            w = self._workers[d.worker]
+            r = live.request
+            req = Request(r.request_id, r.arrival_time, r.prompt_len, r.canvas_len,
+                          r.block_length, r.cache, seq=r.seq)
+            req.block = r.block
+            req.pages = w.parked.pop(r.request_id, [])  # it holds the canvas: refresh in place
+            w.builder.add(req)
+            w.tasks[r.request_id] = _Task(live, req, d.attempt, d.kv_dest, d.keep_pages)
 
-    def _free_pages(self) -> list[int]:
-        return [w.allocator.num_free for w in self._workers]
-
-    # Placement.
-    def _arrive(self, live: _Live) -> None:
-        if self._pending or not self._place_new(live):
-            self._pending.append(live)  # FIFO behind requests already waiting for pages
-
-    def _place_new(self, live: _Live) -> bool:
-        """Route a new request's first refresh; False if no decode worker has room yet."""
-        req = live.request
-        free = self._free_pages()
-        w = self._router.route_prefill(req, free)
-        if self._workers[w].role != "prefill":  # colocated, or hybrid overflow: refresh here
-            req.worker = w
-            self._workers[w].builder.add(req)
-            return True
-        d = self._router.route_decode(req, free, req.pages_needed(self.config.page_size))
-        if d is None:
-            self._router.done(w, req.prefill_cost)  # not placed after all
-            return False
-        req.pages = self._workers[d].allocator.allocate(req.pages_needed(self.config.page_size))
-        req.worker = d
-        self._to_prefill_worker(live, w)
-        return True
-
-    def _retry_pending(self) -> None:
-        while self._pending and self._place_new(self._pending[0]):
-            self._pending.popleft()
-
-    def _to_prefill_worker(self, live: _Live, w: int) -> None:
-        """Queue a stand-in for ``live``'s refresh on prefill worker ``w``: same priority and
-        span; it gets transient pages for the sequence's K/V while it runs."""
-        r = live.request
-        proxy = Request(f"{r.request_id}/b{r.block}", r.arrival_time, r.prompt_len,
-                        r.canvas_len, r.block_length, r.cache)
-        self._proxies[proxy.request_id] = live
-        self._workers[w].builder.add(proxy)
-
-    def _route_reprefill(self, live: _Live, queued_on: int | None) -> None:
-        """``live``'s block ended; place its next refresh. ``queued_on``: the worker whose
-        builder re-queued it (``step_done`` does that), or None."""
-        req = live.request
-        w = self._router.route_prefill(req, self._free_pages())
-        if w == queued_on:  # colocated, or a hybrid overflow onto the worker holding it
-            return
-        if w == req.worker:  # hybrid overflow onto its decode worker, from a prefill worker
-            self._workers[w].builder.add(req)
-            return
-        if queued_on is not None:  # leaves that builder; its canvas pages stay allocated
-            self._workers[queued_on].builder.detach(req.request_id)
-        self._to_prefill_worker(live, w)
+    def _drop(self, request_id: str, workers: set[int]) -> None:
+        """What a worker does with Drop: free whatever it holds of the request."""
+        for i in workers:
+            w = self._workers[i]
+            for task in [t for t in w.ready if t.request.request_id == request_id]:
+                w.ready.remove(task)
+                w.allocator.free(task.request.pages)
+            if w.tasks.pop(request_id, None) is not None:
+                w.builder.abort(request_id)
+            pages = w.parked.pop(request_id, None)
+            if pages:
+                w.allocator.free(pages)
 
     # Iterations.
     def _kick(self) -> None:
@@ -403,20 +408,19 @@ class Simulator:
         for w in self._workers:
             if w.batch is not None:
                 continue
-            while w.landing and w.builder.num_seated < w.builder.max_batch_size:
-                w.builder.seat(w.landing.popleft())
+            while w.ready and w.builder.num_seated < w.builder.max_batch_size:
+                task = w.ready.popleft()
+                w.builder.seat(task.request)
+                w.tasks[task.request.request_id] = task
             if not w.builder.has_work:
                 continue
             batch = w.builder.schedule(now)
             if batch.is_empty:
                 continue  # memory-blocked; a later event frees pages
-            for p in batch.prefills:
-                live = self._proxies.get(p.request_id)
-                if live is not None:
-                    live.request.mark_admitted(now)  # the stand-in's admission is the refresh's
             spans = [Span(r.prefill_cost, r.total_len, r.block_length) for r in batch.prefills]
             for r in batch.decodes:
-                spans.append(Span(r.decode_span, r.total_len, self._live(r).masks_left))
+                spans.append(Span(r.decode_span, r.total_len,
+                                  w.tasks[r.request_id].live.masks_left))
             dt = self.cost.iteration_time(spans)
             w.batch, w.started = batch, now
             w.iterations += 1
@@ -425,22 +429,39 @@ class Simulator:
             w.prefill_tokens += batch.prefill_tokens
             self._push(now + dt, _ITER_DONE, w)
 
-    def _live(self, req: Request) -> _Live:
-        return self._lives[req.request_id]
-
     def _iteration_done(self, w: _Worker) -> None:
         now = self._now
         batch, w.batch = w.batch, None
-        for req in batch.prefills:
-            self._router.done(w.index, req.prefill_cost)
-            live = self._proxies.pop(req.request_id, None)
-            if live is not None:
-                w.builder.step_done(req, now, block_done=False, finished=True)  # pages freed
-                self._refreshed_elsewhere(live, w)
+        prefills = {r.request_id for r in batch.prefills}
+        for req in batch.decodes + batch.prefills:
+            task = w.tasks[req.request_id]
+            live = task.live
+            refresh = req.request_id in prefills
+            block_done, finished = self._advance(live, refresh)
+            current = self.placement.current(req.request_id, task.attempt)
+            if refresh and current is not None:
+                self.placement.refreshed(current, w.index, w.started, now)
+            w.builder.step_done(req, now, block_done, finished)
+            if task.kv_dest is not None:  # a refresh for another worker: pages were temporary
+                if not block_done:
+                    self._ship(task, w)
+                w.builder.abort(req.request_id)
+                del w.tasks[req.request_id]
+                if block_done:
+                    self._block_done(task, w, finished, [])
+                continue
+            if not block_done:
+                continue
+            del w.tasks[req.request_id]
+            kept: list[int] = []
+            if finished:
+                pass  # the builder freed the pages
+            elif task.keep_pages:  # park the canvas: the next block's refresh is routed again
+                kept = w.builder.detach(req.request_id).pages
+                w.parked[req.request_id] = kept
             else:
-                self._step(w, req, refresh=True)
-        for req in batch.decodes:
-            self._step(w, req, refresh=False)
+                w.builder.abort(req.request_id)
+            self._block_done(task, w, finished, kept)
 
     def _advance(self, live: _Live, refresh: bool) -> tuple[bool, bool]:
         """Commit one step's tokens; returns (block done, request finished)."""
@@ -448,33 +469,37 @@ class Simulator:
             live.commits = deque(self.steps.block_commits(self._rng, live.request.block_length))
             live.masks_left = live.request.block_length
         live.masks_left -= live.commits.popleft()
+        live.forwards += 1
         block_done = not live.commits
         return block_done, block_done and live.request.block + 1 == live.blocks_to_decode
 
-    def _step(self, w: _Worker, req: Request, refresh: bool) -> None:
-        live = self._live(req)
-        block_done, finished = self._advance(live, refresh)
-        w.builder.step_done(req, self._now, block_done, finished)
+    def _block_done(self, task: _Task, w: _Worker, finished: bool, kept: list[int]) -> None:
+        live = task.live
+        current = self.placement.current(live.request.request_id, task.attempt)
+        if current is None:
+            return
+        block = live.request.block + (0 if finished else 1)
+        self._drop(live.request.request_id, self.placement.block_done(
+            current, w.index, finished, block, live.forwards, kept, self._now))
         if finished:
             self._finish(live)
-        elif block_done:
-            self._route_reprefill(live, queued_on=w.index)
 
-    def _refreshed_elsewhere(self, live: _Live, p: _Worker) -> None:
-        """A prefill worker refreshed ``live``: send its K/V to the decode worker."""
-        req, now = live.request, self._now
-        block_done, finished = self._advance(live, refresh=True)
-        req.mark_step_done(now, block_done, finished)
-        if finished:  # the refresh alone finished it: nothing to send, free its canvas
-            self._workers[req.worker].allocator.free(req.pages)
-            req.pages = []
-            self._finish(live)
-            return
-        if block_done:  # the next block needs a fresh refresh anyway: nothing to send
-            self._route_reprefill(live, queued_on=None)
-            return
-        d = self._workers[req.worker]
-        xfer = self.cost.kv_bytes(req.total_len) / self.link_bw
+    # K/V transfers.
+    def _ship(self, task: _Task, p: _Worker) -> None:
+        """Send a refresh's K/V to ``task.kv_dest``, which takes it into its parked canvas or
+        fresh pages, or drains it when it has no room (the block is then placed again)."""
+        live, now = task.live, self._now
+        rid = live.request.request_id
+        current = self.placement.current(rid, task.attempt)
+        drain = self.placement.kv_sent(current, p.index, task.kv_dest, drain=False)
+        d = self._workers[task.kv_dest]
+        pages = None
+        if not drain:
+            need = live.placed.pages_needed
+            pages = d.parked.pop(rid, None)
+            if pages is None and d.allocator.can_allocate(need):
+                pages = d.allocator.allocate(need)
+        xfer = self.cost.kv_bytes(live.request.total_len) / self.link_bw
         if self.config.layerwise_kv_streaming:
             layer_compute = (now - p.started) / self.geom.layers
             start = max(p.send_free, d.recv_free, p.started + layer_compute)
@@ -483,11 +508,29 @@ class Simulator:
             start = max(p.send_free, d.recv_free, now)
             end = start + xfer
         p.send_free = d.recv_free = end
-        live.transfer_s += end - now
-        self._push(end, _LANDED, live)
+        if not drain:
+            live.transfer_s += end - now
+        self._push(end, _LANDED, _Transfer(task, p.index, task.kv_dest, pages))
 
-    def _land(self, live: _Live) -> None:
-        self._workers[live.request.worker].landing.append(live.request)
+    def _land(self, t: _Transfer) -> None:
+        live = t.task.live
+        rid = live.request.request_id
+        current = self.placement.current(rid, t.task.attempt)
+        d = self._workers[t.dst]
+        if current is None:  # dropped meanwhile, or drained
+            if t.pages is not None:
+                d.allocator.free(t.pages)
+            return
+        ok = t.pages is not None
+        if ok:
+            r = live.request
+            req = Request(rid, r.arrival_time, r.prompt_len, r.canvas_len, r.block_length,
+                          r.cache, seq=r.seq)
+            req.block, req.pages = r.block, t.pages
+            req.mark_admitted(self._now)  # the refresh ran on the sender
+            req.mark_step_done(self._now, block_done=False, finished=False)
+            d.ready.append(_Task(live, req, t.task.attempt, None, True))
+        self._drop(rid, self.placement.kv_received(current, t.dst, ok, t.pages or []))
 
     def _finish(self, live: _Live) -> None:
         req = live.request
@@ -500,7 +543,6 @@ class Simulator:
             "canvas_tokens": live.blocks_to_decode * req.block_length,
         })
         del self._lives[req.request_id]
-        self._retry_pending()
 
 
 def simulate(config: SimConfig, trace: Sequence[TraceRequest], qps: float = math.nan,

@@ -130,11 +130,13 @@ def request_error(error: BaseException) -> str:
     return f"the request failed in the engine: {error!r}"
 
 
-def scheduling_request(request_id: str, arrival_time: float, state: DecodeState) -> Request:
-    """The scheduler's view of a request whose canvas is ``state``, at its current block."""
+def scheduling_request(request_id: str, arrival_time: float, state: DecodeState,
+                       seq: int | None = None) -> Request:
+    """The scheduler's view of a request whose canvas is ``state``, at its current block
+    (``seq``: the front's request's, so that a worker orders equal arrivals as it does)."""
     p = state.params
     req = Request(request_id, arrival_time, state.prompt_len, p.canvas_length, p.block_length,
-                  p.cache, state.total_len - state.canvas_end, p.priority)
+                  p.cache, state.total_len - state.canvas_end, p.priority, seq)
     req.block = state.block
     return req
 

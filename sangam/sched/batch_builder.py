@@ -29,6 +29,7 @@ Not thread-safe: the driver serializes calls.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -94,7 +95,10 @@ class BatchBuilder:
         self._waiting: dict[str, Request] = {}  # status WAITING
         # Heap of (queue_key, request) over the WAITING requests. An entry whose request is no
         # longer in _waiting (aborted) is stale and dropped when it reaches the top.
-        self._queue: list[tuple[tuple[int, float, int], Request]] = []
+        # (queue key, push count, request): the count orders a request re-queued while a stale
+        # entry of its own (same key) is still in the heap, and never compares requests.
+        self._queue: list[tuple[tuple[int, float, int], int, Request]] = []
+        self._pushes = itertools.count()
         self._seated: dict[str, Request] = {}  # status DECODE, in seating order
         self._in_flight: dict[str, Request] = {}  # scheduled, step_done not yet called
         self._active: Request | None = None  # fastdllm: the one request being served
@@ -252,7 +256,7 @@ class BatchBuilder:
             # first of them, as the idle rule would; it needs no allocation.
             holder = self._first_holding_pages()
             if holder is not None:
-                self._queue.remove((holder.queue_key, holder))
+                self._queue = [e for e in self._queue if e[2] is not holder]
                 heapq.heapify(self._queue)
                 self._admit(holder, now, prefills)
                 admitted += holder.prefill_cost
@@ -297,13 +301,13 @@ class BatchBuilder:
     def _enqueue(self, req: Request) -> None:
         self._waiting[req.request_id] = req
         if req is not self._active:  # fastdllm's active re-prefill bypasses the queue
-            heapq.heappush(self._queue, (req.queue_key, req))
+            heapq.heappush(self._queue, (req.queue_key, next(self._pushes), req))
 
     def _head(self) -> Request | None:
         """The highest-priority WAITING request, dropping stale entries on the way."""
         q = self._queue
         while q:
-            req = q[0][1]
+            req = q[0][2]
             if self._waiting.get(req.request_id) is req:
                 return req
             heapq.heappop(q)

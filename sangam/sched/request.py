@@ -79,7 +79,7 @@ class Request:
 
     def __init__(self, request_id: str, arrival_time: float, prompt_len: int, canvas_len: int,
                  block_length: int, cache: str = "dual", suffix_len: int = 0,
-                 priority: int = 0):
+                 priority: int = 0, seq: int | None = None):
         if prompt_len < 1:
             raise ValueError(f"request {request_id!r}: prompt_len must be >= 1, got {prompt_len}")
         if block_length < 1 or canvas_len < 1 or canvas_len % block_length:
@@ -98,7 +98,8 @@ class Request:
         self.block_length = block_length
         self.cache = cache
         self.priority = priority  # vLLM's: lower is served first; ties by arrival
-        self.seq = next(_SEQ)
+        # Its place among equal arrivals: kept by the copies a worker schedules (``seq``).
+        self.seq = next(_SEQ) if seq is None else seq
         self.total_len = prompt_len + canvas_len + suffix_len
         self.num_blocks = canvas_len // block_length
         self.block = 0

@@ -7,25 +7,9 @@ model: per request it keeps the ``DecodeState`` as of the start of the block to 
 token array), which is all that recovery needs, because a block's refresh recomputes every
 layer's K/V of every position from the tokens alone.
 
-Who runs what (the worker's side is in ``worker.py``):
-- colocated: each block runs where the request's canvas is (the router keeps re-prefills
-  there); the first goes to the least-loaded worker.
-- disaggregated / hybrid: a new canvas is placed on the decode worker with the most free pages
-  (``route_decode``; the request waits here while none has room); each block's refresh goes to
-  a prefill worker by load (``route_prefill``), which applies the refresh's unmasking step and
-  ships the K/V and the state to the canvas holder; the holder runs the cached steps. Hybrid
-  overflow (``route_prefill`` returns a decode worker) runs the whole block there, on the
-  canvas, with nothing to ship.
-- ``cache="none"`` requests in disaggregated / hybrid mode: every step is a refresh, so there
-  is no cache worth shipping. Each block runs entirely where ``route_prefill`` puts it (a
-  prefill worker, or a decode worker on overflow) on pages held for that block only; decode
-  workers keep running cached steps only.
-- Failover: when only prefill workers or only decode workers survive (``one_role_left``), the
-  survivors serve as colocated workers (each block runs whole where its canvas is), so any
-  subset of workers that is not empty keeps serving. With none left, ``step`` raises.
-
-Memory: the front mirrors every worker's page commitments (canvases held or promised, pages of
-refreshes for other workers) to give the router free-page counts that do not lag behind.
+Where each block runs, when K/V moves and what a failure takes back is ``Placement``'s
+(``sangam/sched/placement.py``), which the simulator drives too: this process turns its
+decisions into messages to the workers and the workers' reports into its events.
 
 Failures: a worker found dead (its process exited, it reported a failure, its heartbeats
 stopped, or it had work and its loop reported nothing for ``watchdog_timeout`` seconds while
@@ -42,14 +26,11 @@ receiver could not take is retried the same way.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import itertools
 import logging
 import random
 import subprocess
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -65,8 +46,7 @@ from sangam.engine.multi import launcher
 from sangam.engine.multi import messages as msg
 from sangam.models import read_config, resolve_dtype
 from sangam.sampling_params import RequestOutput, SamplingParams
-from sangam.sched.request import Request
-from sangam.sched.router import Router
+from sangam.sched.placement import NeverFits, Placed, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -80,28 +60,13 @@ BUSY_SILENCE_FACTOR = 10.0
 _POLL_MS = 10  # step() waits this long for a worker report when there is nothing to return
 _SHUTDOWN_WAIT_S = 10.0
 
-PENDING = "pending"  # at the front, waiting to be placed
-RUNNING = "running"  # ``worker`` runs this block's refresh (and, without kv_dst, the block)
-TRANSFER = "transfer"  # the refresh's K/V travels from kv_src to kv_dst
-
-
 @dataclass
 class _Entry:
-    request: Request  # the router's view; pages/worker mirror the canvas holder's
+    placed: Placed  # where it is (Placement's)
     state: DecodeState  # at the start of the next block to run (or finished)
     prompt_ids: list[int]
-    pages_needed: int
-    attempt: int  # unique over the engine's life: a reused request id never matches old news
-    phase: str = PENDING
-    worker: int | None = None
-    holder: int | None = None  # holds (or, once admitted there, will hold) the canvas
-    reserved: int | None = None  # decode worker promised the canvas on K/V receipt
-    kv_src: int | None = None
-    kv_dst: int | None = None
-    load_worker: int | None = None  # router load outstanding there
     kv_bytes: int = 0
     kv_transfers: int = 0
-    restarts: int = 0
     text: IncrementalDetokenizer = field(init=False)  # the outputs' text
 
     def __post_init__(self) -> None:
@@ -152,12 +117,8 @@ class WorkerState:
 
 @dataclass
 class Counters:
-    overflow_prefills: int = 0  # hybrid: prefills placed on decode workers
     kv_transfers: int = 0
     kv_bytes: int = 0
-    failed_transfers: int = 0
-    restarts: int = 0  # requests taken back to their block start
-    prefills_by_worker: dict[int, int] = field(default_factory=dict)
 
 
 def _front_model(config: EngineConfig, loaded: LoadedModel | None,
@@ -183,10 +144,7 @@ class MultiWorkerEngine:
         self.stats = EngineStats()
         self.counters = Counters()
         self.transfers: deque[TransferRecord] = deque(maxlen=100_000)
-        self.dead_workers: list[int] = []
         self._rng = random.Random(config.seed)
-        self._attempts = itertools.count()
-        self._pending: dict[str, _Entry] = {}
         self._outputs: list[RequestOutput] = []
         self._open_transfers: dict[tuple[int, int], TransferRecord] = {}
         self._closed = False
@@ -204,11 +162,10 @@ class MultiWorkerEngine:
         except BaseException:
             self.shutdown()
             raise
-        n = len(self.roles)
-        self._num_pages = [self._workers[w].hello.num_pages for w in range(n)]
-        self._committed = [0] * n
-        self.router = Router(config.mode, self.roles, config.overflow_threshold, config.seed,
-                             config.page_size)
+        self.placement = Placement(
+            config.mode, self.roles, [self._workers[w].hello.num_pages
+                                      for w in range(len(self.roles))],
+            config.page_size, config.overflow_threshold, config.seed)
         atexit.register(self.shutdown)
 
     # Startup and shutdown.
@@ -314,27 +271,21 @@ class MultiWorkerEngine:
         and suffix); raises (and changes nothing) if it cannot be served."""
         req, state = new_request(self.requests, self.config, self.loaded, self._rng, request_id,
                                  prompt_token_ids, params, arrival_time, suffix_token_ids)
-        need = req.pages_needed(self.config.page_size)
-        self._check_fits(need, state.total_len)
-        entry = _Entry(req, state, state.prompt_ids(), need, next(self._attempts))
-        self.requests[request_id] = entry
-        self._pending[request_id] = entry
+        try:
+            placed = self.placement.add(req)
+        except NeverFits as e:
+            raise RequestRejected(str(e)) from None
+        self.requests[request_id] = _Entry(placed, state, state.prompt_ids())
 
-    def _check_fits(self, need: int, tokens: int) -> None:
-        def biggest(workers: list[int]) -> int:
-            return max((self._num_pages[w] for w in workers), default=0)
-
-        room = min(biggest(self.router.prefill_capable()), biggest(self.router.canvas_capable()))
-        if need > room:
-            raise RequestRejected(f"request needs {need} KV pages for {tokens} tokens, more "
-                                  f"than the pool's {room}")
+    @property
+    def dead_workers(self) -> list[int]:
+        return self.placement.dead
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         e = self.requests.pop(request_id, None)
         if e is None:
             return None
-        self._release(e)
-        self._pending.pop(request_id, None)
+        self._drop(request_id, self.placement.remove(request_id))
         return self._output(e, finished=True, reason="abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -347,101 +298,24 @@ class MultiWorkerEngine:
     def step(self) -> list[RequestOutput]:
         """Place waiting blocks, take in the workers' reports (waiting briefly for one when
         there is nothing else to do), and return an output per completed block."""
-        self._place_pending()
+        self._place()
         self._receive(0 if self._outputs or not self.requests else _POLL_MS)
         self._check_workers()
-        self._place_pending()
+        self._place()
         out, self._outputs = self._outputs, []
         return out
 
-    # Placement.
-    def _free_pages(self) -> list[int]:
-        return [0 if w in self.dead_workers else self._num_pages[w] - self._committed[w]
-                for w in range(len(self.roles))]
+    # Placement's decisions, as messages.
+    def _place(self) -> None:
+        for d in self.placement.place():
+            e = self.requests[d.request_id]
+            r = e.placed.request
+            self._send(d.worker, msg.Prefill(d.request_id, d.attempt, e.state, r.arrival_time,
+                                             r.seq, d.kv_dest, d.keep_pages))
 
-    def _footprint(self, e: _Entry) -> list[tuple[int, int]]:
-        canvas = e.holder if e.holder is not None else e.reserved
-        out = [] if canvas is None else [(canvas, e.pages_needed)]
-        if e.phase == RUNNING and e.worker != canvas:  # pages for this block only
-            out.append((e.worker, e.pages_needed))
-        return out
-
-    @contextlib.contextmanager
-    def _moving(self, e: _Entry) -> Iterator[None]:
-        """Keep the page mirror in step with the entry's placement fields."""
-        for w, n in self._footprint(e):
-            self._committed[w] -= n
-        yield
-        for w, n in self._footprint(e):
-            self._committed[w] += n
-
-    def _place_pending(self) -> None:
-        blocked = False
-        for e in sorted(self._pending.values(), key=lambda e: e.request.queue_key):
-            # A new canvas that finds no decode memory blocks later new canvases (strict
-            # priority); blocks of requests that hold their canvas never wait for memory.
-            needs_canvas = e.holder is None and self.config.mode != "colocated" \
-                and e.request.cache != "none" and not self.router.one_role_left
-            if not (blocked and needs_canvas) and self._place(e):
-                del self._pending[e.request.request_id]
-            else:
-                blocked = blocked or needs_canvas
-
-    def _place(self, e: _Entry) -> bool:
-        req = e.request
-        free = self._free_pages()
-        if self.config.mode == "colocated" or (self.router.one_role_left
-                                               and req.cache != "none"):
-            w = self.router.route_prefill(req, free)
-            self._dispatch(e, w, None, keep=True, holder=w)
-        elif req.cache == "none":
-            self._dispatch(e, self.router.route_prefill(req, free), None, keep=False)
-        else:
-            dest = e.holder
-            if dest is None:
-                dest = self.router.route_decode(req, free, e.pages_needed)
-                if dest is None:
-                    return False
-            w = self.router.route_prefill(req, free)
-            if self.roles[w] == "decode":  # hybrid overflow: the block runs on its canvas
-                self.counters.overflow_prefills += 1
-                self._dispatch(e, w, None, keep=True, holder=w)
-            else:
-                self._dispatch(e, w, dest, keep=False, holder=e.holder,
-                               reserved=dest if e.holder is None else None)
-        return True
-
-    def _dispatch(self, e: _Entry, w: int, kv_dest: int | None, keep: bool,
-                  holder: int | None = None, reserved: int | None = None) -> None:
-        with self._moving(e):
-            e.phase, e.worker, e.holder, e.reserved = RUNNING, w, holder, reserved
-            e.load_worker = w  # route_prefill charged the refresh to w
-        c = self.counters.prefills_by_worker
-        c[w] = c.get(w, 0) + 1
-        self._send(w, msg.Prefill(e.request.request_id, e.attempt, e.state,
-                                  e.request.arrival_time, kv_dest, keep))
-
-    def _release(self, e: _Entry) -> None:
-        """Drop ``e`` from every live worker that may hold part of it; clear its placement."""
-        rid = e.request.request_id
-        for w in {e.worker, e.holder, e.kv_dst} - {None}:
-            if w not in self.dead_workers:
-                self._send(w, msg.Drop(rid))
-        if e.load_worker is not None:
-            self.router.done(e.load_worker, e.request.prefill_cost)
-        with self._moving(e):
-            e.phase = PENDING
-            e.worker = e.holder = e.reserved = e.kv_src = e.kv_dst = e.load_worker = None
-        e.request.pages, e.request.worker = [], None
-
-    def _restart(self, e: _Entry, why: str) -> None:
-        """Take ``e`` back to the start of its current block and place it again."""
-        logger.info("request %s restarts block %d: %s", e.request.request_id, e.state.block, why)
-        self._release(e)
-        e.attempt = next(self._attempts)
-        e.restarts += 1
-        self.counters.restarts += 1
-        self._pending[e.request.request_id] = e
+    def _drop(self, request_id: str, workers: set[int]) -> None:
+        for w in workers:
+            self._send(w, msg.Drop(request_id))
 
     # Reports.
     def _send(self, w: int, message: object) -> None:
@@ -492,7 +366,7 @@ class MultiWorkerEngine:
         self.stats.iterations.extend(r.iterations)
         for ev in r.events:
             e = self.requests.get(ev.request_id)
-            current = e is not None and ev.attempt == e.attempt
+            current = e is not None and ev.attempt == e.placed.attempt
             if isinstance(ev, msg.KVReceived):
                 record = self._open_transfers.pop((ev.src, ev.transfer_id), None)
                 if record is not None:
@@ -512,30 +386,24 @@ class MultiWorkerEngine:
                 self._on_request_failed(ev, e)
 
     def _on_refresh(self, w: int, ev: msg.RefreshRan, e: _Entry) -> None:
-        if e.load_worker == w:
-            self.router.done(w, e.request.prefill_cost)
-            e.load_worker = None
         now = time.monotonic()
-        m = e.request.metrics
-        m.prefill_started.append(now - ev.seconds)
-        m.prefill_finished.append(now)
+        self.placement.refreshed(e.placed, w, now - ev.seconds, now)
 
     def _on_kv_sent(self, w: int, ev: msg.KVSent, e: _Entry | None) -> None:
-        drain = e is None or ev.drain
+        drain = self.placement.kv_sent(None if e is None else e.placed, w, ev.dest, ev.drain)
         record = TransferRecord(ev.request_id, w, ev.dest, ev.num_pages, ev.nbytes,
                                 ev.streamed_layers, drain)
         self.transfers.append(record)
         if ev.dest in self.dead_workers:
             return  # the sender abandons it (PeerDead); the request was taken back
         self._open_transfers[(w, ev.transfer_id)] = record
-        arrival = e.request.arrival_time if e is not None else 0.0
+        arrival, seq = ((e.placed.request.arrival_time, e.placed.request.seq) if e is not None
+                        else (0.0, 0))
         self._send(ev.dest, msg.ReceiveKV(ev.request_id, ev.attempt, w, ev.transfer_id,
                                           ev.num_pages, None if drain else ev.state, arrival,
-                                          drain))
+                                          seq, drain))
         if drain:
             return
-        with self._moving(e):
-            e.phase, e.worker, e.kv_src, e.kv_dst = TRANSFER, None, w, ev.dest
         e.kv_bytes += ev.nbytes
         e.kv_transfers += 1
         self.counters.kv_transfers += 1
@@ -543,56 +411,33 @@ class MultiWorkerEngine:
 
     def _on_kv_received(self, w: int, ev: msg.KVReceived, e: _Entry) -> None:
         if not ev.ok:
-            self.counters.failed_transfers += 1
-            self._restart(e, f"K/V transfer {ev.src} -> {w} failed")
-            return
-        with self._moving(e):
-            e.phase, e.worker, e.holder, e.reserved = RUNNING, w, w, None
-            e.kv_src = e.kv_dst = None
-        e.request.pages, e.request.worker = list(ev.pages), w
+            logger.info("request %s restarts block %d: K/V transfer %d -> %d failed",
+                        ev.request_id, e.state.block, ev.src, w)
+        self._drop(ev.request_id, self.placement.kv_received(e.placed, w, ev.ok, ev.pages))
 
     def _on_block_done(self, w: int, ev: msg.BlockDone, e: _Entry) -> None:
-        now = time.monotonic()
-        e.state = ev.state
-        m = e.request.metrics
-        m.block_finished.append(now)
-        m.num_steps = ev.state.num_forwards
-        rid = e.request.request_id
-        if ev.state.finished:
-            for other in {e.holder, e.kv_dst} - {None, w}:  # a canvas left elsewhere
-                if other not in self.dead_workers:
-                    self._send(other, msg.Drop(rid))
-            with self._moving(e):
-                e.phase, e.worker, e.holder, e.reserved = PENDING, None, None, None
+        e.state = st = ev.state
+        rid = ev.request_id
+        self._drop(rid, self.placement.block_done(e.placed, w, st.finished, st.block,
+                                                  st.num_forwards, list(ev.pages),
+                                                  time.monotonic()))
+        if st.finished:
             del self.requests[rid]
-            m.finish_time = now
-            self.stats.finished.append(m)
-            self._outputs.append(self._output(e, True, ev.state.finish_reason))
-            return
-        with self._moving(e):
-            e.phase, e.worker, e.reserved = PENDING, None, None
-            if ev.pages:
-                e.holder = w
-        if ev.pages:
-            e.request.pages, e.request.worker = list(ev.pages), w
-        e.request.block = ev.state.block
-        m.prefill_queued.append(now)
-        self._pending[rid] = e
-        self._outputs.append(self._output(e, False, None))
+            self.stats.finished.append(e.placed.request.metrics)
+        self._outputs.append(self._output(e, st.finished, st.finish_reason))
 
     def _on_request_failed(self, ev: msg.RequestFailed, e: _Entry) -> None:
-        rid = e.request.request_id
+        rid = ev.request_id
         logger.error("request %s failed and was ended: %s", rid, ev.error)
-        self._release(e)
-        self._pending.pop(rid, None)
         del self.requests[rid]
+        self._drop(rid, self.placement.remove(rid))
         self._outputs.append(self._output(e, True, "error", ev.error))
 
     def _output(self, e: _Entry, finished: bool, reason: str | None,
                 error: str | None = None) -> RequestOutput:
-        return self.loaded.output(e.request.request_id, e.prompt_ids, e.state, finished, reason,
+        return self.loaded.output(e.placed.request_id, e.prompt_ids, e.state, finished, reason,
                                   {"kv_bytes": e.kv_bytes, "kv_transfers": e.kv_transfers,
-                                   "restarts": e.restarts,
+                                   "restarts": e.placed.restarts,
                                    "tokens_per_forward": tokens_per_forward(e.state)}, e.text,
                                   error)
 
@@ -622,8 +467,6 @@ class MultiWorkerEngine:
         logger.error("worker %d (%s, pid %d on %s) is dead: %s; its requests are taken back",
                      w, self.roles[w], self._workers[w].hello.pid,
                      self._workers[w].hello.host, why)
-        self.dead_workers.append(w)
-        self.router.mark_dead(w)
         # It may still run (it failed, its heartbeats were late, its loop hung): nothing it
         # does counts now, and it must exit. A local worker is killed here; one on another node
         # is told to by its heartbeat thread, which runs even when the loop is stuck.
@@ -637,12 +480,11 @@ class MultiWorkerEngine:
             if record.dst == w:  # its report will never come
                 record.ok = False
                 del self._open_transfers[key]
+        taken = self.placement.worker_dead(w)  # raises when none is left
         for other in self._workers:
             if other not in self.dead_workers:
                 self._send(other, msg.PeerDead(w))
-        for e in list(self.requests.values()):
-            if w in (e.worker, e.holder, e.reserved, e.kv_src, e.kv_dst):
-                self._restart(e, f"worker {w} died")
-        if not any(w2 not in self.dead_workers for w2 in range(len(self.roles))):
-            raise RuntimeError("every worker is dead")
-
+        for placed, drops in taken:
+            logger.info("request %s restarts block %d: worker %d died", placed.request_id,
+                        placed.request.block, w)
+            self._drop(placed.request_id, drops)

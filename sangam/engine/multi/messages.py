@@ -34,6 +34,7 @@ class Prefill:
     attempt: int
     state: DecodeState
     arrival: float
+    seq: int  # the request's place among equal arrivals (Request.seq)
     kv_dest: int | None
     keep_pages: bool
 
@@ -51,6 +52,7 @@ class ReceiveKV:
     num_pages: int
     state: DecodeState | None
     arrival: float
+    seq: int
     drain: bool
 
 

@@ -194,7 +194,7 @@ class Worker:
         rid = m.request_id
         if rid in self.tasks or rid in self.ready:
             raise RuntimeError(f"worker {self.index}: {rid!r} is already running here")
-        req = scheduling_request(rid, m.arrival, m.state)
+        req = scheduling_request(rid, m.arrival, m.state, m.seq)
         req.pages = self.parked.pop(rid, [])  # this worker holds its canvas: refresh in place
         self.builder.add(req)
         self.tasks[rid] = _Task(req, m.state, m.attempt, m.kv_dest, m.keep_pages)
@@ -230,7 +230,7 @@ class Worker:
         ok = done.ok and r.pages is not None
         if ok:
             self.transport.scatter_into(done.buffer, torch.tensor(r.pages, dtype=torch.int64))
-            req = scheduling_request(m.request_id, m.arrival, m.state)
+            req = scheduling_request(m.request_id, m.arrival, m.state, m.seq)
             req.pages = r.pages
             now = time.monotonic()
             req.mark_admitted(now)  # the refresh ran on the sender

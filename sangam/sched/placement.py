@@ -1,0 +1,306 @@
+"""Placement: where each block of each request runs, when its K/V moves, and what a failure
+takes back, in every mode (DESIGN.md §4). The multi-worker front and the simulator drive this
+one object; each turns its decisions into its own actions (messages to worker processes;
+events of a simulated clock).
+
+A request's life here, one block at a time:
+
+    pending --place--> running on ``worker`` (its refresh; and, with no ``kv_dest``, the whole
+       ^               block there, on the canvas when ``keep``)
+       |                  | refresh sent its K/V to ``kv_dst``      | block done
+       |                  v                                         |
+       |               transfer (``kv_src`` -> ``kv_dst``) --received--> running on the holder
+       |                                                            |
+       +--------------- block done (not finished) ------------------+----> finished: removed
+    failure (dead worker, failed transfer) -> back to pending at its block's start
+
+Who runs what:
+- colocated: each block runs where its canvas is (the router keeps re-prefills there); a new
+  request goes to the least-loaded worker.
+- disaggregated / hybrid: a new canvas is placed on the decode worker with the most free pages
+  (``Router.route_decode``); a request that finds none waits, and blocks the new canvases
+  behind it (strict priority: blocks of requests that hold a canvas never wait for memory).
+  Each block's refresh goes to a prefill worker by load, which ships the K/V to the canvas
+  holder, where the cached steps run. Hybrid overflow (``route_prefill`` gives a decode
+  worker) runs the whole block there, on its canvas, with nothing to ship.
+- ``cache="none"`` in disaggregated / hybrid mode: every step is a refresh, so there is no
+  cache worth shipping: each block runs whole where ``route_prefill`` puts it, on pages held
+  for that block only.
+- Failover: while workers of only one role survive (``Router.one_role_left``) they serve as
+  colocated workers do. With none left, placing raises.
+
+Memory: every worker's page commitments (canvases held or promised, pages of refreshes for
+other workers) are mirrored here, so the router's free-page counts do not lag behind the
+workers' own reports.
+
+Invariants: ``committed[w]`` is the sum of the footprints of the requests placed on ``w``;
+a request is in ``pending`` iff its phase is PENDING; an event about another attempt of a
+request (``attempt`` changes whenever it is taken back) is never applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from sangam.sched.request import Request
+from sangam.sched.router import Router
+
+PENDING = "pending"  # waiting to be placed
+RUNNING = "running"  # ``worker`` runs this block's refresh (and, without kv_dst, the block)
+TRANSFER = "transfer"  # the refresh's K/V travels from kv_src to kv_dst
+
+
+class NeverFits(ValueError):
+    """A request whose canvas no live worker's pool can ever hold."""
+
+
+@dataclass
+class Placed:
+    """One request's placement."""
+
+    request: Request  # the router's view; pages/worker mirror the canvas holder's
+    pages_needed: int
+    attempt: int  # unique over the placement's life: a reused request id never matches old news
+    phase: str = PENDING
+    worker: int | None = None
+    holder: int | None = None  # holds (or, once admitted there, will hold) the canvas
+    reserved: int | None = None  # decode worker promised the canvas on K/V receipt
+    kv_src: int | None = None
+    kv_dst: int | None = None
+    load_worker: int | None = None  # router load outstanding there
+    restarts: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Run the next block's refresh of a request on ``worker``: with ``kv_dest`` None the
+    whole block (keeping the canvas there afterwards when ``keep_pages``), else the refresh
+    only, its K/V then sent to ``kv_dest``."""
+
+    request_id: str
+    attempt: int
+    worker: int
+    kv_dest: int | None
+    keep_pages: bool
+
+
+@dataclass
+class PlacementCounters:
+    overflow_prefills: int = 0  # hybrid: prefills placed on decode workers
+    failed_transfers: int = 0
+    restarts: int = 0  # requests taken back to their block start
+    prefills_by_worker: dict[int, int] = field(default_factory=dict)
+
+
+class Placement:
+    def __init__(self, mode: str, roles: Sequence[str], num_pages: Sequence[int],
+                 page_size: int, overflow_threshold: int | None = None, seed: int = 0):
+        self.mode = mode
+        self.roles = list(roles)
+        self.num_pages = list(num_pages)
+        self.page_size = page_size
+        self.router = Router(mode, self.roles, overflow_threshold, seed, page_size)
+        self.counters = PlacementCounters()
+        self.requests: dict[str, Placed] = {}
+        self.pending: dict[str, Placed] = {}
+        self.committed = [0] * len(self.roles)
+        self.dead: list[int] = []
+        self._attempts = itertools.count()
+
+    # Requests in and out.
+    def room(self) -> int:
+        """The largest canvas, in pages, that the live workers can serve now."""
+        def biggest(workers: list[int]) -> int:
+            return max((self.num_pages[w] for w in workers), default=0)
+
+        return min(biggest(self.router.prefill_capable()), biggest(self.router.canvas_capable()))
+
+    def add(self, req: Request) -> Placed:
+        """A new request, pending; NeverFits if no live worker could ever hold its canvas."""
+        need = req.pages_needed(self.page_size)
+        if need > self.room():
+            raise NeverFits(f"request needs {need} KV pages for {req.total_len} tokens, more "
+                            f"than the pool's {self.room()}")
+        placed = Placed(req, need, next(self._attempts))
+        self.requests[req.request_id] = placed
+        self.pending[req.request_id] = placed
+        return placed
+
+    def remove(self, request_id: str) -> set[int]:
+        """Forget a request (aborted, failed); returns the live workers that may hold part of
+        it (to be told to drop it)."""
+        placed = self.requests.pop(request_id)
+        self.pending.pop(request_id, None)
+        return self._release(placed)
+
+    def current(self, request_id: str, attempt: int) -> Placed | None:
+        """The request, if ``attempt`` is its current one (news about abandoned work: None)."""
+        placed = self.requests.get(request_id)
+        return placed if placed is not None and placed.attempt == attempt else None
+
+    # Placing.
+    def place(self) -> list[Dispatch]:
+        """Place every pending block that can be placed now, in priority order."""
+        out = []
+        blocked = False
+        for placed in sorted(self.pending.values(), key=lambda p: p.request.queue_key):
+            # A new canvas that finds no decode memory blocks later new canvases (strict
+            # priority); blocks of requests that hold their canvas never wait for memory.
+            needs_canvas = placed.holder is None and self.mode != "colocated" \
+                and placed.request.cache != "none" and not self.router.one_role_left
+            dispatch = None if blocked and needs_canvas else self._place(placed)
+            if dispatch is None:
+                blocked = blocked or needs_canvas
+                continue
+            del self.pending[placed.request_id]
+            out.append(dispatch)
+        return out
+
+    def _place(self, p: Placed) -> Dispatch | None:
+        req = p.request
+        free = self.free_pages()
+        if self.mode == "colocated" or (self.router.one_role_left and req.cache != "none"):
+            w = self.router.route_prefill(req, free)
+            return self._dispatch(p, w, None, keep=True, holder=w)
+        if req.cache == "none":
+            return self._dispatch(p, self.router.route_prefill(req, free), None, keep=False)
+        dest = p.holder
+        if dest is None:
+            dest = self.router.route_decode(req, free, p.pages_needed)
+            if dest is None:
+                return None
+        w = self.router.route_prefill(req, free)
+        if self.roles[w] == "decode":  # hybrid overflow: the block runs on its canvas
+            self.counters.overflow_prefills += 1
+            return self._dispatch(p, w, None, keep=True, holder=w)
+        return self._dispatch(p, w, dest, keep=False, holder=p.holder,
+                              reserved=dest if p.holder is None else None)
+
+    def _dispatch(self, p: Placed, w: int, kv_dest: int | None, keep: bool,
+                  holder: int | None = None, reserved: int | None = None) -> Dispatch:
+        with self._moving(p):
+            p.phase, p.worker, p.holder, p.reserved = RUNNING, w, holder, reserved
+            p.load_worker = w  # route_prefill charged the refresh to w
+        c = self.counters.prefills_by_worker
+        c[w] = c.get(w, 0) + 1
+        return Dispatch(p.request_id, p.attempt, w, kv_dest, keep)
+
+    # What the workers report.
+    def refreshed(self, p: Placed, worker: int, start: float, end: float) -> None:
+        """The block's refresh forward ran on ``worker`` from ``start`` to ``end``: its tokens
+        leave the load."""
+        if p.load_worker == worker:
+            self.router.done(worker, p.request.prefill_cost)
+            p.load_worker = None
+        m = p.request.metrics
+        m.prefill_started.append(start)
+        m.prefill_finished.append(end)
+
+    def kv_sent(self, p: Placed | None, src: int, dest: int, drain: bool) -> bool:
+        """``src`` posted a transfer to ``dest`` for ``p`` (None: for work taken back). Returns
+        whether the receiver is to discard it (the request is gone or abandoned, or the
+        refresh completed its block, ``drain``); otherwise the K/V is on its way."""
+        if p is None or drain:
+            return True
+        with self._moving(p):
+            p.phase, p.worker, p.kv_src, p.kv_dst = TRANSFER, None, src, dest
+        return False
+
+    def kv_received(self, p: Placed, dst: int, ok: bool, pages: list[int]) -> set[int]:
+        """The K/V landed on ``dst`` (``ok``: seated, holding ``pages``), or could not be taken
+        (the block is taken back and placed again: the live workers to tell to drop it)."""
+        if not ok:
+            self.counters.failed_transfers += 1
+            return self._restart(p)
+        with self._moving(p):
+            p.phase, p.worker, p.holder, p.reserved = RUNNING, dst, dst, None
+            p.kv_src = p.kv_dst = None
+        p.request.pages, p.request.worker = list(pages), dst
+        return set()
+
+    def block_done(self, p: Placed, worker: int, finished: bool, block: int, forwards: int,
+                   pages: list[int], now: float) -> set[int]:
+        """A block of ``p`` completed on ``worker`` at ``now`` (``forwards`` spent so far),
+        which keeps ``pages`` of its canvas (none: it freed them). Unfinished, the next block
+        waits to be placed; finished, the request is removed. Returns the live workers, other
+        than ``worker``, that still hold some of it (to be told to drop it)."""
+        rid = p.request_id
+        m = p.request.metrics
+        m.block_finished.append(now)
+        m.num_steps = forwards
+        if finished:
+            m.finish_time = now
+            stale = {p.holder, p.kv_dst} - {None, worker}
+            with self._moving(p):
+                p.phase, p.worker, p.holder, p.reserved = PENDING, None, None, None
+            del self.requests[rid]
+            return {w for w in stale if w not in self.dead}
+        with self._moving(p):
+            p.phase, p.worker, p.reserved = PENDING, None, None
+            if pages:
+                p.holder = worker
+        if pages:
+            p.request.pages, p.request.worker = list(pages), worker
+        p.request.block = block
+        m.prefill_queued.append(now)
+        self.pending[rid] = p
+        return set()
+
+    def worker_dead(self, w: int) -> list[tuple[Placed, set[int]]]:
+        """``w`` is gone: every request with anything on it is taken back to its block's start
+        (and placed again). Returns each of those, with the live workers to tell to drop it.
+        Raises when no worker is left."""
+        self.dead.append(w)
+        self.router.mark_dead(w)
+        if len(self.dead) == len(self.roles):
+            raise RuntimeError("every worker is dead")
+        return [(p, self._restart(p)) for p in list(self.requests.values())
+                if w in (p.worker, p.holder, p.reserved, p.kv_src, p.kv_dst)]
+
+    # Internals.
+    def free_pages(self) -> list[int]:
+        return [0 if w in self.dead else self.num_pages[w] - self.committed[w]
+                for w in range(len(self.roles))]
+
+    def _footprint(self, p: Placed) -> list[tuple[int, int]]:
+        canvas = p.holder if p.holder is not None else p.reserved
+        out = [] if canvas is None else [(canvas, p.pages_needed)]
+        if p.phase == RUNNING and p.worker != canvas:  # pages for this block only
+            out.append((p.worker, p.pages_needed))
+        return out
+
+    @contextlib.contextmanager
+    def _moving(self, p: Placed) -> Iterator[None]:
+        """Keep the page mirror in step with the request's placement fields."""
+        for w, n in self._footprint(p):
+            self.committed[w] -= n
+        yield
+        for w, n in self._footprint(p):
+            self.committed[w] += n
+
+    def _release(self, p: Placed) -> set[int]:
+        """Clear ``p``'s placement; the live workers that may hold part of it."""
+        drops = {w for w in (p.worker, p.holder, p.kv_dst) if w is not None and w not in self.dead}
+        if p.load_worker is not None:
+            self.router.done(p.load_worker, p.request.prefill_cost)
+        with self._moving(p):
+            p.phase = PENDING
+            p.worker = p.holder = p.reserved = p.kv_src = p.kv_dst = p.load_worker = None
+        p.request.pages, p.request.worker = [], None
+        return drops
+
+    def _restart(self, p: Placed) -> set[int]:
+        """Take ``p`` back to the start of its current block, to be placed again."""
+        drops = self._release(p)
+        p.attempt = next(self._attempts)
+        p.restarts += 1
+        self.counters.restarts += 1
+        self.pending[p.request_id] = p
+        return drops
