@@ -268,7 +268,7 @@ def test_busy_worker_loop_reports_at_least_every_second():
     w = worker_mod.Worker.__new__(worker_mod.Worker)  # the loop's state, no model or sockets
     w.index, w.transport, w.events, w.iterations, w._handled = 0, None, [], [], 3
     w.pool = SimpleNamespace(allocator=PageAllocator(8))
-    w.tasks, w.ready, w.receiving = {"r": object()}, {}, {}
+    w.core = SimpleNamespace(busy=True)
     w._reported, w._reported_at = (-1, -1, -1, False), 0.0
     w._send = lambda m: sent.append(msg.loads(msg.dumps(m)))
     w._flush()
@@ -278,7 +278,7 @@ def test_busy_worker_loop_reports_at_least_every_second():
     w._reported_at -= worker_mod._KEEPALIVE_S  # a second passes
     w._flush()
     assert len(sent) == 2 and sent[1].busy and not sent[1].events
-    w.tasks = {}
+    w.core.busy = False
     w._flush()  # busy -> idle is a change: reported once
     w._reported_at -= 5 * worker_mod._KEEPALIVE_S
     w._flush()

@@ -73,6 +73,7 @@ from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.placement import NeverFits, Placed, Placement
 from sangam.sched.request import Request
 from sangam.sched.router import MODES
+from sangam.sched.worker_core import Task, WorkerCore
 
 # The deployment options the simulator shares with the engine take the engine's defaults.
 _ENGINE = {f.name: f for f in dataclasses.fields(EngineConfig)}
@@ -229,28 +230,13 @@ class SimConfig:
 
 
 @dataclass
-class _Task:
-    """A request's work on one simulated worker, as ``engine/multi/worker.py`` keeps it."""
-
-    live: _Live
-    request: Request  # this worker's view of it (the engine's workers build their own too)
-    attempt: int
-    kv_dest: int | None  # a refresh for another worker: the K/V goes there
-    keep_pages: bool  # this worker holds the canvas after the block
-
-
-@dataclass
 class _Worker:
-    """One simulated worker: its pool and BatchBuilder, and what a worker process tracks (tasks
-    in the builder, K/V landed waiting for a seat, canvases parked between blocks)."""
+    """One simulated worker: its pool and BatchBuilder, and what a worker process keeps of its
+    requests (``WorkerCore``, the worker process's own)."""
 
     index: int
     role: str
-    allocator: PageAllocator
-    builder: BatchBuilder
-    tasks: dict[str, _Task] = field(default_factory=dict)
-    ready: deque = field(default_factory=deque)  # K/V landed, waiting for a seat
-    parked: dict[str, list[int]] = field(default_factory=dict)
+    core: WorkerCore
     batch: ScheduledBatch | None = None  # the iteration in flight
     started: float = 0.0
     send_free: float = 0.0  # when the outbound link is next free
@@ -281,12 +267,11 @@ class _Live:
 
 @dataclass
 class _Transfer:
-    """K/V on its way from ``src`` to ``dst`` (into ``pages``; None: the receiver drains it)."""
+    """K/V on its way from ``src`` to ``dst`` (transfer ``key`` there)."""
 
-    task: _Task
+    key: tuple[int, int]
     src: int
     dst: int
-    pages: list[int] | None
 
 
 @dataclass
@@ -324,9 +309,10 @@ class Simulator:
         budget = math.inf if cfg.policy == "prefill_first" else cfg.token_budget
         self._workers = []
         for i, role in enumerate(cfg.roles):  # as the engine builds each worker's parts
-            alloc = PageAllocator(self.num_pages)
-            self._workers.append(_Worker(i, role, alloc, BatchBuilder(
-                alloc, cfg.page_size, cfg.policy, budget, cfg.max_batch_size)))
+            self._workers.append(_Worker(i, role, WorkerCore(BatchBuilder(
+                PageAllocator(self.num_pages), cfg.page_size, cfg.policy, budget,
+                cfg.max_batch_size))))
+        self._transfer_ids = itertools.count()
         self.placement = Placement(cfg.mode, cfg.roles, [self.num_pages] * len(cfg.roles),
                                    cfg.page_size, cfg.overflow_threshold, cfg.seed)
         self._events: list = []
@@ -376,30 +362,24 @@ class Simulator:
             raise ValueError(f"request {index} can never fit a worker's KV pool: {e}") from None
         self._lives[req.request_id] = _Live(index, placed, out, -(-out // b))
 
+    @staticmethod
+    def _view(live: _Live) -> Request:
+        """A worker's copy of the request, at its current block (as a worker builds one)."""
+        r = live.request
+        req = Request(r.request_id, r.arrival_time, r.prompt_len, r.canvas_len,
+                      r.block_length, r.cache, seq=r.seq)
+        req.block = r.block
+        return req
+
     def _place(self) -> None:
         for d in self.placement.place():
             live = self._lives[d.request_id]
-            w = self._workers[d.worker]
-            r = live.request
-            req = Request(r.request_id, r.arrival_time, r.prompt_len, r.canvas_len,
-                          r.block_length, r.cache, seq=r.seq)
-            req.block = r.block
-            req.pages = w.parked.pop(r.request_id, [])  # it holds the canvas: refresh in place
-            w.builder.add(req)
-            w.tasks[r.request_id] = _Task(live, req, d.attempt, d.kv_dest, d.keep_pages)
+            self._workers[d.worker].core.take_block(
+                Task(self._view(live), live, d.attempt, d.kv_dest, d.keep_pages))
 
     def _drop(self, request_id: str, workers: set[int]) -> None:
-        """What a worker does with Drop: free whatever it holds of the request."""
         for i in workers:
-            w = self._workers[i]
-            for task in [t for t in w.ready if t.request.request_id == request_id]:
-                w.ready.remove(task)
-                w.allocator.free(task.request.pages)
-            if w.tasks.pop(request_id, None) is not None:
-                w.builder.abort(request_id)
-            pages = w.parked.pop(request_id, None)
-            if pages:
-                w.allocator.free(pages)
+            self._workers[i].core.drop(request_id)
 
     # Iterations.
     def _kick(self) -> None:
@@ -408,19 +388,16 @@ class Simulator:
         for w in self._workers:
             if w.batch is not None:
                 continue
-            while w.ready and w.builder.num_seated < w.builder.max_batch_size:
-                task = w.ready.popleft()
-                w.builder.seat(task.request)
-                w.tasks[task.request.request_id] = task
-            if not w.builder.has_work:
+            w.core.seat_ready()
+            if not w.core.builder.has_work:
                 continue
-            batch = w.builder.schedule(now)
+            batch = w.core.builder.schedule(now)
             if batch.is_empty:
                 continue  # memory-blocked; a later event frees pages
             spans = [Span(r.prefill_cost, r.total_len, r.block_length) for r in batch.prefills]
             for r in batch.decodes:
                 spans.append(Span(r.decode_span, r.total_len,
-                                  w.tasks[r.request_id].live.masks_left))
+                                  w.core.tasks[r.request_id].payload.masks_left))
             dt = self.cost.iteration_time(spans)
             w.batch, w.started = batch, now
             w.iterations += 1
@@ -434,34 +411,18 @@ class Simulator:
         batch, w.batch = w.batch, None
         prefills = {r.request_id for r in batch.prefills}
         for req in batch.decodes + batch.prefills:
-            task = w.tasks[req.request_id]
-            live = task.live
+            task = w.core.tasks[req.request_id]
+            live = task.payload
             refresh = req.request_id in prefills
             block_done, finished = self._advance(live, refresh)
             current = self.placement.current(req.request_id, task.attempt)
             if refresh and current is not None:
                 self.placement.refreshed(current, w.index, w.started, now)
-            w.builder.step_done(req, now, block_done, finished)
-            if task.kv_dest is not None:  # a refresh for another worker: pages were temporary
-                if not block_done:
-                    self._ship(task, w)
-                w.builder.abort(req.request_id)
-                del w.tasks[req.request_id]
-                if block_done:
-                    self._block_done(task, w, finished, [])
-                continue
-            if not block_done:
-                continue
-            del w.tasks[req.request_id]
-            kept: list[int] = []
-            if finished:
-                pass  # the builder freed the pages
-            elif task.keep_pages:  # park the canvas: the next block's refresh is routed again
-                kept = w.builder.detach(req.request_id).pages
-                w.parked[req.request_id] = kept
-            else:
-                w.builder.abort(req.request_id)
-            self._block_done(task, w, finished, kept)
+            if task.kv_dest is not None and not block_done:
+                self._ship(task, w)
+            task, kept = w.core.step_done(req, now, block_done, finished)
+            if kept is not None:
+                self._block_done(task, w, finished, kept)
 
     def _advance(self, live: _Live, refresh: bool) -> tuple[bool, bool]:
         """Commit one step's tokens; returns (block done, request finished)."""
@@ -473,8 +434,8 @@ class Simulator:
         block_done = not live.commits
         return block_done, block_done and live.request.block + 1 == live.blocks_to_decode
 
-    def _block_done(self, task: _Task, w: _Worker, finished: bool, kept: list[int]) -> None:
-        live = task.live
+    def _block_done(self, task: Task, w: _Worker, finished: bool, kept: list[int]) -> None:
+        live = task.payload
         current = self.placement.current(live.request.request_id, task.attempt)
         if current is None:
             return
@@ -485,20 +446,17 @@ class Simulator:
             self._finish(live)
 
     # K/V transfers.
-    def _ship(self, task: _Task, p: _Worker) -> None:
+    def _ship(self, task: Task, p: _Worker) -> None:
         """Send a refresh's K/V to ``task.kv_dest``, which takes it into its parked canvas or
         fresh pages, or drains it when it has no room (the block is then placed again)."""
-        live, now = task.live, self._now
+        live, now = task.payload, self._now
         rid = live.request.request_id
         current = self.placement.current(rid, task.attempt)
         drain = self.placement.kv_sent(current, p.index, task.kv_dest, drain=False)
         d = self._workers[task.kv_dest]
-        pages = None
-        if not drain:
-            need = live.placed.pages_needed
-            pages = d.parked.pop(rid, None)
-            if pages is None and d.allocator.can_allocate(need):
-                pages = d.allocator.allocate(need)
+        key = (p.index, next(self._transfer_ids))
+        seat = None if drain else Task(self._view(live), live, task.attempt, None, True)
+        d.core.expect_kv(key, rid, task.attempt, seat, live.placed.pages_needed)
         xfer = self.cost.kv_bytes(live.request.total_len) / self.link_bw
         if self.config.layerwise_kv_streaming:
             layer_compute = (now - p.started) / self.geom.layers
@@ -510,27 +468,14 @@ class Simulator:
         p.send_free = d.recv_free = end
         if not drain:
             live.transfer_s += end - now
-        self._push(end, _LANDED, _Transfer(task, p.index, task.kv_dest, pages))
+        self._push(end, _LANDED, _Transfer(key, p.index, task.kv_dest))
 
     def _land(self, t: _Transfer) -> None:
-        live = t.task.live
-        rid = live.request.request_id
-        current = self.placement.current(rid, t.task.attempt)
-        d = self._workers[t.dst]
-        if current is None:  # dropped meanwhile, or drained
-            if t.pages is not None:
-                d.allocator.free(t.pages)
-            return
-        ok = t.pages is not None
-        if ok:
-            r = live.request
-            req = Request(rid, r.arrival_time, r.prompt_len, r.canvas_len, r.block_length,
-                          r.cache, seq=r.seq)
-            req.block, req.pages = r.block, t.pages
-            req.mark_admitted(self._now)  # the refresh ran on the sender
-            req.mark_step_done(self._now, block_done=False, finished=False)
-            d.ready.append(_Task(live, req, t.task.attempt, None, True))
-        self._drop(rid, self.placement.kv_received(current, t.dst, ok, t.pages or []))
+        r, seated = self._workers[t.dst].core.kv_arrived(t.key, True, self._now)
+        current = self.placement.current(r.request_id, r.attempt)
+        if current is not None and r.task is not None:
+            self._drop(r.request_id, self.placement.kv_received(
+                current, t.dst, seated, r.pages if seated else []))
 
     def _finish(self, live: _Live) -> None:
         req = live.request

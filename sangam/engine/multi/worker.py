@@ -6,14 +6,9 @@ front tells it what to run (``Prefill``), what to receive (``ReceiveKV``) and wh
 (``Drop``); it schedules that work locally under its own deficit budget and reports what
 happened (``Report``), one message per loop turn.
 
-A request's work here is one of:
-- a whole block (``Prefill`` with ``kv_dest=None``): refresh then cached steps. At the block's
-  end the request leaves the builder; its canvas pages stay here (``keep_pages``: this worker
-  holds the canvas, the request is *parked* until its next Prefill or ReceiveKV) or are freed;
-- a refresh for another worker (``kv_dest`` set): temporary pages for the whole canvas, one
-  forward (whose unmasking step is applied here), the K/V sent to ``kv_dest``, pages freed;
-- cached steps after a received refresh: the K/V is scattered into the canvas pages and the
-  request is seated (``BatchBuilder.seat``) with the state the sender shipped.
+What a worker keeps of each request (tasks, seats waiting for K/V, canvases parked between
+blocks) is ``WorkerCore``'s (``sangam/sched/worker_core.py``), shared with the simulator's
+workers; this class adds the model, the K/V transport and the reports.
 """
 
 from __future__ import annotations
@@ -46,6 +41,7 @@ from sangam.engine.multi import messages as msg
 from sangam.engine.multi.kv_transfer import Done, KVTransport, LayerHook, layer_page_bytes
 from sangam.engine.multi.launcher import WorkerSpec, signature
 from sangam.sched.request import Request
+from sangam.sched.worker_core import Task, WorkerCore
 
 HEARTBEAT_S = 0.5
 STORE_TIMEOUT_S = 300  # joining the process group: every worker of every node must come up
@@ -59,17 +55,6 @@ _KEEPALIVE_S = 1.0
 
 
 @dataclass
-class _Task:
-    """A request this worker is running (in the builder) or about to seat."""
-
-    request: Request
-    state: DecodeState
-    attempt: int
-    kv_dest: int | None
-    keep_pages: bool
-
-
-@dataclass
 class _Stream:
     """A transfer posted layer by layer during the forward (layer-wise streaming)."""
 
@@ -77,12 +62,6 @@ class _Stream:
     transfer_id: int
     page_ids: torch.Tensor
     layers_sent: int = 0
-
-
-@dataclass
-class _Receive:
-    message: msg.ReceiveKV
-    pages: list[int] | None  # None: drain (no room, dropped meanwhile, or asked to)
 
 
 class Worker:
@@ -105,10 +84,7 @@ class Worker:
             self.transport = KVTransport(self.pool.kv.buffer)
             self.transport.connect(self.index, _ranks(spec.roles, "prefill"),
                                    _ranks(spec.roles, "decode"))
-        self.tasks: dict[str, _Task] = {}  # in the builder
-        self.ready: dict[str, _Task] = {}  # K/V received, waiting for a free seat
-        self.parked: dict[str, list[int]] = {}  # canvas pages kept between blocks
-        self.receiving: dict[tuple[int, int], _Receive] = {}  # (src, transfer id)
+        self.core = WorkerCore(self.builder)  # tasks, seats, parked canvases, receives
         self.events: list[msg.Event] = []
         self.iterations: list[IterationStats] = []
         self._stalled = False  # the last schedule() found nothing, and nothing changed since
@@ -153,7 +129,7 @@ class Worker:
                 for done in self.transport.poll():
                     self._transfer_done(done)
                     self._stalled = False
-            self._seat_ready()
+            self.core.seat_ready()
             if self.builder.has_work:
                 self._iterate()
             self._flush()
@@ -167,7 +143,7 @@ class Worker:
 
     def _flush(self) -> None:
         open_transfers = self.transport.num_open if self.transport is not None else 0
-        busy = bool(self.tasks or self.ready or self.receiving or open_transfers)
+        busy = self.core.busy or bool(open_transfers)
         now = (self.pool.allocator.num_free, open_transfers, self._handled, busy)
         t = time.monotonic()
         if (self.events or self.iterations or now != self._reported
@@ -191,62 +167,29 @@ class Worker:
             raise TypeError(f"worker {self.index}: unexpected message {m!r}")
 
     def _on_prefill(self, m: msg.Prefill) -> None:
-        rid = m.request_id
-        if rid in self.tasks or rid in self.ready:
-            raise RuntimeError(f"worker {self.index}: {rid!r} is already running here")
-        req = scheduling_request(rid, m.arrival, m.state, m.seq)
-        req.pages = self.parked.pop(rid, [])  # this worker holds its canvas: refresh in place
-        self.builder.add(req)
-        self.tasks[rid] = _Task(req, m.state, m.attempt, m.kv_dest, m.keep_pages)
+        self.core.take_block(Task(scheduling_request(m.request_id, m.arrival, m.state, m.seq),
+                                  m.state, m.attempt, m.kv_dest, m.keep_pages))
 
     def _on_receive(self, m: msg.ReceiveKV) -> None:
-        pages = None
-        if not m.drain:
-            pages = self.parked.pop(m.request_id, None)
-            if pages is None and self.pool.allocator.can_allocate(m.num_pages):
-                pages = self.pool.allocator.allocate(m.num_pages)
-        self.receiving[(m.src, m.transfer_id)] = _Receive(m, pages)
+        task = None if m.drain else Task(
+            scheduling_request(m.request_id, m.arrival, m.state, m.seq), m.state, m.attempt,
+            None, True)
+        self.core.expect_kv((m.src, m.transfer_id), m.request_id, m.attempt, task, m.num_pages)
         self.transport.receive(m.src, m.transfer_id, m.num_pages)
 
     def _on_drop(self, rid: str) -> None:
-        task = self.ready.pop(rid, None)
-        if task is not None:
-            self.pool.allocator.free(task.request.pages)
-        if self.tasks.pop(rid, None) is not None:
-            self.builder.abort(rid)  # frees its pages
-        pages = self.parked.pop(rid, None)
-        if pages:
-            self.pool.allocator.free(pages)
-        for r in self.receiving.values():
-            if r.message.request_id == rid and r.pages is not None:
-                self.pool.allocator.free(r.pages)  # the receive itself goes on, as a drain
-                r.pages = None
+        self.core.drop(rid)
 
     def _transfer_done(self, done: Done) -> None:
         if done.is_send:
             return  # the buffer is released; a failed send is the front's business
-        r = self.receiving.pop((done.peer, done.transfer_id))
-        m = r.message
-        ok = done.ok and r.pages is not None
-        if ok:
+        key = (done.peer, done.transfer_id)
+        r = self.core.receiving[key]
+        if done.ok and r.pages is not None:
             self.transport.scatter_into(done.buffer, torch.tensor(r.pages, dtype=torch.int64))
-            req = scheduling_request(m.request_id, m.arrival, m.state, m.seq)
-            req.pages = r.pages
-            now = time.monotonic()
-            req.mark_admitted(now)  # the refresh ran on the sender
-            req.mark_step_done(now, block_done=False, finished=False)
-            self.ready[m.request_id] = _Task(req, m.state, m.attempt, None, True)
-        elif r.pages is not None:
-            self.pool.allocator.free(r.pages)
-        self.events.append(msg.KVReceived(m.request_id, m.attempt, m.src, m.transfer_id, ok,
-                                          done.nbytes, list(r.pages) if ok else []))
-
-    def _seat_ready(self) -> None:
-        while self.ready and self.builder.num_seated < self.builder.max_batch_size:
-            rid = next(iter(self.ready))
-            task = self.ready.pop(rid)
-            self.builder.seat(task.request)
-            self.tasks[rid] = task
+        r, seated = self.core.kv_arrived(key, done.ok, time.monotonic())
+        self.events.append(msg.KVReceived(r.request_id, r.attempt, done.peer, done.transfer_id,
+                                          seated, done.nbytes, list(r.pages) if seated else []))
 
     # One iteration.
     def _iterate(self) -> None:
@@ -256,10 +199,10 @@ class Worker:
         if batch.is_empty:
             return
         reqs = batch.decodes + batch.prefills
-        tasks = [self.tasks[r.request_id] for r in reqs]
+        tasks = [self.core.tasks[r.request_id] for r in reqs]
         senders = [t for t in tasks[len(batch.decodes):] if t.kv_dest is not None]
         streams = self._open_streams(senders) if self.streaming else {}
-        states = [t.state for t in tasks]
+        states = [t.payload for t in tasks]
         pages = [r.pages for r in reqs]
         if streams:
             result = self._execute_streaming(states, pages, streams)
@@ -267,22 +210,26 @@ class Worker:
             result = self.runner.execute(states, pages)
         end = time.monotonic()
         for r in batch.prefills:
-            self.events.append(msg.RefreshRan(r.request_id, self.tasks[r.request_id].attempt,
+            self.events.append(msg.RefreshRan(r.request_id,
+                                              self.core.tasks[r.request_id].attempt,
                                               end - start))
         for t in senders:
             i = reqs.index(t.request)
             self._ship(t, result.block_done[i], streams.get(t.request.request_id),
                        failed=i in result.errors)
-        for i, (req, t, done) in enumerate(zip(reqs, tasks, result.block_done)):
+        for i, (req, done) in enumerate(zip(reqs, result.block_done)):
             if i in result.errors:
-                self._fail(t, result.errors[i])
-            else:
-                self._after_step(req, t, done, end)
+                self._fail(req, result.errors[i])
+                continue
+            st = self.core.tasks[req.request_id].payload
+            task, kept = self.core.step_done(req, end, done, st.finished, st.finish_reason)
+            if kept is not None:
+                self.events.append(msg.BlockDone(req.request_id, task.attempt, st, list(kept)))
         self.iterations.append(IterationStats(
             batch.prefill_tokens, batch.decode_tokens, batch.deficit, len(reqs),
             len(batch.prefills), end - start))
 
-    def _open_streams(self, senders: list[_Task]) -> dict[str, _Stream]:
+    def _open_streams(self, senders: list[Task]) -> dict[str, _Stream]:
         """Layer-wise streaming: open a sender's transfer before the forward, the first one per
         receiver only. Sends to one receiver match its receives in posting order, and it posts
         a transfer's layers together: a second transfer to it goes whole after the forward."""
@@ -324,7 +271,7 @@ class Worker:
         finally:
             model.attention_backend = inner
 
-    def _ship(self, t: _Task, block_done: bool, stream: _Stream | None, failed: bool) -> None:
+    def _ship(self, t: Task, block_done: bool, stream: _Stream | None, failed: bool) -> None:
         """Send a refresh's K/V to the canvas holder (or finish the streamed send). A refresh
         that completed its block, or failed, leaves nothing to decode: no send, or a streamed
         one (its last layers posted now) that the receiver drains."""
@@ -344,38 +291,13 @@ class Worker:
                                            range(streamed, layers))
         nbytes = self.transport.close_send(t.kv_dest, tid)
         self.events.append(msg.KVSent(req.request_id, t.attempt, t.kv_dest, tid, n, nbytes,
-                                      streamed, t.state, block_done or failed))
+                                      streamed, t.payload, block_done or failed))
 
-    def _fail(self, t: _Task, error: Exception) -> None:
+    def _fail(self, req: Request, error: Exception) -> None:
         """A request whose step failed: free all it holds here, and tell the front."""
-        rid = t.request.request_id
-        self.builder.abort(rid)
-        del self.tasks[rid]
-        self.events.append(msg.RequestFailed(rid, t.attempt, request_error(error)))
-
-    def _after_step(self, req: Request, t: _Task, block_done: bool, now: float) -> None:
-        st = t.state
-        rid = req.request_id
-        self.builder.step_done(req, now, block_done, st.finished, st.finish_reason)
-        if t.kv_dest is not None:  # a refresh for another worker: its pages were temporary
-            self.builder.abort(rid)
-            del self.tasks[rid]
-            if block_done:
-                self.events.append(msg.BlockDone(rid, t.attempt, st, []))
-            return
-        if not block_done:
-            return
-        del self.tasks[rid]
-        kept: list[int] = []
-        if st.finished:
-            pass  # the builder freed the pages
-        elif t.keep_pages:  # park the canvas: the next block's refresh is routed again
-            kept = self.builder.detach(rid).pages
-            self.parked[rid] = kept
-        else:
-            self.builder.abort(rid)
-        self.events.append(msg.BlockDone(rid, t.attempt, st, list(kept)))
-
+        attempt = self.core.tasks[req.request_id].attempt
+        self.core.drop(req.request_id)
+        self.events.append(msg.RequestFailed(req.request_id, attempt, request_error(error)))
 
 def _ranks(roles: tuple[str, ...], role: str) -> list[int]:
     return [i for i, r in enumerate(roles) if r == role]
