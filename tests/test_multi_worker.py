@@ -259,18 +259,17 @@ def test_builder_seat_and_detach():
 def test_busy_worker_loop_reports_at_least_every_second():
     """A worker loop with work but nothing new (e.g. a send waiting on a slow receiver) still
     reports, so the front's watchdog only flags loops that stopped; an idle one stays quiet."""
-    from types import SimpleNamespace
-
     from sangam.engine.multi import messages as msg
     from sangam.engine.multi import worker as worker_mod
+    from sangam.sched.batch_builder import BatchBuilder
+    from sangam.sched.request import Request
+    from sangam.sched.worker_core import Task
 
     sent = []
-    w = worker_mod.Worker.__new__(worker_mod.Worker)  # the loop's state, no model or sockets
-    w.index, w.transport, w.events, w.iterations, w._handled = 0, None, [], [], 3
-    w.pool = SimpleNamespace(allocator=PageAllocator(8))
-    w.core = SimpleNamespace(busy=True)
-    w._reported, w._reported_at = (-1, -1, -1, False), 0.0
+    w = worker_mod.Worker(0, None, BatchBuilder(PageAllocator(8), 16), None, None)
+    w._handled = 3
     w._send = lambda m: sent.append(msg.loads(msg.dumps(m)))
+    w.core.take_block(Task(Request("a", 0.0, 4, 16, 16), None, 0, None, False))  # work to do
     w._flush()
     assert len(sent) == 1 and sent[0].busy and sent[0].handled == 3
     w._flush()
@@ -278,7 +277,7 @@ def test_busy_worker_loop_reports_at_least_every_second():
     w._reported_at -= worker_mod._KEEPALIVE_S  # a second passes
     w._flush()
     assert len(sent) == 2 and sent[1].busy and not sent[1].events
-    w.core.busy = False
+    w.core.drop("a")
     w._flush()  # busy -> idle is a change: reported once
     w._reported_at -= 5 * worker_mod._KEEPALIVE_S
     w._flush()

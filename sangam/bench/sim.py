@@ -43,9 +43,8 @@ import math
 import os
 import random
 import sys
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from sangam.bench.cost_model import (
     GPUS,
@@ -255,14 +254,27 @@ class _Live:
     placed: Placed  # Placement's: its placement and metrics
     gen_len: int
     blocks_to_decode: int  # the request stops after this block (its output ends there)
-    commits: deque = field(default_factory=deque)  # tokens the next steps of this block commit
-    masks_left: int = 0
-    forwards: int = 0
+    plan: tuple[int, list[int]] = (-1, [])  # (block, tokens each of its forwards commits)
+    forwards: int = 0  # as of the start of the current block
     transfer_s: float = 0.0  # exposed K/V transfer time, summed over blocks
 
     @property
     def request(self) -> Request:
         return self.placed.request
+
+
+@dataclass
+class _Progress:
+    """A worker's copy of a request's block (the engine's DecodeState): placing a block
+    starts it from the block's start, as the front's snapshot does; a K/V transfer carries
+    the sender's copy to the receiver."""
+
+    live: _Live
+    step: int = 0  # forwards of the current block done
+    forwards: int = 0
+
+    def masks_left(self, plan: list[int]) -> int:
+        return self.live.request.block_length - sum(plan[:self.step])
 
 
 @dataclass
@@ -305,7 +317,6 @@ class Simulator:
     # One run.
     def run(self, trace: Sequence[TraceRequest], qps: float = math.nan) -> SimResult:
         cfg = self.config
-        self._rng = random.Random(cfg.seed)
         budget = math.inf if cfg.policy == "prefill_first" else cfg.token_budget
         self._workers = []
         for i, role in enumerate(cfg.roles):  # as the engine builds each worker's parts
@@ -374,8 +385,9 @@ class Simulator:
     def _place(self) -> None:
         for d in self.placement.place():
             live = self._lives[d.request_id]
-            self._workers[d.worker].core.take_block(
-                Task(self._view(live), live, d.attempt, d.kv_dest, d.keep_pages))
+            self._workers[d.worker].core.take_block(Task(
+                self._view(live), _Progress(live, 0, live.forwards), d.attempt, d.kv_dest,
+                d.keep_pages))
 
     def _drop(self, request_id: str, workers: set[int]) -> None:
         for i in workers:
@@ -396,8 +408,9 @@ class Simulator:
                 continue  # memory-blocked; a later event frees pages
             spans = [Span(r.prefill_cost, r.total_len, r.block_length) for r in batch.prefills]
             for r in batch.decodes:
+                progress = w.core.tasks[r.request_id].payload
                 spans.append(Span(r.decode_span, r.total_len,
-                                  w.core.tasks[r.request_id].payload.masks_left))
+                                  progress.masks_left(self.block_plan(progress.live))))
             dt = self.cost.iteration_time(spans)
             w.batch, w.started = batch, now
             w.iterations += 1
@@ -407,38 +420,57 @@ class Simulator:
             self._push(now + dt, _ITER_DONE, w)
 
     def _iteration_done(self, w: _Worker) -> None:
+        """In the worker's order: every request's step, then the reports (refreshes run, K/V
+        sent, blocks done) as the front reads them."""
         now = self._now
         batch, w.batch = w.batch, None
-        prefills = {r.request_id for r in batch.prefills}
-        for req in batch.decodes + batch.prefills:
-            task = w.core.tasks[req.request_id]
-            live = task.payload
-            refresh = req.request_id in prefills
-            block_done, finished = self._advance(live, refresh)
-            current = self.placement.current(req.request_id, task.attempt)
-            if refresh and current is not None:
+        reqs = batch.decodes + batch.prefills
+        tasks = [w.core.tasks[r.request_id] for r in reqs]
+        outcomes = [self._advance(t.payload) for t in tasks]
+        for req in batch.prefills:
+            current = self.placement.current(req.request_id, w.core.tasks[req.request_id].attempt)
+            if current is not None:
                 self.placement.refreshed(current, w.index, w.started, now)
+        for task, (block_done, _) in zip(tasks, outcomes):
             if task.kv_dest is not None and not block_done:
                 self._ship(task, w)
+        ended = []
+        for req, (block_done, finished) in zip(reqs, outcomes):
             task, kept = w.core.step_done(req, now, block_done, finished)
             if kept is not None:
-                self._block_done(task, w, finished, kept)
+                ended.append((task, finished, kept))
+        for task, finished, kept in ended:
+            self._block_done(task, w, finished, kept)
 
-    def _advance(self, live: _Live, refresh: bool) -> tuple[bool, bool]:
-        """Commit one step's tokens; returns (block done, request finished)."""
-        if refresh:
-            live.commits = deque(self.steps.block_commits(self._rng, live.request.block_length))
-            live.masks_left = live.request.block_length
-        live.masks_left -= live.commits.popleft()
-        live.forwards += 1
-        block_done = not live.commits
+    def block_commits(self, request_id: str, block: int, block_length: int) -> list[int]:
+        """The tokens each forward of a request's block commits: a function of (seed, request,
+        block), so a block run again (after a drained transfer) commits the same, as the model
+        would, whatever the order of events."""
+        rng = random.Random(f"{self.config.seed}:{request_id}:{block}")
+        return self.steps.block_commits(rng, block_length)
+
+    def block_plan(self, live: _Live) -> list[int]:
+        """``block_commits`` of the request's current block (drawn once)."""
+        r = live.request
+        if live.plan[0] != r.block:
+            live.plan = (r.block, self.block_commits(r.request_id, r.block, r.block_length))
+        return live.plan[1]
+
+    def _advance(self, progress: _Progress) -> tuple[bool, bool]:
+        """One forward of a request's block; returns (block done, request finished)."""
+        live = progress.live
+        progress.step += 1
+        progress.forwards += 1
+        block_done = progress.step == len(self.block_plan(live))
         return block_done, block_done and live.request.block + 1 == live.blocks_to_decode
 
     def _block_done(self, task: Task, w: _Worker, finished: bool, kept: list[int]) -> None:
-        live = task.payload
+        progress = task.payload
+        live = progress.live
         current = self.placement.current(live.request.request_id, task.attempt)
         if current is None:
             return
+        live.forwards = progress.forwards
         block = live.request.block + (0 if finished else 1)
         self._drop(live.request.request_id, self.placement.block_done(
             current, w.index, finished, block, live.forwards, kept, self._now))
@@ -449,15 +481,18 @@ class Simulator:
     def _ship(self, task: Task, p: _Worker) -> None:
         """Send a refresh's K/V to ``task.kv_dest``, which takes it into its parked canvas or
         fresh pages, or drains it when it has no room (the block is then placed again)."""
-        live, now = task.payload, self._now
+        cfg, progress, now = self.config, task.payload, self._now
+        live = progress.live
         rid = live.request.request_id
         current = self.placement.current(rid, task.attempt)
         drain = self.placement.kv_sent(current, p.index, task.kv_dest, drain=False)
         d = self._workers[task.kv_dest]
         key = (p.index, next(self._transfer_ids))
-        seat = None if drain else Task(self._view(live), live, task.attempt, None, True)
+        seat = None if drain else Task(self._view(live), replace(progress), task.attempt, None,
+                                       True)
         d.core.expect_kv(key, rid, task.attempt, seat, live.placed.pages_needed)
-        xfer = self.cost.kv_bytes(live.request.total_len) / self.link_bw
+        # Whole pages travel, as the engine sends them.
+        xfer = self.cost.kv_bytes(len(task.request.pages) * cfg.page_size) / self.link_bw
         if self.config.layerwise_kv_streaming:
             layer_compute = (now - p.started) / self.geom.layers
             start = max(p.send_free, d.recv_free, p.started + layer_compute)

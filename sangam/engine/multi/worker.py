@@ -36,10 +36,11 @@ from sangam.engine.engine import (
     scheduling_request,
 )
 from sangam.engine.loaded_model import LoadedModel
-from sangam.engine.model_runner import FATAL_ERRORS, StepResult
+from sangam.engine.model_runner import FATAL_ERRORS, ModelRunner, StepResult
 from sangam.engine.multi import messages as msg
 from sangam.engine.multi.kv_transfer import Done, KVTransport, LayerHook, layer_page_bytes
 from sangam.engine.multi.launcher import WorkerSpec, signature
+from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
 from sangam.sched.request import Request
 from sangam.sched.worker_core import Task, WorkerCore
 
@@ -65,45 +66,26 @@ class _Stream:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, sock: zmq.Socket):
-        self.spec = spec
-        self.index = spec.worker
+    """The loop around one worker's parts. ``start_worker`` builds them from a spec; a test may
+    give stand-ins (a runner without a model, an in-process transport)."""
+
+    def __init__(self, index: int, sock: zmq.Socket, builder: BatchBuilder, runner: ModelRunner,
+                 transport: KVTransport | None, loaded: LoadedModel | None = None,
+                 streaming: bool = False):
+        self.index = index
         self.sock = sock
-        config = dataclasses.replace(spec.config, device=spec.device, devices=None)
-        device = torch.device(spec.device)
-        if device.type == "cpu":
-            torch.set_num_threads(spec.num_threads)
-        else:
-            torch.cuda.set_device(device)
-        self.loaded = LoadedModel.load(config)
-        self.pool, self.builder, self.runner = build_worker_parts(config, self.loaded)
-        self.streaming = config.layerwise_kv_streaming
-        self.transport: KVTransport | None = None
-        if spec.store_addr is not None:
-            self._join_process_group(spec, device)
-            self.transport = KVTransport(self.pool.kv.buffer)
-            self.transport.connect(self.index, _ranks(spec.roles, "prefill"),
-                                   _ranks(spec.roles, "decode"))
-        self.core = WorkerCore(self.builder)  # tasks, seats, parked canvases, receives
+        self.builder = builder
+        self.runner = runner
+        self.transport = transport
+        self.loaded = loaded  # its model takes layer-wise streaming's hook
+        self.streaming = streaming
+        self.core = WorkerCore(builder)  # tasks, seats, parked canvases, receives
         self.events: list[msg.Event] = []
         self.iterations: list[IterationStats] = []
         self._stalled = False  # the last schedule() found nothing, and nothing changed since
         self._handled = 0  # control messages handled
         self._reported = (-1, -1, -1, False)  # (free pages, open transfers, handled, busy)
         self._reported_at = 0.0
-        self._send(msg.Hello(
-            self.index, os.getpid(), socket.gethostname(), spec.device, self.pool.num_pages,
-            layer_page_bytes(self.pool.kv.buffer),
-            signature(spec.roles, spec.config, self.loaded.config)))
-
-    def _join_process_group(self, spec: WorkerSpec, device: torch.device) -> None:
-        host, port = spec.store_addr
-        store = dist.TCPStore(host, port, is_master=False,
-                              timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo", store=store, rank=spec.worker,
-            world_size=len(spec.roles), timeout=datetime.timedelta(seconds=TRANSFER_TIMEOUT_S),
-            device_id=device if device.type == "cuda" else None)
 
     def _send(self, message: object) -> None:
         self.sock.send(msg.dumps(message))
@@ -144,7 +126,7 @@ class Worker:
     def _flush(self) -> None:
         open_transfers = self.transport.num_open if self.transport is not None else 0
         busy = self.core.busy or bool(open_transfers)
-        now = (self.pool.allocator.num_free, open_transfers, self._handled, busy)
+        now = (self.builder.allocator.num_free, open_transfers, self._handled, busy)
         t = time.monotonic()
         if (self.events or self.iterations or now != self._reported
                 or (busy and t - self._reported_at >= _KEEPALIVE_S)):
@@ -194,10 +176,18 @@ class Worker:
     # One iteration.
     def _iterate(self) -> None:
         start = time.monotonic()
-        batch = self.builder.schedule(start)
+        batch = self._schedule(start)
+        if batch is not None:
+            self._run(batch, start)
+
+    def _schedule(self, now: float) -> ScheduledBatch | None:
+        """This iteration's batch; None when there is nothing it can run now."""
+        batch = self.builder.schedule(now)
         self._stalled = batch.is_empty
-        if batch.is_empty:
-            return
+        return None if batch.is_empty else batch
+
+    def _run(self, batch: ScheduledBatch, start: float) -> None:
+        """The batch's forward (scheduled at ``start``) and its reports."""
         reqs = batch.decodes + batch.prefills
         tasks = [self.core.tasks[r.request_id] for r in reqs]
         senders = [t for t in tasks[len(batch.decodes):] if t.kv_dest is not None]
@@ -277,7 +267,7 @@ class Worker:
         one (its last layers posted now) that the receiver drains."""
         req = t.request
         n = len(req.pages)
-        layers = self.pool.kv.buffer.shape[0]
+        layers = self.transport.num_layers
         if stream is None:
             if block_done or failed:
                 return
@@ -298,6 +288,35 @@ class Worker:
         attempt = self.core.tasks[req.request_id].attempt
         self.core.drop(req.request_id)
         self.events.append(msg.RequestFailed(req.request_id, attempt, request_error(error)))
+
+def start_worker(spec: WorkerSpec, sock: zmq.Socket) -> Worker:
+    """Load the model, build the worker's parts, join the data plane, and say Hello."""
+    config = dataclasses.replace(spec.config, device=spec.device, devices=None)
+    device = torch.device(spec.device)
+    if device.type == "cpu":
+        torch.set_num_threads(spec.num_threads)
+    else:
+        torch.cuda.set_device(device)
+    loaded = LoadedModel.load(config)
+    pool, builder, runner = build_worker_parts(config, loaded)
+    transport = None
+    if spec.store_addr is not None:
+        host, port = spec.store_addr
+        store = dist.TCPStore(host, port, is_master=False,
+                              timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=store, rank=spec.worker,
+            world_size=len(spec.roles), timeout=datetime.timedelta(seconds=TRANSFER_TIMEOUT_S),
+            device_id=device if device.type == "cuda" else None)
+        transport = KVTransport(pool.kv.buffer)
+        transport.connect(spec.worker, _ranks(spec.roles, "prefill"), _ranks(spec.roles, "decode"))
+    worker = Worker(spec.worker, sock, builder, runner, transport, loaded,
+                    config.layerwise_kv_streaming)
+    worker._send(msg.Hello(
+        spec.worker, os.getpid(), socket.gethostname(), spec.device, pool.num_pages,
+        layer_page_bytes(pool.kv.buffer), signature(spec.roles, spec.config, loaded.config)))
+    return worker
+
 
 def _ranks(roles: tuple[str, ...], role: str) -> list[int]:
     return [i for i, r in enumerate(roles) if r == role]
@@ -369,7 +388,7 @@ def run_worker(spec: WorkerSpec, parent_pid: int) -> None:
                      daemon=True, name="sangam-watchdog").start()
     code = 0
     try:
-        Worker(spec, sock).serve()
+        start_worker(spec, sock).serve()
     except BaseException:
         sock.send(msg.dumps(msg.WorkerFailed(spec.worker, traceback.format_exc())))
         code = 1
