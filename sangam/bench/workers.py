@@ -5,7 +5,8 @@ The multi-worker path (a front process, worker processes, ZeroMQ for control, gl
 CPU) needs no GPU to be right; this measures what it costs on CPU beyond the one-process
 engine: the same requests (a random-weight model, mixed prompt lengths, all submitted at once)
 through ``LLM`` in one process, then through each layout. Reported per layout: seconds, the
-ratio to one process, K/V transfers and megabytes, and whether the tokens were the same.
+ratio to one process, K/V transfers and megabytes, the control plane's messages and kilobytes
+per block (both ways, heartbeats aside), and whether the tokens were the same.
 
     sangam-bench workers --layouts 1P2D,hybrid-2P1C --num-requests 6,24
 """
@@ -13,6 +14,7 @@ ratio to one process, K/V transfers and megabytes, and whether the tokens were t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import tempfile
 import time
@@ -60,23 +62,26 @@ def run(args: argparse.Namespace) -> int:
             engines[name] = LLM(**options, **LAYOUTS[name])
         try:
             print("| requests | engine | seconds | vs one process | K/V transfers | K/V MB | "
-                  "same tokens |")
-            print("|---|---|---|---|---|---|---|")
+                  "control messages / block | control KB / block | same tokens |")
+            print("|---|---|---|---|---|---|---|---|---|")
             for n in sizes:
                 prompts, params = _requests(n, args.seed, 160)
                 for llm in engines.values():  # warm up: the first requests pay for imports
                     llm.generate(prompt_token_ids=prompts[:1], sampling_params=params[:1])
                 base, want = _timed(engines["one process"], prompts, params)
-                print(f"| {n} | one process | {base:.2f} | 1.00x | - | - | - |")
+                print(f"| {n} | one process | {base:.2f} | 1.00x | - | - | - | - | - |")
                 for name in layouts:
-                    engine = engines[name].engine
-                    before = (engine.counters.kv_transfers, engine.counters.kv_bytes)
+                    c = engines[name].engine.counters
+                    before = dataclasses.replace(c)
                     seconds, outs = _timed(engines[name], prompts, params)
-                    transfers = engine.counters.kv_transfers - before[0]
-                    mb = (engine.counters.kv_bytes - before[1]) / 2**20
+                    blocks = c.blocks - before.blocks
+                    mb = (c.kv_bytes - before.kv_bytes) / 2**20
+                    messages = (c.control_messages - before.control_messages) / blocks
+                    kb = (c.control_bytes - before.control_bytes) / 1024 / blocks
                     same = [o.token_ids for o in outs] == [o.token_ids for o in want]
                     print(f"| {n} | {name} | {seconds:.2f} | {seconds / base:.2f}x | "
-                          f"{transfers} | {mb:.1f} | {same} |")
+                          f"{c.kv_transfers - before.kv_transfers} | {mb:.1f} | "
+                          f"{messages:.1f} | {kb:.1f} | {same} |")
         finally:
             for llm in engines.values():
                 llm.shutdown()

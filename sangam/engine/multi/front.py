@@ -119,6 +119,15 @@ class WorkerState:
 class Counters:
     kv_transfers: int = 0
     kv_bytes: int = 0
+    blocks: int = 0  # blocks completed
+    # The control plane, both ways (heartbeats aside): what moving requests between workers
+    # costs beyond their K/V.
+    control_messages: int = 0
+    control_bytes: int = 0
+
+    def count(self, data: bytes) -> None:
+        self.control_messages += 1
+        self.control_bytes += len(data)
 
 
 def _front_model(config: EngineConfig, loaded: LoadedModel | None,
@@ -319,9 +328,11 @@ class MultiWorkerEngine:
 
     # Reports.
     def _send(self, w: int, message: object) -> None:
-        self._sock.send_multipart([f"w{w}".encode(), msg.dumps(message)])
+        data = msg.dumps(message)
+        self._sock.send_multipart([f"w{w}".encode(), data])
         info = self._workers.get(w)
         if info is not None and not isinstance(message, msg.Shutdown):
+            self.counters.count(data)
             info.sent += 1
             if info.owes_progress_since is None:
                 info.owes_progress_since = time.monotonic()
@@ -340,6 +351,7 @@ class MultiWorkerEngine:
                 continue  # whatever it said before dying was taken back
             self._workers[w].last_heard = time.monotonic()
             if isinstance(m, msg.Report):
+                self.counters.count(data)
                 self._on_report(m)
             elif isinstance(m, msg.Heartbeat):
                 self._on_heartbeat(self._workers[w], m)
@@ -421,6 +433,7 @@ class MultiWorkerEngine:
         self._drop(rid, self.placement.block_done(e.placed, w, st.finished, st.block,
                                                   st.num_forwards, list(ev.pages),
                                                   time.monotonic()))
+        self.counters.blocks += 1
         if st.finished:
             del self.requests[rid]
             self.stats.finished.append(e.placed.request.metrics)
