@@ -256,6 +256,43 @@ def test_builder_seat_and_detach():
     assert b.schedule(2.0).prefills == [req] and alloc.num_used == 6
 
 
+def test_block_progress_carries_all_a_block_changes():
+    """What crosses the control plane per block (BlockProgress) brings a copy taken at the
+    block's start to the state after it: tokens, confidences, top logprobs, counters, the end
+    and the stop search's text."""
+    import copy
+
+    import numpy as np
+
+    from sangam.decoding.state import DecodeState
+    from sangam.engine.multi import messages as msg
+
+    params = SamplingParams(max_tokens=20, block_length=8, logprobs=2, stop=["zz"])
+    st = DecodeState(list(range(2, 12)), params, 159, frozenset([1]), False)
+    for _ in range(2):  # two whole blocks, committed a few positions at a time
+        start = copy.deepcopy(st)
+        block = st.block
+        while st.block == block:
+            s, e = st.block_bounds()
+            masked = s + (st.tokens[s:e] == 159).nonzero()[0][:3]
+            st.commit(masked, len(masked), masked + 20, np.linspace(0.5, 0.9, len(masked)))
+            st.record_top(masked, np.full((len(masked), 2), -0.5), np.stack([masked] * 2, 1))
+        start.catch_up(msg.loads(msg.dumps(st.progress(block))))
+        assert start.__dict__.keys() == st.__dict__.keys()
+        for k, v in st.__dict__.items():
+            if isinstance(v, np.ndarray):
+                assert np.array_equal(getattr(start, k), v), k
+            elif k not in ("stop_text", "params"):
+                assert getattr(start, k) == v, k
+    st.stop_after(12, "zz")
+    start = copy.deepcopy(st)
+    start.finished = False
+    start.catch_up(st.progress(1))
+    assert (start.finished, start.finish_reason, start.stop_len, start.stop_string) == (
+        True, "stop", 12, "zz")
+    assert start.output_token_ids() == st.output_token_ids()
+
+
 def test_busy_worker_loop_reports_at_least_every_second():
     """A worker loop with work but nothing new (e.g. a send waiting on a slow receiver) still
     reports, so the front's watchdog only flags loops that stopped; an idle one stays quiet."""

@@ -38,6 +38,27 @@ class StepPlan:
         return self.span_end - self.span_start
 
 
+@dataclass
+class BlockProgress:
+    """What the forwards of one block changed in a request's state: that block's positions
+    and the counters. The multi-worker front and its workers exchange this instead of the
+    whole state, whose prompt, suffix and other blocks the receiving side already has."""
+
+    start: int  # the block's first position
+    tokens: np.ndarray
+    confidence: np.ndarray
+    top_ids: np.ndarray | None
+    top_logprobs: np.ndarray | None
+    block: int
+    step: int
+    num_forwards: int
+    finished: bool
+    finish_reason: str | None
+    stop_len: int | None
+    stop_string: str | None
+    stop_text: IncrementalDetokenizer | None
+
+
 class DecodeState:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, mask_token_id: int,
                  stop_ids: frozenset[int], shift_logits: bool, seed: int = 0,
@@ -88,6 +109,33 @@ class DecodeState:
         """The distinct token ids of the prompt and suffix (for the repetition penalty)."""
         return np.unique(np.concatenate([self.tokens[:self.prompt_len],
                                          self.tokens[self.canvas_end:]]))
+
+    # Between processes.
+    def progress(self, block: int) -> BlockProgress:
+        """What the forwards of ``block`` changed (positions are only ever committed in the
+        current block, so its positions and the counters are all of it)."""
+        s = self.prompt_len + block * self.params.block_length
+        e = s + self.params.block_length
+        top = slice(s - self.prompt_len, e - self.prompt_len)
+        return BlockProgress(
+            s, self.tokens[s:e].copy(), self.confidence[s:e].copy(),
+            None if self.top_ids is None else self.top_ids[top].copy(),
+            None if self.top_logprobs is None else self.top_logprobs[top].copy(),
+            self.block, self.step, self.num_forwards, self.finished, self.finish_reason,
+            self.stop_len, self.stop_string, self.stop_text)
+
+    def catch_up(self, p: BlockProgress) -> None:
+        """Take ``p`` (a copy of this state's ``progress``, from another process) in."""
+        e = p.start + len(p.tokens)
+        self.tokens[p.start:e] = p.tokens
+        self.confidence[p.start:e] = p.confidence
+        if p.top_ids is not None:
+            top = slice(p.start - self.prompt_len, e - self.prompt_len)
+            self.top_ids[top] = p.top_ids
+            self.top_logprobs[top] = p.top_logprobs
+        self.block, self.step, self.num_forwards = p.block, p.step, p.num_forwards
+        self.finished, self.finish_reason = p.finished, p.finish_reason
+        self.stop_len, self.stop_string, self.stop_text = p.stop_len, p.stop_string, p.stop_text
 
     # Geometry.
     @property

@@ -4,8 +4,9 @@ worker takes, seats, parks and drops exactly as a real one does.
 
 A request's work on a worker is one of:
 - a whole block (``take_block`` without ``kv_dest``): refresh then cached steps. At the block's
-  end the request leaves the builder; its canvas pages stay (``keep_pages``: this worker holds
-  the canvas, the request is *parked* until its next block or K/V arrives) or are freed;
+  end the request leaves the builder; its canvas pages and payload stay (``keep_pages``: this
+  worker holds the canvas, the request is *parked* until its next block or K/V arrives) or
+  are freed;
 - a refresh for another worker (``kv_dest`` set): temporary pages for the whole canvas, one
   forward, the K/V sent to ``kv_dest``, pages freed;
 - cached steps after a received refresh (``expect_kv``, then ``kv_arrived``): the K/V lands in
@@ -55,7 +56,7 @@ class WorkerCore:
         self.allocator = builder.allocator
         self.tasks: dict[str, Task] = {}
         self.ready: dict[str, Task] = {}
-        self.parked: dict[str, list[int]] = {}
+        self.parked: dict[str, tuple[list[int], Any]] = {}  # canvas pages, payload
         self.receiving: dict[object, Receiving] = {}
 
     @property
@@ -67,7 +68,7 @@ class WorkerCore:
         rid = task.request.request_id
         if rid in self.tasks or rid in self.ready:
             raise RuntimeError(f"{rid!r} is already running here")
-        task.request.pages = self.parked.pop(rid, [])
+        task.request.pages = self.parked.pop(rid, ([], None))[0]
         self.builder.add(task.request)
         self.tasks[rid] = task
 
@@ -78,7 +79,7 @@ class WorkerCore:
         asked for) it is received and discarded."""
         pages = None
         if task is not None:
-            pages = self.parked.pop(request_id, None)
+            pages = self.parked.pop(request_id, (None,))[0]
             if pages is None and self.allocator.can_allocate(num_pages):
                 pages = self.allocator.allocate(num_pages)
         self.receiving[key] = Receiving(request_id, attempt, task, pages)
@@ -105,13 +106,19 @@ class WorkerCore:
             self.allocator.free(task.request.pages)
         if self.tasks.pop(request_id, None) is not None:
             self.builder.abort(request_id)  # frees its pages
-        pages = self.parked.pop(request_id, None)
+        pages = self.parked.pop(request_id, ([], None))[0]
         if pages:
             self.allocator.free(pages)
         for r in self.receiving.values():
             if r.request_id == request_id and r.pages is not None:
                 self.allocator.free(r.pages)
                 r.pages = None
+
+    def parked_payload(self, request_id: str) -> Any:
+        """What a parked request was last run with (its next block starts from it)."""
+        if request_id not in self.parked:
+            raise RuntimeError(f"{request_id!r} is not parked here")
+        return self.parked[request_id][1]
 
     def seat_ready(self) -> None:
         """Seat landed requests while the builder has room."""
@@ -141,7 +148,7 @@ class WorkerCore:
             pass  # the builder freed the pages
         elif task.keep_pages:  # park the canvas: the next block's refresh is placed again
             kept = self.builder.detach(rid).pages
-            self.parked[rid] = kept
+            self.parked[rid] = (kept, task.payload)
         else:
             self.builder.abort(rid)
         return task, kept

@@ -67,6 +67,9 @@ class _Entry:
     prompt_ids: list[int]
     kv_bytes: int = 0
     kv_transfers: int = 0
+    # The worker that parked the canvas with a copy of ``state`` (it ended the last block
+    # there and has not been sent the request since): it is sent no state, only progress.
+    parked_on: int | None = None
     text: IncrementalDetokenizer = field(init=False)  # the outputs' text
 
     def __post_init__(self) -> None:
@@ -319,10 +322,22 @@ class MultiWorkerEngine:
         for d in self.placement.place():
             e = self.requests[d.request_id]
             r = e.placed.request
-            self._send(d.worker, msg.Prefill(d.request_id, d.attempt, e.state, r.arrival_time,
-                                             r.seq, d.kv_dest, d.keep_pages))
+            self._send(d.worker, msg.Prefill(d.request_id, d.attempt, self._state_for(e, d.worker),
+                                             r.arrival_time, r.seq, d.kv_dest, d.keep_pages))
+
+    @staticmethod
+    def _state_for(e: _Entry, w: int) -> DecodeState | None:
+        """What ``w`` is sent of the request's state: none if it parked a copy (which the
+        message then takes out of parking), else the snapshot."""
+        if e.parked_on == w:
+            e.parked_on = None
+            return None
+        return e.state
 
     def _drop(self, request_id: str, workers: set[int]) -> None:
+        e = self.requests.get(request_id)
+        if e is not None and e.parked_on in workers:
+            e.parked_on = None
         for w in workers:
             self._send(w, msg.Drop(request_id))
 
@@ -411,9 +426,9 @@ class MultiWorkerEngine:
         self._open_transfers[(w, ev.transfer_id)] = record
         arrival, seq = ((e.placed.request.arrival_time, e.placed.request.seq) if e is not None
                         else (0.0, 0))
+        state, progress = (None, None) if drain else (self._state_for(e, ev.dest), ev.progress)
         self._send(ev.dest, msg.ReceiveKV(ev.request_id, ev.attempt, w, ev.transfer_id,
-                                          ev.num_pages, None if drain else ev.state, arrival,
-                                          seq, drain))
+                                          ev.num_pages, state, progress, arrival, seq, drain))
         if drain:
             return
         e.kv_bytes += ev.nbytes
@@ -428,7 +443,9 @@ class MultiWorkerEngine:
         self._drop(ev.request_id, self.placement.kv_received(e.placed, w, ev.ok, ev.pages))
 
     def _on_block_done(self, w: int, ev: msg.BlockDone, e: _Entry) -> None:
-        e.state = st = ev.state
+        e.state.catch_up(ev.progress)
+        st = e.state
+        e.parked_on = w if ev.pages else None
         rid = ev.request_id
         self._drop(rid, self.placement.block_done(e.placed, w, st.finished, st.block,
                                                   st.num_forwards, list(ev.pages),
@@ -493,6 +510,9 @@ class MultiWorkerEngine:
             if record.dst == w:  # its report will never come
                 record.ok = False
                 del self._open_transfers[key]
+        for e in self.requests.values():
+            if e.parked_on == w:
+                e.parked_on = None
         taken = self.placement.worker_dead(w)  # raises when none is left
         for other in self._workers:
             if other not in self.dead_workers:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 
-from sangam.decoding.state import DecodeState
+from sangam.decoding.state import BlockProgress, DecodeState
 from sangam.engine.engine import IterationStats
 
 # Front -> worker.
@@ -23,16 +23,18 @@ from sangam.engine.engine import IterationStats
 
 @dataclass
 class Prefill:
-    """Run the next block's refresh of a request (its state is at a block start).
+    """Run the next block's refresh of a request (its state is at a block start; None: the
+    state this worker kept with the canvas at the end of the request's last block here).
 
     ``kv_dest`` is None: this worker runs the whole block, refresh and cached steps. At the
-    block's end it keeps the canvas pages (``keep_pages``: it is the request's canvas holder)
-    or frees them. ``kv_dest`` is a worker: run the refresh only, send the K/V there, free.
+    block's end it keeps the canvas pages and the state (``keep_pages``: it is the request's
+    canvas holder) or frees them. ``kv_dest`` is a worker: run the refresh only, send the K/V
+    there, free.
     """
 
     request_id: str
     attempt: int
-    state: DecodeState
+    state: DecodeState | None
     arrival: float
     seq: int  # the request's place among equal arrivals (Request.seq)
     kv_dest: int | None
@@ -42,8 +44,9 @@ class Prefill:
 @dataclass
 class ReceiveKV:
     """Receive a request's K/V from ``src`` (transfer ``transfer_id``), then seat it for its
-    cached steps with ``state`` (the state after the refresh's unmasking step). With ``drain``
-    the K/V is received into scratch memory and discarded: the sender must not hang."""
+    cached steps with ``state`` (at the block's start; None: the one this worker kept with the
+    canvas) advanced by the refresh's ``progress``. With ``drain`` the K/V is received into
+    scratch memory and discarded: the sender must not hang."""
 
     request_id: str
     attempt: int
@@ -51,6 +54,7 @@ class ReceiveKV:
     transfer_id: int
     num_pages: int
     state: DecodeState | None
+    progress: BlockProgress | None
     arrival: float
     seq: int
     drain: bool
@@ -136,7 +140,7 @@ class KVSent:
     num_pages: int
     nbytes: int
     streamed_layers: int  # layers whose send was posted while the forward still ran
-    state: DecodeState
+    progress: BlockProgress  # the refresh's commits (the receiver has the rest of the state)
     drain: bool
 
 
@@ -156,12 +160,13 @@ class KVReceived:
 
 @dataclass
 class BlockDone:
-    """A block completed (or the request finished) here; ``pages`` are the canvas pages this
-    worker keeps for the request (empty when it freed them)."""
+    """A block completed (or the request finished) here: its ``progress``; ``pages`` are the
+    canvas pages this worker keeps for the request, with its state (empty when it freed
+    them)."""
 
     request_id: str
     attempt: int
-    state: DecodeState
+    progress: BlockProgress
     pages: list[int]
 
 

@@ -149,13 +149,17 @@ class Worker:
             raise TypeError(f"worker {self.index}: unexpected message {m!r}")
 
     def _on_prefill(self, m: msg.Prefill) -> None:
-        self.core.take_block(Task(scheduling_request(m.request_id, m.arrival, m.state, m.seq),
-                                  m.state, m.attempt, m.kv_dest, m.keep_pages))
+        state = self.core.parked_payload(m.request_id) if m.state is None else m.state
+        self.core.take_block(Task(scheduling_request(m.request_id, m.arrival, state, m.seq),
+                                  state, m.attempt, m.kv_dest, m.keep_pages))
 
     def _on_receive(self, m: msg.ReceiveKV) -> None:
-        task = None if m.drain else Task(
-            scheduling_request(m.request_id, m.arrival, m.state, m.seq), m.state, m.attempt,
-            None, True)
+        task = None
+        if not m.drain:
+            state = self.core.parked_payload(m.request_id) if m.state is None else m.state
+            state.catch_up(m.progress)
+            task = Task(scheduling_request(m.request_id, m.arrival, state, m.seq), state,
+                        m.attempt, None, True)
         self.core.expect_kv((m.src, m.transfer_id), m.request_id, m.attempt, task, m.num_pages)
         self.transport.receive(m.src, m.transfer_id, m.num_pages)
 
@@ -213,8 +217,10 @@ class Worker:
                 continue
             st = self.core.tasks[req.request_id].payload
             task, kept = self.core.step_done(req, end, done, st.finished, st.finish_reason)
-            if kept is not None:
-                self.events.append(msg.BlockDone(req.request_id, task.attempt, st, list(kept)))
+            if kept is not None:  # the request's block counter has moved on unless it finished
+                ran = req.block if st.finished else req.block - 1
+                self.events.append(msg.BlockDone(req.request_id, task.attempt,
+                                                 st.progress(ran), list(kept)))
         self.iterations.append(IterationStats(
             batch.prefill_tokens, batch.decode_tokens, batch.deficit, len(reqs),
             len(batch.prefills), end - start))
@@ -281,7 +287,8 @@ class Worker:
                                            range(streamed, layers))
         nbytes = self.transport.close_send(t.kv_dest, tid)
         self.events.append(msg.KVSent(req.request_id, t.attempt, t.kv_dest, tid, n, nbytes,
-                                      streamed, t.payload, block_done or failed))
+                                      streamed, t.payload.progress(req.block),
+                                      block_done or failed))
 
     def _fail(self, req: Request, error: Exception) -> None:
         """A request whose step failed: free all it holds here, and tell the front."""
