@@ -1,35 +1,26 @@
-"""Discrete-event simulation of a Sangam deployment: N workers, one central Router.
+"""Discrete-event simulation of a Sangam deployment: N workers, one central placement.
 
-The policy objects are the engine's own (DESIGN.md §1): every worker has a ``BatchBuilder``
-over a ``PageAllocator``, requests are ``Request`` objects, and the ``Router`` places every
-prefill. Only the forward pass is replaced: an iteration lasts what the cost model
-(:mod:`sangam.bench.cost_model`) says for its batch composition, and the tokens each forward
-commits are drawn from a distribution (:class:`StepModel`) instead of computed.
+The policy objects are the engine's own (DESIGN.md §1): ``Placement`` decides where each block
+runs, when K/V moves and what waits for memory, as it does for the multi-worker front; every
+worker keeps its requests in a ``WorkerCore`` over a ``BatchBuilder`` and a ``PageAllocator``,
+as a worker process does. Only the forward pass and the link are replaced: an iteration lasts
+what the cost model (:mod:`sangam.bench.cost_model`) says for its batch composition, the tokens
+each forward commits are drawn from a distribution (:class:`StepModel`, per request and
+block), and a K/V transfer takes its whole pages' bytes over the link's bandwidth, one
+transfer at a time per sender and per receiver.
 
-Per iteration of a worker, exactly as the engine: ``schedule(now)``; the forward takes
-``cost(batch)`` seconds; ``step_done`` for every request of the batch; prefills report
-``Router.done``. A block ends when its commits cover all its positions; the request then waits
-for its next block's re-prefill, which the Router places.
+Per iteration of a worker, as the worker process: ``schedule(now)``; the forward takes
+``cost(batch)`` seconds; then, as the front reads the worker's report, the refreshes run
+(``Placement.refreshed``), the K/V sent (``kv_sent``; the receiver expects it), and the blocks
+that ended (``block_done``, after ``WorkerCore.step_done``). When K/V lands the receiver seats
+the request (``kv_received``). Modes and placement are ``Placement``'s (DESIGN.md §4); see
+``sangam/sched/placement.py``. With layer-wise streaming, layer l is sent while layer l+1
+computes: a transfer starts when the forward's first layer is done and ends at the latest of
+(link free + transfer) and (forward end + one layer's transfer), so only
+``max(0, transfer - compute) + transfer / layers`` is exposed.
 
-Modes (DESIGN.md §4):
-- colocated: each worker prefills and decodes under its own deficit budget.
-- disaggregated (xPyD): a new request gets its canvas pages on a decode worker when it is
-  routed to a prefill worker (the decode worker with the most free pages, ``route_decode``);
-  requests with nowhere to go wait in FIFO order for pages. Each refresh runs on a prefill
-  worker, which holds the sequence's K/V in transient pages for the forward (a stand-in
-  ``Request`` in its BatchBuilder), then the K/V goes to the decode worker over a link: it takes
-  ``bytes / bandwidth``, one transfer at a time per sender and per receiver. With layer-wise
-  streaming, layer l is sent while layer l+1 computes: a transfer starts when the forward's
-  first layer is done and ends at the latest of (link free + transfer) and (forward end + one
-  layer's transfer), so only ``max(0, transfer - compute) + transfer / layers`` is exposed.
-  The decode worker seats the request when its K/V lands; cached steps run there.
-- hybrid: as disaggregated, but the Router overflows prefills onto decode workers when every
-  prefill worker has ``theta`` outstanding tokens; those refresh in place, under the decode
-  worker's deficit budget.
-
-Requests move between workers as in the multi-worker engine: ``BatchBuilder.seat`` when the
-K/V lands (join the decodes), ``BatchBuilder.detach`` when a block ends and the next refresh is
-routed elsewhere (leave, keeping the canvas pages).
+``tests/test_differential.py`` runs a trace through this simulator and through the front with
+real worker loops and requires the same decisions.
 """
 
 from __future__ import annotations
