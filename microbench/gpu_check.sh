@@ -32,6 +32,7 @@ cat "$OUT/env.txt"
 timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernel_*.py \
   tests/test_triton_backend.py tests/test_device_batch.py \
   "tests/test_engine.py::test_cuda_graphs_match_eager" \
+  "tests/test_engine.py::test_block_length_flag_replays_graphs" \
   "tests/test_rules.py::test_scoring_with_known_sampled_rows_needs_no_sync" \
   --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}

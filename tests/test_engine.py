@@ -277,3 +277,25 @@ def test_cuda_graphs_match_eager(llada_path):
             assert graphs[0].runs > 0
         llm.shutdown()
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_block_length_flag_replays_graphs(llada_path):
+    """``serve --block-length 16``: requests that take the flag's block length replay the
+    graphs captured for it, with the eager engine's tokens."""
+    prompts = [[3 + i] * (5 + 7 * i) for i in range(6)]
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(model=llada_path, device="cuda", dtype="float64", enforce_eager=eager,
+                  num_pages=512, block_length=16)
+        params = llm.loaded.default_params(max_tokens=48, cache="dual")  # as the server does
+        assert params.block_length == 16
+        graphs = llm.engine.runner.graphs
+        assert [g.span for g in graphs] == ([] if eager else [16])
+        outs[eager] = [(o.token_ids, o.num_forwards)
+                       for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        if not eager:
+            assert graphs[0].runs > 0
+        llm.shutdown()
+    assert outs[True] == outs[False]
