@@ -257,26 +257,35 @@ def test_graphs_are_captured_for_the_block_lengths_requests_get(tiny_path, monke
         EngineConfig(cuda_graph_block_lengths="8,x")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graphs_match_eager(llada_path):
-    prompts = [[3 + i] * (5 + 7 * i) for i in range(11)]
-    params = SamplingParams(max_tokens=64, block_length=32, cache="dual",
-                            unmasking="threshold", threshold=0.9)
+def _graphs_against_eager(path: str, prompts: list[list[int]], params_of, spans: list[int],
+                          **options) -> None:
+    """The same requests through an eager engine and one replaying CUDA graphs (captured for
+    ``spans``): the graphs run, and the tokens are the same. ``params_of(llm)`` gives the
+    requests' SamplingParams."""
     outs = {}
     for eager in (True, False):
         # An explicit pool: by default each LLM takes 90% of the GPU's free memory, and the
         # second is built while the first still holds its pool.
-        llm = LLM(model=llada_path, device="cuda", dtype="float64", enforce_eager=eager,
-                  num_pages=512)
+        llm = LLM(model=path, device="cuda", dtype="float64", enforce_eager=eager,
+                  num_pages=512, **options)
+        params = params_of(llm)
         graphs = llm.engine.runner.graphs
-        assert (not graphs) == eager
+        assert [g.span for g in graphs] == ([] if eager else spans)
         outs[eager] = [(o.token_ids, o.num_forwards)
                        for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
         if not eager:
             assert graphs[0].runs > 0
         llm.shutdown()
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_match_eager(llada_path):
+    params = SamplingParams(max_tokens=64, block_length=32, cache="dual",
+                            unmasking="threshold", threshold=0.9)
+    _graphs_against_eager(llada_path, [[3 + i] * (5 + 7 * i) for i in range(11)],
+                          lambda llm: params, [32])
 
 
 @pytest.mark.gpu
@@ -284,18 +293,10 @@ def test_cuda_graphs_match_eager(llada_path):
 def test_block_length_flag_replays_graphs(llada_path):
     """``serve --block-length 16``: requests that take the flag's block length replay the
     graphs captured for it, with the eager engine's tokens."""
-    prompts = [[3 + i] * (5 + 7 * i) for i in range(6)]
-    outs = {}
-    for eager in (True, False):
-        llm = LLM(model=llada_path, device="cuda", dtype="float64", enforce_eager=eager,
-                  num_pages=512, block_length=16)
+    def params_of(llm):
         params = llm.loaded.default_params(max_tokens=48, cache="dual")  # as the server does
         assert params.block_length == 16
-        graphs = llm.engine.runner.graphs
-        assert [g.span for g in graphs] == ([] if eager else [16])
-        outs[eager] = [(o.token_ids, o.num_forwards)
-                       for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-        if not eager:
-            assert graphs[0].runs > 0
-        llm.shutdown()
-    assert outs[True] == outs[False]
+        return params
+
+    _graphs_against_eager(llada_path, [[3 + i] * (5 + 7 * i) for i in range(6)], params_of,
+                          [16], block_length=16)

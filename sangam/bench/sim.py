@@ -418,8 +418,8 @@ class Simulator:
         reqs = batch.decodes + batch.prefills
         tasks = [w.core.tasks[r.request_id] for r in reqs]
         outcomes = [self._advance(t.payload) for t in tasks]
-        for req in batch.prefills:
-            current = self.placement.current(req.request_id, w.core.tasks[req.request_id].attempt)
+        for req, task in zip(batch.prefills, tasks[len(batch.decodes):]):
+            current = self.placement.current(req.request_id, task.attempt)
             if current is not None:
                 self.placement.refreshed(current, w.index, w.started, now)
         for task, (block_done, _) in zip(tasks, outcomes):

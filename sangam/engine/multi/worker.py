@@ -194,8 +194,9 @@ class Worker:
         """The batch's forward (scheduled at ``start``) and its reports."""
         reqs = batch.decodes + batch.prefills
         tasks = [self.core.tasks[r.request_id] for r in reqs]
-        senders = [t for t in tasks[len(batch.decodes):] if t.kv_dest is not None]
-        streams = self._open_streams(senders) if self.streaming else {}
+        nd = len(batch.decodes)
+        senders = [i for i in range(nd, len(reqs)) if tasks[i].kv_dest is not None]
+        streams = self._open_streams([tasks[i] for i in senders]) if self.streaming else {}
         states = [t.payload for t in tasks]
         pages = [r.pages for r in reqs]
         if streams:
@@ -203,24 +204,21 @@ class Worker:
         else:
             result = self.runner.execute(states, pages)
         end = time.monotonic()
-        for r in batch.prefills:
-            self.events.append(msg.RefreshRan(r.request_id,
-                                              self.core.tasks[r.request_id].attempt,
-                                              end - start))
-        for t in senders:
-            i = reqs.index(t.request)
+        for r, t in zip(batch.prefills, tasks[nd:]):
+            self.events.append(msg.RefreshRan(r.request_id, t.attempt, end - start))
+        for i in senders:
+            t = tasks[i]
             self._ship(t, result.block_done[i], streams.get(t.request.request_id),
                        failed=i in result.errors)
-        for i, (req, done) in enumerate(zip(reqs, result.block_done)):
+        for i, (req, t, done) in enumerate(zip(reqs, tasks, result.block_done)):
             if i in result.errors:
                 self._fail(req, result.errors[i])
                 continue
-            st = self.core.tasks[req.request_id].payload
-            task, kept = self.core.step_done(req, end, done, st.finished, st.finish_reason)
-            if kept is not None:  # the request's block counter has moved on unless it finished
-                ran = req.block if st.finished else req.block - 1
-                self.events.append(msg.BlockDone(req.request_id, task.attempt,
-                                                 st.progress(ran), list(kept)))
+            st, ran = t.payload, req.block  # step_done moves the block on
+            _, kept = self.core.step_done(req, end, done, st.finished, st.finish_reason)
+            if kept is not None:
+                self.events.append(msg.BlockDone(req.request_id, t.attempt, st.progress(ran),
+                                                 list(kept)))
         self.iterations.append(IterationStats(
             batch.prefill_tokens, batch.decode_tokens, batch.deficit, len(reqs),
             len(batch.prefills), end - start))
