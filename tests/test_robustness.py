@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from faults import POISON, patched
+from test_cancellation import _metric
 from test_serve_openai import MODEL, serve_in_thread, serve_subprocess
 
 from sangam import LLM, SamplingParams
@@ -163,9 +164,15 @@ def test_overload_is_a_fast_503(server, http):
     """With the queue full, new requests are refused at once, before any tokenizing."""
     async def main():
         async with httpx.AsyncClient(base_url=server, headers=AUTH, timeout=300) as client:
-            hold = [asyncio.create_task(client.post("/v1/completions", json=SLOW))
+            # Long enough to outlast the refusals even on a slow machine.
+            hold = [asyncio.create_task(client.post("/v1/completions",
+                                                    json={**SLOW, "max_tokens": 400}))
                     for _ in range(MAX_QUEUE_LEN)]
-            await asyncio.sleep(1.0)  # all admitted
+            deadline = time.monotonic() + 60
+            while _metric((await client.get("/metrics")).text,
+                          "sangam_requests_in_flight") < MAX_QUEUE_LEN:  # all admitted
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
 
             async def refused():
                 start = time.monotonic()
@@ -177,7 +184,8 @@ def test_overload_is_a_fast_503(server, http):
 
     tried, held = asyncio.run(main())
     assert all(r.status_code == 200 for r in held)
-    assert all(r.status_code == 503 and r.headers["Retry-After"] for r, _ in tried)
+    assert all(r.status_code == 503 and r.headers["Retry-After"] for r, _ in tried), [
+        r.status_code for r, _ in tried]
     waits = sorted(s for _, s in tried)
     assert waits[len(waits) // 2] < 0.5, waits
 
