@@ -308,6 +308,20 @@ def test_a_request_that_fails_in_the_engine_ends_alone(chat_ckpt, monkeypatch):
         assert 'sangam_kv_pool_pages_used 0.0' in metrics
 
 
+def test_requests_that_all_fail_alone_end_alone(chat_ckpt, monkeypatch):
+    """A batch of nothing but failing requests (two hostile clients at once) ends each with its
+    error; the engine goes on to serve the next request."""
+    monkeypatch.setattr(DiffusionLM, "hidden_states",
+                        patched(DiffusionLM.hidden_states, poison=True))
+    llm = LLM(chat_ckpt, device="cpu", dtype="float64")
+    params = SamplingParams(max_tokens=8, block_length=4, stop_at_eos=False)
+    outs = llm.generate(prompt_token_ids=[POISON + [10], POISON + [11]], sampling_params=params)
+    assert [o.finish_reason for o in outs] == ["error", "error"]
+    assert all("poisoned request" in o.error for o in outs)
+    good = llm.generate(prompt_token_ids=[[20, 30, 40]], sampling_params=params)
+    assert good[0].finish_reason == "length" and len(good[0].token_ids) == 8
+
+
 _DYING_SERVER = """
 import sys
 from sangam.engine.engine import Engine

@@ -60,10 +60,10 @@ class ModelRunner:
         A failure is confined to the requests it concerns. When the batch's forward or scoring
         fails (nothing is committed then, and rewriting a span's K/V from the same tokens is
         idempotent), each request runs again alone, as it would have in any batch; those that
-        fail alone end with their error. Commit and stop-string errors are per request. An
-        error every request of the batch also meets alone is nobody's (the device, a bug):
-        it is raised, as is a device error. With ``isolate=False`` a batch failure is raised
-        (the caller retries)."""
+        fail alone end with their error, even when that is all of them (two requests that
+        each fail alone are two failed requests, not a broken engine). Commit and
+        stop-string errors are per request. A device error is raised: the device is
+        unusable. With ``isolate=False`` a batch failure is raised (the caller retries)."""
         try:
             scored = self._score(states, pages, allow_graphs)
         except FATAL_ERRORS:
@@ -75,8 +75,6 @@ class ModelRunner:
                 return StepResult([False], {0: e})
             alone = [self.execute([st], [pg], allow_graphs) for st, pg in zip(states, pages)]
             errors = {i: r.errors[0] for i, r in enumerate(alone) if r.errors}
-            if len(errors) == len(states):
-                raise
             logger.warning("a batch of %d failed (%r); alone, %d of them fail and end with "
                            "an error", len(states), e, len(errors))
             return StepResult([r.block_done[0] for r in alone], errors)
