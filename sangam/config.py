@@ -19,6 +19,7 @@ from sangam.sched.router import MODES
 
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 
 T = TypeVar("T")
 
@@ -64,6 +65,10 @@ class EngineConfig:
         "Local checkpoint directory in Hugging Face layout; default: the embedded demo model"))
     tokenizer: str | None = field(default=None, metadata=flag_meta(
         "Directory of the tokenizer files (default: the checkpoint's own, if any)"))
+    load_format: str = field(default="auto", metadata=flag_meta(
+        "auto: the checkpoint's safetensors; dummy: random weights of config.json's shape, "
+        "built on the device (only config.json is read: for benchmarking a model's shape "
+        "without its weights)", choices=LOAD_FORMATS))
     device: str | None = field(default=None, metadata=flag_meta(
         "'cpu' or 'cuda' (default: cuda when available)"))
     dtype: str = field(default="auto", metadata=flag_meta(
@@ -150,6 +155,8 @@ class EngineConfig:
 
         need(self.device in (None, "cpu", "cuda") or str(self.device).startswith("cuda:"),
              f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        need(self.load_format in LOAD_FORMATS,
+             f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         need(self.dtype in DTYPE_NAMES, f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         need(self.attention_backend in (None, *ATTENTION_BACKENDS),
              f"attention_backend must be one of {ATTENTION_BACKENDS}")

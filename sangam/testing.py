@@ -1,9 +1,17 @@
 """Tiny random checkpoints in the real LLaDA / Dream layouts, for tests and for trying Sangam
-without weights (``python -c "from sangam.testing import make_tiny_checkpoint; ..."``)."""
+without weights, and config.json files of the real models' shapes for ``--load-format dummy``.
+
+    python -m sangam.testing DIR                      # a tiny LLaDA checkpoint with weights
+    python -m sangam.testing DIR --shape llada --config-only   # LLaDA-8B's config.json only
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -38,6 +46,17 @@ def tiny_config(arch: str = "llada", vocab_size: int = 160, hidden_size: int = 6
     raise ValueError(f"unknown tiny architecture {arch!r}: use 'llada' or 'dream'")
 
 
+def real_shape_config(geometry: str, max_position: int = 4096) -> dict:
+    """config.json of a real model's shape (``cost_model.MODELS``: llada = LLaDA-8B, dream =
+    Dream-7B) with this module's token conventions; for random weights, not for real ones."""
+    from sangam.bench.cost_model import MODELS
+
+    g = MODELS[geometry]
+    return tiny_config(geometry, vocab_size=g.vocab, hidden_size=g.hidden, num_layers=g.layers,
+                       num_heads=g.heads, num_kv_heads=g.kv_heads,
+                       intermediate_size=g.intermediate, max_position=max_position)
+
+
 def make_tiny_checkpoint(path: str | os.PathLike, arch: str = "llada", seed: int = 0,
                          logit_scale: float = 6.0, max_shard_bytes: int | None = None,
                          **config_overrides) -> str:
@@ -60,3 +79,29 @@ def make_tiny_checkpoint(path: str | os.PathLike, arch: str = "llada", seed: int
                 p.copy_(std * torch.randn(p.shape, generator=gen))
     save_checkpoint(model, raw, path, max_shard_bytes=max_shard_bytes)
     return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sangam.testing", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="directory to write")
+    p.add_argument("--arch", choices=("llada", "dream"), default="llada",
+                   help="tiny checkpoint's architecture")
+    p.add_argument("--shape", choices=("llada", "dream"), default=None,
+                   help="a real model's shape instead of the tiny one (implies --config-only)")
+    p.add_argument("--config-only", action="store_true",
+                   help="write config.json only: load it with --load-format dummy")
+    args = p.parse_args(argv)
+    if args.shape is None and not args.config_only:
+        print(make_tiny_checkpoint(args.path, args.arch))
+        return 0
+    raw = real_shape_config(args.shape) if args.shape else tiny_config(args.arch)
+    path = Path(args.path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -165,3 +165,32 @@ def test_errors_name_the_problem(llada_path, tmp_path):
     shutil.copy(f"{llada_path}/config.json", empty / "config.json")
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         load_model(empty)
+
+
+def test_dummy_load_format_builds_config_shapes_from_config_json_alone(tmp_path):
+    from sangam.bench.cost_model import MODELS
+    from sangam.config import EngineConfig
+    from sangam.models import parse_config
+    from sangam.testing import main as testing_main
+    from sangam.testing import real_shape_config
+
+    assert testing_main([str(tmp_path), "--config-only"]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    with pytest.raises(CheckpointError, match=r"no \*.safetensors files"):
+        load_model(tmp_path)  # auto: the weights are required
+    a = load_model(tmp_path, "cpu", "float32", load_format="dummy")
+    b = load_model(tmp_path, "cpu", "float32", load_format="dummy")
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name  # seeded
+        if "norm" in name or ".ln_f." in name:
+            assert torch.all(x == 1), name
+        else:
+            assert 0.015 < x.float().std() < 0.025, name
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        EngineConfig(load_format="pt")
+    # The real shapes come from the simulator's geometry table, written once.
+    for key, g in MODELS.items():
+        cfg = parse_config(real_shape_config(key))
+        assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+                cfg.intermediate_size, cfg.vocab_size) == (
+            g.hidden, g.layers, g.heads, g.kv_heads, g.intermediate, g.vocab)

@@ -282,3 +282,53 @@ def test_capacity_cli_on_the_simulator(tmp_path, capsys):
     result = json.loads(path.read_text())["results"]["1C tau=1024"]
     assert result["qps"] > 0
     assert all(p["value"] <= 5 for p in result["probes"] if p["qps"] <= result["qps"])
+
+
+def _fake_serve_run(path, sim_report, records, lengthen: int = 0):
+    """A serve output directory holding the simulated points as if measured (latency x 2)."""
+    from sangam.bench.report import write_outputs
+
+    configs = {"fastdllm": {"policy": "fastdllm", "token_budget": 1024.0},
+               "deficit tau=64": {"policy": "deficit", "token_budget": 64.0}}
+    labels = {"1C fastdllm": "fastdllm", "1C tau=64": "deficit tau=64"}
+    summaries = [{**s, "config": labels[s["config"]], "latency_mean": 2 * s["latency_mean"],
+                  "latency_p99": 2 * s["latency_p99"]} for s in sim_report["summaries"]]
+    rows = [{**r, "config": labels[r["config"]]} for r in records]
+    rows[0]["gen_len"] += lengthen
+    write_outputs(path, {"kind": "serve", "configs": configs, "summaries": summaries},
+                  summaries, rows)
+
+
+def test_sim_against_a_measured_run_pairs_policies_and_checks_the_requests(tmp_path, capsys):
+    import csv
+
+    calib = tmp_path / "calib.json"
+    geom = {"name": "small", "hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2,
+            "intermediate": 512, "vocab": 1000}
+    calib.write_text(json.dumps({"coefficients": Coefficients(1e11, 5e10, 1e10, 1e-3, 0)
+                                 .to_dict(), "geometry": geom, "dtype_bytes": 4}))
+    common = ["sim", "--model", "calibrated", "--calibration", str(calib), "--num-pages", "512",
+              "--num-requests", "5", "--length-scale", "0.05", "--qps", "2", "--block-length",
+              "8", "--policies", "deficit,fastdllm", "--token-budget", "64"]
+    assert main([*common, "--out", str(tmp_path / "sim")]) == 0
+    sim = json.loads((tmp_path / "sim" / "results.json").read_text())
+    assert sim["against"] is None and sim["length_scale"] == 0.05
+    with open(tmp_path / "sim" / "requests.csv") as f:
+        records = [{**r, "prompt_len": int(r["prompt_len"]), "gen_len": int(r["gen_len"])}
+                   for r in csv.DictReader(f)]
+    assert max(r["prompt_len"] for r in records) < 400  # scaled: ShareGPT's are ~800
+    for lengthen, same in ((0, True), (1, False)):
+        serve = tmp_path / f"serve{lengthen}"
+        _fake_serve_run(serve, sim, records, lengthen)
+        capsys.readouterr()
+        assert main([*common, "--against", str(serve), "--out", str(tmp_path / "again")]) == 0
+        assert "simulated against measured" in capsys.readouterr().out
+        rows = json.loads((tmp_path / "again" / "results.json").read_text())["against"]
+        assert sorted(r["config"] for r in rows) == ["deficit tau=64", "fastdllm"]
+        for r in rows:
+            assert r["mean_ratio"] == pytest.approx(0.5) and r["p99_ratio"] == pytest.approx(0.5)
+        assert sorted(r["same_requests"] for r in rows) == sorted([True, same])
+    with pytest.raises(SystemExit, match="needs --calibration"):
+        main(["sim", "--model", "calibrated", "--num-requests", "2"])
+    with pytest.raises(SystemExit, match="not the output of an in-process"):
+        main([*common, "--against", str(tmp_path / "sim")])

@@ -16,6 +16,7 @@ numbers to simulate a GPU with.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -32,6 +33,7 @@ from sangam.bench.cost_model import (
     Span,
     fit_coefficients,
 )
+from sangam.config import LOAD_FORMATS
 
 # Rough CPU rates to start the fit from (it searches 1000x either way).
 CPU_START = Coefficients(5e10, 2e10, 1e10, 1e-3, 1e-5)
@@ -58,26 +60,12 @@ def _geometry_of(cfg, name: str) -> ModelGeometry:
 
 def random_model(geom_key: str, device, dtype):
     """The real geometry with random weights, built straight on the device in ``dtype``."""
-    import torch
+    from sangam.models import parse_config
+    from sangam.models.loader import dummy_model
+    from sangam.testing import real_shape_config
 
-    from sangam.models import ARCHITECTURES, parse_config
-    from sangam.testing import tiny_config
-
-    g = MODELS[geom_key]
-    raw = tiny_config(geom_key, vocab_size=g.vocab, hidden_size=g.hidden, num_layers=g.layers,
-                      num_heads=g.heads, num_kv_heads=g.kv_heads,
-                      intermediate_size=g.intermediate, max_position=8192)
-    cfg = parse_config(raw)
-    with torch.device("meta"):
-        model = ARCHITECTURES[cfg.architecture](cfg).to(dtype)
-    model = model.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or ".ln_f." in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    return model, cfg
+    cfg = parse_config(real_shape_config(geom_key))
+    return dummy_model(cfg, device, dtype), cfg
 
 
 class _Timer:
@@ -175,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             from sangam.demo import demo_model_path
 
             path = demo_model_path()
-        model = load_model(path, device, dtype)
+        model = load_model(path, device, dtype, args.load_format)
         cfg = model.config
         name = str(path)
     model.attention_backend = make_attention_backend(args.attention_backend, device)
@@ -208,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     for k, v in coeffs.to_dict().items():
         print(f"  {k:<22} {v:.4g}")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    report = {"device": device_name, "model": name, "dtype": str(dtype).removeprefix("torch."),
+    report = {"device": device_name, "model": name, "geometry": dataclasses.asdict(geom),
+              "dtype": str(dtype).removeprefix("torch."), "dtype_bytes": dtype_bytes,
               "coefficients": coeffs.to_dict(), "rms_relative_error": err,
               "points": [{"spans": [[s.q_len, s.kv_len, s.lm_rows] for s in spans],
                           "seconds": t, "fitted": cm.iteration_time(spans)}
@@ -235,6 +224,8 @@ def register(subparsers) -> None:
     p.add_argument("--geometry", choices=sorted(MODELS), default="llada",
                    help="on a GPU without --model: this model's shape with random weights")
     p.add_argument("--model", default=None, help="checkpoint directory to time instead")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="dummy: random weights of --model's config.json")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default=None, choices=("torch", "triton"))

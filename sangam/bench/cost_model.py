@@ -75,6 +75,19 @@ MODELS = {
 }
 
 
+CALIBRATED = "calibrated"  # the simulator's model: the geometry a calibration file records
+
+
+def load_calibrated_geometry(path: str | os.PathLike) -> tuple[ModelGeometry, int]:
+    """The model geometry and dtype size a ``sangam-bench calibrate`` file was measured on."""
+    with open(path) as f:
+        data = json.load(f)
+    if "geometry" not in data:
+        raise ValueError(f"{path}: calibration records no geometry (rerun sangam-bench "
+                         "calibrate)")
+    return ModelGeometry(**data["geometry"]), int(data.get("dtype_bytes", BF16_BYTES))
+
+
 @dataclass(frozen=True)
 class GPUSpec:
     name: str

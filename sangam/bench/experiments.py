@@ -77,8 +77,7 @@ class _Runner:
                   "steps": step_model_from_args(self.args).describe(),
                   "summaries": self.summaries, **extra}
         paths = write_outputs(self.out, report, self.summaries, self.records)
-        paths.append(plot_latency(os.path.join(self.out, "latency_vs_qps.png"), self.panels,
-                                  title))
+        paths += plot_latency(os.path.join(self.out, "latency_vs_qps.png"), self.panels, title)
         print("wrote " + ", ".join(paths))
 
 

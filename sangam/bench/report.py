@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -114,10 +115,15 @@ def write_outputs(out_dir: str | os.PathLike, report: dict, summaries: Sequence[
 
 
 def plot_latency(path: str | os.PathLike, panels: dict[str, dict[str, list[dict]]],
-                 title: str = "") -> str:
+                 title: str = "") -> list[str]:
     """Mean (solid) and p99 (dashed) latency against offered QPS, one line per configuration,
-    one subplot per panel (``{panel: {config: [summary, ...]}}``)."""
-    import matplotlib
+    one subplot per panel (``{panel: {config: [summary, ...]}}``). Returns the paths written:
+    none where matplotlib is not installed (the GPU machine), which costs only the plot."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: {path} not drawn", file=sys.stderr)
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -160,7 +166,7 @@ def plot_latency(path: str | os.PathLike, panels: dict[str, dict[str, list[dict]
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return str(path)
+    return [str(path)]
 
 
 def parse_float_list(text: str) -> list[float]:

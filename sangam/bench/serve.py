@@ -85,7 +85,8 @@ class RunResult:
 def sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, block_length=args.block_length,
                           unmasking=args.unmasking, threshold=args.threshold, cache=args.cache,
-                          temperature=args.temperature, stop_at_eos=not args.ignore_eos)
+                          tokens_per_step=args.tokens_per_step, temperature=args.temperature,
+                          stop_at_eos=not args.ignore_eos)
 
 
 def prepare(trace: Sequence[TraceRequest], args: argparse.Namespace, vocab: int,
@@ -183,7 +184,7 @@ def run_engine(engine, requests: Sequence[Prepared], label: str) -> RunResult:
 class EngineFactory:
     """Engines for each configuration, loading each distinct model once."""
 
-    _MODEL_KEYS = ("model", "device", "dtype", "attention_backend")
+    _MODEL_KEYS = ("model", "load_format", "device", "dtype", "attention_backend")
 
     def __init__(self):
         self._loaded: dict[tuple, object] = {}
@@ -202,6 +203,19 @@ class EngineFactory:
         return Engine(cfg, self.loaded(cfg))
 
 
+def _release_device_memory() -> None:
+    """Free a finished run's KV pool and CUDA graphs before the next engine allocates its own:
+    an engine's reference cycles would otherwise hold them until a collection, and a GPU fits
+    only one default-sized pool at a time."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _warm_up(engine, args: argparse.Namespace, vocab: int) -> None:
     """One short request first, so one-time costs (allocations, kernel compilation) are not
     charged to the first measured request."""
@@ -218,7 +232,8 @@ async def _http_one(client, url: str, p: Prepared, t0: float, args: argparse.Nam
     body = {"prompt": p.prompt, "max_tokens": sp.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "block_length": sp.block_length,
             "unmasking": sp.unmasking, "threshold": sp.threshold, "cache": sp.cache,
-            "temperature": sp.temperature, "stop_at_eos": sp.stop_at_eos}
+            "tokens_per_step": sp.tokens_per_step, "temperature": sp.temperature,
+            "stop_at_eos": sp.stop_at_eos}
     if args.served_model_name:
         body["model"] = args.served_model_name
     ttfb = forwards = None
@@ -346,6 +361,8 @@ class Bench:
             engine = self.factory.engine(cfg)
             _warm_up(engine, args, mc.vocab_size)
             res = run_engine(engine, reqs, name)
+            del engine
+            _release_device_memory()
         self.steps.update(res.steps_per_block)
         summary = {"config": label, **summarize(res.records, qps), **res.extra}
         return summary, res
@@ -378,33 +395,41 @@ def run(args: argparse.Namespace) -> int:
             summary, res = bench.run(label, qps)
             summaries.append(summary)
             records += [{"config": label, "qps": qps, **r} for r in res.records]
-    summaries.sort(key=lambda s: labels.index(s["config"]))  # stable: by config, then QPS
+            summaries.sort(key=lambda s: labels.index(s["config"]))  # stable: config, then QPS
+            if args.out:  # after every run, so a run cut short keeps what it measured
+                paths = write_serve_outputs(args, bench, summaries, records)
     columns = SUMMARY_COLUMNS + (("mean_batch", "batch", "{:.2f}"),)
     print(format_table(summaries, columns))
     if args.out:
-        report = {"kind": "serve", "url": args.url, "trace": args.trace,
-                  "length_scale": args.length_scale, "configs": bench.configs,
-                  "sampling": dataclasses.asdict(sampling_params(args, args.block_length)),
-                  "summaries": summaries}
-        paths = write_outputs(args.out, report, summaries, records)
-        by_config: dict[str, list[dict]] = {}
-        for s in summaries:
-            by_config.setdefault(s["config"], []).append(s)
-        model = args.url or args.model or "demo model"
-        paths.append(plot_latency(os.path.join(args.out, "latency_vs_qps.png"),
-                                  {f"{model}, {args.trace} x{args.length_scale:g}": by_config}))
-        if bench.steps:
-            path = os.path.join(args.out, "profile.json")
-            total = sum(bench.steps.values())
-            with open(path, "w") as f:
-                json.dump({"block_length": args.block_length,
-                           "mean_forwards_per_block": sum(k * c for k, c in bench.steps.items())
-                           / total,
-                           "steps_per_block": {str(k): c for k, c in sorted(bench.steps.items())}},
-                          f, indent=2)
-            paths.append(path)
         print("wrote " + ", ".join(paths))
     return 0
+
+
+def write_serve_outputs(args: argparse.Namespace, bench: Bench, summaries: list[dict],
+                        records: list[dict]) -> list[str]:
+    """results.json, the CSVs, the plot and (in-process) profile.json under ``args.out``."""
+    report = {"kind": "serve", "url": args.url, "trace": args.trace,
+              "length_scale": args.length_scale, "configs": bench.configs,
+              "sampling": dataclasses.asdict(sampling_params(args, args.block_length)),
+              "summaries": summaries}
+    paths = write_outputs(args.out, report, summaries, records)
+    by_config: dict[str, list[dict]] = {}
+    for s in summaries:
+        by_config.setdefault(s["config"], []).append(s)
+    model = args.url or args.model or "demo model"
+    paths += plot_latency(os.path.join(args.out, "latency_vs_qps.png"),
+                          {f"{model}, {args.trace} x{args.length_scale:g}": by_config})
+    if bench.steps:
+        path = os.path.join(args.out, "profile.json")
+        total = sum(bench.steps.values())
+        with open(path, "w") as f:
+            json.dump({"block_length": args.block_length,
+                       "mean_forwards_per_block": sum(k * c for k, c in bench.steps.items())
+                       / total,
+                       "steps_per_block": {str(k): c for k, c in sorted(bench.steps.items())}},
+                      f, indent=2)
+        paths.append(path)
+    return paths
 
 
 def add_serve_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None:
@@ -439,6 +464,9 @@ def add_serve_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> No
     s = p.add_argument_group("decoding (every request; --block-length, --unmasking, "
                              "--threshold and --cache are the engine flags above)")
     s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--tokens-per-step", type=int, default=SamplingParams().tokens_per_step,
+                   help="topk rule: tokens committed per step (a fixed rate: what a benchmark "
+                        "of random weights, which are never confident, needs)")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="decode every block of the canvas (stop_at_eos=False)")
     if not for_capacity:

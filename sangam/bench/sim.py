@@ -38,13 +38,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from sangam.bench.cost_model import (
+    BF16_BYTES,
+    CALIBRATED,
     GPUS,
     LINKS,
     MODELS,
     Coefficients,
     CostModel,
+    ModelGeometry,
     Span,
     kv_pool_pages,
+    load_calibrated_geometry,
 )
 from sangam.bench.report import (
     SUMMARY_COLUMNS,
@@ -55,7 +59,14 @@ from sangam.bench.report import (
     summarize,
     write_outputs,
 )
-from sangam.bench.traces import LengthSample, TraceRequest, arrivals, build_trace, load_lengths
+from sangam.bench.traces import (
+    LengthSample,
+    TraceRequest,
+    arrivals,
+    build_trace,
+    load_lengths,
+    scale_lengths,
+)
 from sangam.config import EngineConfig
 from sangam.sampling_params import CACHE_MODES, SamplingParams
 from sangam.sched.batch_builder import POLICIES, BatchBuilder, ScheduledBatch
@@ -163,7 +174,7 @@ def load_step_profile(path: str, block_length: int | None = None) -> ProfileStep
 # Configuration.
 @dataclass(frozen=True)
 class SimConfig:
-    model: str = "llada"  # key of cost_model.MODELS
+    model: str = "llada"  # key of cost_model.MODELS, or CALIBRATED
     gpu: str = "h100"  # key of cost_model.GPUS
     mode: str = "colocated"
     num_workers: int = 1  # colocated
@@ -184,8 +195,9 @@ class SimConfig:
     seed: int = _ENGINE["seed"].default
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
+        if self.model not in (*MODELS, CALIBRATED):
+            raise ValueError(f"model must be one of {[*sorted(MODELS), CALIBRATED]}, got "
+                             f"{self.model!r}")
         if self.gpu not in GPUS:
             raise ValueError(f"gpu must be one of {sorted(GPUS)}, got {self.gpu!r}")
         if self.mode not in MODES:
@@ -295,11 +307,18 @@ class Simulator:
     forwards lasting what the cost model says."""
 
     def __init__(self, config: SimConfig, coefficients: Coefficients | None = None,
-                 steps: StepModel | None = None):
+                 steps: StepModel | None = None,
+                 geometry: tuple[ModelGeometry, int] | None = None):
+        """``geometry`` (shape, dtype bytes): the model when ``config.model`` is CALIBRATED."""
         self.config = config
-        self.geom = MODELS[config.model]
+        if config.model == CALIBRATED:
+            if geometry is None:
+                raise ValueError("model 'calibrated' needs the geometry of a calibration file")
+            self.geom, dtype_bytes = geometry
+        else:
+            self.geom, dtype_bytes = MODELS[config.model], BF16_BYTES
         gpu = GPUS[config.gpu]
-        self.cost = CostModel(self.geom, coefficients or Coefficients.defaults(gpu))
+        self.cost = CostModel(self.geom, coefficients or Coefficients.defaults(gpu), dtype_bytes)
         self.steps = steps or GeometricSteps()
         self.num_pages = config.num_pages or kv_pool_pages(
             self.geom, gpu, config.page_size, config.memory_fraction)
@@ -517,14 +536,15 @@ class Simulator:
 
 
 def simulate(config: SimConfig, trace: Sequence[TraceRequest], qps: float = math.nan,
-             coefficients: Coefficients | None = None, steps: StepModel | None = None
-             ) -> SimResult:
-    return Simulator(config, coefficients, steps).run(trace, qps)
+             coefficients: Coefficients | None = None, steps: StepModel | None = None,
+             geometry: tuple[ModelGeometry, int] | None = None) -> SimResult:
+    return Simulator(config, coefficients, steps, geometry).run(trace, qps)
 
 
 # Command line.
 _HELP = {
-    "model": "model geometry (DESIGN.md §6): llada = LLaDA-8B, dream = Dream-7B",
+    "model": "model geometry (DESIGN.md §6): llada = LLaDA-8B, dream = Dream-7B, calibrated = "
+             "the model a --calibration file was measured on (e.g. a CPU-calibrated small one)",
     "gpu": "GPU of every worker: peak FLOP/s, HBM bandwidth and memory",
     "mode": "colocated, disaggregated (xPyD) or hybrid (xPyD + overflow onto decode workers)",
     "num_workers": "workers (GPUs) in colocated mode",
@@ -546,8 +566,8 @@ _HELP = {
     "layerwise_kv_streaming": "send layer l's K/V while layer l+1 computes",
     "seed": "seed of router tie-breaks and of the tokens committed per step",
 }
-_CHOICES = {"model": sorted(MODELS), "gpu": sorted(GPUS), "mode": MODES, "link": sorted(LINKS),
-            "policy": POLICIES, "cache": CACHE_MODES}
+_CHOICES = {"model": [*sorted(MODELS), CALIBRATED], "gpu": sorted(GPUS), "mode": MODES,
+            "link": sorted(LINKS), "policy": POLICIES, "cache": CACHE_MODES}
 
 
 def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None:
@@ -583,6 +603,8 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
     t.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
     t.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
     t.add_argument("--trace-seed", type=int, default=0, help="seed of lengths and arrivals")
+    t.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply every prompt and output length (as sangam-bench serve's)")
     t.add_argument("--tokens-per-step", type=float, default=3.25,
                    help="mean tokens committed per forward (geometric)")
     t.add_argument("--step-profile", default=None,
@@ -594,6 +616,9 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
                             "experiments have their own grids")
         p.add_argument("--out", default=None,
                        help="directory for results.json, summary.csv, requests.csv and the plot")
+        p.add_argument("--against", default=None, metavar="SERVE_DIR",
+                       help="the --out directory of a sangam-bench serve run on the same trace "
+                            "flags: print simulated / measured latency per policy and QPS")
         p.add_argument("--experiment", default=None, choices=sorted(EXPERIMENT_NAMES),
                        help="run one of the paper's experiments (of the deployment flags it "
                             "takes --gpu, --link, --layerwise-kv-streaming, --calibration and "
@@ -632,6 +657,15 @@ def coefficients_from_args(args: argparse.Namespace, config: SimConfig) -> Coeff
     return Coefficients.defaults(GPUS[config.gpu])
 
 
+def geometry_from_args(args: argparse.Namespace, config: SimConfig
+                       ) -> tuple[ModelGeometry, int] | None:
+    if config.model != CALIBRATED:
+        return None
+    if not args.calibration:
+        raise ValueError("--model calibrated needs --calibration")
+    return load_calibrated_geometry(args.calibration)
+
+
 def make_trace(lengths: Sequence[LengthSample], qps: float, args: argparse.Namespace
                ) -> list[TraceRequest]:
     times = arrivals(len(lengths), qps, args.trace_seed + 1, args.arrival, args.cv)
@@ -642,10 +676,16 @@ def run_point(config: SimConfig, lengths: Sequence[LengthSample], qps: float,
               args: argparse.Namespace, label: str) -> tuple[dict, SimResult]:
     """One simulated run; its summary carries ``config`` (the label) and utilization."""
     res = simulate(config, make_trace(lengths, qps, args), qps,
-                   coefficients_from_args(args, config), step_model_from_args(args))
+                   coefficients_from_args(args, config), step_model_from_args(args),
+                   geometry_from_args(args, config))
     summary = {"config": label, **summarize(res.records, qps)}
     summary["utilization"] = sum(w["utilization"] for w in res.workers) / len(res.workers)
     return summary, res
+
+
+def trace_lengths(args: argparse.Namespace) -> list[LengthSample]:
+    return scale_lengths(load_lengths(args.trace, args.num_requests or DEFAULT_NUM_REQUESTS,
+                                      args.trace_seed), args.length_scale)
 
 
 def config_labels(args: argparse.Namespace) -> list[str]:
@@ -655,7 +695,7 @@ def config_labels(args: argparse.Namespace) -> list[str]:
 def capacity_probe(args: argparse.Namespace) -> Callable[[float, str], dict]:
     """For ``sangam-bench capacity``: (qps, label) -> summary of one simulated run."""
     configs = configs_from_args(args)
-    lengths = load_lengths(args.trace, args.num_requests or DEFAULT_NUM_REQUESTS, args.trace_seed)
+    lengths = trace_lengths(args)
 
     def probe(qps: float, label: str) -> dict:
         return run_point(configs[label], lengths, qps, args, label)[0]
@@ -671,10 +711,16 @@ def run(args: argparse.Namespace) -> int:
     try:  # the user's inputs, checked before any run: a clear message instead of a traceback
         configs = configs_from_args(args)
         qps_list = parse_float_list(args.qps or "1")
-        lengths = load_lengths(args.trace, args.num_requests or DEFAULT_NUM_REQUESTS,
-                               args.trace_seed)
+        lengths = trace_lengths(args)
         steps = step_model_from_args(args)
-        coefficients_from_args(args, next(iter(configs.values())))
+        first = next(iter(configs.values()))
+        coefficients_from_args(args, first)
+        geometry = geometry_from_args(args, first)
+        model_name = geometry[0].name if geometry else MODELS[first.model].name
+        if args.against:
+            from sangam.bench.validation import load_measured
+
+            load_measured(args.against)
     except (ValueError, OSError) as e:
         raise SystemExit(f"sangam-bench sim: {e}") from e
     summaries, records = [], []
@@ -687,16 +733,24 @@ def run(args: argparse.Namespace) -> int:
             summaries.append(summary)
             records += [{"config": label, "qps": qps, **r} for r in res.records]
     print(format_table(summaries, SUMMARY_COLUMNS + (("utilization", "util", "{:.2f}"),)))
+    against = None
+    if args.against:
+        from sangam.bench import validation
+
+        against = validation.compare(summaries, records, configs, args.against)
+        print(f"\nsimulated against measured ({args.against}):")
+        print(validation.format_rows(against))
     if args.out:
         report = {"kind": "sim", "trace": args.trace, "num_requests": len(lengths),
-                  "configs": configs, "summaries": summaries}
+                  "length_scale": args.length_scale, "configs": configs,
+                  "summaries": summaries, "against": against}
         paths = write_outputs(args.out, report, summaries, records)
         by_config: dict[str, list[dict]] = {}
         for s in summaries:
             by_config.setdefault(s["config"], []).append(s)
-        paths.append(plot_latency(
+        paths += plot_latency(
             os.path.join(args.out, "latency_vs_qps.png"),
-            {f"{MODELS[next(iter(configs.values())).model].name}, {args.trace}": by_config}))
+            {f"{model_name}, {args.trace}": by_config})
         print("wrote " + ", ".join(paths))
     return 0
 

@@ -109,7 +109,8 @@ class LoadedModel:
     def load(cls, cfg: EngineConfig) -> LoadedModel:
         path = checkpoint_path(cfg)
         device = torch.device(cfg.device or default_device())
-        model = load_model(path, device, None if cfg.dtype == "auto" else cfg.dtype)
+        model = load_model(path, device, None if cfg.dtype == "auto" else cfg.dtype,
+                           cfg.load_format)
         model.attention_backend = make_attention_backend(cfg.attention_backend, device)
         p = next(model.parameters())
         return cls.around(cfg, path, model, model.config, p.device, p.dtype)

@@ -92,12 +92,34 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def dummy_model(config: ModelConfig, device: str | torch.device,
+                dtype: torch.dtype, seed: int = 0) -> DiffusionLM:
+    """The architecture of ``config`` with seeded random weights, built straight on ``device``
+    (no host copy: an 8B model is up in about a second on a GPU). Norm weights are 1 and the
+    rest N(0, 0.02): speed does not depend on the values, and such a model is never confident,
+    so benchmarks commit a fixed number of tokens per step."""
+    with torch.device("meta"), _SkipInit():
+        model = ARCHITECTURES[config.architecture](config).to(dtype)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or ".ln_f." in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval().requires_grad_(False)
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = None) -> DiffusionLM:
-    """Build the architecture named by config.json and load its weights, checking every tensor."""
+               dtype: str | torch.dtype | None = None, load_format: str = "auto") -> DiffusionLM:
+    """Build the architecture named by config.json and load its weights, checking every tensor
+    (``load_format="dummy"``: random weights, see :func:`dummy_model`)."""
     path = Path(path)
     config = read_config(path)
     torch_dtype = resolve_dtype(dtype, device)
+    if load_format == "dummy":
+        return dummy_model(config, device, torch_dtype)
     with torch.device("meta"), _SkipInit():
         model = ARCHITECTURES[config.architecture](config)
     expected = {k: tuple(t.shape) for k, t in model.state_dict().items()}
