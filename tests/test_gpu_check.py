@@ -27,6 +27,10 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
 
     calibration = json.loads((out / "calibration.json").read_text())
     assert calibration["geometry"]["layers"] == 2 and calibration["dtype_bytes"] == 4
+    host, fwd, total = (calibration[k] for k in ("host", "forward_coefficients", "coefficients"))
+    assert host["iteration_s"] > 0 and host["per_sequence_s"] >= 0
+    assert total["iteration_overhead_s"] == fwd["iteration_overhead_s"] + host["iteration_s"]
+    assert total["per_sequence_s"] == fwd["per_sequence_s"] + host["per_sequence_s"]
     serve = json.loads((out / "serve" / "results.json").read_text())
     points = {(s["config"], s["qps"]) for s in serve["summaries"]}
     assert points == {(c, q) for c in ("deficit tau=64", "fastdllm") for q in (8.0, 16.0)}

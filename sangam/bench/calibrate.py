@@ -4,13 +4,16 @@ Times the real model forward (paged attention, LM head on the block's rows) at a
 compositions - refreshes of several lengths, batches of DualCache steps at several batch sizes
 and KV lengths, and a mix - then fits the five coefficients of
 :mod:`sangam.bench.cost_model` (achieved matmul and attention FLOP/s, bandwidth, per-iteration
-and per-request overheads) and writes them as JSON for ``sangam-bench sim --calibration``.
+and per-request overheads). The engine's host path (scheduling, batch assembly, committing,
+outputs; what ``sangam-bench host`` times) runs between forwards, so it is measured too and
+added to the two overheads (``--no-host``: the forward alone). The JSON, for ``sangam-bench sim
+--calibration``, records the model's geometry as well (``sim --model calibrated``).
 
 On a GPU it needs no weights: ``--geometry llada`` (or ``dream``) builds the real model shape
 with random weights (timing does not depend on the values). ``--model DIR`` times a checkpoint
-instead. Without a GPU it says so and exits 0, unless ``--device cpu`` is given: then it
-calibrates the CPU model (the demo model by default) - a demonstration of the procedure, not
-numbers to simulate a GPU with.
+instead (``--load-format dummy``: random weights of its config.json). Without a GPU it says so
+and exits 0, unless ``--device cpu`` is given: then it calibrates the CPU model (the demo model
+by default) - a demonstration of the procedure, not numbers to simulate a GPU with.
 """
 
 from __future__ import annotations
@@ -193,12 +196,21 @@ def run(args: argparse.Namespace) -> int:
     for spans, t in points:
         print(f"{_describe(spans):<34} {t * 1e3:12.3f} {cm.iteration_time(spans) * 1e3:10.3f}")
     print(f"rms relative error {err:.3f}")
+    forward = coeffs
+    host = host_overhead(args.block_length, args.page_size) if args.host else None
+    if host is not None:
+        coeffs = dataclasses.replace(
+            coeffs, iteration_overhead_s=coeffs.iteration_overhead_s + host["iteration_s"],
+            per_sequence_s=coeffs.per_sequence_s + host["per_sequence_s"])
+        print(f"host path ({host['impl']}): {host['iteration_s'] * 1e6:.0f} us per iteration "
+              f"+ {host['per_sequence_s'] * 1e6:.1f} us per request")
     for k, v in coeffs.to_dict().items():
         print(f"  {k:<22} {v:.4g}")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     report = {"device": device_name, "model": name, "geometry": dataclasses.asdict(geom),
               "dtype": str(dtype).removeprefix("torch."), "dtype_bytes": dtype_bytes,
-              "coefficients": coeffs.to_dict(), "rms_relative_error": err,
+              "coefficients": coeffs.to_dict(), "forward_coefficients": forward.to_dict(),
+              "host": host, "rms_relative_error": err,
               "points": [{"spans": [[s.q_len, s.kv_len, s.lm_rows] for s in spans],
                           "seconds": t, "fitted": cm.iteration_time(spans)}
                          for spans, t in points]}
@@ -206,6 +218,25 @@ def run(args: argparse.Namespace) -> int:
         json.dump(report, f, indent=2)
     print(f"wrote {args.out}")
     return 0
+
+
+HOST_BATCHES = (1, 16)
+
+
+def host_overhead(block_length: int, page_size: int, iters: int = 20) -> dict:
+    """What the engine's host path adds to every forward (scheduling, batch assembly and
+    staging, committing, outputs: ``sangam-bench host``), as a fixed cost per iteration plus
+    one per request, from decode iterations at two batch sizes. The engine runs it between
+    forwards, so the simulator adds it to each forward's time."""
+    from sangam.bench.host import measure
+    from sangam.engine.host_batch import cext_available
+
+    impl = "cext" if cext_available() else "python"
+    small, large = (min(measure(b, iters, impl, block=block_length, page_size=page_size)["total"]
+                        for _ in range(3)) * 1e-6 for b in HOST_BATCHES)
+    per_sequence = max(0.0, (large - small) / (HOST_BATCHES[1] - HOST_BATCHES[0]))
+    return {"impl": impl, "iteration_s": max(0.0, small - per_sequence * HOST_BATCHES[0]),
+            "per_sequence_s": per_sequence}
 
 
 def _describe(spans: list[Span]) -> str:
@@ -235,5 +266,8 @@ def register(subparsers) -> None:
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per batch (median)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads on CPU (default: torch's)")
+    p.add_argument("--host", action=argparse.BooleanOptionalAction, default=True,
+                   help="add the engine's host path per iteration and per request (measured "
+                        "as sangam-bench host does) to the fitted forward coefficients")
     p.add_argument("--out", default="calibration.json")
     p.set_defaults(func=run)
