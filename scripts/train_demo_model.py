@@ -1,6 +1,7 @@
-"""Train Sangam's demo model: a small LLaDA-layout masked-diffusion model on toy chat tasks.
+"""Train Sangam's demo models: small LLaDA-layout masked-diffusion models on toy chat tasks.
 
     .venv/bin/python scripts/train_demo_model.py --out sangam/demo/model
+    .venv/bin/python scripts/train_demo_model.py --out sangam/demo/model_long --preset long
 
 Masked-diffusion SFT as in LLaDA: the prompt stays clean; the response (answer, <|eot_id|>, then
 <|endoftext|> up to exactly ``--response-length`` tokens, the served canvas; rows shorter than
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from sangam.demo import DEMO_BLOCK_LENGTH
-from sangam.demo.tasks import DEMO_FAMILIES, Task, eval_set, training_stream
+from sangam.demo.tasks import Task, eval_set, training_stream
 from sangam.demo.tokenizer import (
     EOS_ID,
     EOT_ID,
@@ -56,6 +57,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     response_length: int = 24
+    block_length: int = DEMO_BLOCK_LENGTH  # generation_config.json's: how the model is served
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
@@ -66,6 +68,15 @@ class TrainConfig:
     # The training mix (repeat a name to draw it more often): sorting is the family a small
     # model learns slowest.
     families: str = "reverse,copy,sort,sort,count"
+
+
+# Named settings, each a set of TrainConfig overrides (flags still override them).
+PRESETS = {
+    "short": {},  # sangam-demo: the shipped default model
+    "long": {"response_length": 160, "block_length": 16,  # sangam-demo-long
+             "families": "copy_long,reverse_long,shift,interleave", "steps": 6000,
+             "threads": 2},
+}
 
 
 def model_config(cfg: TrainConfig) -> dict:
@@ -167,7 +178,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print,
                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     gen = torch.Generator().manual_seed(cfg.seed)
     data = training_stream(cfg.seed, tuple(cfg.families.split(",")))
-    heldout = encode_batch(eval_set(8, families=DEMO_FAMILIES), cfg.response_length)
+    families = tuple(dict.fromkeys(cfg.families.split(",")))
+    heldout = encode_batch(eval_set(8, families=families), cfg.response_length)
     model.train()
     start, running = time.time(), 0.0
     for step in range(cfg.steps):
@@ -195,26 +207,37 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="sangam/demo/model", help="checkpoint directory")
     parser.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="short",
+                        help="named TrainConfig overrides: short (sangam-demo), long "
+                             "(sangam-demo-long); the flags below override them")
     for name, value in asdict(defaults).items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         else:
-            parser.add_argument(flag, type=type(value), default=value)
+            parser.add_argument(flag, type=type(value), default=None,
+                                help=f"default {value} (before the preset)")
     args = parser.parse_args(argv)
-    cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(defaults)})
+    chosen = {k: getattr(args, k) for k in asdict(defaults) if getattr(args, k) is not None}
+    cfg = TrainConfig(**{**PRESETS[args.preset], **chosen})
     print(f"training the demo model: {cfg}", flush=True)
     start = time.time()
-    model, raw = train(cfg, log=lambda s: print(s, flush=True))
+    curve: list[str] = []  # the training curve, kept in training.json
+
+    def log(line: str) -> None:
+        curve.append(line)
+        print(line, flush=True)
+
+    model, raw = train(cfg, log=log)
     wall = time.time() - start
     save_checkpoint(model.to(getattr(torch, args.save_dtype)), raw, args.out)
     write_tokenizer(args.out)
-    generation = {"max_new_tokens": cfg.response_length, "block_length": DEMO_BLOCK_LENGTH}
+    generation = {"max_new_tokens": cfg.response_length, "block_length": cfg.block_length}
     (Path(args.out) / "generation_config.json").write_text(json.dumps(generation) + "\n")
     info = {"train_config": asdict(cfg), "save_dtype": args.save_dtype,
             "num_parameters": sum(p.numel() for p in model.parameters()),
             "args": sys.argv[1:] if argv is None else argv,
-            "wall_seconds": round(wall)}
+            "wall_seconds": round(wall), "curve": curve}
     (Path(args.out) / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"saved to {args.out} after {wall:.0f}s", flush=True)
     return 0

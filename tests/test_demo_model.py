@@ -13,10 +13,19 @@ import pytest
 import torch
 
 from sangam import LLM, SamplingParams
-from sangam.demo import DEMO_BLOCK_LENGTH, DEMO_MAX_TOKENS, DEMO_MODEL_DIR, demo_model_path
+from sangam.demo import (
+    DEMO_BLOCK_LENGTH,
+    DEMO_MAX_TOKENS,
+    DEMO_MODEL_DIR,
+    DEMO_MODELS,
+    demo_model_path,
+)
 from sangam.demo.tasks import (
     DEMO_FAMILIES,
     FAMILIES,
+    LONG_ANSWER,
+    LONG_FAMILIES,
+    SHIFTS,
     eval_set,
     generate,
     sample_task,
@@ -87,9 +96,12 @@ def test_loading_the_demo_is_quiet_and_skips_weight_init():
 
 
 def test_missing_demo_files_raise_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setattr("sangam.demo.DEMO_MODEL_DIR", tmp_path)
+    monkeypatch.setitem(DEMO_MODELS, "sangam-demo", tmp_path)
     with pytest.raises(FileNotFoundError, match="config.json"):
         demo_model_path()
+    monkeypatch.setitem(DEMO_MODELS, "sangam-demo-long", tmp_path)
+    with pytest.raises(FileNotFoundError, match="--preset long"):
+        LLM(model="sangam-demo-long", device="cpu")
 
 
 def test_shipped_tokenizer_files_match_the_code(tmp_path):
@@ -135,10 +147,35 @@ def test_task_generators_are_seeded_and_splits_disjoint():
         generate("divide", 1, 0)
 
 
+def test_long_task_answers_are_right_and_span_four_to_ten_blocks():
+    rng = random.Random(0)
+    lengths = set()
+    for _ in range(300):
+        for family in LONG_FAMILIES:
+            t = sample_task(family, rng)
+            lengths.add(len(t.answer))
+            assert LONG_ANSWER[0] <= len(t.answer) <= LONG_ANSWER[1]
+            words = t.prompt.split(": ")[1].split(" ")
+            if family == "interleave":
+                a, b = words
+                assert len(a) == len(b) and t.answer[0::2] == a and t.answer[1::2] == b
+                continue
+            (word,) = words
+            if family == "shift":
+                k = int(t.prompt.split(":")[0].split(" ")[1])
+                assert k in SHIFTS and t.answer == "".join(
+                    string.ascii_lowercase[(ord(c) - 97 + k) % 26] for c in word)
+            else:
+                assert t.answer == {"copy_long": word, "reverse_long": word[::-1]}[family]
+    # <|eot_id|> (index n of the response) lands in each of blocks 4..9 of 16 tokens: responses
+    # span 5 to 10 of the 160-token canvas's blocks.
+    assert {n // 16 for n in lengths} == set(range(4, 10))
+
+
 def test_task_answers_are_right_and_short():
     rng = random.Random(0)
     for _ in range(500):
-        for family in FAMILIES:
+        for family in (f for f in FAMILIES if f not in LONG_FAMILIES):
             t = sample_task(family, rng)
             assert 1 <= len(t.answer) <= 8
             if family in ("add", "sub"):

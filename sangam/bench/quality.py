@@ -1,13 +1,23 @@
-"""``sangam-bench quality``: exact-match accuracy and tokens per forward of each decoding mode.
+"""``sangam-bench quality``: what each decoding mode costs in quality, against vanilla decoding.
 
 Decodes held-out instances of the demo tasks (:mod:`sangam.demo.tasks`) through the public API
-(``sangam.LLM``) with vanilla LLaDA decoding (top-1 per step, no cache) and with PrefixCache and
-DualCache under the threshold and factor rules, and reports per-family and overall exact match
-and tokens committed per model forward. Use it on the shipped demo model (the default) or on any
-checkpoint trained on these tasks with the demo tokenizer.
+(``sangam.LLM``): first with vanilla LLaDA decoding (top-1 per step, no cache), then with each
+mode of a sweep - PrefixCache and DualCache under the threshold rule (``--thresholds``) and the
+factor rule (``--factors``). Per mode it reports
 
-Tokens per forward counts every canvas token decoded (answer, end-of-turn and the EOS padding of
-the blocks that were decoded) over the forwards spent, so vanilla decoding scores exactly 1.
+- exact match, overall and per family;
+- block agreement with vanilla: the share of blocks whose committed tokens equal vanilla's for
+  the same request (blocks up to where either response ends), which moves before exact match
+  does when an approximation starts to change tokens;
+- tokens per forward: every canvas token decoded (answer, end-of-turn and the EOS padding of the
+  blocks decoded) over the forwards spent, so vanilla scores exactly 1; and forwards per request;
+- confidence: the mean probability of the committed tokens at the step that committed them.
+
+The task set defaults to the families the model was trained on (its ``training.json``, as the
+demo models' training script writes), else the short demo's; ``max_tokens`` and
+``block_length`` default to the model's own (``generation_config.json``). ``--json`` writes
+everything, ``--plot`` a PNG of exact match against tokens per forward, one line per cache and
+rule, vanilla as a point.
 """
 
 from __future__ import annotations
@@ -15,27 +25,39 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from sangam.demo import DEMO_BLOCK_LENGTH, DEMO_MAX_TOKENS
+from sangam.bench.report import parse_float_list
 from sangam.demo.tasks import DEMO_FAMILIES, EVAL_SEED, FAMILIES, Task, eval_set
 from sangam.sampling_params import RequestOutput, SamplingParams
+
+DEFAULT_THRESHOLDS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0)  # 0.3: deliberately too low
+DEFAULT_FACTORS = (0.5, 1.0, 2.0)
+VANILLA = "vanilla"
 
 
 @dataclass(frozen=True)
 class Mode:
     name: str
-    options: dict
+    options: dict  # SamplingParams fields
 
 
-MODES = (
-    Mode("vanilla", {"unmasking": "topk", "tokens_per_step": 1, "cache": "none"}),
-    *(Mode(f"{cache}/threshold={th}", {"unmasking": "threshold", "threshold": th, "cache": cache})
-      for cache in ("prefix", "dual") for th in (0.5, 0.7, 0.9, 1.0)),
-    *(Mode(f"{cache}/factor=1.0", {"unmasking": "factor", "factor": 1.0, "cache": cache})
-      for cache in ("prefix", "dual")),
-)
+def sweep(thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
+          factors: tuple[float, ...] = DEFAULT_FACTORS) -> list[Mode]:
+    """Vanilla first (the reference of block agreement), then cache x rule x value."""
+    modes = [Mode(VANILLA, {"unmasking": "topk", "tokens_per_step": 1, "cache": "none"})]
+    for cache in ("prefix", "dual"):
+        modes += [Mode(f"{cache}/threshold={v:g}",
+                       {"unmasking": "threshold", "threshold": v, "cache": cache})
+                  for v in thresholds]
+        modes += [Mode(f"{cache}/factor={v:g}", {"unmasking": "factor", "factor": v,
+                                                  "cache": cache}) for v in factors]
+    return modes
 
 
 def tokens_decoded(out: RequestOutput, params: SamplingParams) -> int:
@@ -46,89 +68,184 @@ def tokens_decoded(out: RequestOutput, params: SamplingParams) -> int:
     return params.canvas_length
 
 
-def evaluate_mode(llm, tasks: list[Task], prompt_ids: list[list[int]],
-                  params: SamplingParams) -> dict:
-    """Decode every task with ``params``; accuracy per family and overall, tokens per forward."""
+def block_agreement(tokens: list[int], reference: list[int], block_length: int) -> tuple[int, int]:
+    """(blocks equal, blocks compared) of one response against the reference's: the blocks up to
+    the one where the longer of the two ends; a block agrees when both hold the same tokens in
+    it (so where a response ends counts too)."""
+    blocks = max(len(tokens), len(reference)) // block_length + 1
+    same = sum(tokens[b * block_length:(b + 1) * block_length]
+               == reference[b * block_length:(b + 1) * block_length] for b in range(blocks))
+    return same, blocks
+
+
+def evaluate_mode(llm, tasks: list[Task], prompt_ids: list[list[int]], params: SamplingParams,
+                  reference: list[list[int]] | None = None) -> tuple[dict, list[list[int]]]:
+    """Decode every task with ``params``: the mode's metrics, and each response's tokens."""
     start = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompt_ids, sampling_params=params)
     seconds = time.perf_counter() - start
     correct: dict[str, list[int]] = {f: [] for f in dict.fromkeys(t.family for t in tasks)}
     for task, out in zip(tasks, outs):
         correct[task.family].append(int((out.text or "") == task.answer))
+    tokens = [list(o.token_ids) for o in outs]
     forwards = sum(o.num_forwards for o in outs)
-    return {
+    probs = [lp for o in outs for lp in (o.logprobs or [])]
+    same = compared = 0
+    for t, ref in zip(tokens, reference or tokens):
+        s, n = block_agreement(t, ref, params.block_length)
+        same, compared = same + s, compared + n
+    result = {
         "options": dataclasses.asdict(params),
         "accuracy": sum(map(sum, correct.values())) / len(tasks),
         "accuracy_by_family": {f: sum(c) / len(c) for f, c in correct.items()},
+        "block_agreement": same / compared,
         "tokens_per_forward": sum(tokens_decoded(o, params) for o in outs) / forwards,
         "forwards_per_request": forwards / len(tasks),
+        "confidence": sum(map(math.exp, probs)) / len(probs) if probs else None,
         "seconds": seconds,
     }
+    return result, tokens
 
 
 def format_table(results: dict[str, dict]) -> str:
     families = list(next(iter(results.values()))["accuracy_by_family"])
-    head = ["mode", "exact", *families, "tok/fwd", "fwd/req"]
-    rows = [[name, f"{r['accuracy']:.3f}",
-             *(f"{r['accuracy_by_family'][f]:.3f}" for f in families),
-             f"{r['tokens_per_forward']:.2f}", f"{r['forwards_per_request']:.2f}"]
+    head = ["mode", "exact", "blocks=vanilla", "tok/fwd", "fwd/req", "conf", *families]
+    rows = [[name, f"{r['accuracy']:.3f}", f"{r['block_agreement']:.3f}",
+             f"{r['tokens_per_forward']:.2f}", f"{r['forwards_per_request']:.1f}",
+             "-" if r["confidence"] is None else f"{r['confidence']:.3f}",
+             *(f"{r['accuracy_by_family'][f]:.3f}" for f in families)]
             for name, r in results.items()]
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths)) for row in [head, *rows]]
-    return "\n".join(lines)
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(row, widths)) for row in [head, *rows])
+
+
+def plot(path: str, results: dict[str, dict], title: str) -> list[str]:
+    """Exact match against tokens per forward: a line per cache x rule, vanilla a point."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: {path} not drawn", file=sys.stderr)
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    lines: dict[str, list[tuple[float, float, str]]] = {}
+    for name, r in results.items():
+        if name == VANILLA:
+            ax.plot([r["tokens_per_forward"]], [r["accuracy"]], "k*", markersize=12,
+                    label="vanilla (top-1, no cache)")
+            continue
+        line, value = name.split("=")
+        lines.setdefault(line, []).append((r["tokens_per_forward"], r["accuracy"], value))
+    for i, (line, pts) in enumerate(sorted(lines.items())):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if "dual" in line else "s--",
+                color=f"C{i}", label=line)
+        for x, y, value in pts:
+            ax.annotate(value, (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+    ax.set_xlabel("tokens committed per forward")
+    ax.set_ylabel("exact match")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def trained_families(model_dir: str) -> tuple[str, ...]:
+    """The families a demo-style checkpoint was trained on (its training.json), else the short
+    demo's."""
+    info = Path(model_dir) / "training.json"
+    if info.is_file():
+        families = json.loads(info.read_text()).get("train_config", {}).get("families")
+        if families:
+            return tuple(dict.fromkeys(families.split(",")))
+    return DEMO_FAMILIES
 
 
 def run(args: argparse.Namespace) -> int:
     from sangam import LLM
 
-    families = tuple(args.families.split(",")) if args.families else DEMO_FAMILIES
-    per_family = max(1, args.num_instances // len(families))
-    tasks = eval_set(per_family, args.seed, families)
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
     if llm.tokenizer is None:
         raise SystemExit(f"{args.model}: the checkpoint has no tokenizer; quality needs one")
+    families = (tuple(args.families.split(",")) if args.families
+                else trained_families(llm.loaded.path))
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        raise SystemExit(f"unknown task families {unknown}; choose from {FAMILIES}")
+    per_family = max(1, args.num_instances // len(families))
+    tasks = eval_set(per_family, args.seed, families)
+    defaults = llm.loaded.default_params()
+    max_tokens = args.max_tokens or defaults.max_tokens
+    block_length = args.block_length or defaults.block_length
     # As the model was trained: one user turn plus the assistant header.
     prompt_ids = [llm.loaded.encode_chat([{"role": "user", "content": t.prompt}])
                   for t in tasks]
-    modes = [m for m in MODES if not args.modes or m.name in args.modes.split(",")]
-    results = {}
+    modes = sweep(tuple(parse_float_list(args.thresholds)), tuple(parse_float_list(args.factors)))
+    if args.modes:
+        keep = set(args.modes.split(","))
+        modes = [m for m in modes if m.name in keep or m.name == VANILLA]
+    results: dict[str, dict] = {}
+    reference = None
     for mode in modes:
-        params = SamplingParams(max_tokens=args.max_tokens, block_length=args.block_length,
+        params = SamplingParams(max_tokens=max_tokens, block_length=block_length, logprobs=0,
                                 **mode.options)
-        results[mode.name] = evaluate_mode(llm, tasks, prompt_ids, params)
+        results[mode.name], tokens = evaluate_mode(llm, tasks, prompt_ids, params, reference)
+        reference = reference or tokens  # vanilla's, the first mode's
         if args.verbose:
             r = results[mode.name]
-            print(f"{mode.name}: exact {r['accuracy']:.3f}, {r['tokens_per_forward']:.2f} "
-                  f"tokens/forward, {r['seconds']:.1f}s", flush=True)
-    print(f"{len(tasks)} held-out instances ({per_family} per family, seed {args.seed}), "
-          f"max_tokens {args.max_tokens}, block_length {args.block_length}")
+            print(f"{mode.name}: exact {r['accuracy']:.3f}, blocks {r['block_agreement']:.3f}, "
+                  f"{r['tokens_per_forward']:.2f} tokens/forward, {r['seconds']:.1f}s",
+                  file=sys.stderr, flush=True)
+    model = args.model or "sangam-demo"
+    print(f"{model}: {len(tasks)} held-out instances ({per_family} per family of "
+          f"{','.join(families)}, seed {args.seed}), max_tokens {max_tokens}, block_length "
+          f"{block_length}")
     print(format_table(results))
     if args.json:
-        report = {"model": args.model or "demo", "num_instances": len(tasks),
-                  "seed": args.seed, "max_tokens": args.max_tokens,
-                  "block_length": args.block_length, "modes": results}
+        report = {"model": model, "families": families, "num_instances": len(tasks),
+                  "seed": args.seed, "max_tokens": max_tokens, "block_length": block_length,
+                  "modes": results}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if args.plot:
+        title = (f"{os.path.basename(str(model).rstrip('/'))}: {len(tasks)} held-out tasks, "
+                 f"{max_tokens}-token canvas, blocks of {block_length}")
+        plot(args.plot, results, title)
     return 0
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "quality", help="exact match and tokens/forward of each decoding mode on held-out tasks",
-        description=__doc__)
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+        "quality", help="exact match, block agreement with vanilla and tokens/forward of each "
+                        "decoding mode on held-out tasks",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or demo name (default: the demo model)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-instances", type=int, default=240,
                    help="held-out instances in total, split evenly over the families")
     p.add_argument("--families", default=None,
-                   help=f"comma-separated subset of {','.join(FAMILIES)} (default: the demo "
-                   f"model's, {','.join(DEMO_FAMILIES)})")
+                   help=f"comma-separated subset of {','.join(FAMILIES)} (default: those the "
+                        "model was trained on, from its training.json, else "
+                        f"{','.join(DEMO_FAMILIES)})")
+    p.add_argument("--thresholds", default=",".join(f"{v:g}" for v in DEFAULT_THRESHOLDS),
+                   help="threshold rule values of the sweep (0.3 is there to be too low)")
+    p.add_argument("--factors", default=",".join(f"{v:g}" for v in DEFAULT_FACTORS),
+                   help="factor rule values of the sweep")
     p.add_argument("--modes", default=None,
-                   help="comma-separated subset of: " + ",".join(m.name for m in MODES))
+                   help="only these modes of the sweep (and vanilla), e.g. dual/threshold=0.9")
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="seed of the held-out instances")
-    p.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS)
-    p.add_argument("--block-length", type=int, default=DEMO_BLOCK_LENGTH)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="canvas (default: the model's generation_config.json)")
+    p.add_argument("--block-length", type=int, default=None,
+                   help="block length (default: the model's generation_config.json)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument("--plot", default=None, help="write the accuracy/speed PNG here")
     p.add_argument("--verbose", action="store_true", help="print each mode as it finishes")
     p.set_defaults(func=run)

@@ -1,10 +1,13 @@
-"""Seeded generators of the demo model's tasks: short chat prompts with checkable answers.
+"""Seeded generators of the demo models' tasks: chat prompts with checkable answers.
 
-Six families, each answer at most 8 characters: addition and subtraction of two-digit numbers
-(two-digit results), reversing, sorting and copying short lowercase strings, and counting a
-letter in a six-letter string. Every possible instance belongs to exactly one split, decided by
-a hash of its prompt (one instance in ``EVAL_MODULUS`` is held out), so evaluation instances
-never appear in training whatever seeds are used.
+Six short families, each answer at most 8 characters: addition and subtraction of two-digit
+numbers (two-digit results), reversing, sorting and copying short lowercase strings, and
+counting a letter in a six-letter string. Four long ones, answers of 64-150 characters (4-10
+blocks of 16): copying and reversing a string, shifting each letter of one by 1-3 places in
+the alphabet (a Caesar shift), and interleaving two strings of equal length. Every possible
+instance belongs to exactly one split, decided by a hash of its prompt (one instance in
+``EVAL_MODULUS`` is held out), so evaluation instances never appear in training whatever seeds
+are used.
 """
 
 from __future__ import annotations
@@ -15,12 +18,22 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-FAMILIES = ("add", "sub", "reverse", "sort", "copy", "count")
+FAMILIES = ("add", "sub", "reverse", "sort", "copy", "count",
+            "copy_long", "reverse_long", "shift", "interleave")
 # The shipped demo model's families. Arithmetic is left out: the units digit of a + b is
 # independent of each operand digit alone, so a small model's gradient sees no signal until it
 # attends to both at once, and a 1M-parameter model does not get there in an hour on two CPU
 # cores (measured: 2000 add-only steps left that digit at chance).
 DEMO_FAMILIES = ("reverse", "sort", "copy", "count")
+# The long-answer demo model's (``sangam-demo-long``): answers of LONG_ANSWER characters, at
+# least 4 blocks of 16, each position a function of the prompt and of the answer before it.
+LONG_FAMILIES = ("copy_long", "reverse_long", "shift", "interleave")
+LONG_ANSWER = (64, 150)  # answer length range of held-out instances, characters (= tokens)
+# Training draws shorter ones too: a small model first learns to line the answer up with the
+# prompt on strings whose letters rarely repeat, then extends it (trained on 64-150 alone, the
+# 1M-parameter model sat at chance for 850 steps, knowing only where each answer ends).
+LONG_TRAIN_ANSWER = (8, 150)
+SHIFTS = (1, 2, 3)  # Caesar shifts of the shift family
 SPLITS = ("train", "eval")
 EVAL_MODULUS = 8
 EVAL_SEED = 1_000_003  # default seed of the held-out instances reported by `sangam-bench quality`
@@ -40,8 +53,10 @@ def _word(rng: random.Random, lo: int, hi: int, alphabet: str = LETTERS) -> str:
     return "".join(rng.choice(alphabet) for _ in range(rng.randint(lo, hi)))
 
 
-def sample_task(family: str, rng: random.Random) -> Task:
-    """One instance of ``family`` drawn from ``rng`` (either split)."""
+def sample_task(family: str, rng: random.Random,
+                long_answer: tuple[int, int] = LONG_ANSWER) -> Task:
+    """One instance of ``family`` drawn from ``rng`` (either split); a long family's answer has
+    a length in ``long_answer``."""
     if family == "add":  # 10 <= a, b and a + b <= 99
         a = rng.randint(10, 89)
         b = rng.randint(10, 99 - a)
@@ -63,7 +78,25 @@ def sample_task(family: str, rng: random.Random) -> Task:
         w = _word(rng, COUNT_LENGTH, COUNT_LENGTH, COUNT_LETTERS)
         c = rng.choice(COUNT_LETTERS)
         return Task(family, f"How many {c}'s in {w}?", str(w.count(c)))
+    lo, hi = long_answer
+    if family == "copy_long":
+        w = _word(rng, lo, hi)
+        return Task(family, f"Repeat: {w}", w)
+    if family == "reverse_long":
+        w = _word(rng, lo, hi)
+        return Task(family, f"Reverse: {w}", w[::-1])
+    if family == "shift":
+        w, k = _word(rng, lo, hi), rng.choice(SHIFTS)
+        return Task(family, f"Shift {k}: {w}", "".join(_shifted(c, k) for c in w))
+    if family == "interleave":
+        n = rng.randint(lo // 2, hi // 2)
+        a, b = _word(rng, n, n), _word(rng, n, n)
+        return Task(family, f"Interleave: {a} {b}", "".join(x + y for x, y in zip(a, b)))
     raise ValueError(f"unknown task family {family!r}; choose from {FAMILIES}")
+
+
+def _shifted(c: str, k: int) -> str:
+    return LETTERS[(LETTERS.index(c) + k) % len(LETTERS)]
 
 
 def split_of(task: Task) -> str:
@@ -99,11 +132,12 @@ def eval_set(n_per_family: int, seed: int = EVAL_SEED,
 
 def training_stream(seed: int, families: tuple[str, ...] = FAMILIES) -> Iterator[Task]:
     """Endless training instances; the family of each is drawn uniformly from ``families`` (name
-    a family twice to draw it twice as often). Deterministic."""
+    a family twice to draw it twice as often), long answers from ``LONG_TRAIN_ANSWER``.
+    Deterministic."""
     for f in families:
         _check(f, "train")
     rng = random.Random(f"train-stream/{seed}")
     while True:
-        task = sample_task(rng.choice(families), rng)
+        task = sample_task(rng.choice(families), rng, LONG_TRAIN_ANSWER)
         if split_of(task) == "train":
             yield task

@@ -46,12 +46,15 @@ def use_device(device: torch.device) -> None:
 
 
 def checkpoint_path(cfg: EngineConfig) -> str | Path:
-    """``cfg.model``, or the embedded demo model's directory."""
-    if cfg.model is not None:
-        return cfg.model
-    from sangam.demo import demo_model_path
+    """``cfg.model``: a checkpoint directory, or a shipped demo model's name (a directory of
+    that name wins); None: the default demo model."""
+    from sangam.demo import DEMO_MODELS, demo_model_path
 
-    return demo_model_path()
+    if cfg.model is None:
+        return demo_model_path()
+    if cfg.model in DEMO_MODELS and not Path(cfg.model).is_dir():
+        return demo_model_path(cfg.model)
+    return cfg.model
 
 
 def context_limit(cfg: EngineConfig, model_config: ModelConfig) -> int | None:

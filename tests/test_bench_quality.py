@@ -1,0 +1,55 @@
+"""``sangam-bench quality``: the sweep's metrics on the short demo model, and block agreement."""
+
+import json
+
+from sangam.bench.cli import main
+from sangam.bench.quality import DEFAULT_THRESHOLDS, block_agreement, sweep, trained_families
+from sangam.demo import demo_model_path
+
+
+def test_block_agreement_counts_blocks_up_to_where_either_response_ends():
+    ref = list(range(20))  # blocks of 8: [0..8), [8..16), [16..20) and its end
+    assert block_agreement(ref, ref, 8) == (3, 3)
+    assert block_agreement(ref[:19], ref, 8) == (2, 3)  # ends one token early: last block differs
+    changed = ref[:9] + [99] + ref[10:]
+    assert block_agreement(changed, ref, 8) == (2, 3)
+    assert block_agreement(ref + [20] * 5, ref, 8) == (2, 4)  # runs on into a fourth block
+    assert block_agreement(list(range(16)), list(range(16)), 8) == (3, 3)  # the end is a block
+
+
+def test_the_sweep_covers_both_caches_and_rules():
+    names = [m.name for m in sweep()]
+    assert names[0] == "vanilla" and len(names) == len(set(names))
+    for cache in ("prefix", "dual"):
+        assert {f"{cache}/threshold={v:g}" for v in DEFAULT_THRESHOLDS} <= set(names)
+        assert f"{cache}/factor=1" in names
+    assert min(DEFAULT_THRESHOLDS) < 0.5 and 0.9 in DEFAULT_THRESHOLDS  # a bad one, the usual
+
+
+def test_quality_reports_agreement_confidence_and_a_plot(tmp_path, capsys):
+    out, png = tmp_path / "q.json", tmp_path / "q.png"
+    assert main(["quality", "--num-instances", "8", "--thresholds", "0.3,0.9", "--factors", "1",
+                 "--modes", "dual/threshold=0.3,dual/threshold=0.9,prefix/factor=1",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert "blocks=vanilla" in table and "dual/threshold=0.9" in table
+    report = json.loads(out.read_text())
+    # The demo's own task set and canvas: from its training.json and generation_config.json.
+    assert report["families"] == list(trained_families(demo_model_path()))
+    assert report["families"] == ["reverse", "copy", "sort", "count"]
+    assert (report["max_tokens"], report["block_length"]) == (24, 8)
+    modes = report["modes"]
+    assert list(modes) == ["vanilla", "prefix/factor=1", "dual/threshold=0.3",
+                           "dual/threshold=0.9"]
+    vanilla = modes["vanilla"]
+    assert vanilla["block_agreement"] == 1.0 and vanilla["tokens_per_forward"] == 1.0
+    assert 8 <= vanilla["forwards_per_request"] <= 24  # a forward per token of the blocks decoded
+    for r in modes.values():
+        assert 0 <= r["accuracy"] <= 1 and 0 <= r["block_agreement"] <= 1
+        assert 0 < r["confidence"] <= 1
+    fast, careful = modes["dual/threshold=0.3"], modes["dual/threshold=0.9"]
+    # The short demo is confident: both commit whole blocks of 8 (the long demo's test sees the
+    # threshold's cost).
+    assert fast["tokens_per_forward"] >= careful["tokens_per_forward"] > 1
+    assert fast["confidence"] <= careful["confidence"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
