@@ -62,8 +62,8 @@ def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = field(default=None, metadata=flag_meta(
-        "Local checkpoint directory in Hugging Face layout, or a shipped demo model: "
-        "sangam-demo (the default) or sangam-demo-long"))
+        "Local checkpoint directory in Hugging Face layout, or the name of a shipped demo model "
+        "(sangam-demo, the default)"))
     tokenizer: str | None = field(default=None, metadata=flag_meta(
         "Directory of the tokenizer files (default: the checkpoint's own, if any)"))
     load_format: str = field(default="auto", metadata=flag_meta(

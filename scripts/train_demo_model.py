@@ -1,7 +1,7 @@
 """Train Sangam's demo models: small LLaDA-layout masked-diffusion models on toy chat tasks.
 
     .venv/bin/python scripts/train_demo_model.py --out sangam/demo/model
-    .venv/bin/python scripts/train_demo_model.py --out sangam/demo/model_long --preset long
+    .venv/bin/python scripts/train_demo_model.py --out DIR --preset long   # see PRESETS
 
 Masked-diffusion SFT as in LLaDA: the prompt stays clean; the response (answer, <|eot_id|>, then
 <|endoftext|> up to exactly ``--response-length`` tokens, the served canvas; rows shorter than
@@ -73,7 +73,10 @@ class TrainConfig:
 # Named settings, each a set of TrainConfig overrides (flags still override them).
 PRESETS = {
     "short": {},  # sangam-demo: the shipped default model
-    "long": {"response_length": 160, "block_length": 16,  # sangam-demo-long
+    # Answers of 64-150 characters on a 160-token canvas. Not yet a model: at 1.1M parameters
+    # its letters stayed at chance for 1,000-2,300 steps (from scratch, from sangam-demo, with a
+    # length curriculum and block-wise masking alike): it needs more capacity or compute.
+    "long": {"response_length": 160, "block_length": 16,
              "families": "copy_long,reverse_long,shift,interleave", "steps": 6000,
              "threads": 2},
 }
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="short",
                         help="named TrainConfig overrides: short (sangam-demo), long "
-                             "(sangam-demo-long); the flags below override them")
+                             "(4-10-block answers); the flags below override them")
     for name, value in asdict(defaults).items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):

@@ -99,9 +99,8 @@ def test_missing_demo_files_raise_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setitem(DEMO_MODELS, "sangam-demo", tmp_path)
     with pytest.raises(FileNotFoundError, match="config.json"):
         demo_model_path()
-    monkeypatch.setitem(DEMO_MODELS, "sangam-demo-long", tmp_path)
-    with pytest.raises(FileNotFoundError, match="--preset long"):
-        LLM(model="sangam-demo-long", device="cpu")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(model="sangam-demo", device="cpu")  # by name
 
 
 def test_shipped_tokenizer_files_match_the_code(tmp_path):

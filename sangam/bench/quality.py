@@ -11,7 +11,8 @@ factor rule (``--factors``). Per mode it reports
   does when an approximation starts to change tokens;
 - tokens per forward: every canvas token decoded (answer, end-of-turn and the EOS padding of the
   blocks decoded) over the forwards spent, so vanilla scores exactly 1; and forwards per request;
-- confidence: the mean probability of the committed tokens at the step that committed them.
+- confidence: the mean probability of the response's tokens (up to its end) at the step that
+  committed each.
 
 The task set defaults to the families the model was trained on (its ``training.json``, as the
 demo models' training script writes), else the short demo's; ``max_tokens`` and

@@ -1,5 +1,5 @@
-"""The demo models shipped inside the package: ``sangam-demo``, Sangam's default when no model is
-given, and ``sangam-demo-long``, whose answers span 4-10 blocks. ``--model NAME`` loads either.
+"""The demo model shipped inside the package: ``sangam-demo``, Sangam's default when no model is
+given (``--model sangam-demo`` names it).
 
 A small masked-diffusion model in the LLaDA layout (config keys and tensor names as
 LLaDA-8B-Instruct's), trained from scratch by ``scripts/train_demo_model.py`` on the toy chat
@@ -7,10 +7,8 @@ tasks of :mod:`sangam.demo.tasks` it can learn in that budget (reversing, sortin
 counting: ``DEMO_FAMILIES``) with a character-level tokenizer (:mod:`sangam.demo.tokenizer`).
 Its prompts are chat-formatted (``tokenizer.apply_chat_template``); it answers in a few tokens,
 so decode it with a small canvas, e.g.
-``SamplingParams(max_tokens=DEMO_MAX_TOKENS, block_length=DEMO_BLOCK_LENGTH)``. The long one
-(``scripts/train_demo_model.py --preset long``) copies, reverses, Caesar-shifts and interleaves
-strings of 64-150 characters (``LONG_FAMILIES``) on a 160-token canvas of 16-token blocks; both
-carry their canvas and block length in ``generation_config.json``.
+``SamplingParams(max_tokens=DEMO_MAX_TOKENS, block_length=DEMO_BLOCK_LENGTH)`` (its
+``generation_config.json`` says so too).
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "model"
-DEMO_MODELS = {"sangam-demo": DEMO_MODEL_DIR,
-               "sangam-demo-long": DEMO_MODEL_DIR.with_name("model_long")}
+DEMO_MODELS = {"sangam-demo": DEMO_MODEL_DIR}  # name -> directory
 DEMO_MAX_TOKENS = 24  # the response length it was trained with
 DEMO_BLOCK_LENGTH = 8  # three blocks per response
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -30,9 +27,8 @@ def demo_model_path(name: str = "sangam-demo") -> str:
     path = DEMO_MODELS[name]
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
     if missing:
-        preset = " --preset long" if name == "sangam-demo-long" else ""
         raise FileNotFoundError(
             f"the demo model {name} is incomplete: {', '.join(missing)} missing in {path}. "
-            f"Reinstall sangam, or rebuild it with `python scripts/train_demo_model.py{preset} "
+            "Reinstall sangam, or rebuild it with `python scripts/train_demo_model.py "
             f"--out {path}`, or pass a checkpoint directory as the model.")
     return str(path)

@@ -25,13 +25,13 @@ FAMILIES = ("add", "sub", "reverse", "sort", "copy", "count",
 # attends to both at once, and a 1M-parameter model does not get there in an hour on two CPU
 # cores (measured: 2000 add-only steps left that digit at chance).
 DEMO_FAMILIES = ("reverse", "sort", "copy", "count")
-# The long-answer demo model's (``sangam-demo-long``): answers of LONG_ANSWER characters, at
-# least 4 blocks of 16, each position a function of the prompt and of the answer before it.
+# For a long-answer model (``train_demo_model.py --preset long``): answers of LONG_ANSWER
+# characters, at least 4 blocks of 16, each position a function of the prompt and of the answer
+# before it.
 LONG_FAMILIES = ("copy_long", "reverse_long", "shift", "interleave")
 LONG_ANSWER = (64, 150)  # answer length range of held-out instances, characters (= tokens)
-# Training draws shorter ones too: a small model first learns to line the answer up with the
-# prompt on strings whose letters rarely repeat, then extends it (trained on 64-150 alone, the
-# 1M-parameter model sat at chance for 850 steps, knowing only where each answer ends).
+# Training draws shorter ones too, whose letters rarely repeat, so that lining the answer up
+# with the prompt has an easy start.
 LONG_TRAIN_ANSWER = (8, 150)
 SHIFTS = (1, 2, 3)  # Caesar shifts of the shift family
 SPLITS = ("train", "eval")
