@@ -169,6 +169,17 @@ def plot_latency(path: str | os.PathLike, panels: dict[str, dict[str, list[dict]
     return [str(path)]
 
 
+def policy_label(policy: str, token_budget: float | str) -> str:
+    """What a configuration schedules: ``fastdllm``, ``prefill-first`` or ``deficit tau=T`` (the
+    serve benchmark's labels; the simulator's runs are paired with them by these words)."""
+    tau = float(token_budget)
+    if policy == "fastdllm":
+        return "fastdllm"
+    if policy == "prefill_first" or math.isinf(tau):
+        return "prefill-first"
+    return f"deficit tau={tau:g}"
+
+
 def parse_float_list(text: str) -> list[float]:
     """``"0.5,1,2"`` -> ``[0.5, 1.0, 2.0]``; "inf" allowed."""
     try:

@@ -30,7 +30,6 @@ import asyncio
 import dataclasses
 import itertools
 import json
-import math
 import os
 import sys
 import time
@@ -45,6 +44,7 @@ from sangam.bench.report import (
     parse_float_list,
     parse_overrides,
     plot_latency,
+    policy_label,
     summarize,
     write_outputs,
 )
@@ -295,17 +295,9 @@ def configs_from_args(args: argparse.Namespace) -> dict[str, EngineConfig]:
             specs.append(",".join(parts))
     configs = [(s, dataclasses.replace(base, **parse_overrides(s, EngineConfig)))
                for s in specs or [""]]
-    labels = [_label(c) for _, c in configs]
+    labels = [policy_label(c.policy, c.token_budget) for _, c in configs]
     return {(lab if labels.count(lab) == 1 else f"{lab} [{s}]"): c
             for lab, (s, c) in zip(labels, configs)}
-
-
-def _label(cfg: EngineConfig) -> str:
-    if cfg.policy == "fastdllm":
-        return "fastdllm"
-    if cfg.policy == "prefill_first" or math.isinf(cfg.token_budget):
-        return "prefill-first"
-    return f"deficit tau={cfg.token_budget:g}"
 
 
 def config_labels(args: argparse.Namespace) -> list[str]:

@@ -12,25 +12,10 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 
-from sangam.bench.report import format_table
-
-
-def policy_key(policy: str, token_budget: float | str) -> str:
-    """What a configuration schedules, in the same words for the engine and the simulator."""
-    tau = float(token_budget)
-    if policy == "fastdllm":
-        return "fastdllm"
-    if policy == "prefill_first" or math.isinf(tau):
-        return "prefill-first"
-    return f"deficit tau={tau:g}"
-
-
-def _field(config, name: str):
-    return config[name] if isinstance(config, Mapping) else getattr(config, name)
+from sangam.bench.report import format_table, policy_label
 
 
 def load_measured(serve_dir: str | os.PathLike) -> tuple[dict, dict]:
@@ -39,7 +24,7 @@ def load_measured(serve_dir: str | os.PathLike) -> tuple[dict, dict]:
         report = json.load(f)
     if report.get("kind") != "serve" or not report.get("configs"):
         raise ValueError(f"{serve_dir}: not the output of an in-process sangam-bench serve run")
-    keys = {label: policy_key(_field(c, "policy"), _field(c, "token_budget"))
+    keys = {label: policy_label(c["policy"], c["token_budget"])
             for label, c in report["configs"].items()}
     summaries = {(keys[s["config"]], float(s["qps"])): s for s in report["summaries"]}
     lengths: dict[tuple, list] = {}
@@ -56,7 +41,7 @@ def compare(sim_summaries: Sequence[dict], sim_records: Sequence[dict],
             sim_configs: Mapping[str, object], serve_dir: str | os.PathLike) -> list[dict]:
     """One row per simulated point that the serve run measured too (``config``: the policy)."""
     measured, measured_lengths = load_measured(serve_dir)
-    keys = {label: policy_key(c.policy, c.token_budget) for label, c in sim_configs.items()}
+    keys = {label: policy_label(c.policy, c.token_budget) for label, c in sim_configs.items()}
     sim_lengths: dict[tuple, list] = {}
     for r in sim_records:
         sim_lengths.setdefault((keys[r["config"]], float(r["qps"])), []).append(

@@ -30,8 +30,7 @@ DEMO_FAMILIES = ("reverse", "sort", "copy", "count")
 # before it.
 LONG_FAMILIES = ("copy_long", "reverse_long", "shift", "interleave")
 LONG_ANSWER = (64, 150)  # answer length range of held-out instances, characters (= tokens)
-# Training draws shorter ones too, whose letters rarely repeat, so that lining the answer up
-# with the prompt has an easy start.
+# Training draws shorter ones too, whose letters rarely repeat.
 LONG_TRAIN_ANSWER = (8, 150)
 SHIFTS = (1, 2, 3)  # Caesar shifts of the shift family
 SPLITS = ("train", "eval")
