@@ -32,7 +32,7 @@ struct Names {
   PyObject *tokens, *params, *mask_token_id, *stop_ids, *shift, *seed, *prompt_len, *block,
       *step, *num_forwards, *finished, *finish_reason, *block_length, *cache, *temperature,
       *unmasking, *threshold, *factor, *tokens_per_step, *stop, *length, *confidence,
-      *max_tokens;
+      *max_tokens, *refresh_interval, *prompt_refresh_interval;
 };
 Names names;
 
@@ -64,6 +64,8 @@ bool intern_names() {
       {&names.length, "length"},
       {&names.confidence, "confidence"},
       {&names.max_tokens, "max_tokens"},
+      {&names.refresh_interval, "refresh_interval"},
+      {&names.prompt_refresh_interval, "prompt_refresh_interval"},
   };
   for (const auto& entry : table) {
     *entry.slot = PyUnicode_InternFromString(entry.text);
@@ -216,10 +218,12 @@ bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
   if (!cache) return false;
   const bool cache_none = str_equals(cache.get(), "none");
   const bool cache_dual = str_equals(cache.get(), "dual");
-  int64_t block_length, prompt_len, block, step;
+  int64_t block_length, prompt_len, block, step, refresh_interval, prompt_refresh_interval;
   bool shift;
   if (!attr_i64(params.get(), names.block_length, &block_length) ||
       !attr_f64(params.get(), names.temperature, &p->temperature) ||
+      !attr_i64(params.get(), names.refresh_interval, &refresh_interval) ||
+      !attr_i64(params.get(), names.prompt_refresh_interval, &prompt_refresh_interval) ||
       !attr_i64(st, names.mask_token_id, &p->mask) || !attr_truth(st, names.shift, &shift) ||
       !attr_i64(st, names.prompt_len, &prompt_len) || !attr_i64(st, names.block, &block) ||
       !attr_i64(st, names.step, &step)) {
@@ -230,23 +234,29 @@ bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
   p->shift = shift ? 1 : 0;
   p->s = prompt_len + block * block_length;  // block_bounds
   p->e = p->s + block_length;
-  if (p->s < 0 || p->e <= p->s || p->e > T) {
+  if (p->s < 0 || p->e <= p->s || p->e > T || refresh_interval < 1 ||
+      prompt_refresh_interval < 1) {
     PyErr_Format(PyExc_ValueError,
-                 "DecodeState: block [%lld, %lld) lies outside its canvas of %lld",
+                 "DecodeState: block [%lld, %lld) lies outside its canvas of %lld, or a refresh "
+                 "interval is below 1",
                  static_cast<long long>(p->s), static_cast<long long>(p->e),
                  static_cast<long long>(T));
     return false;
   }
-  const bool refresh = step == 0 || cache_none;  // is_refresh
-  if (refresh) {  // span
-    p->start = 0, p->end = T;
-  } else {
-    p->start = p->s, p->end = cache_dual ? p->e : T;
+  // span(): a block's first step follows the refresh cadence (SamplingParams.block_refresh,
+  // both intervals at most 2**31 - 1, so their product fits).
+  const bool first = step == 0 || cache_none;
+  if (cache_none || (step == 0 && block % (refresh_interval * prompt_refresh_interval) == 0)) {
+    p->start = 0, p->end = T;  // a full refresh
+  } else if (step == 0 && block % refresh_interval == 0) {
+    p->start = prompt_len, p->end = T;  // a response-only refresh
+  } else {  // a cached step; the block's first reaches back to s - 1 with shifted logits
+    p->start = p->s - (step == 0 ? p->shift : 0), p->end = cache_dual ? p->e : T;
   }
-  // Candidates: masked positions of the block. No row predicts s in a shifted cached step, so
-  // there s is dropped, and a shifted refresh commits it outright if it is masked.
+  // Candidates: masked positions of the block. No row predicts s in a shifted model's later
+  // cached steps, so there s is dropped; a block's first step commits it outright if masked.
   const int64_t* tok = p->tokens.data();
-  p->num_forced = (shift && refresh && tok[p->s] == p->mask) ? 1 : 0;
+  p->num_forced = (shift && first && tok[p->s] == p->mask) ? 1 : 0;
   int64_t masked = 0;
   for (int64_t i = p->s + p->shift; i < p->e; ++i) masked += tok[i] == p->mask;
   p->num_rows = p->num_forced + masked;

@@ -26,7 +26,9 @@ T = TypeVar("T")
 _REQUEST = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 # EngineConfig's request defaults, by the SamplingParams field each sets.
 REQUEST_DEFAULTS = {"max_tokens_default": "max_tokens", "block_length": "block_length",
-                    "unmasking": "unmasking", "threshold": "threshold", "cache": "cache"}
+                    "unmasking": "unmasking", "threshold": "threshold", "cache": "cache",
+                    "refresh_interval": "refresh_interval",
+                    "prompt_refresh_interval": "prompt_refresh_interval"}
 
 
 def flag_meta(help_: str, aliases: tuple[str, ...] = (), **kw) -> dict:
@@ -145,6 +147,13 @@ class EngineConfig:
         f"Default confidence threshold (default: {_REQUEST['threshold']})"))
     cache: str | None = field(default=None, metadata=flag_meta(
         f"Default KV cache mode (default: {_REQUEST['cache']})", choices=CACHE_MODES))
+    refresh_interval: int | None = field(default=None, metadata=flag_meta(
+        "Default refresh interval: blocks start with a refresh only every this many (the "
+        f"others with a cached step; default: {_REQUEST['refresh_interval']}, every block)"))
+    prompt_refresh_interval: int | None = field(default=None, metadata=flag_meta(
+        "Default prompt refresh interval: every this-many-th refresh is full, the others "
+        "recompute only the response's K/V [P, T) (default: "
+        f"{_REQUEST['prompt_refresh_interval']}, all full)"))
     cuda_graph_block_lengths: str | None = field(default=None, metadata=flag_meta(
         "Comma-separated block lengths whose decode steps replay CUDA graphs (one capture "
         "each; default: the default block length); other lengths run eagerly"))
@@ -213,7 +222,9 @@ class EngineConfig:
         # token_budget: a float flag, so that "inf" parses.
         add_config_flags(cls, parser, {"token_budget": float, "num_pages": int,
                                        "max_model_len": int, "max_tokens_default": int,
-                                       "block_length": int, "threshold": float})
+                                       "block_length": int, "threshold": float,
+                                       "refresh_interval": int,
+                                       "prompt_refresh_interval": int})
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -10,6 +10,10 @@ from typing import NamedTuple
 
 UNMASKING_RULES = ("threshold", "factor", "topk")
 CACHE_MODES = ("dual", "prefix", "none")
+# How a block's first step runs (DESIGN.md §2, refresh cadence): a full refresh (span [0, T)),
+# a response-only refresh (span [P, T), the prompt's K/V kept from the last full one), or a
+# cached step over the block's usual span.
+FULL_REFRESH, RESPONSE_REFRESH, NO_REFRESH = "full", "response", "none"
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily, as in vLLM
 MAX_TEMPERATURE = 1e4  # beyond it logits / t underflow to a uniform draw anyway
 # Stop strings are matched against each block's text (the hold-back scan is quadratic in a
@@ -78,6 +82,12 @@ class SamplingParams:
     # seed is set) and returns them as one output's ``outputs``. A request is one sequence:
     # the engines take n = 1 only (the server's n makes n requests itself).
     n: int = 1
+    # Refresh cadence (DESIGN.md §2): block b > 0 starts with a refresh only when b is a
+    # multiple of refresh_interval (else with a cached step over its span), and of those
+    # refreshes every prompt_refresh_interval-th is full, the others response-only. 1 and 1:
+    # every block starts with a full refresh (Fast-dLLM's cache).
+    refresh_interval: int = 1
+    prompt_refresh_interval: int = 1
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -86,7 +96,8 @@ class SamplingParams:
 
         need(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], "
              f"got {self.n!r}")
-        for name in ("max_tokens", "block_length", "tokens_per_step"):
+        for name in ("max_tokens", "block_length", "tokens_per_step", "refresh_interval",
+                     "prompt_refresh_interval"):
             value = getattr(self, name)
             need(_is_int(value) and 1 <= value <= MAX_INT32,
                  f"{name} must be an integer in [1, {MAX_INT32}], got {value!r}")
@@ -97,6 +108,9 @@ class SamplingParams:
         need(_is_num(self.factor) and self.factor > 0.0,
              f"factor must be > 0, got {self.factor!r}")
         need(self.cache in CACHE_MODES, f"cache must be one of {CACHE_MODES}, got {self.cache!r}")
+        need(self.cache != "none" or self.refresh_interval == self.prompt_refresh_interval == 1,
+             'refresh_interval and prompt_refresh_interval need a cache: with cache="none" '
+             "every step is a full refresh")
         need(_is_num(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
              f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if self.temperature < GREEDY_TEMPERATURE:  # below fp32 resolution: plain argmax
@@ -196,10 +210,22 @@ class SamplingParams:
             return -(-self.min_tokens // self.block_length)
         return 0
 
+    def block_refresh(self, block: int) -> str:
+        """How block ``block`` starts (see :func:`block_refresh`)."""
+        return block_refresh(block, self.refresh_interval, self.prompt_refresh_interval)
+
     @property
     def canvas_length(self) -> int:
         """Response canvas G: max_tokens rounded up to whole blocks."""
         return -(-self.max_tokens // self.block_length) * self.block_length
+
+
+def block_refresh(block: int, refresh_interval: int, prompt_refresh_interval: int) -> str:
+    """How block ``block`` starts under a refresh cadence: FULL_REFRESH, RESPONSE_REFRESH or
+    NO_REFRESH. Block 0 always refreshes fully (cache="none" keeps both intervals at 1)."""
+    if block % (refresh_interval * prompt_refresh_interval) == 0:
+        return FULL_REFRESH
+    return RESPONSE_REFRESH if block % refresh_interval == 0 else NO_REFRESH
 
 
 def _is_int(x: object) -> bool:

@@ -24,12 +24,18 @@ def test_the_sweep_covers_both_caches_and_rules():
         assert {f"{cache}/threshold={v:g}" for v in DEFAULT_THRESHOLDS} <= set(names)
         assert f"{cache}/factor=1" in names
     assert min(DEFAULT_THRESHOLDS) < 0.5 and 0.9 in DEFAULT_THRESHOLDS  # a bad one, the usual
+    modes = {m.name: m.options for m in sweep()}
+    never = modes["dual/threshold=0.9/refresh_interval=1000"]  # the bad cadence
+    assert never == {"unmasking": "threshold", "threshold": 0.9, "cache": "dual",
+                     "refresh_interval": 1000}
+    assert "dual/threshold=0.9/prompt_refresh_interval=2" in modes
 
 
 def test_quality_reports_agreement_confidence_and_a_plot(tmp_path, capsys):
     out, png = tmp_path / "q.json", tmp_path / "q.png"
     assert main(["quality", "--num-instances", "8", "--thresholds", "0.3,0.9", "--factors", "1",
-                 "--modes", "dual/threshold=0.3,dual/threshold=0.9,prefix/factor=1",
+                 "--modes", "dual/threshold=0.3,dual/threshold=0.9,prefix/factor=1,"
+                 "dual/threshold=0.9/refresh_interval=1000",
                  "--json", str(out), "--plot", str(png)]) == 0
     table = capsys.readouterr().out
     assert "blocks=vanilla" in table and "dual/threshold=0.9" in table
@@ -40,7 +46,8 @@ def test_quality_reports_agreement_confidence_and_a_plot(tmp_path, capsys):
     assert (report["max_tokens"], report["block_length"]) == (24, 8)
     modes = report["modes"]
     assert list(modes) == ["vanilla", "prefix/factor=1", "dual/threshold=0.3",
-                           "dual/threshold=0.9"]
+                           "dual/threshold=0.9", "dual/threshold=0.9/refresh_interval=1000"]
+    assert modes["dual/threshold=0.9/refresh_interval=1000"]["options"]["refresh_interval"] == 1000
     vanilla = modes["vanilla"]
     assert vanilla["block_agreement"] == 1.0 and vanilla["tokens_per_forward"] == 1.0
     assert 8 <= vanilla["forwards_per_request"] <= 24  # a forward per token of the blocks decoded

@@ -23,9 +23,12 @@ from sangam.demo import (
 from sangam.demo.tasks import (
     DEMO_FAMILIES,
     FAMILIES,
+    FIELD,
     LONG_ANSWER,
     LONG_FAMILIES,
     SHIFTS,
+    TALLY_LETTERS,
+    VERB_WIDTH,
     eval_set,
     generate,
     sample_task,
@@ -154,18 +157,22 @@ def test_long_task_answers_are_right_and_span_four_to_ten_blocks():
             t = sample_task(family, rng)
             lengths.add(len(t.answer))
             assert LONG_ANSWER[0] <= len(t.answer) <= LONG_ANSWER[1]
-            words = t.prompt.split(": ")[1].split(" ")
-            if family == "interleave":
-                a, b = words
-                assert len(a) == len(b) and t.answer[0::2] == a and t.answer[1::2] == b
-                continue
-            (word,) = words
+            # Every family's field starts and ends at the same place, dots after the word, so
+            # answer character j sits at one fixed distance from prompt character j.
+            verb, field = t.prompt[:VERB_WIDTH], t.prompt[VERB_WIDTH:]
+            assert len(field) == FIELD and t.prompt.strip() == t.prompt
+            word = field.rstrip(".")
+            assert set(field[len(word):]) <= {"."} and len(word) == len(t.answer)
             if family == "shift":
-                k = int(t.prompt.split(":")[0].split(" ")[1])
+                k = int(verb.split()[1].rstrip(":"))
                 assert k in SHIFTS and t.answer == "".join(
                     string.ascii_lowercase[(ord(c) - 97 + k) % 26] for c in word)
+            elif family == "tally":
+                assert set(word) <= set(TALLY_LETTERS)
+                assert t.answer == "".join(str(word[:j + 1].count("a") % 10)
+                                           for j in range(len(word)))
             else:
-                assert t.answer == {"copy_long": word, "reverse_long": word[::-1]}[family]
+                assert t.answer == word
     # <|eot_id|> (index n of the response) lands in each of blocks 4..9 of 16 tokens: responses
     # span 5 to 10 of the 160-token canvas's blocks.
     assert {n // 16 for n in lengths} == set(range(4, 10))

@@ -4,6 +4,7 @@ import dataclasses
 import random
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,6 +121,82 @@ def test_batch_invariance_matches_reference(loaded, arch, policy, budget):
                        token_budget=budget, page_size=4, num_pages=400)
     got = _run_staggered(Engine(cfg, lm), reqs, seed=3)
     _assert_same(got, _reference(lm, reqs))
+
+
+# (refresh_interval, prompt_refresh_interval): every block fully; every 2nd block; every
+# block, every 2nd fully (the others response-only); every 3rd, every 2nd of those fully;
+# block 0 only.
+CADENCES = [(1, 1), (2, 1), (1, 2), (3, 2), (1000, 1)]
+
+
+def _cadence_workload(n: int, seed: int):
+    """``_workload``'s requests, with a cache and a refresh cadence each."""
+    rng = random.Random(seed)
+    return [(rid, prompt, dataclasses.replace(
+                params, cache=rng.choice(["dual", "prefix"]), max_tokens=rng.choice([16, 24]),
+                block_length=4, refresh_interval=ri, prompt_refresh_interval=pi),
+             arrival, suffix)
+            for (rid, prompt, params, arrival, suffix), (ri, pi)
+            in zip(_workload(n, seed), (rng.choice(CADENCES) for _ in range(n)))]
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+@pytest.mark.parametrize("policy,budget", [("deficit", 64), ("deficit", 1024),
+                                           ("prefill_first", 1024), ("fastdllm", 1024)])
+def test_refresh_cadence_matches_reference(loaded, arch, policy, budget):
+    lm = loaded[arch]
+    reqs = _cadence_workload(16, seed=30 if arch == "llada" else 31)
+    cfg = EngineConfig(model=lm.path, device="cpu", dtype="float64", policy=policy,
+                       token_budget=budget, page_size=4, num_pages=400)
+    engine = Engine(cfg, lm)
+    got = _run_staggered(engine, reqs, seed=5)
+    _assert_same(got, _reference(lm, reqs))
+    # The scheduler charged each refresh its span: T for a full one, T - P response-only.
+    spans = {"full": 0, "response": 0}
+    for _, prompt, params, _, suffix in reqs:
+        st = lm.new_state(prompt, params, random.Random(0), suffix)
+        ReferenceDecoder(lm.model).run(st)
+        for b in range(st.block + 1):
+            kind = params.block_refresh(b)
+            if kind != "none":
+                spans[kind] += st.total_len - (st.prompt_len if kind == "response" else 0)
+    assert sum(i.prefill_tokens for i in engine.stats.iterations) == sum(spans.values())
+    assert spans["response"] > 0
+
+
+def test_refresh_cadence_changes_tokens_and_forwards(loaded):
+    """Each cadence is a different approximation: a policy the engine ignored would fail."""
+    lm = loaded["llada"]
+    base = SamplingParams(max_tokens=24, block_length=4, unmasking="topk", tokens_per_step=1,
+                          stop_at_eos=False, logprobs=0)
+    prompts = [[random.Random(i).randrange(2, 150) for _ in range(9)] for i in range(6)]
+    outs = {}
+    for ri, pi in CADENCES:
+        params = dataclasses.replace(base, refresh_interval=ri, prompt_refresh_interval=pi)
+        outs[ri, pi] = [_decode_one_by_one(lm, [(f"r{i}", p, params, None, [])])[f"r{i}"][2]
+                        for i, p in enumerate(prompts)]  # the committed tokens' logprobs
+    for cadence in CADENCES[1:]:  # a random model's argmax moves rarely: its confidence does
+        assert all(a != b for a, b in zip(outs[cadence], outs[1, 1])), cadence
+    # Spans of the first step of each block, for one request of 9 prompt tokens, T = 33.
+    st = lm.new_state(prompts[0], dataclasses.replace(base, refresh_interval=3,
+                                                      prompt_refresh_interval=2),
+                      random.Random(0))
+    firsts = []
+    while not st.finished:
+        if st.step == 0:
+            firsts.append(st.span())
+        plan = st.plan()
+        st.apply(plan, np.full(len(plan.positions), 5), np.ones(len(plan.positions)))
+    assert firsts == [(0, 33), (13, 17), (17, 21), (9, 33), (25, 29), (29, 33)]
+
+
+def test_refresh_intervals_are_validated():
+    with pytest.raises(ValueError, match="refresh_interval"):
+        SamplingParams(refresh_interval=0)
+    with pytest.raises(ValueError, match="prompt_refresh_interval"):
+        SamplingParams(prompt_refresh_interval=2**31)
+    with pytest.raises(ValueError, match="need a cache"):
+        SamplingParams(cache="none", refresh_interval=2)
 
 
 def test_batches_are_actually_mixed(loaded):

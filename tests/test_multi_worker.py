@@ -18,7 +18,7 @@ import pytest
 from sangam import LLM
 from sangam.config import EngineConfig
 from sangam.engine.async_engine import AsyncEngine
-from sangam.engine.engine import tokens_per_forward
+from sangam.engine.engine import RequestRejected, tokens_per_forward
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import make_engine
 from sangam.engine.multi.front import MultiWorkerEngine
@@ -370,6 +370,8 @@ def test_failed_transfer_is_retried(paths):
     engine = make_engine(EngineConfig(**_options(paths["llada"], mode="disaggregated",
                                                  prefill_workers=1, decode_workers=1)))
     try:
+        with pytest.raises(RequestRejected, match="one colocated worker"):  # not yet served
+            engine.add_request("cadence", [5, 6, 7], SamplingParams(prompt_refresh_interval=2))
         engine.placement.num_pages[1] = 10 * NUM_PAGES  # a stale view: worker 1 overcommitted
         outs = _run(engine, reqs)
         assert _tokens(outs) == want

@@ -110,6 +110,39 @@ def test_request_transitions_and_metrics():
     assert (ab.status, ab.finish_reason, ab.metrics.finish_time) == (FI, "abort", 5.0)
 
 
+def test_refresh_cadence_transitions_and_costs():
+    """Four blocks, refreshes every 2nd, every 2nd of those full: full, none, response, none."""
+    r = Request("a", 0.0, prompt_len=10, canvas_len=16, block_length=4, refresh_interval=2,
+                prompt_refresh_interval=2)
+    assert [r.block_refresh(b) for b in range(4)] == ["full", "none", "response", "none"]
+    assert r.prefill_cost == 26
+    r.mark_admitted(1.0)
+    r.mark_step_done(2.0, block_done=True, finished=False)  # block 0 in its refresh
+    assert (r.status, r.block) == (DE, 1)  # block 1 starts without one: stays seated
+    r.mark_step_done(3.0, block_done=False, finished=False)
+    r.mark_step_done(4.0, block_done=True, finished=False)
+    assert (r.status, r.block, r.prefill_cost) == (W, 2, 16)  # response-only: T - P
+    r.mark_admitted(5.0)
+    r.mark_step_done(6.0, block_done=True, finished=False)
+    assert (r.status, r.block) == (DE, 3)
+    r.mark_step_done(8.0, block_done=True, finished=True)
+    m = r.metrics
+    assert m.prefill_queued == [0.0, 4.0] and m.prefill_finished == [2.0, 6.0]
+    assert m.decode_started == [2.0, 2.0, 6.0, 6.0] and m.block_finished == [2.0, 4.0, 6.0, 8.0]
+    assert m.decode_time == 2.0 + 2.0 and m.queueing_time == 1.0 + 1.0
+
+    # The builder keeps such a request seated across the boundary.
+    b = BatchBuilder(PageAllocator(16), 4, "deficit", 64)
+    q = Request("q", 0.0, prompt_len=4, canvas_len=8, block_length=4, refresh_interval=2)
+    b.add(q)
+    (got,) = b.schedule(0.0).prefills
+    b.step_done(got, 1.0, block_done=True, finished=False)
+    batch = b.schedule(1.0)
+    assert batch.prefills == [] and batch.decodes == [q] and batch.decode_tokens == 4
+    with pytest.raises(ValueError, match="refresh intervals"):
+        Request("z", 0.0, 1, 4, 4, refresh_interval=0)
+
+
 # PageAllocator.
 def test_page_allocator():
     a = PageAllocator(10)

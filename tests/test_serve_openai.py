@@ -509,6 +509,7 @@ def test_top_logprobs_match_llm(client, llm):
 
 def _workload(n: int) -> list[tuple[str, dict]]:
     rng = random.Random(0)
+    cadence = random.Random(1)
     rules = [dict(unmasking="threshold", threshold=0.9), dict(unmasking="threshold",
                                                                 threshold=0.3),
              dict(unmasking="factor", factor=2.0), dict(unmasking="topk", tokens_per_step=2)]
@@ -520,6 +521,9 @@ def _workload(n: int) -> list[tuple[str, dict]]:
                     cache=rng.choice(["dual", "prefix", "none"]),
                     temperature=rng.choice([0.0, 0.0, 1.5]), seed=1000 + i,
                     stop_at_eos=rng.random() < 0.5, **rng.choice(rules))
+        if opts["cache"] != "none":
+            opts.update(refresh_interval=cadence.choice([1, 1, 2]),
+                        prompt_refresh_interval=cadence.choice([1, 2]))
         reqs.append((prompt, opts))
     return reqs
 

@@ -3,7 +3,10 @@
 Decodes held-out instances of the demo tasks (:mod:`sangam.demo.tasks`) through the public API
 (``sangam.LLM``): first with vanilla LLaDA decoding (top-1 per step, no cache), then with each
 mode of a sweep - PrefixCache and DualCache under the threshold rule (``--thresholds``) and the
-factor rule (``--factors``). Per mode it reports
+factor rule (``--factors``), then DualCache at threshold 0.9 under other refresh cadences: blocks
+that start without a refresh (``--refresh-intervals``) or with a response-only one
+(``--prompt-refresh-intervals``; an interval at least the number of blocks means never). Per
+mode it reports
 
 - exact match, overall and per family;
 - block agreement with vanilla: the share of blocks whose committed tokens equal vanilla's for
@@ -33,12 +36,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sangam.bench.report import parse_float_list
+from sangam.bench.report import parse_float_list, parse_int_list
 from sangam.demo.tasks import DEMO_FAMILIES, EVAL_SEED, FAMILIES, Task, eval_set
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 DEFAULT_THRESHOLDS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0)  # 0.3: deliberately too low
 DEFAULT_FACTORS = (0.5, 1.0, 2.0)
+# Refresh cadences under DualCache, threshold CADENCE_THRESHOLD (Fast-dLLM's setting); 1000:
+# never after block 0 (a deliberately bad approximation).
+DEFAULT_REFRESH_INTERVALS = (2, 4, 1000)
+DEFAULT_PROMPT_REFRESH_INTERVALS = (2, 4, 1000)
+CADENCE_THRESHOLD = 0.9
 VANILLA = "vanilla"
 
 
@@ -49,8 +57,12 @@ class Mode:
 
 
 def sweep(thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
-          factors: tuple[float, ...] = DEFAULT_FACTORS) -> list[Mode]:
-    """Vanilla first (the reference of block agreement), then cache x rule x value."""
+          factors: tuple[float, ...] = DEFAULT_FACTORS,
+          refresh_intervals: tuple[int, ...] = DEFAULT_REFRESH_INTERVALS,
+          prompt_refresh_intervals: tuple[int, ...] = DEFAULT_PROMPT_REFRESH_INTERVALS,
+          ) -> list[Mode]:
+    """Vanilla first (the reference of block agreement), then cache x rule x value, then the
+    refresh cadences."""
     modes = [Mode(VANILLA, {"unmasking": "topk", "tokens_per_step": 1, "cache": "none"})]
     for cache in ("prefix", "dual"):
         modes += [Mode(f"{cache}/threshold={v:g}",
@@ -58,6 +70,11 @@ def sweep(thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
                   for v in thresholds]
         modes += [Mode(f"{cache}/factor={v:g}", {"unmasking": "factor", "factor": v,
                                                   "cache": cache}) for v in factors]
+    cadence = {"unmasking": "threshold", "threshold": CADENCE_THRESHOLD, "cache": "dual"}
+    for name, values in (("refresh_interval", refresh_intervals),
+                         ("prompt_refresh_interval", prompt_refresh_intervals)):
+        modes += [Mode(f"dual/threshold={CADENCE_THRESHOLD:g}/{name}={v}", {**cadence, name: v})
+                  for v in values]
     return modes
 
 
@@ -137,7 +154,7 @@ def plot(path: str, results: dict[str, dict], title: str) -> list[str]:
             ax.plot([r["tokens_per_forward"]], [r["accuracy"]], "k*", markersize=12,
                     label="vanilla (top-1, no cache)")
             continue
-        line, value = name.split("=")
+        line, value = name.rsplit("=", 1)  # a cadence's line: its interval over 0.9's
         lines.setdefault(line, []).append((r["tokens_per_forward"], r["accuracy"], value))
     for i, (line, pts) in enumerate(sorted(lines.items())):
         pts.sort()
@@ -186,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
     # As the model was trained: one user turn plus the assistant header.
     prompt_ids = [llm.loaded.encode_chat([{"role": "user", "content": t.prompt}])
                   for t in tasks]
-    modes = sweep(tuple(parse_float_list(args.thresholds)), tuple(parse_float_list(args.factors)))
+    modes = sweep(tuple(parse_float_list(args.thresholds)), tuple(parse_float_list(args.factors)),
+                  tuple(parse_int_list(args.refresh_intervals)),
+                  tuple(parse_int_list(args.prompt_refresh_intervals)))
     if args.modes:
         keep = set(args.modes.split(","))
         modes = [m for m in modes if m.name in keep or m.name == VANILLA]
@@ -239,6 +258,15 @@ def register(subparsers) -> None:
                    help="threshold rule values of the sweep (0.3 is there to be too low)")
     p.add_argument("--factors", default=",".join(f"{v:g}" for v in DEFAULT_FACTORS),
                    help="factor rule values of the sweep")
+    p.add_argument("--refresh-intervals",
+                   default=",".join(map(str, DEFAULT_REFRESH_INTERVALS)),
+                   help=f"refresh_interval values under dual/threshold={CADENCE_THRESHOLD:g} "
+                        "(blocks between refreshes; 1000: never after the first)")
+    p.add_argument("--prompt-refresh-intervals",
+                   default=",".join(map(str, DEFAULT_PROMPT_REFRESH_INTERVALS)),
+                   help=f"prompt_refresh_interval values under dual/threshold="
+                        f"{CADENCE_THRESHOLD:g} (refreshes between full ones; the others are "
+                        "response-only)")
     p.add_argument("--modes", default=None,
                    help="only these modes of the sweep (and vanilla), e.g. dual/threshold=0.9")
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="seed of the held-out instances")

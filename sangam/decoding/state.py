@@ -19,7 +19,7 @@ import numpy as np
 from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.noise import noise_key, row_keys
 from sangam.decoding.rules import select_commits
-from sangam.sampling_params import SamplingParams
+from sangam.sampling_params import FULL_REFRESH, RESPONSE_REFRESH, SamplingParams
 
 
 @dataclass
@@ -71,7 +71,7 @@ class DecodeState:
         self.stop_ids = ((stop_ids if params.stop_at_eos else frozenset())
                          | frozenset(params.stop_token_ids))
         self.stop_array = np.array(sorted(self.stop_ids), dtype=np.int64)  # the same, for numpy
-        self.shift = shift_logits
+        self.shift = int(shift_logits)  # 1: row p - 1 predicts position p (Dream)
         self.seed = seed
         self.prompt_len = len(prompt_ids)
         self.canvas_end = self.prompt_len + params.canvas_length  # where the suffix begins
@@ -150,15 +150,20 @@ class DecodeState:
         s = self.prompt_len + self.block * self.params.block_length
         return s, s + self.params.block_length
 
-    @property
-    def is_refresh(self) -> bool:
-        return self.step == 0 or self.params.cache == "none"
-
     def span(self) -> tuple[int, int]:
+        """The next forward's span of query positions (DESIGN.md §2)."""
         s, e = self.block_bounds()
-        if self.is_refresh:
-            return 0, self.total_len
-        return (s, e) if self.params.cache == "dual" else (s, self.total_len)
+        p, end = self.params, self.total_len
+        if p.cache == "none":
+            return 0, end
+        if self.step == 0:  # the block's first step, as the refresh cadence says
+            start = p.block_refresh(self.block)
+            if start == FULL_REFRESH:
+                return 0, end
+            if start == RESPONSE_REFRESH:
+                return self.prompt_len, end
+            s -= self.shift  # a cached first step: with shifted logits, row s - 1 predicts s
+        return (s, e) if p.cache == "dual" else (s, end)
 
     # One step.
     def plan(self) -> StepPlan:
@@ -168,10 +173,10 @@ class DecodeState:
         num_forced = 0
         shift = 1 if self.shift else 0
         if shift and offsets.size and offsets[0] == 0:
-            # No row predicts position s in a cached step (its predictor is s - 1), so it is
-            # no candidate there; a refresh does predict it and commits it outright: it stays
-            # first in the list, as the forced position.
-            if self.is_refresh:
+            # No row predicts position s in a block's later cached steps (its predictor is
+            # s - 1), so it is no candidate there; a block's first step does predict it and
+            # commits it outright: it stays first in the list, as the forced position.
+            if self.step == 0 or self.params.cache == "none":
                 num_forced = 1
             else:
                 offsets = offsets[1:]

@@ -18,8 +18,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-FAMILIES = ("add", "sub", "reverse", "sort", "copy", "count",
-            "copy_long", "reverse_long", "shift", "interleave")
+FAMILIES = ("add", "sub", "reverse", "sort", "copy", "count", "copy_long", "shift", "tally")
 # The shipped demo model's families. Arithmetic is left out: the units digit of a + b is
 # independent of each operand digit alone, so a small model's gradient sees no signal until it
 # attends to both at once, and a 1M-parameter model does not get there in an hour on two CPU
@@ -28,8 +27,11 @@ DEMO_FAMILIES = ("reverse", "sort", "copy", "count")
 # For a long-answer model (``train_demo_model.py --preset long``): answers of LONG_ANSWER
 # characters, at least 4 blocks of 16, each position a function of the prompt and of the answer
 # before it.
-LONG_FAMILIES = ("copy_long", "reverse_long", "shift", "interleave")
+LONG_FAMILIES = ("copy_long", "shift", "tally")
 LONG_ANSWER = (64, 150)  # answer length range of held-out instances, characters (= tokens)
+FIELD = LONG_ANSWER[1]  # width of a long task's dot-padded field
+VERB_WIDTH = 10  # a long task's instruction, padded so every family's field starts alike
+TALLY_LETTERS = "ab"
 # Training draws shorter ones too, whose letters rarely repeat.
 LONG_TRAIN_ANSWER = (8, 150)
 SHIFTS = (1, 2, 3)  # Caesar shifts of the shift family
@@ -78,20 +80,30 @@ def sample_task(family: str, rng: random.Random,
         c = rng.choice(COUNT_LETTERS)
         return Task(family, f"How many {c}'s in {w}?", str(w.count(c)))
     lo, hi = long_answer
+    w = _word(rng, lo, hi, TALLY_LETTERS if family == "tally" else LETTERS)
     if family == "copy_long":
-        w = _word(rng, lo, hi)
-        return Task(family, f"Repeat: {w}", w)
-    if family == "reverse_long":
-        w = _word(rng, lo, hi)
-        return Task(family, f"Reverse: {w}", w[::-1])
+        return _field_task(family, "Repeat:", w, w)
     if family == "shift":
-        w, k = _word(rng, lo, hi), rng.choice(SHIFTS)
-        return Task(family, f"Shift {k}: {w}", "".join(_shifted(c, k) for c in w))
-    if family == "interleave":
-        n = rng.randint(lo // 2, hi // 2)
-        a, b = _word(rng, n, n), _word(rng, n, n)
-        return Task(family, f"Interleave: {a} {b}", "".join(x + y for x, y in zip(a, b)))
+        k = rng.choice(SHIFTS)
+        return _field_task(family, f"Shift {k}:", w, "".join(_shifted(c, k) for c in w))
+    if family == "tally":
+        return _field_task(family, "Tally a:", w, _running_count(w, "a"))
     raise ValueError(f"unknown task family {family!r}; choose from {FAMILIES}")
+
+
+def _field_task(family: str, verb: str, word: str, answer: str) -> Task:
+    """A long task: ``verb`` padded to ``VERB_WIDTH``, then ``word`` in a ``FIELD``-wide field of
+    dots, so answer character j always sits the same distance after prompt character j."""
+    return Task(family, f"{verb:<{VERB_WIDTH}}{word:.<{FIELD}}", answer)
+
+
+def _running_count(word: str, letter: str) -> str:
+    """Digit j is the count of ``letter`` in ``word[: j + 1]``, modulo 10."""
+    out, n = [], 0
+    for c in word:
+        n += c == letter
+        out.append(str(n % 10))
+    return "".join(out)
 
 
 def _shifted(c: str, k: int) -> str:

@@ -136,7 +136,8 @@ def scheduling_request(request_id: str, arrival_time: float, state: DecodeState,
     (``seq``: the front's request's, so that a worker orders equal arrivals as it does)."""
     p = state.params
     req = Request(request_id, arrival_time, state.prompt_len, p.canvas_length, p.block_length,
-                  p.cache, state.total_len - state.canvas_end, p.priority, seq)
+                  p.cache, state.total_len - state.canvas_end, p.priority, seq,
+                  p.refresh_interval, p.prompt_refresh_interval)
     req.block = state.block
     return req
 

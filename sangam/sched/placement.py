@@ -202,6 +202,7 @@ class Placement:
         m = p.request.metrics
         m.prefill_started.append(start)
         m.prefill_finished.append(end)
+        m.decode_started.append(end)
 
     def kv_sent(self, p: Placed | None, src: int, dest: int, drain: bool) -> bool:
         """``src`` posted a transfer to ``dest`` for ``p`` (None: for work taken back). Returns

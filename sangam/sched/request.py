@@ -5,11 +5,17 @@ Pure Python, no tensors: the engine and the simulator drive the same objects.
 Life of a request (B = block length, one refresh then cached steps per block)::
 
     WAITING --mark_admitted--> PREFILL --mark_step_done--> DECODE --mark_step_done--> ...
-       ^                          |                          |
-       +-------- block done ------+--------------------------+   (re-prefill of the next
-                                  |                          |    block, same priority)
+       ^                          |                          |  ^
+       +-------- block done ------+--------------------------+  |  (re-prefill of the next
+                                  |                          |  |   block, same priority)
+                                  |                          +--+  block done, the next one
+                                  |                          |     starts without a refresh
                                   +------ finished ----------+--> FINISHED
     any state but FINISHED --mark_aborted--> FINISHED (finish_reason "abort")
+
+The refresh cadence (``refresh_interval``, ``prompt_refresh_interval``: SamplingParams') says
+how each block starts: a full refresh (cost T), a response-only one (cost T - P), or none (the
+request stays seated and its next cached step starts the block).
 """
 
 from __future__ import annotations
@@ -18,7 +24,13 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from sangam.sampling_params import CACHE_MODES
+from sangam.sampling_params import (
+    CACHE_MODES,
+    FULL_REFRESH,
+    MAX_INT32,
+    NO_REFRESH,
+    block_refresh,
+)
 
 # Creation order, the tie-break after arrival time. next() on a count is atomic under the GIL.
 _SEQ = itertools.count()
@@ -43,6 +55,8 @@ class RequestMetrics:
     prefill_queued: list[float] = field(default_factory=list)  # entered the queue for block b
     prefill_started: list[float] = field(default_factory=list)  # admitted (refresh scheduled)
     prefill_finished: list[float] = field(default_factory=list)  # refresh forward done
+    # Cached steps began: a refresh ended, or a block that starts without one began.
+    decode_started: list[float] = field(default_factory=list)
     block_finished: list[float] = field(default_factory=list)  # last mask of block b committed
     finish_time: float | None = None
     num_steps: int = 0  # forwards spent: refreshes + cached steps
@@ -59,8 +73,9 @@ class RequestMetrics:
 
     @property
     def decode_time(self) -> float:
-        """Total time from each refresh's end to its block's end (cached steps)."""
-        return sum(b - p for p, b in zip(self.prefill_finished, self.block_finished))
+        """Total time of cached steps: from each block's refresh end (or, without a refresh,
+        its start) to the block's end."""
+        return sum(b - d for d, b in zip(self.decode_started, self.block_finished))
 
     @property
     def time_to_first_block(self) -> float | None:
@@ -79,7 +94,8 @@ class Request:
 
     def __init__(self, request_id: str, arrival_time: float, prompt_len: int, canvas_len: int,
                  block_length: int, cache: str = "dual", suffix_len: int = 0,
-                 priority: int = 0, seq: int | None = None):
+                 priority: int = 0, seq: int | None = None, refresh_interval: int = 1,
+                 prompt_refresh_interval: int = 1):
         if prompt_len < 1:
             raise ValueError(f"request {request_id!r}: prompt_len must be >= 1, got {prompt_len}")
         if block_length < 1 or canvas_len < 1 or canvas_len % block_length:
@@ -91,12 +107,18 @@ class Request:
         if cache not in CACHE_MODES:
             raise ValueError(f"request {request_id!r}: cache must be one of {CACHE_MODES}, "
                              f"got {cache!r}")
+        if not (1 <= refresh_interval <= MAX_INT32 and 1 <= prompt_refresh_interval <= MAX_INT32):
+            raise ValueError(f"request {request_id!r}: refresh intervals must be in "
+                             f"[1, {MAX_INT32}], got {refresh_interval}, "
+                             f"{prompt_refresh_interval}")
         self.request_id = request_id
         self.arrival_time = arrival_time
         self.prompt_len = prompt_len
         self.canvas_len = canvas_len
         self.block_length = block_length
         self.cache = cache
+        self.refresh_interval = refresh_interval
+        self.prompt_refresh_interval = prompt_refresh_interval
         self.priority = priority  # vLLM's: lower is served first; ties by arrival
         # Its place among equal arrivals: kept by the copies a worker schedules (``seq``).
         self.seq = next(_SEQ) if seq is None else seq
@@ -113,11 +135,18 @@ class Request:
         return (f"Request({self.request_id!r}, status={self.status.name}, "
                 f"block={self.block}/{self.num_blocks}, T={self.total_len}, cache={self.cache})")
 
+    def block_refresh(self, block: int) -> str:
+        """How ``block`` starts: FULL_REFRESH, RESPONSE_REFRESH or NO_REFRESH."""
+        return block_refresh(block, self.refresh_interval, self.prompt_refresh_interval)
+
     # Costs, in tokens of forward span.
     @property
     def prefill_cost(self) -> int:
-        """A refresh spans all T positions (bidirectional attention: it cannot be chunked)."""
-        return self.total_len
+        """The current block's refresh: a full one spans all T positions (bidirectional
+        attention: it cannot be chunked), a response-only one [P, T)."""
+        if self.block_refresh(self.block) == FULL_REFRESH:
+            return self.total_len
+        return self.total_len - self.prompt_len
 
     @property
     def decode_span(self) -> int:
@@ -156,15 +185,20 @@ class Request:
         m.num_steps += 1
         if self.status is RequestStatus.PREFILL:
             m.prefill_finished.append(now)
+            m.decode_started.append(now)
         if finished:
             m.block_finished.append(now)
             self._finish(now, finish_reason or (
                 "length" if self.block + 1 == self.num_blocks else "stop"))
         elif block_done:
             m.block_finished.append(now)
-            m.prefill_queued.append(now)
             self.block += 1
-            self.status = RequestStatus.WAITING
+            if self.block_refresh(self.block) == NO_REFRESH:  # stays seated
+                m.decode_started.append(now)
+                self.status = RequestStatus.DECODE
+            else:
+                m.prefill_queued.append(now)
+                self.status = RequestStatus.WAITING
         else:
             self.status = RequestStatus.DECODE
 

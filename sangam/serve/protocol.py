@@ -101,6 +101,8 @@ class _GenerationRequest(RequestBody):
     factor: float | None = Field(default=None, gt=0)
     tokens_per_step: Length | None = None
     cache: Literal[CACHE_MODES] | None = None
+    refresh_interval: Length | None = None
+    prompt_refresh_interval: Length | None = None
     stop_at_eos: bool | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None \
         = None
@@ -126,7 +128,8 @@ class _GenerationRequest(RequestBody):
     def sampling_overrides(self) -> dict[str, object]:
         """The SamplingParams fields this request sets explicitly."""
         names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "block_length",
-                 "unmasking", "threshold", "factor", "tokens_per_step", "cache", "stop_at_eos",
+                 "unmasking", "threshold", "factor", "tokens_per_step", "cache",
+                 "refresh_interval", "prompt_refresh_interval", "stop_at_eos",
                  "stop", "include_stop_str_in_output", "stop_token_ids", "skip_special_tokens",
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens",
                  "truncate_prompt_tokens", "priority")

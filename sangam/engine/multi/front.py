@@ -281,6 +281,11 @@ class MultiWorkerEngine:
                     suffix_token_ids: list[int] = ()) -> None:
         """Validate and queue a request (with ``suffix_token_ids``: an infill between prompt
         and suffix); raises (and changes nothing) if it cannot be served."""
+        if params.refresh_interval != 1 or params.prompt_refresh_interval != 1:
+            raise RequestRejected(
+                "refresh_interval and prompt_refresh_interval other than 1 are served by one "
+                "colocated worker only (num_workers 1): a block that starts without a full "
+                "refresh needs the K/V its canvas holder kept")
         req, state = new_request(self.requests, self.config, self.loaded, self._rng, request_id,
                                  prompt_token_ids, params, arrival_time, suffix_token_ids)
         try:
