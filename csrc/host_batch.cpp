@@ -32,7 +32,7 @@ struct Names {
   PyObject *tokens, *params, *mask_token_id, *stop_ids, *shift, *seed, *prompt_len, *block,
       *step, *num_forwards, *finished, *finish_reason, *block_length, *cache, *temperature,
       *unmasking, *threshold, *factor, *tokens_per_step, *stop, *length, *confidence,
-      *max_tokens, *refresh_interval, *prompt_refresh_interval;
+      *max_tokens, *refresh_interval, *prompt_refresh_interval, *cache_lost;
 };
 Names names;
 
@@ -66,6 +66,7 @@ bool intern_names() {
       {&names.max_tokens, "max_tokens"},
       {&names.refresh_interval, "refresh_interval"},
       {&names.prompt_refresh_interval, "prompt_refresh_interval"},
+      {&names.cache_lost, "cache_lost"},
   };
   for (const auto& entry : table) {
     *entry.slot = PyUnicode_InternFromString(entry.text);
@@ -219,14 +220,14 @@ bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
   const bool cache_none = str_equals(cache.get(), "none");
   const bool cache_dual = str_equals(cache.get(), "dual");
   int64_t block_length, prompt_len, block, step, refresh_interval, prompt_refresh_interval;
-  bool shift;
+  bool shift, cache_lost;
   if (!attr_i64(params.get(), names.block_length, &block_length) ||
       !attr_f64(params.get(), names.temperature, &p->temperature) ||
       !attr_i64(params.get(), names.refresh_interval, &refresh_interval) ||
       !attr_i64(params.get(), names.prompt_refresh_interval, &prompt_refresh_interval) ||
       !attr_i64(st, names.mask_token_id, &p->mask) || !attr_truth(st, names.shift, &shift) ||
       !attr_i64(st, names.prompt_len, &prompt_len) || !attr_i64(st, names.block, &block) ||
-      !attr_i64(st, names.step, &step)) {
+      !attr_i64(st, names.step, &step) || !attr_truth(st, names.cache_lost, &cache_lost)) {
     return false;
   }
   const int64_t T = p->tokens.size();
@@ -244,9 +245,11 @@ bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
     return false;
   }
   // span(): a block's first step follows the refresh cadence (SamplingParams.block_refresh,
-  // both intervals at most 2**31 - 1, so their product fits).
+  // both intervals at most 2**31 - 1, so their product fits), or refreshes fully when the
+  // cache was lost.
   const bool first = step == 0 || cache_none;
-  if (cache_none || (step == 0 && block % (refresh_interval * prompt_refresh_interval) == 0)) {
+  if (cache_none ||
+      (step == 0 && (cache_lost || block % (refresh_interval * prompt_refresh_interval) == 0))) {
     p->start = 0, p->end = T;  // a full refresh
   } else if (step == 0 && block % refresh_interval == 0) {
     p->start = prompt_len, p->end = T;  // a response-only refresh
@@ -513,7 +516,8 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
     committed_conf[cand[i]] = conf[i];
   }
   if (!set_attr_i64(st, names.step, step + 1) ||
-      !set_attr_i64(st, names.num_forwards, num_forwards + 1)) {
+      !set_attr_i64(st, names.num_forwards, num_forwards + 1) ||
+      PyObject_SetAttr(st, names.cache_lost, Py_False) != 0) {
     return false;
   }
   // block_bounds, clamped to the canvas as Python's slice tokens[s:e] would be.

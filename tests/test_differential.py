@@ -59,13 +59,14 @@ def make_trace(n: int = 48, seed: int = 0) -> list[TraceRequest]:
     return out
 
 
-def sim_config(deployment: str, cache: str) -> SimConfig:
+def sim_config(deployment: str, cache: str, cadence: tuple[int, int] = (1, 1)) -> SimConfig:
     mode, a, b = DEPLOYMENTS[deployment]
     workers = ({"num_workers": a} if mode == "colocated"
                else {"prefill_workers": a, "decode_workers": b})
     # theta = 64: every prefill worker is often that far behind, so hybrid overflow fires.
     return SimConfig(mode=mode, **workers, token_budget=256, max_batch_size=8,
-                     overflow_threshold=64, block_length=BLOCK, cache=cache, num_pages=NUM_PAGES)
+                     overflow_threshold=64, block_length=BLOCK, cache=cache, num_pages=NUM_PAGES,
+                     refresh_interval=cadence[0], prompt_refresh_interval=cadence[1])
 
 
 class Recorder:
@@ -277,8 +278,10 @@ class Deployment:
             self.now, kind, _, payload = heapq.heappop(self.events)
             if kind == _ARRIVAL:
                 i, t = payload
-                params = SamplingParams(max_tokens=t.gen_len, block_length=BLOCK,
-                                        cache=self.config.cache, temperature=0.0)
+                params = SamplingParams(
+                    max_tokens=t.gen_len, block_length=BLOCK, cache=self.config.cache,
+                    temperature=0.0, refresh_interval=self.config.refresh_interval,
+                    prompt_refresh_interval=self.config.prompt_refresh_interval)
                 prompt = [rng.randint(2, 150) for _ in range(t.prompt_len)]
                 self.front.add_request(f"r{i}", prompt, params, arrival_time=t.arrival_time)
             elif kind == _LANDED:
@@ -316,15 +319,15 @@ class Deployment:
             self.push(self.now + self.sim.cost.iteration_time(spans), _ITER_DONE, w.index)
 
 
-def run_both(model_path: str, deployment: str, cache: str,
-             monkeypatch: pytest.MonkeyPatch) -> tuple[list, list, Simulator]:
+def run_both(model_path: str, deployment: str, cache: str, monkeypatch: pytest.MonkeyPatch,
+             cadence: tuple[int, int] = (1, 1)) -> tuple[list, list, Simulator]:
     trace = make_trace()
     rec = Recorder(monkeypatch)
-    sim = Simulator(sim_config(deployment, cache))
+    sim = Simulator(sim_config(deployment, cache, cadence))
     result = sim.run(trace)
     assert len(result.records) == len(trace)
     simulated = rec.take({id(w.core.builder): w.index for w in sim._workers})
-    d = Deployment(model_path, Simulator(sim_config(deployment, cache)))
+    d = Deployment(model_path, Simulator(sim_config(deployment, cache, cadence)))
     try:
         assert d.run(trace) == len(trace)
         served = rec.take({id(w.builder): w.index for w in d.workers})
@@ -344,6 +347,21 @@ def test_simulator_decides_as_the_engine(llada_path, deployment, cache, monkeypa
     if deployment == "1P2C":  # overflow: blocks whose refresh runs on a decode worker
         counts = sim.placement.counters.prefills_by_worker
         assert counts.get(1, 0) + counts.get(2, 0) > 0
+    for i, (a, b) in enumerate(zip(simulated, served)):
+        assert a == b, f"decision {i} differs: simulator {a}, engine {b}"
+    assert len(simulated) == len(served)
+
+
+@pytest.mark.parametrize("cadence", [(2, 1), (1, 2), (3, 2)], ids=["every2", "response", "3x2"])
+@pytest.mark.parametrize("deployment", list(DEPLOYMENTS))
+def test_simulator_follows_refresh_cadences_as_the_engine(llada_path, deployment, cadence,
+                                                          monkeypatch):
+    """Blocks that start from cached K/V continue where the canvas is, on both sides; only
+    full refreshes are placed."""
+    simulated, served, sim = run_both(llada_path, deployment, "dual", monkeypatch, cadence)
+    places = sum(e[0] == "place" for e in simulated)
+    blocks = sum(-(-t.gen_len // BLOCK) for t in make_trace())
+    assert 48 <= places < blocks  # every request's first block, fewer than all blocks
     for i, (a, b) in enumerate(zip(simulated, served)):
         assert a == b, f"decision {i} differs: simulator {a}, engine {b}"
     assert len(simulated) == len(served)

@@ -188,6 +188,13 @@ def test_refresh_cadence_changes_tokens_and_forwards(loaded):
         plan = st.plan()
         st.apply(plan, np.full(len(plan.positions), 5), np.ones(len(plan.positions)))
     assert firsts == [(0, 33), (13, 17), (17, 21), (9, 33), (25, 29), (29, 33)]
+    st = lm.new_state(prompts[0], dataclasses.replace(base, refresh_interval=2),
+                      random.Random(0))
+    st.block, st.cache_lost = 1, True  # taken back after a failure: a full refresh
+    assert st.span() == (0, 33) and not st.starts_on_cache
+    plan = st.plan()
+    st.apply(plan, np.full(len(plan.positions), 5), np.ones(len(plan.positions)))
+    assert not st.cache_lost
 
 
 def test_refresh_intervals_are_validated():

@@ -4,6 +4,7 @@ Everything runs in float64 on CPU and must give exactly the single-request refer
 (DESIGN.md §2, batch invariance: not even the serving mode may change them).
 """
 
+import dataclasses
 import math
 import os
 import random
@@ -18,7 +19,7 @@ import pytest
 from sangam import LLM
 from sangam.config import EngineConfig
 from sangam.engine.async_engine import AsyncEngine
-from sangam.engine.engine import RequestRejected, tokens_per_forward
+from sangam.engine.engine import tokens_per_forward
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import make_engine
 from sangam.engine.multi.front import MultiWorkerEngine
@@ -75,6 +76,23 @@ def _prompt(req: tuple) -> dict:
 # One workload per architecture; tests use all of it or a part, so that the (slow) reference
 # decoding runs once per architecture.
 WORKLOADS = {"llada": _workload(26, seed=7), "dream": _workload(26, seed=8)}
+# (refresh_interval, prompt_refresh_interval), as tests/test_engine.py's.
+CADENCES = [(1, 1), (2, 1), (1, 2), (3, 2), (1000, 1)]
+
+
+def _cadence_workload(n: int, seed: int):
+    """Requests of several blocks, each with a cache and a refresh cadence."""
+    rng = random.Random(seed)
+    return [(f"c{rid}", prompt, dataclasses.replace(
+                params, cache=rng.choice(["dual", "prefix"]), max_tokens=rng.choice([16, 24]),
+                block_length=4, **dict(zip(("refresh_interval", "prompt_refresh_interval"),
+                                           rng.choice(CADENCES)))),
+             arrival, suffix)
+            for rid, prompt, params, arrival, suffix in _workload(n, seed)]
+
+
+CADENCE_WORKLOADS = {"llada": _cadence_workload(16, seed=17),
+                     "dream": _cadence_workload(16, seed=18)}
 
 
 @pytest.fixture(scope="module")
@@ -85,20 +103,21 @@ def paths(llada_path, dream_path):
 _REFERENCES = {}
 
 
-def _reference(path, arch):
-    """:func:`_outcome` per request of WORKLOADS[arch], from the single-request reference
+def _reference(path, arch, workloads=WORKLOADS):
+    """:func:`_outcome` per request of ``workloads[arch]``, from the single-request reference
     decoder."""
-    if arch not in _REFERENCES:
+    key = (arch, id(workloads))
+    if key not in _REFERENCES:
         lm = LoadedModel.load(EngineConfig(model=path, device="cpu", dtype="float64"))
         out = {}
-        for rid, prompt, params, _, suffix in WORKLOADS[arch]:
+        for rid, prompt, params, _, suffix in workloads[arch]:
             st = lm.new_state(prompt, params, random.Random(0), suffix)
             ReferenceDecoder(lm.model).run(st)
             tokens = st.output_token_ids()
             top = st.output_top_logprobs(len(tokens)) if params.logprobs else None
             out[rid] = (tokens, st.num_forwards, _top_ids(top), tokens_per_forward(st))
-        _REFERENCES[arch] = out
-    return _REFERENCES[arch]
+        _REFERENCES[key] = out
+    return _REFERENCES[key]
 
 
 def _run(engine, reqs, seed=3, on_output=None, timeout=120.0):
@@ -363,6 +382,25 @@ def test_modes_match_reference(paths, arch, layout):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("arch,layout", [("llada", "colocated"), ("dream", "colocated"),
+                                         ("llada", "1P2D"), ("dream", "1P2D"),
+                                         ("llada", "2P1D-streaming"), ("dream", "hybrid-2P1C")])
+def test_refresh_cadence_matches_reference_in_every_mode(paths, arch, layout):
+    """Blocks that start from cached K/V continue on the canvas holder; a refresh that ends its
+    block on a prefill worker ships its K/V anyway, and the next block starts there."""
+    reqs = CADENCE_WORKLOADS[arch]
+    engine = make_engine(EngineConfig(**_options(paths[arch], **LAYOUTS[layout])))
+    try:
+        outs = _run(engine, reqs)
+        assert _tokens(outs) == _reference(paths[arch], arch, CADENCE_WORKLOADS)
+        if layout != "colocated":
+            _check_transfers(engine, outs, reqs)
+        assert engine.placement.counters.restarts == 0
+        _settle(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_failed_transfer_is_retried(paths):
     """A decode worker that cannot take a transfer drains it; the refresh is redone."""
     reqs = WORKLOADS["llada"][:16]
@@ -370,8 +408,6 @@ def test_failed_transfer_is_retried(paths):
     engine = make_engine(EngineConfig(**_options(paths["llada"], mode="disaggregated",
                                                  prefill_workers=1, decode_workers=1)))
     try:
-        with pytest.raises(RequestRejected, match="one colocated worker"):  # not yet served
-            engine.add_request("cadence", [5, 6, 7], SamplingParams(prompt_refresh_interval=2))
         engine.placement.num_pages[1] = 10 * NUM_PAGES  # a stale view: worker 1 overcommitted
         outs = _run(engine, reqs)
         assert _tokens(outs) == want
@@ -452,6 +488,32 @@ def test_killed_worker_loses_nothing(paths, arch, layout, sig):
         assert _tokens(outs) == want
         assert engine.placement.counters.restarts > 0
         assert not engine.worker_states()[victim].alive
+        _settle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_killed_worker_with_refresh_cadences(paths):
+    """A request taken back has lost its cached K/V: its block restarts with a full refresh
+    whatever its cadence says. Every request finishes; those never taken back are exact."""
+    reqs = CADENCE_WORKLOADS["llada"]
+    want = _reference(paths["llada"], "llada", CADENCE_WORKLOADS)
+    engine = make_engine(EngineConfig(**_options(paths["llada"], **LAYOUTS["1P2D"])))
+    blocks = []
+
+    def kill_midway(out):
+        blocks.append(out)
+        if len(blocks) == 12:
+            os.kill(engine.worker_states()[1].pid, signal.SIGKILL)
+
+    try:
+        outs = _run(engine, reqs, on_output=kill_midway)
+        assert engine.dead_workers == [1] and set(outs) == {r[0] for r in reqs}
+        restarted = {rid for rid, o in outs.items() if o.metrics["restarts"]}
+        assert restarted and restarted != set(outs)
+        assert all(o.finish_reason in ("stop", "length") for o in outs.values())
+        assert {r: v for r, v in _tokens(outs).items() if r not in restarted} == {
+            r: v for r, v in want.items() if r not in restarted}
         _settle(engine)
     finally:
         engine.shutdown()

@@ -63,6 +63,36 @@ def test_one_request_alone_iterations_and_latency():
     assert r["canvas_tokens"] == 16
 
 
+def test_refresh_cadence_changes_work_and_decode_time():
+    """Four blocks of 8, 2 tokens per step: refreshing every 2nd block and fully every 2nd of
+    those, blocks 1 and 3 start with a cached step and block 2 with a response-only refresh
+    (span T - P): same forwards, fewer prefill tokens, more decode time."""
+    trace = [TraceRequest(1.0, 10, 32)]
+    full = run(SimConfig(block_length=8), trace)
+    res = run(SimConfig(block_length=8, refresh_interval=2, prompt_refresh_interval=2), trace)
+    (a,), (b,) = full.records, res.records
+    assert a["forwards"] == b["forwards"] == 16
+    assert res.workers[0]["prefill_tokens"] == 42 + 32  # one full refresh, one response-only
+    assert full.workers[0]["prefill_tokens"] == 4 * 42
+    assert b["decode"] == pytest.approx(a["decode"] + 2 * TICK)  # two blocks without a refresh
+    with pytest.raises(ValueError, match="need a cache"):
+        SimConfig(cache="none", refresh_interval=2)
+
+
+def test_refresh_cadence_experiment_reports_capacity_against_batch1(tmp_path, capsys):
+    from sangam.bench.experiments import EXPERIMENTS
+    from sangam.bench.sim import EXPERIMENT_NAMES
+
+    assert EXPERIMENT_NAMES == tuple(EXPERIMENTS)
+    assert main(["sim", "--experiment", "refresh-cadence", "--num-requests", "16", "--qps",
+                 "0.5", "--out", str(tmp_path)]) == 0
+    caps = json.loads((tmp_path / "results.json").read_text())["capacity_qps"]
+    every = {k: v for k, v in caps.items() if k.startswith("tau=1024")}
+    assert len(every) == 7 and caps["fastdllm (batch 1)"] < every[
+        "tau=1024 refresh every 1, full every 1"] < every["tau=1024 refresh every 2, full every 1"]
+    assert "sustains" in capsys.readouterr().out
+
+
 def test_output_shorter_than_canvas_stops_after_its_block():
     cfg = SimConfig(block_length=8, max_tokens=64)  # canvas 64, output 12: blocks 0 and 1
     r = by_id(run(cfg, [TraceRequest(0.0, 10, 12)], tokens_per_step=8))[0]

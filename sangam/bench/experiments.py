@@ -8,6 +8,10 @@
 - ``modes``: 8 GPUs as colocated (8C), disaggregated 5P3D and hybrid 5P3C, for LLaDA-8B and
   Dream-7B on ShareGPT and arXiv (paper: colocated best on LLaDA/ShareGPT by 9-20% mean
   latency, hybrid best on Dream/arXiv by 8-20%, 5P3D saturates first).
+- ``refresh-cadence``: ``fastdllm-vs-deficit``'s setting, colocated tau=1024 under refresh
+  cadences (``REFRESH_CADENCES``: blocks between refreshes, refreshes between full ones): the QPS
+  each sustains at the baseline's matched mean latency, against batch-1 Fast-dLLM with full
+  refreshes. What each costs in quality is ``sangam-bench quality``'s to measure.
 
 Each prints its table(s), writes results.json / summary.csv / requests.csv and a
 latency-vs-QPS figure into ``--out`` (default ``bench-results/sim-NAME``). Request counts are
@@ -34,7 +38,8 @@ from sangam.bench.report import (
 from sangam.bench.sim import SimConfig, coefficients_from_args, run_point, step_model_from_args
 from sangam.bench.traces import load_lengths
 
-DEFAULT_REQUESTS = {"fastdllm-vs-deficit": 300, "tau-sweep": 600, "modes": 500}
+DEFAULT_REQUESTS = {"fastdllm-vs-deficit": 300, "tau-sweep": 600, "modes": 500,
+                    "refresh-cadence": 300}
 
 
 class _Runner:
@@ -90,20 +95,20 @@ def _base(args: argparse.Namespace, **kw) -> SimConfig:
                      layerwise_kv_streaming=args.layerwise_kv_streaming, **kw)
 
 
-def fastdllm_vs_deficit(args: argparse.Namespace) -> int:
-    r = _Runner("fastdllm-vs-deficit", args)
-    panel = f"LLaDA-8B, ShareGPT, 1x {GPUS[args.gpu].name}"
-    base = _base(args, model="llada")
-    configs = {"fastdllm (batch 1)": replace(base, policy="fastdllm"),
-               "colocated tau=1024": replace(base, token_budget=1024)}
+BASELINE = "fastdllm (batch 1)"
+
+
+def _against_batch1(r: _Runner, panel: str, configs: dict[str, SimConfig],
+                    grid: list[float]) -> tuple[float, float, dict[str, float]]:
+    """Latency against QPS for each configuration (the first is the batch-1 baseline), then the
+    QPS each sustains at matched latency: twice the baseline's mean latency at light load,
+    where it is pure service time. Returns (light, target, capacity by label)."""
     for label, cfg in configs.items():
-        for q in _grid(args, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.4]):
+        for q in grid:
             r.point(panel, label, cfg, "sharegpt", q)
     print(format_table(r.summaries, SUMMARY_COLUMNS))
-    # Matched latency: twice the baseline's mean latency at light load, where it is pure
-    # service time; each configuration's highest QPS within that mean latency.
-    light = r.point(panel, "fastdllm (batch 1)", configs["fastdllm (batch 1)"], "sharegpt",
-                    0.02, keep=False)["latency_mean"]
+    light = r.point(panel, BASELINE, configs[BASELINE], "sharegpt", 0.02,
+                    keep=False)["latency_mean"]
     target = 2 * light
     caps = {}
     for label, cfg in configs.items():
@@ -112,12 +117,40 @@ def fastdllm_vs_deficit(args: argparse.Namespace) -> int:
                                                     keep=False)["latency_mean"],
             target, qps_start=0.2, rel_tol=0.03)
         caps[label] = res.qps
-    a, b = caps["fastdllm (batch 1)"], caps["colocated tau=1024"]
     print(f"\nmatched mean latency {target:.2f} s (2x the baseline's {light:.2f} s at light load):")
     for label, q in caps.items():
-        print(f"  {label:<22} sustains {q:.3f} QPS")
-    print(f"  ratio {b / a:.2f}x (paper: 1.0 vs 0.3 QPS, ~3x)")
+        print(f"  {label:<34} sustains {q:.3f} QPS, {q / caps[BASELINE]:.2f}x the baseline")
+    return light, target, caps
+
+
+def fastdllm_vs_deficit(args: argparse.Namespace) -> int:
+    r = _Runner("fastdllm-vs-deficit", args)
+    panel = f"LLaDA-8B, ShareGPT, 1x {GPUS[args.gpu].name}"
+    base = _base(args, model="llada")
+    configs = {BASELINE: replace(base, policy="fastdllm"),
+               "colocated tau=1024": replace(base, token_budget=1024)}
+    _, target, caps = _against_batch1(
+        r, panel, configs, _grid(args, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.4]))
+    print("  (paper: 1.0 vs 0.3 QPS, ~3x)")
     r.finish({"matched_latency_s": target, "capacity_qps": caps}, panel)
+    return 0
+
+
+# (refresh_interval, prompt_refresh_interval) of the refresh-cadence experiment.
+REFRESH_CADENCES = ((1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2), (4, 4))
+
+
+def refresh_cadence(args: argparse.Namespace) -> int:
+    r = _Runner("refresh-cadence", args)
+    panel = f"LLaDA-8B, ShareGPT, 1x {GPUS[args.gpu].name}"
+    base = _base(args, model="llada")
+    configs = {BASELINE: replace(base, policy="fastdllm")}
+    for ri, pi in REFRESH_CADENCES:
+        configs[f"tau=1024 refresh every {ri}, full every {pi}"] = replace(
+            base, token_budget=1024, refresh_interval=ri, prompt_refresh_interval=pi)
+    _, target, caps = _against_batch1(r, panel, configs, _grid(args, [0.2, 0.5, 1.0, 1.5]))
+    r.finish({"matched_latency_s": target, "capacity_qps": caps,
+              "cadences": REFRESH_CADENCES}, panel)
     return 0
 
 
@@ -189,7 +222,7 @@ def modes(args: argparse.Namespace) -> int:
 
 
 EXPERIMENTS = {"fastdllm-vs-deficit": fastdllm_vs_deficit, "tau-sweep": tau_sweep,
-               "modes": modes}
+               "modes": modes, "refresh-cadence": refresh_cadence}
 
 
 def run_experiment(name: str, args: argparse.Namespace) -> int:

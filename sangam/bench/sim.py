@@ -186,6 +186,8 @@ class SimConfig:
     overflow_threshold: int = _ENGINE["overflow_threshold"].default
     block_length: int = _REQUEST.block_length
     cache: str = _REQUEST.cache
+    refresh_interval: int = _REQUEST.refresh_interval
+    prompt_refresh_interval: int = _REQUEST.prompt_refresh_interval
     max_tokens: int | None = None  # fixed canvas; None: each request's output length
     page_size: int = _ENGINE["page_size"].default
     num_pages: int | None = None  # per worker; None: what the GPU has left after the weights
@@ -208,6 +210,10 @@ class SimConfig:
             raise ValueError("the fastdllm policy (batch size 1) runs colocated only")
         if min(self.num_workers, self.prefill_workers, self.decode_workers) < 1:
             raise ValueError("worker counts must be >= 1")
+        # The request-side checks are SamplingParams' own (cadence needs a cache, bounds).
+        SamplingParams(block_length=self.block_length, cache=self.cache,
+                       refresh_interval=self.refresh_interval,
+                       prompt_refresh_interval=self.prompt_refresh_interval)
 
     @property
     def roles(self) -> list[str]:
@@ -228,7 +234,10 @@ class SimConfig:
         else:
             where = f"{self.prefill_workers}P{self.decode_workers}" + (
                 "D" if self.mode == "disaggregated" else "C")
-        return f"{where} {core}" + (" lw" if self.layerwise_kv_streaming else "")
+        cadence = ""
+        if (self.refresh_interval, self.prompt_refresh_interval) != (1, 1):
+            cadence = f" refresh={self.refresh_interval}/{self.prompt_refresh_interval}"
+        return f"{where} {core}" + (" lw" if self.layerwise_kv_streaming else "") + cadence
 
 
 @dataclass
@@ -376,7 +385,9 @@ class Simulator:
         b = cfg.block_length
         out = t.gen_len if cfg.max_tokens is None else min(t.gen_len, cfg.max_tokens)
         canvas = -(-(out if cfg.max_tokens is None else cfg.max_tokens) // b) * b
-        req = Request(f"r{index}", t.arrival_time, t.prompt_len, canvas, b, cfg.cache)
+        req = Request(f"r{index}", t.arrival_time, t.prompt_len, canvas, b, cfg.cache,
+                      refresh_interval=cfg.refresh_interval,
+                      prompt_refresh_interval=cfg.prompt_refresh_interval)
         try:
             placed = self.placement.add(req)
         except NeverFits as e:
@@ -388,8 +399,9 @@ class Simulator:
         """A worker's copy of the request, at its current block (as a worker builds one)."""
         r = live.request
         req = Request(r.request_id, r.arrival_time, r.prompt_len, r.canvas_len,
-                      r.block_length, r.cache, seq=r.seq)
-        req.block = r.block
+                      r.block_length, r.cache, seq=r.seq, refresh_interval=r.refresh_interval,
+                      prompt_refresh_interval=r.prompt_refresh_interval)
+        req.block, req.cache_lost = r.block, r.cache_lost
         return req
 
     def _place(self) -> None:
@@ -441,16 +453,20 @@ class Simulator:
             current = self.placement.current(req.request_id, task.attempt)
             if current is not None:
                 self.placement.refreshed(current, w.index, w.started, now)
-        for task, (block_done, _) in zip(tasks, outcomes):
-            if task.kv_dest is not None and not block_done:
-                self._ship(task, w)
+        for req, task, (block_done, finished) in zip(reqs, tasks, outcomes):
+            goes_on = w.core.continues(req, block_done, finished)
+            if task.kv_dest is not None and (not block_done or goes_on):
+                self._ship(task, w, block_done)
         ended = []
         for req, (block_done, finished) in zip(reqs, outcomes):
             task, kept = w.core.step_done(req, now, block_done, finished)
-            if kept is not None:
+            if block_done:
                 ended.append((task, finished, kept))
         for task, finished, kept in ended:
-            self._block_done(task, w, finished, kept)
+            if kept is None:
+                self._block_continued(task)
+            else:
+                self._block_done(task, w, finished, kept)
 
     def block_commits(self, request_id: str, block: int, block_length: int) -> list[int]:
         """The tokens each forward of a request's block commits: a function of (seed, request,
@@ -487,10 +503,25 @@ class Simulator:
         if finished:
             self._finish(live)
 
+    def _block_continued(self, task: Task) -> None:
+        """The block ended and the next starts from cached K/V: it goes on here (or where this
+        refresh's K/V went) without being placed, as the front's ``block_continued``."""
+        progress = task.payload
+        live = progress.live
+        progress.step = 0
+        current = self.placement.current(live.request.request_id, task.attempt)
+        if current is None:
+            return
+        live.forwards = progress.forwards
+        self.placement.block_continued(current, live.request.block + 1, live.forwards,
+                                       self._now)
+
     # K/V transfers.
-    def _ship(self, task: Task, p: _Worker) -> None:
+    def _ship(self, task: Task, p: _Worker, block_done: bool = False) -> None:
         """Send a refresh's K/V to ``task.kv_dest``, which takes it into its parked canvas or
-        fresh pages, or drains it when it has no room (the block is then placed again)."""
+        fresh pages, or drains it when it has no room (the block is then placed again). A
+        refresh that ended its block (``block_done``) ships when the next block continues from
+        its K/V: the receiver starts that block."""
         cfg, progress, now = self.config, task.payload, self._now
         live = progress.live
         rid = live.request.request_id
@@ -498,8 +529,12 @@ class Simulator:
         drain = self.placement.kv_sent(current, p.index, task.kv_dest, drain=False)
         d = self._workers[task.kv_dest]
         key = (p.index, next(self._transfer_ids))
-        seat = None if drain else Task(self._view(live), replace(progress), task.attempt, None,
-                                       True)
+        seat = None
+        if not drain:
+            view = self._view(live)
+            view.block += block_done
+            seat = Task(view, replace(progress, step=0 if block_done else progress.step),
+                        task.attempt, None, True, starts_block=block_done)
         d.core.expect_kv(key, rid, task.attempt, seat, live.placed.pages_needed)
         # Whole pages travel, as the engine sends them.
         xfer = self.cost.kv_bytes(len(task.request.pages) * cfg.page_size) / self.link_bw
@@ -558,6 +593,10 @@ _HELP = {
     "block_length": "block length B",
     "cache": "dual (span = block), prefix (span = block + rest of canvas) or none (refresh "
              "every step)",
+    "refresh_interval": "blocks start with a refresh only every this many (the others with a "
+                        "cached step)",
+    "prompt_refresh_interval": "every this-many-th refresh is full, the others response-only "
+                               "(span [P, T), cost T - P)",
     "max_tokens": "fixed max_tokens of every request (canvas size); default: its output length",
     "page_size": "KV page size in tokens",
     "num_pages": "KV pages per worker; default: GPU memory left after the weights",
@@ -625,7 +664,8 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
                             "--seed; --num-requests and --qps replace its defaults)")
 
 
-EXPERIMENT_NAMES = ("fastdllm-vs-deficit", "tau-sweep", "modes")  # sangam.bench.experiments
+EXPERIMENT_NAMES = ("fastdllm-vs-deficit", "tau-sweep", "modes", "refresh-cadence")
+# (sangam.bench.experiments)
 DEFAULT_NUM_REQUESTS = 300
 
 

@@ -85,7 +85,11 @@ class DecodeState:
         self.top_ids = np.zeros((params.canvas_length, n), dtype=np.int64) if n else None
         self.top_logprobs = np.zeros((params.canvas_length, n), dtype=np.float64) if n else None
         self.block = 0
-        self.step = 0  # steps taken in the current block; 0 = the next forward is a refresh
+        self.step = 0  # steps taken in the current block; 0 = the next is the block's first
+        # The K/V this request's worker kept is gone (it restarts elsewhere): the current block
+        # starts with a full refresh whatever the cadence says (the front sets it, the step
+        # clears it).
+        self.cache_lost = False
         self.num_forwards = 0
         self.finished = False
         self.finish_reason: str | None = None
@@ -150,6 +154,13 @@ class DecodeState:
         s = self.prompt_len + self.block * self.params.block_length
         return s, s + self.params.block_length
 
+    @property
+    def starts_on_cache(self) -> bool:
+        """Whether the next forward begins a block from cached K/V (a response-only refresh or
+        a cached step): it must run where the request's canvas K/V is."""
+        return (not self.finished and self.step == 0 and not self.cache_lost
+                and self.params.block_refresh(self.block) != FULL_REFRESH)
+
     def span(self) -> tuple[int, int]:
         """The next forward's span of query positions (DESIGN.md §2)."""
         s, e = self.block_bounds()
@@ -157,7 +168,7 @@ class DecodeState:
         if p.cache == "none":
             return 0, end
         if self.step == 0:  # the block's first step, as the refresh cadence says
-            start = p.block_refresh(self.block)
+            start = FULL_REFRESH if self.cache_lost else p.block_refresh(self.block)
             if start == FULL_REFRESH:
                 return 0, end
             if start == RESPONSE_REFRESH:
@@ -204,6 +215,7 @@ class DecodeState:
         self.tokens[positions[commit]] = tokens[commit]
         self.confidence[positions[commit]] = conf[commit]
         self.step += 1
+        self.cache_lost = False
         self.num_forwards += 1
         s, e = self.block_bounds()
         if self.mask_token_id in self.tokens[s:e]:

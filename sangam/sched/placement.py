@@ -26,6 +26,10 @@ Who runs what:
 - ``cache="none"`` in disaggregated / hybrid mode: every step is a refresh, so there is no
   cache worth shipping: each block runs whole where ``route_prefill`` puts it, on pages held
   for that block only.
+- A block whose cadence starts it from cached K/V (a response-only refresh, or none) is not
+  placed: it continues on the canvas holder (``block_continued``), where the prompt's K/V is.
+  Only full refreshes are placed. A request taken back (``_restart``) has lost its cache, so
+  its block is placed for a full refresh whatever the cadence says (``Request.cache_lost``).
 - Failover: while workers of only one role survive (``Router.one_role_left``) they serve as
   colocated workers do. With none left, placing raises.
 
@@ -45,6 +49,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from sangam.sampling_params import NO_REFRESH
 from sangam.sched.request import Request
 from sangam.sched.router import Router
 
@@ -203,6 +208,7 @@ class Placement:
         m.prefill_started.append(start)
         m.prefill_finished.append(end)
         m.decode_started.append(end)
+        p.request.cache_lost = False
 
     def kv_sent(self, p: Placed | None, src: int, dest: int, drain: bool) -> bool:
         """``src`` posted a transfer to ``dest`` for ``p`` (None: for work taken back). Returns
@@ -254,6 +260,19 @@ class Placement:
         self.pending[rid] = p
         return set()
 
+    def block_continued(self, p: Placed, block: int, forwards: int, now: float) -> None:
+        """A block of ``p`` completed at ``now`` and block ``block`` starts from cached K/V
+        (its cadence: a response-only refresh or none), so it continues on the canvas holder
+        (or on its way there) without being placed again."""
+        m = p.request.metrics
+        m.block_finished.append(now)
+        m.num_steps = forwards
+        p.request.block = block
+        if p.request.block_refresh(block) == NO_REFRESH:
+            m.decode_started.append(now)
+        else:  # the holder queues its response-only refresh
+            m.prefill_queued.append(now)
+
     def worker_dead(self, w: int) -> list[tuple[Placed, set[int]]]:
         """``w`` is gone: every request with anything on it is taken back to its block's start
         (and placed again). Returns each of those, with the live workers to tell to drop it.
@@ -300,6 +319,7 @@ class Placement:
     def _restart(self, p: Placed) -> set[int]:
         """Take ``p`` back to the start of its current block, to be placed again."""
         drops = self._release(p)
+        p.request.cache_lost = True  # whatever K/V it had is gone or discarded
         p.attempt = next(self._attempts)
         p.restarts += 1
         self.counters.restarts += 1

@@ -15,7 +15,10 @@ Life of a request (B = block length, one refresh then cached steps per block)::
 
 The refresh cadence (``refresh_interval``, ``prompt_refresh_interval``: SamplingParams') says
 how each block starts: a full refresh (cost T), a response-only one (cost T - P), or none (the
-request stays seated and its next cached step starts the block).
+request stays seated and its next cached step starts the block). Only a block that starts with
+a full refresh can run anywhere; the others need the K/V the canvas holder kept. A request
+whose cached K/V was lost (``cache_lost``: its worker died, a transfer failed) starts its
+current block with a full refresh whatever the cadence says.
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ class Request:
         self.block = 0
         self.status = RequestStatus.WAITING
         self.pages: list[int] = []
+        self.cache_lost = False  # the current block starts with a full refresh regardless
         self.finish_reason: str | None = None
         self.worker: int | None = None
         self.metrics = RequestMetrics(arrival_time, prefill_queued=[arrival_time])
@@ -136,15 +140,20 @@ class Request:
                 f"block={self.block}/{self.num_blocks}, T={self.total_len}, cache={self.cache})")
 
     def block_refresh(self, block: int) -> str:
-        """How ``block`` starts: FULL_REFRESH, RESPONSE_REFRESH or NO_REFRESH."""
+        """How ``block`` starts by the cadence: FULL_REFRESH, RESPONSE_REFRESH or NO_REFRESH."""
         return block_refresh(block, self.refresh_interval, self.prompt_refresh_interval)
+
+    @property
+    def block_start(self) -> str:
+        """How the current block starts: as the cadence says, or fully if the cache was lost."""
+        return FULL_REFRESH if self.cache_lost else self.block_refresh(self.block)
 
     # Costs, in tokens of forward span.
     @property
     def prefill_cost(self) -> int:
         """The current block's refresh: a full one spans all T positions (bidirectional
         attention: it cannot be chunked), a response-only one [P, T)."""
-        if self.block_refresh(self.block) == FULL_REFRESH:
+        if self.block_start == FULL_REFRESH:
             return self.total_len
         return self.total_len - self.prompt_len
 
@@ -186,6 +195,7 @@ class Request:
         if self.status is RequestStatus.PREFILL:
             m.prefill_finished.append(now)
             m.decode_started.append(now)
+            self.cache_lost = False
         if finished:
             m.block_finished.append(now)
             self._finish(now, finish_reason or (

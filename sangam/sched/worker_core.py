@@ -12,6 +12,12 @@ A request's work on a worker is one of:
 - cached steps after a received refresh (``expect_kv``, then ``kv_arrived``): the K/V lands in
   the canvas pages and the request is seated with the state the sender shipped.
 
+A block that starts from cached K/V (its cadence gives it a response-only refresh or none:
+``Request.block_start``) is never placed again: it *continues* where the canvas is. The request
+stays in the builder after the block before it ends (``step_done`` then returns no pages); a
+refresh for another worker that ended its block ships its K/V anyway, and the receiver starts
+the next block there (``Task.starts_block``).
+
 Pure Python: ``payload`` is whatever the driver runs a request with (a DecodeState on a real
 worker); the driver sends the reports.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sangam.sampling_params import FULL_REFRESH, NO_REFRESH
 from sangam.sched.batch_builder import BatchBuilder
 from sangam.sched.request import Request
 
@@ -34,6 +41,8 @@ class Task:
     attempt: int
     kv_dest: int | None  # a refresh for another worker: its K/V goes there
     keep_pages: bool  # this worker holds the canvas after the block
+    # Received K/V of a refresh that ended its block: the request starts its next block here.
+    starts_block: bool = False
 
 
 @dataclass
@@ -91,7 +100,11 @@ class WorkerCore:
         if ok and r.pages is not None:
             req = r.task.request
             req.pages = r.pages
-            req.mark_admitted(now)  # the refresh ran on the sender
+            if r.task.starts_block and req.block_start != NO_REFRESH:
+                self.builder.add(req)  # its response-only refresh runs here
+                self.tasks[r.request_id] = r.task
+                return r, True
+            req.mark_admitted(now)  # the refresh ran on the sender (or: none is due)
             req.mark_step_done(now, block_done=False, finished=False)
             self.ready[r.request_id] = r.task
             return r, True
@@ -128,19 +141,28 @@ class WorkerCore:
             self.builder.seat(task.request)
             self.tasks[rid] = task
 
+    @staticmethod
+    def continues(req: Request, block_done: bool, finished: bool) -> bool:
+        """Whether ``req``'s block ended and its next one starts from cached K/V, so it
+        continues where the canvas is (call before ``step_done``)."""
+        return (block_done and not finished
+                and req.block_refresh(req.block + 1) != FULL_REFRESH)
+
     def step_done(self, req: Request, now: float, block_done: bool, finished: bool,
                   finish_reason: str | None = None) -> tuple[Task, list[int] | None]:
         """After a forward: ``req``'s step is reported to the builder, and its task and, when
-        its block ended, the canvas pages kept here (an empty list: none kept) are returned;
-        None while the block goes on."""
+        its block ended and the next is placed again, the canvas pages kept here (an empty
+        list: none kept) are returned; None while the block goes on, or when the next block
+        continues (``continues``) here or on the receiver of this refresh's K/V."""
         rid = req.request_id
         task = self.tasks[rid]
+        goes_on = self.continues(req, block_done, finished)
         self.builder.step_done(req, now, block_done, finished, finish_reason)
         if task.kv_dest is not None:  # a refresh for another worker: its pages were temporary
             self.builder.abort(rid)
             del self.tasks[rid]
-            return task, [] if block_done else None
-        if not block_done:
+            return task, [] if block_done and not goes_on else None
+        if not block_done or goes_on:
             return task, None
         del self.tasks[rid]
         kept: list[int] = []

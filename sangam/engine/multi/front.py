@@ -281,11 +281,6 @@ class MultiWorkerEngine:
                     suffix_token_ids: list[int] = ()) -> None:
         """Validate and queue a request (with ``suffix_token_ids``: an infill between prompt
         and suffix); raises (and changes nothing) if it cannot be served."""
-        if params.refresh_interval != 1 or params.prompt_refresh_interval != 1:
-            raise RequestRejected(
-                "refresh_interval and prompt_refresh_interval other than 1 are served by one "
-                "colocated worker only (num_workers 1): a block that starts without a full "
-                "refresh needs the K/V its canvas holder kept")
         req, state = new_request(self.requests, self.config, self.loaded, self._rng, request_id,
                                  prompt_token_ids, params, arrival_time, suffix_token_ids)
         try:
@@ -327,6 +322,7 @@ class MultiWorkerEngine:
         for d in self.placement.place():
             e = self.requests[d.request_id]
             r = e.placed.request
+            e.state.cache_lost = r.cache_lost  # taken back: its block refreshes fully
             self._send(d.worker, msg.Prefill(d.request_id, d.attempt, self._state_for(e, d.worker),
                                              r.arrival_time, r.seq, d.kv_dest, d.keep_pages))
 
@@ -450,11 +446,15 @@ class MultiWorkerEngine:
     def _on_block_done(self, w: int, ev: msg.BlockDone, e: _Entry) -> None:
         e.state.catch_up(ev.progress)
         st = e.state
-        e.parked_on = w if ev.pages else None
         rid = ev.request_id
-        self._drop(rid, self.placement.block_done(e.placed, w, st.finished, st.block,
-                                                  st.num_forwards, list(ev.pages),
-                                                  time.monotonic()))
+        if ev.continues:  # the next block runs on where the canvas is: nothing to place
+            self.placement.block_continued(e.placed, st.block, st.num_forwards,
+                                           time.monotonic())
+        else:
+            e.parked_on = w if ev.pages else None
+            self._drop(rid, self.placement.block_done(e.placed, w, st.finished, st.block,
+                                                      st.num_forwards, list(ev.pages),
+                                                      time.monotonic()))
         self.counters.blocks += 1
         if st.finished:
             del self.requests[rid]

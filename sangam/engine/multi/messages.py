@@ -131,7 +131,8 @@ class RefreshRan:
 @dataclass
 class KVSent:
     """The refresh's K/V went out to ``dest`` (all layers' sends are posted). With ``drain``
-    (the refresh itself completed the block: nothing to decode there) the receiver discards."""
+    (the refresh itself completed the block, and the next starts with a full refresh: nothing
+    to decode there) the receiver discards."""
 
     request_id: str
     attempt: int
@@ -162,12 +163,14 @@ class KVReceived:
 class BlockDone:
     """A block completed (or the request finished) here: its ``progress``; ``pages`` are the
     canvas pages this worker keeps for the request, with its state (empty when it freed
-    them)."""
+    them). With ``continues`` the next block starts from cached K/V: it runs on here, or on
+    the receiver of this refresh's K/V, without being placed again (no pages are parked)."""
 
     request_id: str
     attempt: int
     progress: BlockProgress
     pages: list[int]
+    continues: bool = False
 
 
 @dataclass

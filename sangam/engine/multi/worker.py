@@ -159,7 +159,7 @@ class Worker:
             state = self.core.parked_payload(m.request_id) if m.state is None else m.state
             state.catch_up(m.progress)
             task = Task(scheduling_request(m.request_id, m.arrival, state, m.seq), state,
-                        m.attempt, None, True)
+                        m.attempt, None, True, starts_block=state.step == 0)
         self.core.expect_kv((m.src, m.transfer_id), m.request_id, m.attempt, task, m.num_pages)
         self.transport.receive(m.src, m.transfer_id, m.num_pages)
 
@@ -208,17 +208,18 @@ class Worker:
             self.events.append(msg.RefreshRan(r.request_id, t.attempt, end - start))
         for i in senders:
             t = tasks[i]
-            self._ship(t, result.block_done[i], streams.get(t.request.request_id),
-                       failed=i in result.errors)
+            done = result.block_done[i]
+            self._ship(t, done and not self.core.continues(t.request, done, t.payload.finished),
+                       streams.get(t.request.request_id), failed=i in result.errors)
         for i, (req, t, done) in enumerate(zip(reqs, tasks, result.block_done)):
             if i in result.errors:
                 self._fail(req, result.errors[i])
                 continue
             st, ran = t.payload, req.block  # step_done moves the block on
             _, kept = self.core.step_done(req, end, done, st.finished, st.finish_reason)
-            if kept is not None:
+            if done:
                 self.events.append(msg.BlockDone(req.request_id, t.attempt, st.progress(ran),
-                                                 list(kept)))
+                                                 list(kept or ()), continues=kept is None))
         self.iterations.append(IterationStats(
             batch.prefill_tokens, batch.decode_tokens, batch.deficit, len(reqs),
             len(batch.prefills), end - start))
@@ -267,8 +268,9 @@ class Worker:
 
     def _ship(self, t: Task, block_done: bool, stream: _Stream | None, failed: bool) -> None:
         """Send a refresh's K/V to the canvas holder (or finish the streamed send). A refresh
-        that completed its block, or failed, leaves nothing to decode: no send, or a streamed
-        one (its last layers posted now) that the receiver drains."""
+        that failed, or completed its block (``block_done``: and the next block is placed
+        again), leaves nothing to decode: no send, or a streamed one (its last layers posted
+        now) that the receiver drains."""
         req = t.request
         n = len(req.pages)
         layers = self.transport.num_layers
