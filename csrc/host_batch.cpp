@@ -32,7 +32,8 @@ struct Names {
   PyObject *tokens, *params, *mask_token_id, *stop_ids, *shift, *seed, *prompt_len, *block,
       *step, *num_forwards, *finished, *finish_reason, *block_length, *cache, *temperature,
       *unmasking, *threshold, *factor, *tokens_per_step, *stop, *length, *confidence,
-      *max_tokens, *refresh_interval, *prompt_refresh_interval, *cache_lost;
+      *max_tokens, *refresh_interval, *prompt_refresh_interval, *force_refresh,
+      *refresh_confidence;
 };
 Names names;
 
@@ -66,7 +67,8 @@ bool intern_names() {
       {&names.max_tokens, "max_tokens"},
       {&names.refresh_interval, "refresh_interval"},
       {&names.prompt_refresh_interval, "prompt_refresh_interval"},
-      {&names.cache_lost, "cache_lost"},
+      {&names.force_refresh, "force_refresh"},
+      {&names.refresh_confidence, "refresh_confidence"},
   };
   for (const auto& entry : table) {
     *entry.slot = PyUnicode_InternFromString(entry.text);
@@ -220,14 +222,14 @@ bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
   const bool cache_none = str_equals(cache.get(), "none");
   const bool cache_dual = str_equals(cache.get(), "dual");
   int64_t block_length, prompt_len, block, step, refresh_interval, prompt_refresh_interval;
-  bool shift, cache_lost;
+  bool shift, force_refresh;
   if (!attr_i64(params.get(), names.block_length, &block_length) ||
       !attr_f64(params.get(), names.temperature, &p->temperature) ||
       !attr_i64(params.get(), names.refresh_interval, &refresh_interval) ||
       !attr_i64(params.get(), names.prompt_refresh_interval, &prompt_refresh_interval) ||
       !attr_i64(st, names.mask_token_id, &p->mask) || !attr_truth(st, names.shift, &shift) ||
       !attr_i64(st, names.prompt_len, &prompt_len) || !attr_i64(st, names.block, &block) ||
-      !attr_i64(st, names.step, &step) || !attr_truth(st, names.cache_lost, &cache_lost)) {
+      !attr_i64(st, names.step, &step) || !attr_truth(st, names.force_refresh, &force_refresh)) {
     return false;
   }
   const int64_t T = p->tokens.size();
@@ -249,7 +251,7 @@ bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
   // cache was lost.
   const bool first = step == 0 || cache_none;
   if (cache_none ||
-      (step == 0 && (cache_lost || block % (refresh_interval * prompt_refresh_interval) == 0))) {
+      (step == 0 && (force_refresh || block % (refresh_interval * prompt_refresh_interval) == 0))) {
     p->start = 0, p->end = T;  // a full refresh
   } else if (step == 0 && block % refresh_interval == 0) {
     p->start = prompt_len, p->end = T;  // a response-only refresh
@@ -517,7 +519,7 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
   }
   if (!set_attr_i64(st, names.step, step + 1) ||
       !set_attr_i64(st, names.num_forwards, num_forwards + 1) ||
-      PyObject_SetAttr(st, names.cache_lost, Py_False) != 0) {
+      PyObject_SetAttr(st, names.force_refresh, Py_False) != 0) {
     return false;
   }
   // block_bounds, clamped to the canvas as Python's slice tokens[s:e] would be.
@@ -540,7 +542,22 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
     return PyObject_SetAttr(st, names.finished, Py_True) == 0 &&
            PyObject_SetAttr(st, names.finish_reason, stopped ? names.stop : names.length) == 0;
   }
-  return set_attr_i64(st, names.block, block + 1) && set_attr_i64(st, names.step, 0);
+  if (!set_attr_i64(st, names.block, block + 1) || !set_attr_i64(st, names.step, 0)) return false;
+  // Adaptive refresh (DecodeState.commit): the next block refreshes fully when the cadence
+  // starts it from cache and this block committed a token below refresh_confidence.
+  double refresh_confidence;
+  int64_t refresh_interval, prompt_refresh_interval;
+  if (!attr_f64(params.get(), names.refresh_confidence, &refresh_confidence) ||
+      !attr_i64(params.get(), names.refresh_interval, &refresh_interval) ||
+      !attr_i64(params.get(), names.prompt_refresh_interval, &prompt_refresh_interval)) {
+    return false;
+  }
+  bool force = false;
+  if (refresh_confidence > 0 && refresh_interval >= 1 && prompt_refresh_interval >= 1 &&
+      (block + 1) % (refresh_interval * prompt_refresh_interval) != 0) {
+    for (int64_t i = s; i < e && !force; ++i) force = committed_conf[i] < refresh_confidence;
+  }
+  return PyObject_SetAttr(st, names.force_refresh, force ? Py_True : Py_False) == 0;
 }
 
 PyObject* apply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {

@@ -28,7 +28,8 @@ _REQUEST = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 REQUEST_DEFAULTS = {"max_tokens_default": "max_tokens", "block_length": "block_length",
                     "unmasking": "unmasking", "threshold": "threshold", "cache": "cache",
                     "refresh_interval": "refresh_interval",
-                    "prompt_refresh_interval": "prompt_refresh_interval"}
+                    "prompt_refresh_interval": "prompt_refresh_interval",
+                    "refresh_confidence": "refresh_confidence"}
 
 
 def flag_meta(help_: str, aliases: tuple[str, ...] = (), **kw) -> dict:
@@ -154,6 +155,10 @@ class EngineConfig:
         "Default prompt refresh interval: every this-many-th refresh is full, the others "
         "recompute only the response's K/V [P, T) (default: "
         f"{_REQUEST['prompt_refresh_interval']}, all full)"))
+    refresh_confidence: float | None = field(default=None, metadata=flag_meta(
+        "Default adaptive-refresh confidence: a block the cadence starts from cache refreshes "
+        "fully when the block before committed a token below it (default: "
+        f"{_REQUEST['refresh_confidence']}, never)"))
     cuda_graph_block_lengths: str | None = field(default=None, metadata=flag_meta(
         "Comma-separated block lengths whose decode steps replay CUDA graphs (one capture "
         "each; default: the default block length); other lengths run eagerly"))
@@ -224,7 +229,8 @@ class EngineConfig:
                                        "max_model_len": int, "max_tokens_default": int,
                                        "block_length": int, "threshold": float,
                                        "refresh_interval": int,
-                                       "prompt_refresh_interval": int})
+                                       "prompt_refresh_interval": int,
+                                       "refresh_confidence": float})
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -88,6 +88,11 @@ class SamplingParams:
     # every block starts with a full refresh (Fast-dLLM's cache).
     refresh_interval: int = 1
     prompt_refresh_interval: int = 1
+    # Adaptive refresh: a block the cadence starts from cached K/V starts with a full refresh
+    # instead when the block before it committed a token with confidence below this (the model
+    # was unsure where its cache is stale); 0: never. The request's own state decides, so
+    # batching does not change it.
+    refresh_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -108,6 +113,9 @@ class SamplingParams:
         need(_is_num(self.factor) and self.factor > 0.0,
              f"factor must be > 0, got {self.factor!r}")
         need(self.cache in CACHE_MODES, f"cache must be one of {CACHE_MODES}, got {self.cache!r}")
+        need(_is_num(self.refresh_confidence) and 0.0 <= self.refresh_confidence <= 1.0,
+             f"refresh_confidence must be in [0, 1], got {self.refresh_confidence!r}")
+        object.__setattr__(self, "refresh_confidence", float(self.refresh_confidence))
         need(self.cache != "none" or self.refresh_interval == self.prompt_refresh_interval == 1,
              'refresh_interval and prompt_refresh_interval need a cache: with cache="none" '
              "every step is a full refresh")

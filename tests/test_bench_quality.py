@@ -29,6 +29,8 @@ def test_the_sweep_covers_both_caches_and_rules():
     assert never == {"unmasking": "threshold", "threshold": 0.9, "cache": "dual",
                      "refresh_interval": 1000}
     assert "dual/threshold=0.9/prompt_refresh_interval=2" in modes
+    adaptive = modes["dual/threshold=0.9/refresh_interval=1000/refresh_confidence=0.9"]
+    assert adaptive["refresh_interval"] == 1000 and adaptive["refresh_confidence"] == 0.9
 
 
 def test_quality_reports_agreement_confidence_and_a_plot(tmp_path, capsys):
@@ -47,7 +49,9 @@ def test_quality_reports_agreement_confidence_and_a_plot(tmp_path, capsys):
     modes = report["modes"]
     assert list(modes) == ["vanilla", "prefix/factor=1", "dual/threshold=0.3",
                            "dual/threshold=0.9", "dual/threshold=0.9/refresh_interval=1000"]
-    assert modes["dual/threshold=0.9/refresh_interval=1000"]["options"]["refresh_interval"] == 1000
+    never = modes["dual/threshold=0.9/refresh_interval=1000"]
+    assert never["options"]["refresh_interval"] == 1000
+    assert modes["vanilla"]["refreshed_blocks"] == 1.0 and 0 < never["refreshed_blocks"] <= 1
     vanilla = modes["vanilla"]
     assert vanilla["block_agreement"] == 1.0 and vanilla["tokens_per_forward"] == 1.0
     assert 8 <= vanilla["forwards_per_request"] <= 24  # a forward per token of the blocks decoded

@@ -130,11 +130,12 @@ CADENCES = [(1, 1), (2, 1), (1, 2), (3, 2), (1000, 1)]
 
 
 def _cadence_workload(n: int, seed: int):
-    """``_workload``'s requests, with a cache and a refresh cadence each."""
+    """``_workload``'s requests, with a cache and a refresh cadence each, a third adaptive."""
     rng = random.Random(seed)
     return [(rid, prompt, dataclasses.replace(
                 params, cache=rng.choice(["dual", "prefix"]), max_tokens=rng.choice([16, 24]),
-                block_length=4, refresh_interval=ri, prompt_refresh_interval=pi),
+                block_length=4, refresh_interval=ri, prompt_refresh_interval=pi,
+                refresh_confidence=rng.choice([0.0, 0.0, 0.4])),  # 0.4: about half fire
              arrival, suffix)
             for (rid, prompt, params, arrival, suffix), (ri, pi)
             in zip(_workload(n, seed), (rng.choice(CADENCES) for _ in range(n)))]
@@ -151,17 +152,26 @@ def test_refresh_cadence_matches_reference(loaded, arch, policy, budget):
     engine = Engine(cfg, lm)
     got = _run_staggered(engine, reqs, seed=5)
     _assert_same(got, _reference(lm, reqs))
-    # The scheduler charged each refresh its span: T for a full one, T - P response-only.
-    spans = {"full": 0, "response": 0}
+    # The scheduler charged each refresh its span: T for a full one, T - P response-only (the
+    # reference's spans, step by step).
+    spans = {"full": 0, "response": 0, "forced": 0}
     for _, prompt, params, _, suffix in reqs:
         st = lm.new_state(prompt, params, random.Random(0), suffix)
+        plan = st.plan
+
+        def recording_plan(st=st, plan=plan, params=params):
+            start, end = st.span()
+            if st.step == 0 and end == st.total_len and start in (0, st.prompt_len):
+                kind = "full" if start == 0 else "response"
+                spans[kind] += end - start
+                spans["forced"] += params.block_refresh(st.block) != kind
+            return plan()
+
+        st.plan = recording_plan
         ReferenceDecoder(lm.model).run(st)
-        for b in range(st.block + 1):
-            kind = params.block_refresh(b)
-            if kind != "none":
-                spans[kind] += st.total_len - (st.prompt_len if kind == "response" else 0)
-    assert sum(i.prefill_tokens for i in engine.stats.iterations) == sum(spans.values())
-    assert spans["response"] > 0
+    assert sum(i.prefill_tokens for i in engine.stats.iterations) == (
+        spans["full"] + spans["response"])
+    assert spans["response"] > 0 and spans["forced"] > 0
 
 
 def test_refresh_cadence_changes_tokens_and_forwards(loaded):
@@ -190,11 +200,11 @@ def test_refresh_cadence_changes_tokens_and_forwards(loaded):
     assert firsts == [(0, 33), (13, 17), (17, 21), (9, 33), (25, 29), (29, 33)]
     st = lm.new_state(prompts[0], dataclasses.replace(base, refresh_interval=2),
                       random.Random(0))
-    st.block, st.cache_lost = 1, True  # taken back after a failure: a full refresh
+    st.block, st.force_refresh = 1, True  # taken back after a failure: a full refresh
     assert st.span() == (0, 33) and not st.starts_on_cache
     plan = st.plan()
     st.apply(plan, np.full(len(plan.positions), 5), np.ones(len(plan.positions)))
-    assert not st.cache_lost
+    assert not st.force_refresh
 
 
 def test_refresh_intervals_are_validated():

@@ -71,7 +71,8 @@ def _random_state(rng: random.Random) -> DecodeState:
         stop_token_ids=rng.choice([(), (), (3,), (3, 4)]))
     if params.cache != "none":  # refresh cadences: blocks start fully, response-only or cached
         params = dataclasses.replace(params, refresh_interval=rng.choice([1, 1, 2, 3]),
-                                     prompt_refresh_interval=rng.choice([1, 2]))
+                                     prompt_refresh_interval=rng.choice([1, 2]),
+                                     refresh_confidence=rng.choice([0.0, 0.5, 0.95]))
     prompt = [rng.randrange(VOCAB) for _ in range(rng.choice([1, 2, 5, 17, 40]))]
     seed = rng.choice([0, rng.getrandbits(63), 2**64 + rng.getrandbits(40)])
     stop_ids = rng.choice([frozenset(), frozenset({1}), frozenset({1, 2})])
@@ -105,7 +106,7 @@ def _assert_same_batch(a: PackedBatch, b: PackedBatch) -> None:
 def _assert_same_state(a: DecodeState, b: DecodeState) -> None:
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.confidence, b.confidence)
-    for name in ("block", "step", "num_forwards", "finished", "finish_reason", "cache_lost"):
+    for name in ("block", "step", "num_forwards", "finished", "finish_reason", "force_refresh"):
         x, y = getattr(a, name), getattr(b, name)
         assert (x, type(x)) == (y, type(y)), name
 
@@ -204,7 +205,7 @@ def _scrambled_state(rng: random.Random) -> DecodeState:
     st.tokens[s:e] = [rng.choice([MASK, MASK, 1, rng.randrange(MASK)]) for _ in range(e - s)]
     if rng.random() < 0.5:
         st.tokens[s] = MASK
-    st.cache_lost = rng.random() < 0.2  # taken back: the block refreshes fully
+    st.force_refresh = rng.random() < 0.2  # taken back: the block refreshes fully
     return st
 
 

@@ -85,8 +85,9 @@ def _cadence_workload(n: int, seed: int):
     rng = random.Random(seed)
     return [(f"c{rid}", prompt, dataclasses.replace(
                 params, cache=rng.choice(["dual", "prefix"]), max_tokens=rng.choice([16, 24]),
-                block_length=4, **dict(zip(("refresh_interval", "prompt_refresh_interval"),
-                                           rng.choice(CADENCES)))),
+                block_length=4, refresh_confidence=rng.choice([0.0, 0.0, 0.4]),
+                **dict(zip(("refresh_interval", "prompt_refresh_interval"),
+                           rng.choice(CADENCES)))),
              arrival, suffix)
             for rid, prompt, params, arrival, suffix in _workload(n, seed)]
 

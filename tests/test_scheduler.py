@@ -145,11 +145,11 @@ def test_refresh_cadence_transitions_and_costs():
     # Its cache lost (taken back after a failure): the block refreshes fully, then the cadence
     # resumes.
     lost = Request("l", 0.0, prompt_len=4, canvas_len=12, block_length=4, refresh_interval=2)
-    lost.block, lost.cache_lost = 1, True
+    lost.block, lost.force_refresh = 1, True
     assert (lost.block_refresh(1), lost.block_start, lost.prefill_cost) == ("none", "full", 16)
     lost.mark_admitted(0.0)
     lost.mark_step_done(1.0, block_done=True, finished=False)
-    assert not lost.cache_lost and (lost.status, lost.block) == (W, 2)
+    assert not lost.force_refresh and (lost.status, lost.block) == (W, 2)
 
 
 # PageAllocator.

@@ -523,7 +523,8 @@ def _workload(n: int) -> list[tuple[str, dict]]:
                     stop_at_eos=rng.random() < 0.5, **rng.choice(rules))
         if opts["cache"] != "none":
             opts.update(refresh_interval=cadence.choice([1, 1, 2]),
-                        prompt_refresh_interval=cadence.choice([1, 2]))
+                        prompt_refresh_interval=cadence.choice([1, 2]),
+                        refresh_confidence=cadence.choice([0.0, 0.5]))
         reqs.append((prompt, opts))
     return reqs
 

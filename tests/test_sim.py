@@ -78,6 +78,20 @@ def test_refresh_cadence_changes_work_and_decode_time():
     with pytest.raises(ValueError, match="need a cache"):
         SimConfig(cache="none", refresh_interval=2)
 
+    # Adaptive refresh: rate 1 refreshes every block fully (as the default cadence), rate 0.5
+    # some, in every mode; the same draws on a rerun.
+    trace = [TraceRequest(0.1 * i, 10, 64) for i in range(12)]
+    work = {}
+    for mode, workers in (("colocated", {}), ("disaggregated", {"prefill_workers": 1,
+                                                                 "decode_workers": 1})):
+        for rate in (0.0, 0.5, 1.0):
+            cfg = SimConfig(block_length=8, refresh_interval=1000, adaptive_refresh_rate=rate,
+                            mode=mode, **workers)
+            work[mode, rate] = sum(w["prefill_tokens"] for w in run(cfg, trace).workers)
+        assert work[mode, 0.0] == 12 * 74 < work[mode, 0.5] < work[mode, 1.0] == 12 * 8 * 74
+    cfg = SimConfig(block_length=8, refresh_interval=1000, adaptive_refresh_rate=0.5)
+    assert run(cfg, trace).records == run(cfg, trace).records
+
 
 def test_refresh_cadence_experiment_reports_capacity_against_batch1(tmp_path, capsys):
     from sangam.bench.experiments import EXPERIMENTS

@@ -5,8 +5,9 @@ Decodes held-out instances of the demo tasks (:mod:`sangam.demo.tasks`) through 
 mode of a sweep - PrefixCache and DualCache under the threshold rule (``--thresholds``) and the
 factor rule (``--factors``), then DualCache at threshold 0.9 under other refresh cadences: blocks
 that start without a refresh (``--refresh-intervals``) or with a response-only one
-(``--prompt-refresh-intervals``; an interval at least the number of blocks means never). Per
-mode it reports
+(``--prompt-refresh-intervals``; an interval at least the number of blocks means never), and
+adaptive refresh (``--refresh-confidences``: no refresh after the first block unless the block
+before committed a token below that confidence). Per mode it reports
 
 - exact match, overall and per family;
 - block agreement with vanilla: the share of blocks whose committed tokens equal vanilla's for
@@ -14,6 +15,7 @@ mode it reports
   does when an approximation starts to change tokens;
 - tokens per forward: every canvas token decoded (answer, end-of-turn and the EOS padding of the
   blocks decoded) over the forwards spent, so vanilla scores exactly 1; and forwards per request;
+- refreshed: the share of decoded blocks that started with a refresh (full or response-only);
 - confidence: the mean probability of the response's tokens (up to its end) at the step that
   committed each.
 
@@ -42,10 +44,13 @@ from sangam.sampling_params import RequestOutput, SamplingParams
 
 DEFAULT_THRESHOLDS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0)  # 0.3: deliberately too low
 DEFAULT_FACTORS = (0.5, 1.0, 2.0)
-# Refresh cadences under DualCache, threshold CADENCE_THRESHOLD (Fast-dLLM's setting); 1000:
-# never after block 0 (a deliberately bad approximation).
-DEFAULT_REFRESH_INTERVALS = (2, 4, 1000)
-DEFAULT_PROMPT_REFRESH_INTERVALS = (2, 4, 1000)
+NEVER = 1000  # an interval beyond any canvas here: no (full) refresh after block 0
+# Refresh cadences under DualCache, threshold CADENCE_THRESHOLD (Fast-dLLM's setting); NEVER
+# is a deliberately bad approximation.
+DEFAULT_REFRESH_INTERVALS = (2, 4, NEVER)
+DEFAULT_PROMPT_REFRESH_INTERVALS = (2, 4, NEVER)
+# Adaptive refresh, with no cadence refresh after block 0 (refresh_interval NEVER).
+DEFAULT_REFRESH_CONFIDENCES = (0.5, 0.9)
 CADENCE_THRESHOLD = 0.9
 VANILLA = "vanilla"
 
@@ -60,6 +65,7 @@ def sweep(thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
           factors: tuple[float, ...] = DEFAULT_FACTORS,
           refresh_intervals: tuple[int, ...] = DEFAULT_REFRESH_INTERVALS,
           prompt_refresh_intervals: tuple[int, ...] = DEFAULT_PROMPT_REFRESH_INTERVALS,
+          refresh_confidences: tuple[float, ...] = DEFAULT_REFRESH_CONFIDENCES,
           ) -> list[Mode]:
     """Vanilla first (the reference of block agreement), then cache x rule x value, then the
     refresh cadences."""
@@ -75,6 +81,10 @@ def sweep(thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
                          ("prompt_refresh_interval", prompt_refresh_intervals)):
         modes += [Mode(f"dual/threshold={CADENCE_THRESHOLD:g}/{name}={v}", {**cadence, name: v})
                   for v in values]
+    modes += [Mode(f"dual/threshold={CADENCE_THRESHOLD:g}/refresh_interval={NEVER}/"
+                   f"refresh_confidence={c:g}",
+                   {**cadence, "refresh_interval": NEVER, "refresh_confidence": c})
+              for c in refresh_confidences]
     return modes
 
 
@@ -107,6 +117,8 @@ def evaluate_mode(llm, tasks: list[Task], prompt_ids: list[list[int]], params: S
         correct[task.family].append(int((out.text or "") == task.answer))
     tokens = [list(o.token_ids) for o in outs]
     forwards = sum(o.num_forwards for o in outs)
+    refreshes = sum(o.metrics["num_refreshes"] for o in outs)
+    blocks = sum(tokens_decoded(o, params) for o in outs) // params.block_length
     probs = [lp for o in outs for lp in (o.logprobs or [])]
     same = compared = 0
     for t, ref in zip(tokens, reference or tokens):
@@ -119,6 +131,8 @@ def evaluate_mode(llm, tasks: list[Task], prompt_ids: list[list[int]], params: S
         "block_agreement": same / compared,
         "tokens_per_forward": sum(tokens_decoded(o, params) for o in outs) / forwards,
         "forwards_per_request": forwards / len(tasks),
+        # Blocks that started with a refresh (full or response-only): 1 for Fast-dLLM's cache.
+        "refreshed_blocks": refreshes / blocks,
         "confidence": sum(map(math.exp, probs)) / len(probs) if probs else None,
         "seconds": seconds,
     }
@@ -127,9 +141,11 @@ def evaluate_mode(llm, tasks: list[Task], prompt_ids: list[list[int]], params: S
 
 def format_table(results: dict[str, dict]) -> str:
     families = list(next(iter(results.values()))["accuracy_by_family"])
-    head = ["mode", "exact", "blocks=vanilla", "tok/fwd", "fwd/req", "conf", *families]
+    head = ["mode", "exact", "blocks=vanilla", "tok/fwd", "fwd/req", "refreshed", "conf",
+            *families]
     rows = [[name, f"{r['accuracy']:.3f}", f"{r['block_agreement']:.3f}",
              f"{r['tokens_per_forward']:.2f}", f"{r['forwards_per_request']:.1f}",
+             f"{r['refreshed_blocks']:.2f}",
              "-" if r["confidence"] is None else f"{r['confidence']:.3f}",
              *(f"{r['accuracy_by_family'][f]:.3f}" for f in families)]
             for name, r in results.items()]
@@ -205,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
                   for t in tasks]
     modes = sweep(tuple(parse_float_list(args.thresholds)), tuple(parse_float_list(args.factors)),
                   tuple(parse_int_list(args.refresh_intervals)),
-                  tuple(parse_int_list(args.prompt_refresh_intervals)))
+                  tuple(parse_int_list(args.prompt_refresh_intervals)),
+                  tuple(parse_float_list(args.refresh_confidences)))
     if args.modes:
         keep = set(args.modes.split(","))
         modes = [m for m in modes if m.name in keep or m.name == VANILLA]
@@ -267,6 +284,10 @@ def register(subparsers) -> None:
                    help=f"prompt_refresh_interval values under dual/threshold="
                         f"{CADENCE_THRESHOLD:g} (refreshes between full ones; the others are "
                         "response-only)")
+    p.add_argument("--refresh-confidences",
+                   default=",".join(f"{v:g}" for v in DEFAULT_REFRESH_CONFIDENCES),
+                   help=f"refresh_confidence values (adaptive refresh) under dual/threshold="
+                        f"{CADENCE_THRESHOLD:g} and no cadence refresh after the first block")
     p.add_argument("--modes", default=None,
                    help="only these modes of the sweep (and vanilla), e.g. dual/threshold=0.9")
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="seed of the held-out instances")

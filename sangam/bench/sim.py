@@ -68,7 +68,7 @@ from sangam.bench.traces import (
     scale_lengths,
 )
 from sangam.config import EngineConfig
-from sangam.sampling_params import CACHE_MODES, SamplingParams
+from sangam.sampling_params import CACHE_MODES, FULL_REFRESH, SamplingParams
 from sangam.sched.batch_builder import POLICIES, BatchBuilder, ScheduledBatch
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.placement import NeverFits, Placed, Placement
@@ -188,6 +188,10 @@ class SimConfig:
     cache: str = _REQUEST.cache
     refresh_interval: int = _REQUEST.refresh_interval
     prompt_refresh_interval: int = _REQUEST.prompt_refresh_interval
+    # Adaptive refresh (SamplingParams.refresh_confidence) has no confidences to read here: the
+    # share of the blocks the cadence starts from cache that refresh fully anyway, drawn per
+    # (seed, request, block); sangam-bench quality measures it for a refresh_confidence.
+    adaptive_refresh_rate: float = 0.0
     max_tokens: int | None = None  # fixed canvas; None: each request's output length
     page_size: int = _ENGINE["page_size"].default
     num_pages: int | None = None  # per worker; None: what the GPU has left after the weights
@@ -210,6 +214,9 @@ class SimConfig:
             raise ValueError("the fastdllm policy (batch size 1) runs colocated only")
         if min(self.num_workers, self.prefill_workers, self.decode_workers) < 1:
             raise ValueError("worker counts must be >= 1")
+        if not 0.0 <= self.adaptive_refresh_rate <= 1.0:
+            raise ValueError(f"adaptive_refresh_rate must be in [0, 1], got "
+                             f"{self.adaptive_refresh_rate}")
         # The request-side checks are SamplingParams' own (cadence needs a cache, bounds).
         SamplingParams(block_length=self.block_length, cache=self.cache,
                        refresh_interval=self.refresh_interval,
@@ -237,6 +244,8 @@ class SimConfig:
         cadence = ""
         if (self.refresh_interval, self.prompt_refresh_interval) != (1, 1):
             cadence = f" refresh={self.refresh_interval}/{self.prompt_refresh_interval}"
+        if self.adaptive_refresh_rate:
+            cadence += f" adaptive={self.adaptive_refresh_rate:g}"
         return f"{where} {core}" + (" lw" if self.layerwise_kv_streaming else "") + cadence
 
 
@@ -401,7 +410,7 @@ class Simulator:
         req = Request(r.request_id, r.arrival_time, r.prompt_len, r.canvas_len,
                       r.block_length, r.cache, seq=r.seq, refresh_interval=r.refresh_interval,
                       prompt_refresh_interval=r.prompt_refresh_interval)
-        req.block, req.cache_lost = r.block, r.cache_lost
+        req.block, req.force_refresh = r.block, r.force_refresh
         return req
 
     def _place(self) -> None:
@@ -453,20 +462,20 @@ class Simulator:
             current = self.placement.current(req.request_id, task.attempt)
             if current is not None:
                 self.placement.refreshed(current, w.index, w.started, now)
-        for req, task, (block_done, finished) in zip(reqs, tasks, outcomes):
-            goes_on = w.core.continues(req, block_done, finished)
+        for req, task, (block_done, finished, force) in zip(reqs, tasks, outcomes):
+            goes_on = w.core.continues(req, block_done, finished, force)
             if task.kv_dest is not None and (not block_done or goes_on):
                 self._ship(task, w, block_done)
         ended = []
-        for req, (block_done, finished) in zip(reqs, outcomes):
-            task, kept = w.core.step_done(req, now, block_done, finished)
+        for req, (block_done, finished, force) in zip(reqs, outcomes):
+            task, kept = w.core.step_done(req, now, block_done, finished, None, force)
             if block_done:
-                ended.append((task, finished, kept))
-        for task, finished, kept in ended:
+                ended.append((task, finished, kept, force))
+        for task, finished, kept, force in ended:
             if kept is None:
                 self._block_continued(task)
             else:
-                self._block_done(task, w, finished, kept)
+                self._block_done(task, w, finished, kept, force)
 
     def block_commits(self, request_id: str, block: int, block_length: int) -> list[int]:
         """The tokens each forward of a request's block commits: a function of (seed, request,
@@ -482,21 +491,33 @@ class Simulator:
             live.plan = (r.block, self.block_commits(r.request_id, r.block, r.block_length))
         return live.plan[1]
 
-    def _advance(self, progress: _Progress) -> tuple[bool, bool]:
-        """One forward of a request's block; returns (block done, request finished)."""
+    def _advance(self, progress: _Progress) -> tuple[bool, bool, bool]:
+        """One forward of a request's block; returns (block done, request finished, next
+        block refreshes fully by the adaptive trigger)."""
         live = progress.live
         progress.step += 1
         progress.forwards += 1
         block_done = progress.step == len(self.block_plan(live))
-        return block_done, block_done and live.request.block + 1 == live.blocks_to_decode
+        finished = block_done and live.request.block + 1 == live.blocks_to_decode
+        return block_done, finished, block_done and not finished and self._triggered(live)
 
-    def _block_done(self, task: Task, w: _Worker, finished: bool, kept: list[int]) -> None:
+    def _triggered(self, live: _Live) -> bool:
+        """Whether the adaptive trigger refreshes the request's next block fully: drawn per
+        (seed, request, block), so a block run again decides the same."""
+        r, rate = live.request, self.config.adaptive_refresh_rate
+        if not rate or r.block_refresh(r.block + 1) == FULL_REFRESH:
+            return False
+        return random.Random(f"{self.config.seed}:{r.request_id}:{r.block}:refresh").random() < rate
+
+    def _block_done(self, task: Task, w: _Worker, finished: bool, kept: list[int],
+                    force: bool = False) -> None:
         progress = task.payload
         live = progress.live
         current = self.placement.current(live.request.request_id, task.attempt)
         if current is None:
             return
         live.forwards = progress.forwards
+        live.request.force_refresh = force  # placed as the full refresh it is
         block = live.request.block + (0 if finished else 1)
         self._drop(live.request.request_id, self.placement.block_done(
             current, w.index, finished, block, live.forwards, kept, self._now))
@@ -597,6 +618,9 @@ _HELP = {
                         "cached step)",
     "prompt_refresh_interval": "every this-many-th refresh is full, the others response-only "
                                "(span [P, T), cost T - P)",
+    "adaptive_refresh_rate": "adaptive refresh: the share of blocks the cadence starts from "
+                             "cache that refresh fully anyway (sangam-bench quality measures "
+                             "it for a refresh_confidence)",
     "max_tokens": "fixed max_tokens of every request (canvas size); default: its output length",
     "page_size": "KV page size in tokens",
     "num_pages": "KV pages per worker; default: GPU memory left after the weights",

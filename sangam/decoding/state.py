@@ -57,6 +57,7 @@ class BlockProgress:
     stop_len: int | None
     stop_string: str | None
     stop_text: IncrementalDetokenizer | None
+    force_refresh: bool  # the next block refreshes fully (the adaptive trigger fired)
 
 
 class DecodeState:
@@ -86,10 +87,10 @@ class DecodeState:
         self.top_logprobs = np.zeros((params.canvas_length, n), dtype=np.float64) if n else None
         self.block = 0
         self.step = 0  # steps taken in the current block; 0 = the next is the block's first
-        # The K/V this request's worker kept is gone (it restarts elsewhere): the current block
-        # starts with a full refresh whatever the cadence says (the front sets it, the step
-        # clears it).
-        self.cache_lost = False
+        # The current block starts with a full refresh whatever the cadence says: the adaptive
+        # trigger fired when the block before it ended (SamplingParams.refresh_confidence), or
+        # the K/V its worker kept is gone (the front sets it then). Its first step clears it.
+        self.force_refresh = False
         self.num_forwards = 0
         self.finished = False
         self.finish_reason: str | None = None
@@ -126,7 +127,7 @@ class DecodeState:
             None if self.top_ids is None else self.top_ids[top].copy(),
             None if self.top_logprobs is None else self.top_logprobs[top].copy(),
             self.block, self.step, self.num_forwards, self.finished, self.finish_reason,
-            self.stop_len, self.stop_string, self.stop_text)
+            self.stop_len, self.stop_string, self.stop_text, self.force_refresh)
 
     def catch_up(self, p: BlockProgress) -> None:
         """Take ``p`` (a copy of this state's ``progress``, from another process) in."""
@@ -140,6 +141,7 @@ class DecodeState:
         self.block, self.step, self.num_forwards = p.block, p.step, p.num_forwards
         self.finished, self.finish_reason = p.finished, p.finish_reason
         self.stop_len, self.stop_string, self.stop_text = p.stop_len, p.stop_string, p.stop_text
+        self.force_refresh = p.force_refresh
 
     # Geometry.
     @property
@@ -158,7 +160,7 @@ class DecodeState:
     def starts_on_cache(self) -> bool:
         """Whether the next forward begins a block from cached K/V (a response-only refresh or
         a cached step): it must run where the request's canvas K/V is."""
-        return (not self.finished and self.step == 0 and not self.cache_lost
+        return (not self.finished and self.step == 0 and not self.force_refresh
                 and self.params.block_refresh(self.block) != FULL_REFRESH)
 
     def span(self) -> tuple[int, int]:
@@ -168,7 +170,7 @@ class DecodeState:
         if p.cache == "none":
             return 0, end
         if self.step == 0:  # the block's first step, as the refresh cadence says
-            start = FULL_REFRESH if self.cache_lost else p.block_refresh(self.block)
+            start = FULL_REFRESH if self.force_refresh else p.block_refresh(self.block)
             if start == FULL_REFRESH:
                 return 0, end
             if start == RESPONSE_REFRESH:
@@ -215,7 +217,7 @@ class DecodeState:
         self.tokens[positions[commit]] = tokens[commit]
         self.confidence[positions[commit]] = conf[commit]
         self.step += 1
-        self.cache_lost = False
+        self.force_refresh = False
         self.num_forwards += 1
         s, e = self.block_bounds()
         if self.mask_token_id in self.tokens[s:e]:
@@ -230,6 +232,10 @@ class DecodeState:
         else:
             self.block += 1
             self.step = 0
+            # Adaptive refresh: an unsure block leaves the next one no stale cache to trust.
+            self.force_refresh = bool(
+                p.refresh_confidence > 0 and p.block_refresh(self.block) != FULL_REFRESH
+                and self.confidence[s:e].min() < p.refresh_confidence)
         return True
 
     def stop_index(self, response: np.ndarray) -> int:

@@ -151,6 +151,7 @@ def request_metrics(m: RequestMetrics, state: DecodeState) -> dict:
         "queueing_time": m.queueing_time,
         "decode_time": m.decode_time,
         "num_forwards": state.num_forwards,
+        "num_refreshes": len(m.prefill_started),  # full and response-only, so far
         "tokens_per_forward": tokens_per_forward(state),
     }
 
@@ -220,7 +221,8 @@ class Engine:
             if t.request.request_id not in self.requests:
                 continue  # failed
             finished = t.state.finished
-            self.builder.step_done(req, now, done, finished, t.state.finish_reason)
+            self.builder.step_done(req, now, done, finished, t.state.finish_reason,
+                                   t.state.force_refresh)
             if done:
                 outputs.append(self._output(t, finished, t.state.finish_reason))
             if finished:

@@ -159,7 +159,7 @@ class BatchBuilder:
         return batch
 
     def step_done(self, req: Request, now: float, block_done: bool, finished: bool,
-                  finish_reason: str | None = None) -> None:
+                  finish_reason: str | None = None, force_refresh: bool = False) -> None:
         """Report ``req``'s forward of the last batch (see ``Request.mark_step_done``).
 
         A request aborted since ``schedule`` is ignored: its result is simply dropped.
@@ -169,7 +169,7 @@ class BatchBuilder:
         if self._in_flight.pop(req.request_id, None) is not req:
             raise ValueError(f"step_done: {req!r} is not in the last scheduled batch")
         self._now = now
-        req.mark_step_done(now, block_done, finished, finish_reason)
+        req.mark_step_done(now, block_done, finished, finish_reason, force_refresh)
         if req.status is RequestStatus.FINISHED:
             self._release(req)
         elif req.status is RequestStatus.WAITING:  # next block's re-prefill, same priority

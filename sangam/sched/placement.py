@@ -29,7 +29,7 @@ Who runs what:
 - A block whose cadence starts it from cached K/V (a response-only refresh, or none) is not
   placed: it continues on the canvas holder (``block_continued``), where the prompt's K/V is.
   Only full refreshes are placed. A request taken back (``_restart``) has lost its cache, so
-  its block is placed for a full refresh whatever the cadence says (``Request.cache_lost``).
+  its block is placed for a full refresh whatever the cadence says (``Request.force_refresh``).
 - Failover: while workers of only one role survive (``Router.one_role_left``) they serve as
   colocated workers do. With none left, placing raises.
 
@@ -208,7 +208,7 @@ class Placement:
         m.prefill_started.append(start)
         m.prefill_finished.append(end)
         m.decode_started.append(end)
-        p.request.cache_lost = False
+        p.request.force_refresh = False
 
     def kv_sent(self, p: Placed | None, src: int, dest: int, drain: bool) -> bool:
         """``src`` posted a transfer to ``dest`` for ``p`` (None: for work taken back). Returns
@@ -319,7 +319,7 @@ class Placement:
     def _restart(self, p: Placed) -> set[int]:
         """Take ``p`` back to the start of its current block, to be placed again."""
         drops = self._release(p)
-        p.request.cache_lost = True  # whatever K/V it had is gone or discarded
+        p.request.force_refresh = True  # whatever K/V it had is gone or discarded
         p.attempt = next(self._attempts)
         p.restarts += 1
         self.counters.restarts += 1

@@ -16,9 +16,10 @@ Life of a request (B = block length, one refresh then cached steps per block)::
 The refresh cadence (``refresh_interval``, ``prompt_refresh_interval``: SamplingParams') says
 how each block starts: a full refresh (cost T), a response-only one (cost T - P), or none (the
 request stays seated and its next cached step starts the block). Only a block that starts with
-a full refresh can run anywhere; the others need the K/V the canvas holder kept. A request
-whose cached K/V was lost (``cache_lost``: its worker died, a transfer failed) starts its
-current block with a full refresh whatever the cadence says.
+a full refresh can run anywhere; the others need the K/V the canvas holder kept. With
+``force_refresh`` the current block starts with a full refresh whatever the cadence says: the
+request's adaptive trigger fired (the driver says so in ``mark_step_done``), or its cached K/V
+was lost (its worker died, a transfer failed).
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class Request:
         self.block = 0
         self.status = RequestStatus.WAITING
         self.pages: list[int] = []
-        self.cache_lost = False  # the current block starts with a full refresh regardless
+        self.force_refresh = False  # the current block starts with a full refresh regardless
         self.finish_reason: str | None = None
         self.worker: int | None = None
         self.metrics = RequestMetrics(arrival_time, prefill_queued=[arrival_time])
@@ -146,7 +147,7 @@ class Request:
     @property
     def block_start(self) -> str:
         """How the current block starts: as the cadence says, or fully if the cache was lost."""
-        return FULL_REFRESH if self.cache_lost else self.block_refresh(self.block)
+        return FULL_REFRESH if self.force_refresh else self.block_refresh(self.block)
 
     # Costs, in tokens of forward span.
     @property
@@ -183,9 +184,10 @@ class Request:
         self.metrics.prefill_started.append(now)
 
     def mark_step_done(self, now: float, block_done: bool, finished: bool,
-                       finish_reason: str | None = None) -> None:
+                       finish_reason: str | None = None, force_refresh: bool = False) -> None:
         """Record one forward. ``finished`` wins over ``block_done`` (a request finishes when a
         block completes); ``finish_reason`` defaults to "length" on the last block, else "stop".
+        ``force_refresh``: the next block starts with a full refresh (the adaptive trigger).
         """
         self._expect("mark_step_done", RequestStatus.PREFILL, RequestStatus.DECODE)
         if block_done and not finished and self.block + 1 == self.num_blocks:
@@ -195,7 +197,7 @@ class Request:
         if self.status is RequestStatus.PREFILL:
             m.prefill_finished.append(now)
             m.decode_started.append(now)
-            self.cache_lost = False
+            self.force_refresh = False
         if finished:
             m.block_finished.append(now)
             self._finish(now, finish_reason or (
@@ -203,7 +205,8 @@ class Request:
         elif block_done:
             m.block_finished.append(now)
             self.block += 1
-            if self.block_refresh(self.block) == NO_REFRESH:  # stays seated
+            self.force_refresh = force_refresh
+            if self.block_start == NO_REFRESH:  # stays seated
                 m.decode_started.append(now)
                 self.status = RequestStatus.DECODE
             else:

@@ -142,22 +142,25 @@ class WorkerCore:
             self.tasks[rid] = task
 
     @staticmethod
-    def continues(req: Request, block_done: bool, finished: bool) -> bool:
-        """Whether ``req``'s block ended and its next one starts from cached K/V, so it
-        continues where the canvas is (call before ``step_done``)."""
-        return (block_done and not finished
+    def continues(req: Request, block_done: bool, finished: bool,
+                  force_refresh: bool = False) -> bool:
+        """Whether ``req``'s block ended and its next one starts from cached K/V (its cadence
+        says so, and no full refresh is forced), so it continues where the canvas is (call
+        before ``step_done``)."""
+        return (block_done and not finished and not force_refresh
                 and req.block_refresh(req.block + 1) != FULL_REFRESH)
 
     def step_done(self, req: Request, now: float, block_done: bool, finished: bool,
-                  finish_reason: str | None = None) -> tuple[Task, list[int] | None]:
+                  finish_reason: str | None = None,
+                  force_refresh: bool = False) -> tuple[Task, list[int] | None]:
         """After a forward: ``req``'s step is reported to the builder, and its task and, when
         its block ended and the next is placed again, the canvas pages kept here (an empty
         list: none kept) are returned; None while the block goes on, or when the next block
         continues (``continues``) here or on the receiver of this refresh's K/V."""
         rid = req.request_id
         task = self.tasks[rid]
-        goes_on = self.continues(req, block_done, finished)
-        self.builder.step_done(req, now, block_done, finished, finish_reason)
+        goes_on = self.continues(req, block_done, finished, force_refresh)
+        self.builder.step_done(req, now, block_done, finished, finish_reason, force_refresh)
         if task.kv_dest is not None:  # a refresh for another worker: its pages were temporary
             self.builder.abort(rid)
             del self.tasks[rid]

@@ -103,6 +103,7 @@ class _GenerationRequest(RequestBody):
     cache: Literal[CACHE_MODES] | None = None
     refresh_interval: Length | None = None
     prompt_refresh_interval: Length | None = None
+    refresh_confidence: float | None = Field(default=None, ge=0, le=1)
     stop_at_eos: bool | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None \
         = None
@@ -129,7 +130,8 @@ class _GenerationRequest(RequestBody):
         """The SamplingParams fields this request sets explicitly."""
         names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "block_length",
                  "unmasking", "threshold", "factor", "tokens_per_step", "cache",
-                 "refresh_interval", "prompt_refresh_interval", "stop_at_eos",
+                 "refresh_interval", "prompt_refresh_interval", "refresh_confidence",
+                 "stop_at_eos",
                  "stop", "include_stop_str_in_output", "stop_token_ids", "skip_special_tokens",
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens",
                  "truncate_prompt_tokens", "priority")

@@ -322,7 +322,7 @@ class MultiWorkerEngine:
         for d in self.placement.place():
             e = self.requests[d.request_id]
             r = e.placed.request
-            e.state.cache_lost = r.cache_lost  # taken back: its block refreshes fully
+            e.state.force_refresh = r.force_refresh  # taken back: its block refreshes fully
             self._send(d.worker, msg.Prefill(d.request_id, d.attempt, self._state_for(e, d.worker),
                                              r.arrival_time, r.seq, d.kv_dest, d.keep_pages))
 
@@ -452,6 +452,7 @@ class MultiWorkerEngine:
                                            time.monotonic())
         else:
             e.parked_on = w if ev.pages else None
+            e.placed.request.force_refresh = st.force_refresh  # placed as the full refresh it is
             self._drop(rid, self.placement.block_done(e.placed, w, st.finished, st.block,
                                                       st.num_forwards, list(ev.pages),
                                                       time.monotonic()))
@@ -473,6 +474,7 @@ class MultiWorkerEngine:
         return self.loaded.output(e.placed.request_id, e.prompt_ids, e.state, finished, reason,
                                   {"kv_bytes": e.kv_bytes, "kv_transfers": e.kv_transfers,
                                    "restarts": e.placed.restarts,
+                                   "num_refreshes": len(e.placed.request.metrics.prefill_started),
                                    "tokens_per_forward": tokens_per_forward(e.state)}, e.text,
                                   error)
 

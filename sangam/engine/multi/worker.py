@@ -208,15 +208,17 @@ class Worker:
             self.events.append(msg.RefreshRan(r.request_id, t.attempt, end - start))
         for i in senders:
             t = tasks[i]
-            done = result.block_done[i]
-            self._ship(t, done and not self.core.continues(t.request, done, t.payload.finished),
+            done, st = result.block_done[i], t.payload
+            self._ship(t, done and not self.core.continues(t.request, done, st.finished,
+                                                           st.force_refresh),
                        streams.get(t.request.request_id), failed=i in result.errors)
         for i, (req, t, done) in enumerate(zip(reqs, tasks, result.block_done)):
             if i in result.errors:
                 self._fail(req, result.errors[i])
                 continue
             st, ran = t.payload, req.block  # step_done moves the block on
-            _, kept = self.core.step_done(req, end, done, st.finished, st.finish_reason)
+            _, kept = self.core.step_done(req, end, done, st.finished, st.finish_reason,
+                                          st.force_refresh)
             if done:
                 self.events.append(msg.BlockDone(req.request_id, t.attempt, st.progress(ran),
                                                  list(kept or ()), continues=kept is None))
