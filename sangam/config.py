@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from sangam.sampling_params import CACHE_MODES, UNMASKING_RULES, SamplingParams
-from sangam.sched.batch_builder import POLICIES
+from sangam.sched.batch_builder import DRAIN_ITERATIONS, POLICIES
 from sangam.sched.router import MODES
 
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -90,10 +90,15 @@ class EngineConfig:
     cpu_kv_cache_gb: float = field(default=2.0, metadata=flag_meta(
         "KV pool size on CPU, GiB, when --num-pages is not given"))
     policy: str = field(default="deficit", metadata=flag_meta(
-        "Scheduling policy: deficit token budget, prefill_first (tau = infinity), or fastdllm "
-        "(batch size 1, each request to completion)", choices=POLICIES))
+        "Scheduling policy: deficit token budget, prefill_first (tau = infinity), fastdllm "
+        "(batch size 1, each request to completion), or adaptive (deficit, tau raised to the "
+        "waiting prefill tokens over --drain-iterations, --token-budget its floor)",
+        choices=POLICIES))
     token_budget: float = field(default=1024, metadata=flag_meta(
-        "Deficit token budget tau per iteration ('inf' = prefill-first)"))
+        "Deficit token budget tau per iteration ('inf' = prefill-first; adaptive: the floor)"))
+    drain_iterations: int = field(default=DRAIN_ITERATIONS, metadata=flag_meta(
+        "adaptive policy: tau admits the waiting prefill tokens over this many iterations "
+        f"(default {DRAIN_ITERATIONS})"))
     max_model_len: int | None = field(default=None, metadata=flag_meta(
         "Longest prompt + response canvas a request may have (default: the model's context); "
         "CUDA-graph block tables are sized for it"))
@@ -183,6 +188,7 @@ class EngineConfig:
         need(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
         need(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
         need(self.token_budget >= 1, f"token_budget must be >= 1, got {self.token_budget}")
+        need(self.drain_iterations >= 1, "drain_iterations must be >= 1")
         need(self.max_batch_size >= 1, "max_batch_size must be >= 1")
         need(self.max_queue_len >= 1, "max_queue_len must be >= 1")
         need(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")

@@ -113,7 +113,8 @@ def _run_staggered(engine, reqs, seed):
 
 @pytest.mark.parametrize("arch", ["llada", "dream"])
 @pytest.mark.parametrize("policy,budget", [("deficit", 64), ("deficit", 1024),
-                                           ("prefill_first", 1024), ("fastdllm", 1024)])
+                                           ("prefill_first", 1024), ("fastdllm", 1024),
+                                           ("adaptive", 64)])
 def test_batch_invariance_matches_reference(loaded, arch, policy, budget):
     lm = loaded[arch]
     reqs = _workload(18, seed=7 if arch == "llada" else 8)

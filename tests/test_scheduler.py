@@ -152,6 +152,22 @@ def test_refresh_cadence_transitions_and_costs():
     assert not lost.force_refresh and (lost.status, lost.block) == (W, 2)
 
 
+def test_adaptive_budget_follows_the_prefill_queue():
+    """tau = max(floor, waiting prefill tokens / drain_iterations), recomputed every iteration."""
+    b = BatchBuilder(PageAllocator(1000), 4, "adaptive", token_budget=64, drain_iterations=4)
+    assert b.current_budget() == 64
+    for i in range(10):
+        b.add(Request(f"r{i}", float(i), prompt_len=88, canvas_len=8, block_length=8))
+    assert b.waiting_tokens == 960 and b.current_budget() == 240
+    batch = b.schedule(0.0)  # 240 tokens of budget: two refreshes of 96, 48 carried over
+    assert len(batch.prefills) == 2 and batch.deficit == 48 and b.waiting_tokens == 8 * 96
+    for r in batch.prefills:
+        b.step_done(r, 1.0, block_done=False, finished=False)
+    assert b.current_budget() == 192  # 768 / 4
+    b.abort("r9")
+    assert b.waiting_tokens == 7 * 96 and b.current_budget() == 168
+
+
 # PageAllocator.
 def test_page_allocator():
     a = PageAllocator(10)
@@ -524,7 +540,7 @@ def test_property_deficit_budget_is_never_exceeded(specs, tau, page_size, extra,
 
 @settings(max_examples=100, deadline=None)
 @given(specs=st.lists(REQ, min_size=1, max_size=25),
-       policy=st.sampled_from(["deficit", "prefill_first", "fastdllm"]),
+       policy=st.sampled_from(["deficit", "prefill_first", "fastdllm", "adaptive"]),
        tau=st.integers(1, 400), page_size=st.sampled_from([1, 4, 16]),
        extra=EXTRA_PAGES, max_batch=st.integers(1, 8), seed=st.integers(0, 2**32 - 1),
        abort_prob=st.sampled_from([0.0, 0.05, 0.3]))
@@ -535,6 +551,8 @@ def test_property_no_page_leak_with_random_aborts(specs, policy, tau, page_size,
 
     def check(batch: ScheduledBatch, deficit_before: int, waiting: list, seated: list) -> None:
         assert sorted(ids(batch.decodes)) == sorted(ids(seated)) and batch.deficit >= 0
+        # The adaptive budget's input, kept incrementally, is the queue's exact sum.
+        assert b.waiting_tokens == sum(r.prefill_cost for r in waiting if r.status is W)
         if policy == "fastdllm":
             assert len(batch.prefills) + len(batch.decodes) <= 1 and batch.deficit == 0
 

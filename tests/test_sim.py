@@ -107,6 +107,17 @@ def test_refresh_cadence_experiment_reports_capacity_against_batch1(tmp_path, ca
     assert "sustains" in capsys.readouterr().out
 
 
+def test_adaptive_tau_experiment_compares_against_the_static_sweep(tmp_path, capsys):
+    assert main(["sim", "--experiment", "adaptive-tau", "--num-requests", "12", "--qps", "2",
+                 "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["comparison"]
+    assert [r["trace"] for r in rows] == ["sharegpt", "arxiv"]
+    for r in rows:
+        assert r["best_static_mean"] > 0 and r["adaptive_mean"] > 0
+        assert r["best_mean_tau"].startswith("tau=")
+    assert "adaptive against the best static tau" in capsys.readouterr().out
+
+
 def test_output_shorter_than_canvas_stops_after_its_block():
     cfg = SimConfig(block_length=8, max_tokens=64)  # canvas 64, output 12: blocks 0 and 1
     r = by_id(run(cfg, [TraceRequest(0.0, 10, 12)], tokens_per_step=8))[0]

@@ -8,6 +8,10 @@
 - ``modes``: 8 GPUs as colocated (8C), disaggregated 5P3D and hybrid 5P3C, for LLaDA-8B and
   Dream-7B on ShareGPT and arXiv (paper: colocated best on LLaDA/ShareGPT by 9-20% mean
   latency, hybrid best on Dream/arXiv by 8-20%, 5P3D saturates first).
+- ``adaptive-tau``: 8 GPUs colocated, LLaDA-8B on ShareGPT and arXiv: the adaptive budget
+  (``policy="adaptive"``: tau raised with the prefill queue) against the static taus of the
+  sweep, mean and p99 latency at loads from light to saturation (the paper's limitation: the
+  best static tau flips between the two traces).
 - ``refresh-cadence``: ``fastdllm-vs-deficit``'s setting, colocated tau=1024 under refresh
   cadences (``REFRESH_CADENCES``: blocks between refreshes, refreshes between full ones): the QPS
   each sustains at the baseline's matched mean latency, against batch-1 Fast-dLLM with full
@@ -37,9 +41,10 @@ from sangam.bench.report import (
 )
 from sangam.bench.sim import SimConfig, coefficients_from_args, run_point, step_model_from_args
 from sangam.bench.traces import load_lengths
+from sangam.sched.batch_builder import DRAIN_ITERATIONS
 
 DEFAULT_REQUESTS = {"fastdllm-vs-deficit": 300, "tau-sweep": 600, "modes": 500,
-                    "refresh-cadence": 300}
+                    "refresh-cadence": 300, "adaptive-tau": 500}
 
 
 class _Runner:
@@ -221,8 +226,54 @@ def modes(args: argparse.Namespace) -> int:
     return 0
 
 
+STATIC_TAUS = (512, 1024, 2048, 4096, 16384)
+ADAPTIVE = {"floor": 2048, "drain_iterations": DRAIN_ITERATIONS}  # the one compared
+
+
+def adaptive_tau(args: argparse.Namespace) -> int:
+    """Per trace: a QPS grid of fractions of the tau=16384 deployment's saturation throughput;
+    at each point, the adaptive budget's mean and p99 against the best static tau's there."""
+    r = _Runner("adaptive-tau", args)
+    rows = []
+    for trace in ("sharegpt", "arxiv"):
+        panel = f"LLaDA-8B, {trace}, 8x {GPUS[args.gpu].name} colocated"
+        base = _base(args, model="llada", num_workers=8)
+        cfgs = {f"tau={t}": replace(base, token_budget=t) for t in STATIC_TAUS}
+        adaptive = (f"adaptive tau>={ADAPTIVE['floor']}, drain "
+                    f"{ADAPTIVE['drain_iterations']}")
+        cfgs[adaptive] = replace(base, policy="adaptive", token_budget=ADAPTIVE["floor"],
+                                 drain_iterations=ADAPTIVE["drain_iterations"])
+        cap = r.point(panel, "tau=16384", cfgs["tau=16384"], trace, float("inf"),
+                      keep=False)["throughput_rps"]
+        grid = _grid(args, [round(f * cap, 2) for f in LOAD_FRACTIONS])
+        for label, cfg in cfgs.items():
+            for q in grid:
+                r.point(panel, label, cfg, trace, q)
+        by = {label: {s["qps"]: s for s in r.panels[panel][label]} for label in cfgs}
+        for q in grid:
+            static = {k: v[q] for k, v in by.items() if k != adaptive}
+            best_mean = min(static, key=lambda k: static[k]["latency_mean"])
+            best_p99 = min(static, key=lambda k: static[k]["latency_p99"])
+            a = by[adaptive][q]
+            rows.append({"trace": trace, "qps": q,
+                         "adaptive_mean": a["latency_mean"], "adaptive_p99": a["latency_p99"],
+                         "best_static_mean": static[best_mean]["latency_mean"],
+                         "best_mean_tau": best_mean,
+                         "best_static_p99": static[best_p99]["latency_p99"],
+                         "best_p99_tau": best_p99})
+    print(format_table(r.summaries, SUMMARY_COLUMNS))
+    print("\nadaptive against the best static tau at each load (mean / p99 latency, s)")
+    for row in rows:
+        print(f"  {row['trace']:<9} {row['qps']:>6g} QPS: adaptive {row['adaptive_mean']:6.2f} / "
+              f"{row['adaptive_p99']:6.2f}   best static {row['best_static_mean']:6.2f} "
+              f"({row['best_mean_tau']}) / {row['best_static_p99']:6.2f} ({row['best_p99_tau']})")
+    r.finish({"comparison": rows, "adaptive": ADAPTIVE, "static_taus": STATIC_TAUS},
+             f"adaptive tau, 8x {GPUS[args.gpu].name}")
+    return 0
+
+
 EXPERIMENTS = {"fastdllm-vs-deficit": fastdllm_vs_deficit, "tau-sweep": tau_sweep,
-               "modes": modes, "refresh-cadence": refresh_cadence}
+               "modes": modes, "refresh-cadence": refresh_cadence, "adaptive-tau": adaptive_tau}
 
 
 def run_experiment(name: str, args: argparse.Namespace) -> int:

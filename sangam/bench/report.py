@@ -170,13 +170,16 @@ def plot_latency(path: str | os.PathLike, panels: dict[str, dict[str, list[dict]
 
 
 def policy_label(policy: str, token_budget: float | str) -> str:
-    """What a configuration schedules: ``fastdllm``, ``prefill-first`` or ``deficit tau=T`` (the
-    serve benchmark's labels; the simulator's runs are paired with them by these words)."""
+    """What a configuration schedules: ``fastdllm``, ``prefill-first``, ``deficit tau=T`` or
+    ``adaptive tau>=T`` (the serve benchmark's labels; the simulator's runs are paired with them
+    by these words)."""
     tau = float(token_budget)
     if policy == "fastdllm":
         return "fastdllm"
     if policy == "prefill_first" or math.isinf(tau):
         return "prefill-first"
+    if policy == "adaptive":
+        return f"adaptive tau>={tau:g}"
     return f"deficit tau={tau:g}"
 
 

@@ -182,6 +182,7 @@ class SimConfig:
     decode_workers: int = 3
     policy: str = _ENGINE["policy"].default
     token_budget: float = _ENGINE["token_budget"].default
+    drain_iterations: int = _ENGINE["drain_iterations"].default
     max_batch_size: int = _ENGINE["max_batch_size"].default
     overflow_threshold: int = _ENGINE["overflow_threshold"].default
     block_length: int = _REQUEST.block_length
@@ -232,6 +233,8 @@ class SimConfig:
     def label(self) -> str:
         if self.policy == "fastdllm":
             core = "fastdllm"
+        elif self.policy == "adaptive":
+            core = f"adaptive tau>={int(self.token_budget)}/{self.drain_iterations}"
         elif self.policy == "prefill_first" or math.isinf(self.token_budget):
             core = "prefill-first"
         else:
@@ -350,7 +353,7 @@ class Simulator:
         for i, role in enumerate(cfg.roles):  # as the engine builds each worker's parts
             self._workers.append(_Worker(i, role, WorkerCore(BatchBuilder(
                 PageAllocator(self.num_pages), cfg.page_size, cfg.policy, budget,
-                cfg.max_batch_size))))
+                cfg.max_batch_size, cfg.drain_iterations))))
         self._transfer_ids = itertools.count()
         self.placement = Placement(cfg.mode, cfg.roles, [self.num_pages] * len(cfg.roles),
                                    cfg.page_size, cfg.overflow_threshold, cfg.seed)
@@ -607,7 +610,10 @@ _HELP = {
     "prefill_workers": "prefill workers in disaggregated / hybrid mode",
     "decode_workers": "decode workers in disaggregated / hybrid mode",
     "policy": "scheduling policy of every worker",
-    "token_budget": "deficit token budget tau per iteration ('inf' = prefill-first)",
+    "token_budget": "deficit token budget tau per iteration ('inf' = prefill-first; adaptive: "
+                    "its floor)",
+    "drain_iterations": "adaptive policy: tau admits the waiting prefill tokens over this many "
+                        "iterations",
     "max_batch_size": "most requests in one forward",
     "overflow_threshold": "hybrid: outstanding prefill tokens (theta) on every prefill worker "
                           "before a prefill overflows onto a decode worker",
@@ -688,7 +694,8 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
                             "--seed; --num-requests and --qps replace its defaults)")
 
 
-EXPERIMENT_NAMES = ("fastdllm-vs-deficit", "tau-sweep", "modes", "refresh-cadence")
+EXPERIMENT_NAMES = ("fastdllm-vs-deficit", "tau-sweep", "modes", "refresh-cadence",
+                    "adaptive-tau")
 # (sangam.bench.experiments)
 DEFAULT_NUM_REQUESTS = 300
 

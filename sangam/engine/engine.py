@@ -72,7 +72,8 @@ def build_worker_parts(config: EngineConfig,
     num_pages = pool_num_pages(loaded.config, config, loaded.dtype, loaded.device)
     pool = KVPool(loaded.config, num_pages, config.page_size, loaded.dtype, loaded.device)
     builder = BatchBuilder(pool.allocator, config.page_size, config.policy,
-                           config.effective_token_budget, config.max_batch_size)
+                           config.effective_token_budget, config.max_batch_size,
+                           config.drain_iterations)
     return pool, builder, ModelRunner(loaded, pool, graphs=decode_graphs(config, loaded, pool))
 
 

@@ -17,6 +17,10 @@ Policies:
   is admitted, head-of-line (Orca / vLLM / dLLM-Serve).
 - ``fastdllm``: batch size 1 (the Fast-dLLM baseline): one request at a time, run to
   completion; its own re-prefills run immediately; when it finishes the next is admitted.
+- ``adaptive``: ``deficit`` with tau set every iteration from what the worker holds: the
+  larger of ``token_budget`` (a floor) and the waiting prefill tokens over
+  ``drain_iterations``, so a growing prefill queue raises the budget toward prefill-first and a
+  short one keeps it at the floor that protects decodes. Scheduling only: tokens never change.
 
 Memory: a request's pages for the whole canvas (``ceil(T / page_size)``) are allocated at its
 first admission and freed when it finishes or is aborted; re-prefills hold them already, so
@@ -36,7 +40,8 @@ from dataclasses import dataclass
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.request import Request, RequestStatus
 
-POLICIES = ("deficit", "prefill_first", "fastdllm")  # EngineConfig.policy's choices
+POLICIES = ("deficit", "prefill_first", "fastdllm", "adaptive")  # EngineConfig.policy's
+DRAIN_ITERATIONS = 2  # adaptive: iterations over which tau would admit the whole queue
 
 
 @dataclass
@@ -66,11 +71,13 @@ class BatchBuilder:
       once, when it finishes or is aborted;
     - ``deficit >= 0``; it is 0 with an infinite budget and after an iteration with nothing
       waiting;
-    - ``num_seated <= max_batch_size``.
+    - ``num_seated <= max_batch_size``;
+    - ``waiting_tokens`` is the sum of the WAITING requests' ``prefill_cost``.
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, policy: str = "deficit",
-                 token_budget: int | float = 1024, max_batch_size: int = 256):
+                 token_budget: int | float = 1024, max_batch_size: int = 256,
+                 drain_iterations: int = DRAIN_ITERATIONS):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if page_size < 1:
@@ -79,6 +86,8 @@ class BatchBuilder:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if not token_budget >= 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        if drain_iterations < 1:
+            raise ValueError(f"drain_iterations must be >= 1, got {drain_iterations}")
         if policy == "prefill_first" or math.isinf(token_budget):
             token_budget = math.inf
         elif token_budget != int(token_budget):
@@ -88,11 +97,14 @@ class BatchBuilder:
         self.allocator = allocator
         self.page_size = page_size
         self.policy = policy
-        self.token_budget: int | float = token_budget  # tau; math.inf for prefill-first
+        # tau (adaptive: its floor); math.inf for prefill-first
+        self.token_budget: int | float = token_budget
+        self.drain_iterations = drain_iterations
         self.max_batch_size = 1 if policy == "fastdllm" else max_batch_size
         self._deficit = 0
         self._requests: dict[str, Request] = {}  # every request held here, any status
         self._waiting: dict[str, Request] = {}  # status WAITING
+        self._waiting_tokens = 0  # sum of their prefill costs
         # Heap of (queue_key, request) over the WAITING requests. An entry whose request is no
         # longer in _waiting (aborted) is stale and dropped when it reaches the top.
         # (queue key, push count, request): the count orders a request re-queued while a stale
@@ -112,6 +124,18 @@ class BatchBuilder:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Prefill tokens queued: the sum of the waiting requests' refresh spans."""
+        return self._waiting_tokens
+
+    def current_budget(self) -> int | float:
+        """This iteration's tau: ``token_budget``, or for ``adaptive`` the larger of it and the
+        queue's share over ``drain_iterations``."""
+        if self.policy == "adaptive":
+            return max(self.token_budget, -(-self._waiting_tokens // self.drain_iterations))
+        return self.token_budget
 
     @property
     def num_seated(self) -> int:
@@ -227,7 +251,7 @@ class BatchBuilder:
         if head is None:  # nothing waiting: the deficit resets (DRR)
             self._deficit = 0
             return ScheduledBatch(prefills, decodes, 0, decode_tokens, 0, False, False)
-        tau = self.token_budget
+        tau = self.current_budget()
         fresh = tau - decode_tokens  # this iteration's own prefill budget; may be < 0
         remaining = fresh + self._deficit
         admitted = 0
@@ -300,6 +324,7 @@ class BatchBuilder:
     # Queue.
     def _enqueue(self, req: Request) -> None:
         self._waiting[req.request_id] = req
+        self._waiting_tokens += req.prefill_cost
         if req is not self._active:  # fastdllm's active re-prefill bypasses the queue
             heapq.heappush(self._queue, (req.queue_key, next(self._pushes), req))
 
@@ -320,6 +345,7 @@ class BatchBuilder:
     def _admit(self, req: Request, now: float, prefills: list[Request]) -> None:
         """``req`` has left the heap (or never was in it) and holds its pages."""
         del self._waiting[req.request_id]
+        self._waiting_tokens -= req.prefill_cost
         req.mark_admitted(now)
         prefills.append(req)
 
@@ -327,7 +353,8 @@ class BatchBuilder:
         """Forget ``req`` and free its pages. Its heap entry, if any, goes stale."""
         rid = req.request_id
         del self._requests[rid]
-        self._waiting.pop(rid, None)
+        if self._waiting.pop(rid, None) is not None:
+            self._waiting_tokens -= req.prefill_cost
         self._seated.pop(rid, None)
         self._in_flight.pop(rid, None)
         if self._active is req:
