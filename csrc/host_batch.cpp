@@ -475,7 +475,7 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
   int64_t mask, prompt_len, block, step, num_forwards, block_length, tokens_per_step;
   double threshold, factor;
   if (!attr_i64(params.get(), names.block_length, &block_length) ||
-      !attr_f64(params.get(), names.threshold, &threshold) ||
+      !attr_f64(st, names.threshold, &threshold) ||  // the block's (DecodeState.threshold)
       !attr_f64(params.get(), names.factor, &factor) ||
       !attr_i64(params.get(), names.tokens_per_step, &tokens_per_step) ||
       !attr_i64(st, names.mask_token_id, &mask) || !attr_i64(st, names.prompt_len, &prompt_len) ||

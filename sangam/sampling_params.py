@@ -93,6 +93,11 @@ class SamplingParams:
     # was unsure where its cache is stale); 0: never. The request's own state decides, so
     # batching does not change it.
     refresh_confidence: float = 0.0
+    # Load-adaptive threshold, opt-in: with min_threshold set (at most threshold; the threshold
+    # rule), the worker that starts each block lowers this request's threshold for that block
+    # toward min_threshold as it fills up (threshold_under). The one option whose tokens depend
+    # on load: RequestOutput.block_thresholds reports each block's.
+    min_threshold: float | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -113,6 +118,13 @@ class SamplingParams:
         need(_is_num(self.factor) and self.factor > 0.0,
              f"factor must be > 0, got {self.factor!r}")
         need(self.cache in CACHE_MODES, f"cache must be one of {CACHE_MODES}, got {self.cache!r}")
+        need(self.min_threshold is None or (
+            _is_num(self.min_threshold) and 0.0 <= self.min_threshold <= self.threshold
+            and self.unmasking == "threshold"),
+             f"min_threshold must be None or in [0, threshold] with the threshold rule, got "
+             f"{self.min_threshold!r}")
+        if self.min_threshold is not None:
+            object.__setattr__(self, "min_threshold", float(self.min_threshold))
         need(_is_num(self.refresh_confidence) and 0.0 <= self.refresh_confidence <= 1.0,
              f"refresh_confidence must be in [0, 1], got {self.refresh_confidence!r}")
         object.__setattr__(self, "refresh_confidence", float(self.refresh_confidence))
@@ -218,6 +230,15 @@ class SamplingParams:
             return -(-self.min_tokens // self.block_length)
         return 0
 
+    def threshold_under(self, load: float) -> float:
+        """This request's threshold for a block started at ``load`` (0: idle, 1: full): the
+        threshold lowered linearly toward ``min_threshold``; the threshold itself without one."""
+        load = min(1.0, max(0.0, load))
+        if self.min_threshold is None or load == 0:
+            return self.threshold
+        return max(self.min_threshold,  # not below it by a rounding
+                   self.threshold - (self.threshold - self.min_threshold) * load)
+
     def block_refresh(self, block: int) -> str:
         """How block ``block`` starts (see :func:`block_refresh`)."""
         return block_refresh(block, self.refresh_interval, self.prompt_refresh_interval)
@@ -292,6 +313,9 @@ class RequestOutput:
     stop_reason: int | str | None = None
     metrics: dict = field(default_factory=dict)
     logprobs: list[float] | None = None  # per token of token_ids, when SamplingParams asked
+    # With SamplingParams.min_threshold: the threshold each decoded block used (per block of
+    # the response so far), which the worker's load lowered toward min_threshold.
+    block_thresholds: list[float] | None = None
     # Per token of token_ids, with SamplingParams.logprobs = n > 0: the n most probable tokens
     # at the step that committed it, as (token id, logprob), most probable first.
     top_logprobs: list[list[tuple[int, float]]] | None = None

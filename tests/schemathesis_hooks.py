@@ -28,6 +28,8 @@ CONSTRAINTS_BEYOND_THE_SCHEMA = [
     ("--enable-auto-tool-choice", "calling tools depends on a server flag"),
     ("needs tools", "tool_choice relates to tools"),
     ("min_tokens must be", "min_tokens <= max_tokens"),
+    ("min_threshold must be", "min_threshold <= threshold, under the threshold rule"),
+    ("need a cache", "refresh intervals other than 1 relate to cache"),
     ("top_logprobs needs logprobs", "top_logprobs relates to logprobs"),
     ("contradict each other", "ignore_eos is the inverse of stop_at_eos"),
     ("echo with logprobs", "echo relates to logprobs"),

@@ -208,6 +208,43 @@ def test_refresh_cadence_changes_tokens_and_forwards(loaded):
     assert not st.force_refresh
 
 
+def test_load_adaptive_threshold_lowers_toward_its_floor_under_load(loaded):
+    """min_threshold, opt-in: alone, a request keeps its threshold (and the reference's
+    tokens); among many, each block's threshold falls toward the floor with the worker's load,
+    and every response says which it used."""
+    lm = loaded["llada"]
+    params = SamplingParams(max_tokens=16, block_length=4, threshold=0.9, min_threshold=0.3,
+                            stop_at_eos=False)
+    prompts = [[random.Random(i).randrange(2, 150) for _ in range(7)] for i in range(40)]
+    cfg = EngineConfig(model=lm.path, device="cpu", dtype="float64", page_size=4,
+                       num_pages=400, max_batch_size=16)
+    alone = Engine(cfg, lm)
+    got = _run_staggered(alone, [("a", prompts[0], params, None, [])], seed=0)
+    ref = _decode_one_by_one(lm, [("a", prompts[0], params, None, [])])
+    assert got["a"][:2] == ref["a"][:2]
+    busy = Engine(cfg, lm)
+    for i, p in enumerate(prompts):
+        busy.add_request(f"r{i}", p, params)
+    thresholds = {}
+    while busy.has_unfinished_requests():
+        for out in busy.step():
+            if out.finished:
+                thresholds[out.request_id] = out.block_thresholds
+    assert all(len(t) == 4 and all(0.3 <= x <= 0.9 for x in t) for t in thresholds.values())
+    assert min(min(t) for t in thresholds.values()) < 0.4  # a full worker: near the floor
+    assert max(max(t) for t in thresholds.values()) > 0.8  # the last ones, alone again
+    # Off: no thresholds reported; the fields' checks.
+    off = Engine(cfg, lm)
+    off.add_request("b", prompts[1], SamplingParams(max_tokens=8, block_length=4))
+    outs = [o for _ in range(20) for o in off.step()]
+    assert outs and all(o.block_thresholds is None for o in outs)
+    with pytest.raises(ValueError, match="min_threshold"):
+        SamplingParams(threshold=0.5, min_threshold=0.6)
+    with pytest.raises(ValueError, match="min_threshold"):
+        SamplingParams(unmasking="topk", min_threshold=0.5)
+    assert SamplingParams(min_threshold=0.5).threshold_under(0.5) == pytest.approx(0.7)
+
+
 def test_refresh_intervals_are_validated():
     with pytest.raises(ValueError, match="refresh_interval"):
         SamplingParams(refresh_interval=0)

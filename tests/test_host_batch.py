@@ -73,6 +73,8 @@ def _random_state(rng: random.Random) -> DecodeState:
         params = dataclasses.replace(params, refresh_interval=rng.choice([1, 1, 2, 3]),
                                      prompt_refresh_interval=rng.choice([1, 2]),
                                      refresh_confidence=rng.choice([0.0, 0.5, 0.95]))
+    if params.unmasking == "threshold" and rng.random() < 0.3:  # load-adaptive
+        params = dataclasses.replace(params, min_threshold=params.threshold * rng.random())
     prompt = [rng.randrange(VOCAB) for _ in range(rng.choice([1, 2, 5, 17, 40]))]
     seed = rng.choice([0, rng.getrandbits(63), 2**64 + rng.getrandbits(40)])
     stop_ids = rng.choice([frozenset(), frozenset({1}), frozenset({1, 2})])
@@ -206,6 +208,9 @@ def _scrambled_state(rng: random.Random) -> DecodeState:
     if rng.random() < 0.5:
         st.tokens[s] = MASK
     st.force_refresh = rng.random() < 0.2  # taken back: the block refreshes fully
+    st.step, saved = 0, st.step
+    st.set_load(rng.random())  # a load-adaptive request's block threshold
+    st.step = saved
     return st
 
 

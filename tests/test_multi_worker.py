@@ -402,6 +402,34 @@ def test_refresh_cadence_matches_reference_in_every_mode(paths, arch, layout):
         engine.shutdown()
 
 
+def test_load_adaptive_thresholds_travel_with_their_blocks(paths):
+    """A block's load-adaptive threshold is set by the worker that starts it and used by every
+    worker that runs it: each response equals the reference decoder run with the thresholds the
+    response reports."""
+    lm = LoadedModel.load(EngineConfig(model=paths["llada"], device="cpu", dtype="float64"))
+    params = SamplingParams(max_tokens=16, block_length=4, threshold=0.9, min_threshold=0.2,
+                            stop_at_eos=False, refresh_interval=2)
+    reqs = [(f"t{i}", [random.Random(i).randrange(2, 150) for _ in range(9)], params, None, [])
+            for i in range(12)]
+    engine = make_engine(EngineConfig(**_options(paths["llada"], **LAYOUTS["1P2D"]),
+                                      max_batch_size=4))
+    try:
+        outs = _run(engine, reqs)
+        lowered = 0
+        for rid, prompt, *_ in reqs:
+            got = outs[rid].block_thresholds
+            assert len(got) == 4 and all(0.2 <= t <= 0.9 for t in got)
+            lowered += sum(t < 0.9 for t in got)
+            st = lm.new_state(prompt, params, random.Random(0))
+            st.block_thresholds[:] = got
+            ReferenceDecoder(lm.model).run(st)
+            assert outs[rid].token_ids == st.output_token_ids(), rid
+        assert lowered > 0
+        _settle(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_failed_transfer_is_retried(paths):
     """A decode worker that cannot take a transfer drains it; the refresh is redone."""
     reqs = WORKLOADS["llada"][:16]

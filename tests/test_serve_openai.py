@@ -173,6 +173,25 @@ def test_server_defaults_apply(client, llm):
     assert res.usage.completion_tokens == DEFAULTS["max_tokens"]
 
 
+def test_load_adaptive_requests_report_their_block_thresholds(client):
+    """min_threshold is opt-in; a response that set it says which threshold each block used
+    (a stream: each chunk, its block's), and one that did not has none."""
+    extra = {"stop_at_eos": False, "min_threshold": 0.4, "block_length": 4}
+    res = client.completions.create(model=MODEL, prompt="abc", max_tokens=12, extra_body=extra)
+    thresholds = res.choices[0].model_extra["block_thresholds"]
+    assert len(thresholds) == 3 and all(0.4 <= t <= 0.9 for t in thresholds)  # 0.9: default
+    chat = client.chat.completions.create(model=MODEL, max_tokens=8, extra_body=extra,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert len(chat.choices[0].model_extra["block_thresholds"]) == 2
+    chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=12,
+                                            stream=True, extra_body=extra))
+    assert [len(c.choices[0].model_extra["block_thresholds"]) for c in chunks] == [1, 1, 1]
+    plain = client.completions.create(model=MODEL, prompt="abc", max_tokens=4)
+    assert plain.choices[0].model_extra["block_thresholds"] is None
+    with pytest.raises(openai.BadRequestError, match="min_threshold"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"min_threshold": 0.99})
+
+
 def test_top_p_top_k_and_min_p(client, llm):
     """OpenAI's top_p and vLLM's top_k and min_p reach the sampler: the same tokens as LLM's."""
     opts = dict(temperature=1.5, seed=3, top_p=0.4)

@@ -58,6 +58,7 @@ class BlockProgress:
     stop_string: str | None
     stop_text: IncrementalDetokenizer | None
     force_refresh: bool  # the next block refreshes fully (the adaptive trigger fired)
+    threshold: float  # the threshold the block used (load-adaptive)
 
 
 class DecodeState:
@@ -85,6 +86,9 @@ class DecodeState:
         n = params.logprobs or 0
         self.top_ids = np.zeros((params.canvas_length, n), dtype=np.int64) if n else None
         self.top_logprobs = np.zeros((params.canvas_length, n), dtype=np.float64) if n else None
+        # Each block's threshold: the request's, or for a load-adaptive one (min_threshold) what
+        # the worker that started the block set (set_load).
+        self.block_thresholds = np.full(self.num_blocks, params.threshold, dtype=np.float64)
         self.block = 0
         self.step = 0  # steps taken in the current block; 0 = the next is the block's first
         # The current block starts with a full refresh whatever the cadence says: the adaptive
@@ -127,7 +131,8 @@ class DecodeState:
             None if self.top_ids is None else self.top_ids[top].copy(),
             None if self.top_logprobs is None else self.top_logprobs[top].copy(),
             self.block, self.step, self.num_forwards, self.finished, self.finish_reason,
-            self.stop_len, self.stop_string, self.stop_text, self.force_refresh)
+            self.stop_len, self.stop_string, self.stop_text, self.force_refresh,
+            float(self.block_thresholds[block]))
 
     def catch_up(self, p: BlockProgress) -> None:
         """Take ``p`` (a copy of this state's ``progress``, from another process) in."""
@@ -142,6 +147,8 @@ class DecodeState:
         self.finished, self.finish_reason = p.finished, p.finish_reason
         self.stop_len, self.stop_string, self.stop_text = p.stop_len, p.stop_string, p.stop_text
         self.force_refresh = p.force_refresh
+        self.block_thresholds[(p.start - self.prompt_len) // self.params.block_length] = \
+            p.threshold
 
     # Geometry.
     @property
@@ -155,6 +162,23 @@ class DecodeState:
     def block_bounds(self) -> tuple[int, int]:
         s = self.prompt_len + self.block * self.params.block_length
         return s, s + self.params.block_length
+
+    @property
+    def threshold(self) -> float:
+        """The current block's threshold (what the threshold rule commits above)."""
+        return float(self.block_thresholds[self.block])
+
+    def set_load(self, load: float) -> None:
+        """A worker at ``load`` (0 to 1) runs this request's next forward: if it starts a block
+        of a load-adaptive request, that block's threshold is set from it."""
+        if self.step == 0 and self.params.min_threshold is not None and not self.finished:
+            self.block_thresholds[self.block] = self.params.threshold_under(load)
+
+    def output_block_thresholds(self) -> list[float] | None:
+        """The thresholds of the blocks decoded so far (a load-adaptive request's only)."""
+        if self.params.min_threshold is None:
+            return None
+        return self.block_thresholds[:self.block + self.finished].tolist()
 
     @property
     def starts_on_cache(self) -> bool:
@@ -211,7 +235,7 @@ class DecodeState:
         regardless, the rule picks among the rest; True if a block ended."""
         p = self.params
         k = num_forced
-        chosen = select_commits(conf[k:].tolist(), p.unmasking, p.threshold, p.factor,
+        chosen = select_commits(conf[k:].tolist(), p.unmasking, self.threshold, p.factor,
                                 p.tokens_per_step)
         commit = list(range(k)) + [k + i for i in chosen]
         self.tokens[positions[commit]] = tokens[commit]

@@ -126,6 +126,14 @@ def new_request(in_flight: Mapping[str, object], config: EngineConfig, loaded: L
     return scheduling_request(request_id, now, state), state
 
 
+def start_blocks_at(load: float, states: list[DecodeState]) -> None:
+    """The batch's requests that start a block take their load-adaptive threshold from the
+    worker's ``load`` now (before the forward)."""
+    for st in states:
+        if st.params.min_threshold is not None:
+            st.set_load(load)
+
+
 def request_error(error: BaseException) -> str:
     """What a failed request's caller is told."""
     return f"the request failed in the engine: {error!r}"
@@ -215,6 +223,7 @@ class Engine:
             return []
         reqs = batch.decodes + batch.prefills
         tracked = [self.requests[r.request_id] for r in reqs]
+        start_blocks_at(self.builder.load, [t.state for t in tracked])
         result = self.runner.execute([t.state for t in tracked], [r.pages for r in reqs])
         now = time.monotonic()
         outputs = [self._fail(tracked[i], e) for i, e in result.errors.items()]

@@ -248,4 +248,4 @@ class LoadedModel:
                           if state.params.logprobs else None),
             finished=finished, finish_reason=reason if finished else None,
             stop_reason=state.stop_reason() if finished and reason == "stop" else None,
-            metrics=metrics, error=error)
+            block_thresholds=state.output_block_thresholds(), metrics=metrics, error=error)

@@ -126,6 +126,12 @@ class BatchBuilder:
         return len(self._waiting)
 
     @property
+    def load(self) -> float:
+        """How full this worker is, 0 to 1: the requests it holds besides one, over
+        ``max_batch_size`` (what lowers a load-adaptive request's threshold)."""
+        return min(1.0, max(0, len(self._requests) - 1) / self.max_batch_size)
+
+    @property
     def waiting_tokens(self) -> int:
         """Prefill tokens queued: the sum of the waiting requests' refresh spans."""
         return self._waiting_tokens

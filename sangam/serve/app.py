@@ -477,7 +477,8 @@ class _Server:
         choices = [CompletionChoice(index=i, text=echoed[i // n] + st.text,
                                     token_ids=st.token_ids,
                                     logprobs=completion_logprobs(st),
-                                    finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                                    finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                                    block_thresholds=st.block_thresholds)
                    for i, (o, st) in enumerate(zip(outs, steps))]
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                   usage=usage_of(outs, n))
@@ -498,7 +499,8 @@ class _Server:
                     reason = _with_calls(reason)
             choices.append(ChatChoice(index=i, message=message, token_ids=st.token_ids,
                                       logprobs=chat_logprobs(st), finish_reason=reason,
-                                      stop_reason=o.stop_reason))
+                                      stop_reason=o.stop_reason,
+                                      block_thresholds=st.block_thresholds))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage_of(outs, len(outs)))
 
@@ -707,7 +709,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
             return CompletionChoice(index=i, text=echoed[i // n] + step.text if first else
                                     step.text, token_ids=step.token_ids,
                                     logprobs=completion_logprobs(step), finish_reason=reason,
-                                    stop_reason=step.stop_reason)
+                                    stop_reason=step.stop_reason,
+                                    block_thresholds=step.block_thresholds)
 
         return await srv.respond(
             request, body, streams, request_id, CompletionResponse, choice,
@@ -739,7 +742,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                                              for k, c in enumerate(new_calls)] or None)
             return ChatChunkChoice(index=i, delta=delta, token_ids=step.token_ids,
                                    logprobs=chat_logprobs(step), finish_reason=reason,
-                                   stop_reason=step.stop_reason)
+                                   stop_reason=step.stop_reason,
+                                   block_thresholds=step.block_thresholds)
 
         return await srv.respond(
             request, body, streams, request_id, ChatCompletionChunk, choice,

@@ -30,6 +30,7 @@ class Step:
     offset: int  # characters of the pieces sent before these (legacy text_offset)
     top: list[list[tuple[str, float]]]  # per token, its alternatives' texts and logprobs
     stop_reason: int | str | None  # the output's
+    block_thresholds: list[float] | None  # of the blocks these tokens complete (min_threshold)
 
 
 class Delta:
@@ -41,6 +42,7 @@ class Delta:
         self.text = ""
         self.num_tokens = 0
         self.num_chunks = 0
+        self.num_blocks = 0  # block thresholds sent
         self.offset = 0
 
     def advance(self, out: RequestOutput) -> Step:
@@ -59,7 +61,12 @@ class Delta:
             alternatives = out.top_logprobs[self.num_tokens:]
             texts = iter(self.pieces([t for alt in alternatives for t, _ in alt]))
             top = [[(next(texts), lp) for _, lp in alt] for alt in alternatives]
-        step = Step(delta, tokens, logprobs, pieces, self.offset, top, out.stop_reason)
+        thresholds = None
+        if out.block_thresholds is not None:
+            thresholds = out.block_thresholds[self.num_blocks:]
+            self.num_blocks = len(out.block_thresholds)
+        step = Step(delta, tokens, logprobs, pieces, self.offset, top, out.stop_reason,
+                    thresholds)
         self.num_tokens = len(out.token_ids)
         self.offset += sum(map(len, pieces))
         return step

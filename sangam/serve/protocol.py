@@ -104,6 +104,7 @@ class _GenerationRequest(RequestBody):
     refresh_interval: Length | None = None
     prompt_refresh_interval: Length | None = None
     refresh_confidence: float | None = Field(default=None, ge=0, le=1)
+    min_threshold: float | None = Field(default=None, ge=0, le=1)  # opt-in: load-adaptive
     stop_at_eos: bool | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None \
         = None
@@ -131,7 +132,7 @@ class _GenerationRequest(RequestBody):
         names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "block_length",
                  "unmasking", "threshold", "factor", "tokens_per_step", "cache",
                  "refresh_interval", "prompt_refresh_interval", "refresh_confidence",
-                 "stop_at_eos",
+                 "min_threshold", "stop_at_eos",
                  "stop", "include_stop_str_in_output", "stop_token_ids", "skip_special_tokens",
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens",
                  "truncate_prompt_tokens", "priority")
@@ -329,6 +330,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
+    # Sangam: with min_threshold, the threshold each block used (a stream chunk: its block's)
+    block_thresholds: list[float] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -367,6 +370,8 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
+    # Sangam: with min_threshold, the threshold each block used (a stream chunk: its block's)
+    block_thresholds: list[float] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -398,6 +403,8 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
+    # Sangam: with min_threshold, the threshold each block used (a stream chunk: its block's)
+    block_thresholds: list[float] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -34,6 +34,7 @@ from sangam.engine.engine import (
     build_worker_parts,
     request_error,
     scheduling_request,
+    start_blocks_at,
 )
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.model_runner import FATAL_ERRORS, ModelRunner, StepResult
@@ -198,6 +199,7 @@ class Worker:
         senders = [i for i in range(nd, len(reqs)) if tasks[i].kv_dest is not None]
         streams = self._open_streams([tasks[i] for i in senders]) if self.streaming else {}
         states = [t.payload for t in tasks]
+        start_blocks_at(self.builder.load, states)
         pages = [r.pages for r in reqs]
         if streams:
             result = self._execute_streaming(states, pages, streams)
