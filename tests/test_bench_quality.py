@@ -2,8 +2,16 @@
 
 import json
 
+import pytest
+
 from sangam.bench.cli import main
-from sangam.bench.quality import DEFAULT_THRESHOLDS, block_agreement, sweep, trained_families
+from sangam.bench.quality import (
+    DEFAULT_THRESHOLDS,
+    block_agreement,
+    parse_cadences,
+    sweep,
+    trained_families,
+)
 from sangam.demo import demo_model_path
 
 
@@ -25,11 +33,14 @@ def test_the_sweep_covers_both_caches_and_rules():
         assert f"{cache}/factor=1" in names
     assert min(DEFAULT_THRESHOLDS) < 0.5 and 0.9 in DEFAULT_THRESHOLDS  # a bad one, the usual
     modes = {m.name: m.options for m in sweep()}
-    never = modes["dual/threshold=0.9/refresh_interval=1000"]  # the bad cadence
+    never = modes["dual/threshold=0.9/cadence=1000x1"]  # the bad cadence
     assert never == {"unmasking": "threshold", "threshold": 0.9, "cache": "dual",
-                     "refresh_interval": 1000}
-    assert "dual/threshold=0.9/prompt_refresh_interval=2" in modes
-    adaptive = modes["dual/threshold=0.9/refresh_interval=1000/refresh_confidence=0.9"]
+                     "refresh_interval": 1000, "prompt_refresh_interval": 1}
+    assert "dual/threshold=0.9/cadence=1x2" in modes and "dual/threshold=0.9/cadence=4x4" in modes
+    assert parse_cadences("2x1, 1x4") == ((2, 1), (1, 4))
+    with pytest.raises(ValueError, match="cadences"):
+        parse_cadences("2x0")
+    adaptive = modes["dual/threshold=0.9/cadence=1000x1/refresh_confidence=0.9"]
     assert adaptive["refresh_interval"] == 1000 and adaptive["refresh_confidence"] == 0.9
 
 
@@ -37,7 +48,7 @@ def test_quality_reports_agreement_confidence_and_a_plot(tmp_path, capsys):
     out, png = tmp_path / "q.json", tmp_path / "q.png"
     assert main(["quality", "--num-instances", "8", "--thresholds", "0.3,0.9", "--factors", "1",
                  "--modes", "dual/threshold=0.3,dual/threshold=0.9,prefix/factor=1,"
-                 "dual/threshold=0.9/refresh_interval=1000",
+                 "dual/threshold=0.9/cadence=1000x1",
                  "--json", str(out), "--plot", str(png)]) == 0
     table = capsys.readouterr().out
     assert "blocks=vanilla" in table and "dual/threshold=0.9" in table
@@ -48,8 +59,8 @@ def test_quality_reports_agreement_confidence_and_a_plot(tmp_path, capsys):
     assert (report["max_tokens"], report["block_length"]) == (24, 8)
     modes = report["modes"]
     assert list(modes) == ["vanilla", "prefix/factor=1", "dual/threshold=0.3",
-                           "dual/threshold=0.9", "dual/threshold=0.9/refresh_interval=1000"]
-    never = modes["dual/threshold=0.9/refresh_interval=1000"]
+                           "dual/threshold=0.9", "dual/threshold=0.9/cadence=1000x1"]
+    never = modes["dual/threshold=0.9/cadence=1000x1"]
     assert never["options"]["refresh_interval"] == 1000
     assert modes["vanilla"]["refreshed_blocks"] == 1.0 and 0 < never["refreshed_blocks"] <= 1
     vanilla = modes["vanilla"]

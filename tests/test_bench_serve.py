@@ -51,3 +51,29 @@ def test_serve_writes_json_csv_png_and_profile(llada_path, tmp_path, capsys):
     assert (out / "latency_vs_qps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     profile = load_step_profile(str(out / "profile.json"))
     assert sum(profile.steps_per_block.values()) > 0
+
+
+def test_compare_specs_set_their_requests_options(llada_path, tmp_path, capsys):
+    """A --compare spec of a request default (here the refresh cadence) applies to that
+    configuration's requests: fewer refreshes, so fewer prefill tokens; same forwards."""
+    out = tmp_path / "serve"
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["serve", "--model", llada_path, "--device", "cpu", "--dtype", "float32",
+                   "--num-pages", "256", "--num-requests", "4", "--qps", "50",
+                   "--length-scale", "0.05", "--block-length", "4", "--torch-threads", "1",
+                   "--unmasking", "topk", "--compare", "", "refresh_interval=1000",
+                   "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    summaries = json.loads((out / "results.json").read_text())["summaries"]
+    full, never = summaries
+    assert never["config"].endswith("[refresh_interval=1000]")
+    assert never["prefill_tokens"] < full["prefill_tokens"]
+    with open(out / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    forwards = {}
+    for r in rows:
+        forwards.setdefault(r["id"], set()).add(r["forwards"])
+    assert all(len(v) == 1 for v in forwards.values())  # topk 1: one forward per token

@@ -13,7 +13,8 @@
   sweep, mean and p99 latency at loads from light to saturation (the paper's limitation: the
   best static tau flips between the two traces).
 - ``refresh-cadence``: ``fastdllm-vs-deficit``'s setting, colocated tau=1024 under refresh
-  cadences (``REFRESH_CADENCES``: blocks between refreshes, refreshes between full ones): the QPS
+  cadences (``quality.REFRESH_CADENCES``: blocks between refreshes, refreshes between full ones):
+  the QPS
   each sustains at the baseline's matched mean latency, against batch-1 Fast-dLLM with full
   refreshes. What each costs in quality is ``sangam-bench quality``'s to measure.
 
@@ -32,6 +33,7 @@ from dataclasses import replace
 
 from sangam.bench.capacity import find_capacity
 from sangam.bench.cost_model import GPUS, MODELS
+from sangam.bench.quality import REFRESH_CADENCES
 from sangam.bench.report import (
     SUMMARY_COLUMNS,
     format_table,
@@ -141,8 +143,6 @@ def fastdllm_vs_deficit(args: argparse.Namespace) -> int:
     return 0
 
 
-# (refresh_interval, prompt_refresh_interval) of the refresh-cadence experiment.
-REFRESH_CADENCES = ((1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2), (4, 4))
 
 
 def refresh_cadence(args: argparse.Namespace) -> int:
@@ -150,7 +150,7 @@ def refresh_cadence(args: argparse.Namespace) -> int:
     panel = f"LLaDA-8B, ShareGPT, 1x {GPUS[args.gpu].name}"
     base = _base(args, model="llada")
     configs = {BASELINE: replace(base, policy="fastdllm")}
-    for ri, pi in REFRESH_CADENCES:
+    for ri, pi in ((1, 1), *REFRESH_CADENCES):  # the quality sweep's, and Fast-dLLM's
         configs[f"tau=1024 refresh every {ri}, full every {pi}"] = replace(
             base, token_budget=1024, refresh_interval=ri, prompt_refresh_interval=pi)
     _, target, caps = _against_batch1(r, panel, configs, _grid(args, [0.2, 0.5, 1.0, 1.5]))

@@ -3,11 +3,11 @@
 Decodes held-out instances of the demo tasks (:mod:`sangam.demo.tasks`) through the public API
 (``sangam.LLM``): first with vanilla LLaDA decoding (top-1 per step, no cache), then with each
 mode of a sweep - PrefixCache and DualCache under the threshold rule (``--thresholds``) and the
-factor rule (``--factors``), then DualCache at threshold 0.9 under other refresh cadences: blocks
-that start without a refresh (``--refresh-intervals``) or with a response-only one
-(``--prompt-refresh-intervals``; an interval at least the number of blocks means never), and
-adaptive refresh (``--refresh-confidences``: no refresh after the first block unless the block
-before committed a token below that confidence). Per mode it reports
+factor rule (``--factors``), then DualCache at threshold 0.9 under other refresh cadences
+(``--cadences``: ``RxM`` refreshes every R-th block, every M-th of those fully, the others
+response-only; R = 1000 never refreshes after the first block), and adaptive refresh
+(``--refresh-confidences``: no refresh after the first block unless the block before committed a
+token below that confidence). Per mode it reports
 
 - exact match, overall and per family;
 - block agreement with vanilla: the share of blocks whose committed tokens equal vanilla's for
@@ -38,17 +38,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sangam.bench.report import parse_float_list, parse_int_list
+from sangam.bench.report import parse_float_list
 from sangam.demo.tasks import DEMO_FAMILIES, EVAL_SEED, FAMILIES, Task, eval_set
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 DEFAULT_THRESHOLDS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0)  # 0.3: deliberately too low
 DEFAULT_FACTORS = (0.5, 1.0, 2.0)
-NEVER = 1000  # an interval beyond any canvas here: no (full) refresh after block 0
-# Refresh cadences under DualCache, threshold CADENCE_THRESHOLD (Fast-dLLM's setting); NEVER
-# is a deliberately bad approximation.
-DEFAULT_REFRESH_INTERVALS = (2, 4, NEVER)
-DEFAULT_PROMPT_REFRESH_INTERVALS = (2, 4, NEVER)
+NEVER = 1000  # an interval beyond any canvas here: no refresh after block 0
+# (refresh_interval, prompt_refresh_interval) under DualCache, threshold CADENCE_THRESHOLD
+# (Fast-dLLM's setting); the simulator's refresh-cadence experiment serves the same ones.
+REFRESH_CADENCES = ((2, 1), (4, 1), (1, 2), (1, 4), (2, 2), (4, 4))
+DEFAULT_CADENCES = (*REFRESH_CADENCES, (NEVER, 1))  # NEVER: a deliberately bad approximation
 # Adaptive refresh, with no cadence refresh after block 0 (refresh_interval NEVER).
 DEFAULT_REFRESH_CONFIDENCES = (0.5, 0.9)
 CADENCE_THRESHOLD = 0.9
@@ -63,8 +63,7 @@ class Mode:
 
 def sweep(thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
           factors: tuple[float, ...] = DEFAULT_FACTORS,
-          refresh_intervals: tuple[int, ...] = DEFAULT_REFRESH_INTERVALS,
-          prompt_refresh_intervals: tuple[int, ...] = DEFAULT_PROMPT_REFRESH_INTERVALS,
+          cadences: tuple[tuple[int, int], ...] = DEFAULT_CADENCES,
           refresh_confidences: tuple[float, ...] = DEFAULT_REFRESH_CONFIDENCES,
           ) -> list[Mode]:
     """Vanilla first (the reference of block agreement), then cache x rule x value, then the
@@ -77,15 +76,26 @@ def sweep(thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
         modes += [Mode(f"{cache}/factor={v:g}", {"unmasking": "factor", "factor": v,
                                                   "cache": cache}) for v in factors]
     cadence = {"unmasking": "threshold", "threshold": CADENCE_THRESHOLD, "cache": "dual"}
-    for name, values in (("refresh_interval", refresh_intervals),
-                         ("prompt_refresh_interval", prompt_refresh_intervals)):
-        modes += [Mode(f"dual/threshold={CADENCE_THRESHOLD:g}/{name}={v}", {**cadence, name: v})
-                  for v in values]
-    modes += [Mode(f"dual/threshold={CADENCE_THRESHOLD:g}/refresh_interval={NEVER}/"
+    modes += [Mode(f"dual/threshold={CADENCE_THRESHOLD:g}/cadence={r}x{m}",
+                   {**cadence, "refresh_interval": r, "prompt_refresh_interval": m})
+              for r, m in cadences]
+    modes += [Mode(f"dual/threshold={CADENCE_THRESHOLD:g}/cadence={NEVER}x1/"
                    f"refresh_confidence={c:g}",
                    {**cadence, "refresh_interval": NEVER, "refresh_confidence": c})
               for c in refresh_confidences]
     return modes
+
+
+def parse_cadences(text: str) -> tuple[tuple[int, int], ...]:
+    """``"2x1,1x4"`` -> ``((2, 1), (1, 4))``: (refresh_interval, prompt_refresh_interval)."""
+    try:
+        out = tuple(tuple(int(v) for v in c.split("x")) for c in text.split(",") if c.strip())
+    except ValueError as e:
+        raise ValueError(f"expected comma-separated RxM cadences, got {text!r}") from e
+    if not out or any(len(c) != 2 or min(c) < 1 for c in out):
+        raise ValueError(f"expected comma-separated RxM cadences of positive integers, got "
+                         f"{text!r}")
+    return out
 
 
 def tokens_decoded(out: RequestOutput, params: SamplingParams) -> int:
@@ -220,8 +230,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = [llm.loaded.encode_chat([{"role": "user", "content": t.prompt}])
                   for t in tasks]
     modes = sweep(tuple(parse_float_list(args.thresholds)), tuple(parse_float_list(args.factors)),
-                  tuple(parse_int_list(args.refresh_intervals)),
-                  tuple(parse_int_list(args.prompt_refresh_intervals)),
+                  parse_cadences(args.cadences),
                   tuple(parse_float_list(args.refresh_confidences)))
     if args.modes:
         keep = set(args.modes.split(","))
@@ -275,15 +284,9 @@ def register(subparsers) -> None:
                    help="threshold rule values of the sweep (0.3 is there to be too low)")
     p.add_argument("--factors", default=",".join(f"{v:g}" for v in DEFAULT_FACTORS),
                    help="factor rule values of the sweep")
-    p.add_argument("--refresh-intervals",
-                   default=",".join(map(str, DEFAULT_REFRESH_INTERVALS)),
-                   help=f"refresh_interval values under dual/threshold={CADENCE_THRESHOLD:g} "
-                        "(blocks between refreshes; 1000: never after the first)")
-    p.add_argument("--prompt-refresh-intervals",
-                   default=",".join(map(str, DEFAULT_PROMPT_REFRESH_INTERVALS)),
-                   help=f"prompt_refresh_interval values under dual/threshold="
-                        f"{CADENCE_THRESHOLD:g} (refreshes between full ones; the others are "
-                        "response-only)")
+    p.add_argument("--cadences", default=",".join(f"{r}x{m}" for r, m in DEFAULT_CADENCES),
+                   help=f"refresh cadences RxM under dual/threshold={CADENCE_THRESHOLD:g}: "
+                        "refresh_interval R, prompt_refresh_interval M")
     p.add_argument("--refresh-confidences",
                    default=",".join(f"{v:g}" for v in DEFAULT_REFRESH_CONFIDENCES),
                    help=f"refresh_confidence values (adaptive refresh) under dual/threshold="

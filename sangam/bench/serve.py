@@ -177,7 +177,8 @@ def run_engine(engine, requests: Sequence[Prepared], label: str) -> RunResult:
                 progress.update()
     its = list(engine.stats.iterations)
     extra = {"iterations": len(its),
-             "mean_batch": sum(i.batch_size for i in its) / len(its) if its else None}
+             "mean_batch": sum(i.batch_size for i in its) / len(its) if its else None,
+             "prefill_tokens": sum(i.prefill_tokens for i in its)}  # refresh work, in tokens
     return RunResult(records, steps, extra)
 
 
@@ -350,6 +351,11 @@ class Bench:
             mc = loaded.config
             reqs = prepare(trace, args, mc.vocab_size, mc.mask_token_id, loaded.context_length,
                            loaded.encode if loaded.tokenizer is not None else None)
+            # The configuration's request defaults (a --compare spec's cache, refresh cadence,
+            # ...) apply to its requests; the trace keeps their lengths.
+            own = {k: v for k, v in cfg.request_defaults().items() if k != "max_tokens"}
+            reqs = [dataclasses.replace(r, params=dataclasses.replace(r.params, **own))
+                    for r in reqs]
             engine = self.factory.engine(cfg)
             _warm_up(engine, args, mc.vocab_size)
             res = run_engine(engine, reqs, name)
