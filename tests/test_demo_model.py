@@ -16,7 +16,6 @@ from sangam import LLM, SamplingParams
 from sangam.demo import (
     DEMO_BLOCK_LENGTH,
     DEMO_MAX_TOKENS,
-    DEMO_MODEL_DIR,
     DEMO_MODELS,
     demo_model_path,
 )
@@ -72,8 +71,9 @@ def trainer():
     return module
 
 
-def test_demo_checkpoint_loads_as_llada(tokenizer):
-    path = demo_model_path()
+@pytest.mark.parametrize("name", list(DEMO_MODELS))
+def test_demo_checkpoint_loads_as_llada(tokenizer, name):
+    path = demo_model_path(name)
     cfg = read_config(path)
     assert cfg.architecture == "LLaDAModelLM"
     assert (cfg.vocab_size, cfg.mask_token_id, cfg.eos_token_id) == (VOCAB_SIZE, MASK_ID, EOS_ID)
@@ -106,11 +106,12 @@ def test_missing_demo_files_raise_a_clear_error(monkeypatch, tmp_path):
         LLM(model="sangam-demo", device="cpu")  # by name
 
 
-def test_shipped_tokenizer_files_match_the_code(tmp_path):
+@pytest.mark.parametrize("model_dir", list(DEMO_MODELS.values()), ids=list(DEMO_MODELS))
+def test_shipped_tokenizer_files_match_the_code(tmp_path, model_dir):
     write_tokenizer(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert json.loads((tmp_path / name).read_text()) == \
-            json.loads((DEMO_MODEL_DIR / name).read_text()), name
+            json.loads((model_dir / name).read_text()), name
 
 
 def test_chat_template_gives_the_training_prompt(tokenizer):
@@ -211,6 +212,24 @@ def test_demo_model_answers_held_out_tasks(demo_llm, tokenizer, options):
     right = [o.text == t.answer for o, t in zip(outs, tasks)]
     assert sum(right) >= 0.9 * len(tasks), [(t.prompt, o.text) for o, t in zip(outs, tasks)]
     assert all(o.finish_reason == "stop" for o in outs)
+
+
+@pytest.mark.parametrize("options", [
+    dict(unmasking="topk", tokens_per_step=1, cache="none"),
+    dict(unmasking="threshold", threshold=0.9, cache="dual"),
+], ids=["vanilla", "dual-0.9"])
+def test_long_demo_answers_over_many_blocks(options):
+    # `sangam-bench quality --model sangam-demo-long` measures the whole sweep; here 12 tasks.
+    llm = LLM(model="sangam-demo-long", device="cpu", dtype="float32")
+    tasks = eval_set(4, families=LONG_FAMILIES)
+    prompts = [llm.loaded.encode_chat([{"role": "user", "content": t.prompt}]) for t in tasks]
+    params = llm.loaded.default_params()
+    assert (params.max_tokens, params.block_length) == (160, 16)
+    outs = llm.generate(prompt_token_ids=prompts,
+                        sampling_params=dataclasses.replace(params, **options))
+    right = [o.text == t.answer for o, t in zip(outs, tasks)]
+    assert sum(right) >= 0.9 * len(tasks), [(t.answer, o.text) for o, t in zip(outs, tasks)]
+    assert min(len(t.answer) for t in tasks) >= 4 * 16  # every answer spans 4+ blocks
 
 
 def test_encode_batch_layout(trainer):

@@ -1,5 +1,6 @@
-"""The demo model shipped inside the package: ``sangam-demo``, Sangam's default when no model is
-given (``--model sangam-demo`` names it).
+"""The demo models shipped inside the package: ``sangam-demo``, Sangam's default when no model
+is given (``--model sangam-demo`` names it), and ``sangam-demo-long``, whose answers span many
+blocks (below).
 
 A small masked-diffusion model in the LLaDA layout (config keys and tensor names as
 LLaDA-8B-Instruct's), trained from scratch by ``scripts/train_demo_model.py`` on the toy chat
@@ -9,6 +10,12 @@ Its prompts are chat-formatted (``tokenizer.apply_chat_template``); it answers i
 so decode it with a small canvas, e.g.
 ``SamplingParams(max_tokens=DEMO_MAX_TOKENS, block_length=DEMO_BLOCK_LENGTH)`` (its
 ``generation_config.json`` says so too).
+
+``sangam-demo-long`` is the same architecture and tokenizer trained (``--preset long``) on the
+long task families (``LONG_FAMILIES``: copying, Caesar-shifting and tallying 64-150-character
+strings): a 160-token canvas of 16-token blocks, answers over 4-10 of them, later blocks
+depending on earlier ones (a tally) and on a long prompt. It is the testbed of what the speed
+knobs (thresholds, caches, refresh cadences) cost in quality.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "model"
-DEMO_MODELS = {"sangam-demo": DEMO_MODEL_DIR}  # name -> directory
+DEMO_LONG_MODEL_DIR = Path(__file__).resolve().parent / "model_long"
+DEMO_MODELS = {"sangam-demo": DEMO_MODEL_DIR, "sangam-demo-long": DEMO_LONG_MODEL_DIR}
 DEMO_MAX_TOKENS = 24  # the response length it was trained with
 DEMO_BLOCK_LENGTH = 8  # three blocks per response
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

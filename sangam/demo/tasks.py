@@ -2,12 +2,17 @@
 
 Six short families, each answer at most 8 characters: addition and subtraction of two-digit
 numbers (two-digit results), reversing, sorting and copying short lowercase strings, and
-counting a letter in a six-letter string. Four long ones, answers of 64-150 characters (4-10
-blocks of 16): copying and reversing a string, shifting each letter of one by 1-3 places in
-the alphabet (a Caesar shift), and interleaving two strings of equal length. Every possible
-instance belongs to exactly one split, decided by a hash of its prompt (one instance in
-``EVAL_MODULUS`` is held out), so evaluation instances never appear in training whatever seeds
-are used.
+counting a letter in a six-letter string. Three long ones, answers of 64-150 characters (4-10
+blocks of 16): copying a string, shifting each of its letters by 1-3 places in the alphabet (a
+Caesar shift), and tallying it (digit j: how many a's in its first j + 1 letters, modulo 10, so
+each digit depends on the one before it, across block boundaries). A long task's string sits in
+a fixed-width field of dots (``FIELD``), so answer character j is always the same distance after
+prompt character j: a 1M-parameter model learns that lookup in minutes, where a distance that
+grows with the string's length (an unpadded copy) kept its letters at chance for the
+1,000-2,300 steps tried.
+Every possible instance belongs to exactly one split, decided by a hash of its prompt (one
+instance in ``EVAL_MODULUS`` is held out), so evaluation instances never appear in training
+whatever seeds are used.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ FAMILIES = ("add", "sub", "reverse", "sort", "copy", "count", "copy_long", "shif
 # attends to both at once, and a 1M-parameter model does not get there in an hour on two CPU
 # cores (measured: 2000 add-only steps left that digit at chance).
 DEMO_FAMILIES = ("reverse", "sort", "copy", "count")
-# For a long-answer model (``train_demo_model.py --preset long``): answers of LONG_ANSWER
-# characters, at least 4 blocks of 16, each position a function of the prompt and of the answer
-# before it.
+# sangam-demo-long's (``train_demo_model.py --preset long``): answers of LONG_ANSWER characters,
+# at least 4 blocks of 16, each position a function of the prompt (and, tallying, of the answer
+# before it).
 LONG_FAMILIES = ("copy_long", "shift", "tally")
 LONG_ANSWER = (64, 150)  # answer length range of held-out instances, characters (= tokens)
 FIELD = LONG_ANSWER[1]  # width of a long task's dot-padded field
