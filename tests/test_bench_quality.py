@@ -40,8 +40,10 @@ def test_the_sweep_covers_both_caches_and_rules():
     assert parse_cadences("2x1, 1x4") == ((2, 1), (1, 4))
     with pytest.raises(ValueError, match="cadences"):
         parse_cadences("2x0")
-    adaptive = modes["dual/threshold=0.9/cadence=1000x1/refresh_confidence=0.9"]
-    assert adaptive["refresh_interval"] == 1000 and adaptive["refresh_confidence"] == 0.9
+    adaptive = modes["dual/threshold=0.9/cadence=1000x1/refresh_confidence=0.99"]
+    assert adaptive["refresh_interval"] == 1000 and adaptive["refresh_confidence"] == 0.99
+    both = [m.name for m in sweep(cadence_thresholds=(0.9, 0.95))]
+    assert "dual/threshold=0.95/cadence=1x2" in both and "dual/threshold=0.9/cadence=1x2" in both
 
 
 def test_quality_reports_agreement_confidence_and_a_plot(tmp_path, capsys):

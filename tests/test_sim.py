@@ -99,11 +99,13 @@ def test_refresh_cadence_experiment_reports_capacity_against_batch1(tmp_path, ca
 
     assert EXPERIMENT_NAMES == tuple(EXPERIMENTS)
     assert main(["sim", "--experiment", "refresh-cadence", "--num-requests", "16", "--qps",
-                 "0.5", "--out", str(tmp_path)]) == 0
+                 "0.5", "--adaptive-refresh-rate", "0.3", "--out", str(tmp_path)]) == 0
     caps = json.loads((tmp_path / "results.json").read_text())["capacity_qps"]
     every = {k: v for k, v in caps.items() if k.startswith("tau=1024")}
-    assert len(every) == 7 and caps["fastdllm (batch 1)"] < every[
+    assert len(every) == 8 and caps["fastdllm (batch 1)"] < every[
         "tau=1024 refresh every 1, full every 1"] < every["tau=1024 refresh every 2, full every 1"]
+    assert every["tau=1024 adaptive refresh, 0.3 of boundaries"] > every[
+        "tau=1024 refresh every 2, full every 1"]  # fewer refreshes than every other block
     assert "sustains" in capsys.readouterr().out
 
 

@@ -16,7 +16,8 @@
   cadences (``quality.REFRESH_CADENCES``: blocks between refreshes, refreshes between full ones):
   the QPS
   each sustains at the baseline's matched mean latency, against batch-1 Fast-dLLM with full
-  refreshes. What each costs in quality is ``sangam-bench quality``'s to measure.
+  refreshes (with ``--adaptive-refresh-rate R``, adaptive refresh at that trigger rate too).
+  What each costs in quality is ``sangam-bench quality``'s to measure.
 
 Each prints its table(s), writes results.json / summary.csv / requests.csv and a
 latency-vs-QPS figure into ``--out`` (default ``bench-results/sim-NAME``). Request counts are
@@ -33,7 +34,7 @@ from dataclasses import replace
 
 from sangam.bench.capacity import find_capacity
 from sangam.bench.cost_model import GPUS, MODELS
-from sangam.bench.quality import REFRESH_CADENCES
+from sangam.bench.quality import NEVER, REFRESH_CADENCES
 from sangam.bench.report import (
     SUMMARY_COLUMNS,
     format_table,
@@ -153,6 +154,10 @@ def refresh_cadence(args: argparse.Namespace) -> int:
     for ri, pi in ((1, 1), *REFRESH_CADENCES):  # the quality sweep's, and Fast-dLLM's
         configs[f"tau=1024 refresh every {ri}, full every {pi}"] = replace(
             base, token_budget=1024, refresh_interval=ri, prompt_refresh_interval=pi)
+    rate = args.adaptive_refresh_rate
+    if rate:  # adaptive refresh at a measured trigger rate (sangam-bench quality's)
+        configs[f"tau=1024 adaptive refresh, {rate:g} of boundaries"] = replace(
+            base, token_budget=1024, refresh_interval=NEVER, adaptive_refresh_rate=rate)
     _, target, caps = _against_batch1(r, panel, configs, _grid(args, [0.2, 0.5, 1.0, 1.5]))
     r.finish({"matched_latency_s": target, "capacity_qps": caps,
               "cadences": REFRESH_CADENCES}, panel)

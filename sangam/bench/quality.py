@@ -5,7 +5,8 @@ Decodes held-out instances of the demo tasks (:mod:`sangam.demo.tasks`) through 
 mode of a sweep - PrefixCache and DualCache under the threshold rule (``--thresholds``) and the
 factor rule (``--factors``), then DualCache at threshold 0.9 under other refresh cadences
 (``--cadences``: ``RxM`` refreshes every R-th block, every M-th of those fully, the others
-response-only; R = 1000 never refreshes after the first block), and adaptive refresh
+response-only; R = 1000 never refreshes after the first block; ``--cadence-thresholds`` runs
+them at other thresholds too), and adaptive refresh
 (``--refresh-confidences``: no refresh after the first block unless the block before committed a
 token below that confidence). Per mode it reports
 
@@ -49,8 +50,9 @@ NEVER = 1000  # an interval beyond any canvas here: no refresh after block 0
 # (Fast-dLLM's setting); the simulator's refresh-cadence experiment serves the same ones.
 REFRESH_CADENCES = ((2, 1), (4, 1), (1, 2), (1, 4), (2, 2), (4, 4))
 DEFAULT_CADENCES = (*REFRESH_CADENCES, (NEVER, 1))  # NEVER: a deliberately bad approximation
-# Adaptive refresh, with no cadence refresh after block 0 (refresh_interval NEVER).
-DEFAULT_REFRESH_CONFIDENCES = (0.5, 0.9)
+# Adaptive refresh, with no cadence refresh after block 0 (refresh_interval NEVER). High: a
+# trained model's least confident commit of a block is rarely below 0.9 (sangam-demo-long's).
+DEFAULT_REFRESH_CONFIDENCES = (0.99, 0.999)
 CADENCE_THRESHOLD = 0.9
 VANILLA = "vanilla"
 
@@ -65,9 +67,10 @@ def sweep(thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
           factors: tuple[float, ...] = DEFAULT_FACTORS,
           cadences: tuple[tuple[int, int], ...] = DEFAULT_CADENCES,
           refresh_confidences: tuple[float, ...] = DEFAULT_REFRESH_CONFIDENCES,
+          cadence_thresholds: tuple[float, ...] = (CADENCE_THRESHOLD,),
           ) -> list[Mode]:
     """Vanilla first (the reference of block agreement), then cache x rule x value, then the
-    refresh cadences."""
+    refresh cadences and adaptive refresh under DualCache at each of ``cadence_thresholds``."""
     modes = [Mode(VANILLA, {"unmasking": "topk", "tokens_per_step": 1, "cache": "none"})]
     for cache in ("prefix", "dual"):
         modes += [Mode(f"{cache}/threshold={v:g}",
@@ -75,14 +78,14 @@ def sweep(thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
                   for v in thresholds]
         modes += [Mode(f"{cache}/factor={v:g}", {"unmasking": "factor", "factor": v,
                                                   "cache": cache}) for v in factors]
-    cadence = {"unmasking": "threshold", "threshold": CADENCE_THRESHOLD, "cache": "dual"}
-    modes += [Mode(f"dual/threshold={CADENCE_THRESHOLD:g}/cadence={r}x{m}",
-                   {**cadence, "refresh_interval": r, "prompt_refresh_interval": m})
-              for r, m in cadences]
-    modes += [Mode(f"dual/threshold={CADENCE_THRESHOLD:g}/cadence={NEVER}x1/"
-                   f"refresh_confidence={c:g}",
-                   {**cadence, "refresh_interval": NEVER, "refresh_confidence": c})
-              for c in refresh_confidences]
+    for t in cadence_thresholds:
+        cadence = {"unmasking": "threshold", "threshold": t, "cache": "dual"}
+        modes += [Mode(f"dual/threshold={t:g}/cadence={r}x{m}",
+                       {**cadence, "refresh_interval": r, "prompt_refresh_interval": m})
+                  for r, m in cadences]
+        modes += [Mode(f"dual/threshold={t:g}/cadence={NEVER}x1/refresh_confidence={c:g}",
+                       {**cadence, "refresh_interval": NEVER, "refresh_confidence": c})
+                  for c in refresh_confidences]
     return modes
 
 
@@ -141,8 +144,12 @@ def evaluate_mode(llm, tasks: list[Task], prompt_ids: list[list[int]], params: S
         "block_agreement": same / compared,
         "tokens_per_forward": sum(tokens_decoded(o, params) for o in outs) / forwards,
         "forwards_per_request": forwards / len(tasks),
-        # Blocks that started with a refresh (full or response-only): 1 for Fast-dLLM's cache.
+        # Blocks that started with a refresh (full or response-only): 1 for Fast-dLLM's cache;
+        # and of the block boundaries (every block but a request's first), the share that did:
+        # adaptive refresh's trigger rate, the simulator's --adaptive-refresh-rate.
         "refreshed_blocks": refreshes / blocks,
+        "boundary_refreshes": ((refreshes - len(outs)) / (blocks - len(outs))
+                               if blocks > len(outs) else None),
         "confidence": sum(map(math.exp, probs)) / len(probs) if probs else None,
         "seconds": seconds,
     }
@@ -231,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
                   for t in tasks]
     modes = sweep(tuple(parse_float_list(args.thresholds)), tuple(parse_float_list(args.factors)),
                   parse_cadences(args.cadences),
-                  tuple(parse_float_list(args.refresh_confidences)))
+                  tuple(parse_float_list(args.refresh_confidences)),
+                  tuple(parse_float_list(args.cadence_thresholds)))
     if args.modes:
         keep = set(args.modes.split(","))
         modes = [m for m in modes if m.name in keep or m.name == VANILLA]
@@ -285,12 +293,14 @@ def register(subparsers) -> None:
     p.add_argument("--factors", default=",".join(f"{v:g}" for v in DEFAULT_FACTORS),
                    help="factor rule values of the sweep")
     p.add_argument("--cadences", default=",".join(f"{r}x{m}" for r, m in DEFAULT_CADENCES),
-                   help=f"refresh cadences RxM under dual/threshold={CADENCE_THRESHOLD:g}: "
-                        "refresh_interval R, prompt_refresh_interval M")
+                   help="refresh cadences RxM under DualCache: refresh_interval R, "
+                        "prompt_refresh_interval M")
+    p.add_argument("--cadence-thresholds", default=f"{CADENCE_THRESHOLD:g}",
+                   help="thresholds the cadences and adaptive refresh run at, comma-separated")
     p.add_argument("--refresh-confidences",
                    default=",".join(f"{v:g}" for v in DEFAULT_REFRESH_CONFIDENCES),
-                   help=f"refresh_confidence values (adaptive refresh) under dual/threshold="
-                        f"{CADENCE_THRESHOLD:g} and no cadence refresh after the first block")
+                   help="refresh_confidence values (adaptive refresh) under DualCache and no "
+                        "cadence refresh after the first block")
     p.add_argument("--modes", default=None,
                    help="only these modes of the sweep (and vanilla), e.g. dual/threshold=0.9")
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="seed of the held-out instances")

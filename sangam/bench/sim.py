@@ -689,9 +689,11 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
                        help="the --out directory of a sangam-bench serve run on the same trace "
                             "flags: print simulated / measured latency per policy and QPS")
         p.add_argument("--experiment", default=None, choices=sorted(EXPERIMENT_NAMES),
-                       help="run one of the paper's experiments (of the deployment flags it "
-                            "takes --gpu, --link, --layerwise-kv-streaming, --calibration and "
-                            "--seed; --num-requests and --qps replace its defaults)")
+                       help="run one of the paper's experiments, or refresh-cadence / "
+                            "adaptive-tau (of the deployment flags it takes --gpu, --link, "
+                            "--layerwise-kv-streaming, --calibration and --seed, and "
+                            "refresh-cadence --adaptive-refresh-rate; --num-requests and --qps "
+                            "replace its defaults)")
 
 
 EXPERIMENT_NAMES = ("fastdllm-vs-deficit", "tau-sweep", "modes", "refresh-cadence",
