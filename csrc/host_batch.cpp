@@ -33,7 +33,7 @@ struct Names {
       *step, *num_forwards, *finished, *finish_reason, *block_length, *cache, *temperature,
       *unmasking, *threshold, *factor, *tokens_per_step, *stop, *length, *confidence,
       *max_tokens, *refresh_interval, *prompt_refresh_interval, *force_refresh,
-      *refresh_confidence;
+      *refresh_confidence, *min_threshold;
 };
 Names names;
 
@@ -69,6 +69,7 @@ bool intern_names() {
       {&names.prompt_refresh_interval, "prompt_refresh_interval"},
       {&names.force_refresh, "force_refresh"},
       {&names.refresh_confidence, "refresh_confidence"},
+      {&names.min_threshold, "min_threshold"},
   };
   for (const auto& entry : table) {
     *entry.slot = PyUnicode_InternFromString(entry.text);
@@ -458,6 +459,14 @@ bool holds_stop_id(PyObject* st, const int64_t* tokens, int64_t from, int64_t to
 
 // One request's commit (DecodeState.commit): writes the forced rows and the rule's choice among
 // the rest into the canvas, advances step / block, and sets *block_done.
+// DecodeState.threshold: the request's own, read from its params, unless it is load-adaptive
+// (min_threshold set): then the current block's, through the property (per block, set_load).
+bool block_threshold(PyObject* st, PyObject* params, double* out) {
+  Ref floor(PyObject_GetAttr(params, names.min_threshold));
+  if (!floor) return false;
+  return attr_f64(floor.get() == Py_None ? params : st, names.threshold, out);
+}
+
 bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const double* conf,
                 int64_t num_rows, int64_t num_forced, std::vector<int64_t>& order,
                 std::vector<uint8_t>& chosen, bool* block_done) {
@@ -475,7 +484,7 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
   int64_t mask, prompt_len, block, step, num_forwards, block_length, tokens_per_step;
   double threshold, factor;
   if (!attr_i64(params.get(), names.block_length, &block_length) ||
-      !attr_f64(st, names.threshold, &threshold) ||  // the block's (DecodeState.threshold)
+      !block_threshold(st, params.get(), &threshold) ||
       !attr_f64(params.get(), names.factor, &factor) ||
       !attr_i64(params.get(), names.tokens_per_step, &tokens_per_step) ||
       !attr_i64(st, names.mask_token_id, &mask) || !attr_i64(st, names.prompt_len, &prompt_len) ||

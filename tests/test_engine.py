@@ -202,7 +202,7 @@ def test_refresh_cadence_changes_tokens_and_forwards(loaded):
     st = lm.new_state(prompts[0], dataclasses.replace(base, refresh_interval=2),
                       random.Random(0))
     st.block, st.force_refresh = 1, True  # taken back after a failure: a full refresh
-    assert st.span() == (0, 33) and not st.starts_on_cache
+    assert st.span() == (0, 33) and st.force_refresh
     plan = st.plan()
     st.apply(plan, np.full(len(plan.positions), 5), np.ones(len(plan.positions)))
     assert not st.force_refresh

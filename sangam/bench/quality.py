@@ -131,7 +131,8 @@ def evaluate_mode(llm, tasks: list[Task], prompt_ids: list[list[int]], params: S
     tokens = [list(o.token_ids) for o in outs]
     forwards = sum(o.num_forwards for o in outs)
     refreshes = sum(o.metrics["num_refreshes"] for o in outs)
-    blocks = sum(tokens_decoded(o, params) for o in outs) // params.block_length
+    decoded = sum(tokens_decoded(o, params) for o in outs)
+    blocks = decoded // params.block_length
     probs = [lp for o in outs for lp in (o.logprobs or [])]
     same = compared = 0
     for t, ref in zip(tokens, reference or tokens):
@@ -142,7 +143,7 @@ def evaluate_mode(llm, tasks: list[Task], prompt_ids: list[list[int]], params: S
         "accuracy": sum(map(sum, correct.values())) / len(tasks),
         "accuracy_by_family": {f: sum(c) / len(c) for f, c in correct.items()},
         "block_agreement": same / compared,
-        "tokens_per_forward": sum(tokens_decoded(o, params) for o in outs) / forwards,
+        "tokens_per_forward": decoded / forwards,
         "forwards_per_request": forwards / len(tasks),
         # Blocks that started with a refresh (full or response-only): 1 for Fast-dLLM's cache;
         # and of the block boundaries (every block but a request's first), the share that did:

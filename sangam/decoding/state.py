@@ -180,13 +180,6 @@ class DecodeState:
             return None
         return self.block_thresholds[:self.block + self.finished].tolist()
 
-    @property
-    def starts_on_cache(self) -> bool:
-        """Whether the next forward begins a block from cached K/V (a response-only refresh or
-        a cached step): it must run where the request's canvas K/V is."""
-        return (not self.finished and self.step == 0 and not self.force_refresh
-                and self.params.block_refresh(self.block) != FULL_REFRESH)
-
     def span(self) -> tuple[int, int]:
         """The next forward's span of query positions (DESIGN.md §2)."""
         s, e = self.block_bounds()

@@ -146,7 +146,7 @@ def scheduling_request(request_id: str, arrival_time: float, state: DecodeState,
     p = state.params
     req = Request(request_id, arrival_time, state.prompt_len, p.canvas_length, p.block_length,
                   p.cache, state.total_len - state.canvas_end, p.priority, seq,
-                  p.refresh_interval, p.prompt_refresh_interval)
+                  p.refresh_interval, p.prompt_refresh_interval, p.min_threshold is not None)
     req.block = state.block
     return req
 
@@ -223,8 +223,10 @@ class Engine:
             return []
         reqs = batch.decodes + batch.prefills
         tracked = [self.requests[r.request_id] for r in reqs]
-        start_blocks_at(self.builder.load, [t.state for t in tracked])
-        result = self.runner.execute([t.state for t in tracked], [r.pages for r in reqs])
+        states = [t.state for t in tracked]
+        if self.builder.num_load_adaptive:
+            start_blocks_at(self.builder.load, states)
+        result = self.runner.execute(states, [r.pages for r in reqs])
         now = time.monotonic()
         outputs = [self._fail(tracked[i], e) for i, e in result.errors.items()]
         for req, t, done in zip(reqs, tracked, result.block_done):

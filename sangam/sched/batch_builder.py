@@ -72,7 +72,8 @@ class BatchBuilder:
     - ``deficit >= 0``; it is 0 with an infinite budget and after an iteration with nothing
       waiting;
     - ``num_seated <= max_batch_size``;
-    - ``waiting_tokens`` is the sum of the WAITING requests' ``prefill_cost``.
+    - ``waiting_tokens`` is the sum of the WAITING requests' ``prefill_cost``;
+      ``num_load_adaptive`` counts the held requests with ``load_adaptive``.
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, policy: str = "deficit",
@@ -105,6 +106,9 @@ class BatchBuilder:
         self._requests: dict[str, Request] = {}  # every request held here, any status
         self._waiting: dict[str, Request] = {}  # status WAITING
         self._waiting_tokens = 0  # sum of their prefill costs
+        # Requests held whose thresholds follow this worker's load (the driver sets them only
+        # when there are any: it is the one per-request pass it would make for them).
+        self.num_load_adaptive = 0
         # Heap of (queue_key, request) over the WAITING requests. An entry whose request is no
         # longer in _waiting (aborted) is stale and dropped when it reaches the top.
         # (queue key, push count, request): the count orders a request re-queued while a stale
@@ -170,7 +174,7 @@ class BatchBuilder:
                 f"request {req.request_id!r} can never fit: its {req.total_len} positions need "
                 f"{req.pages_needed(self.page_size)} KV pages of {self.page_size} tokens, the "
                 f"pool has {self.allocator.num_pages}")
-        self._requests[req.request_id] = req
+        self._hold(req)
         self._enqueue(req)
 
     def schedule(self, now: float) -> ScheduledBatch:
@@ -230,7 +234,7 @@ class BatchBuilder:
             raise ValueError(f"seat: request id {req.request_id!r} is already scheduled here")
         if self.policy == "fastdllm" or len(self._seated) >= self.max_batch_size:
             raise ValueError(f"seat: no free seat for {req!r}")
-        self._requests[req.request_id] = req
+        self._hold(req)
         self._seated[req.request_id] = req
 
     def detach(self, request_id: str) -> Request | None:
@@ -355,10 +359,15 @@ class BatchBuilder:
         req.mark_admitted(now)
         prefills.append(req)
 
+    def _hold(self, req: Request) -> None:
+        self._requests[req.request_id] = req
+        self.num_load_adaptive += req.load_adaptive
+
     def _release(self, req: Request) -> None:
         """Forget ``req`` and free its pages. Its heap entry, if any, goes stale."""
         rid = req.request_id
         del self._requests[rid]
+        self.num_load_adaptive -= req.load_adaptive
         if self._waiting.pop(rid, None) is not None:
             self._waiting_tokens -= req.prefill_cost
         self._seated.pop(rid, None)

@@ -99,7 +99,7 @@ class Request:
     def __init__(self, request_id: str, arrival_time: float, prompt_len: int, canvas_len: int,
                  block_length: int, cache: str = "dual", suffix_len: int = 0,
                  priority: int = 0, seq: int | None = None, refresh_interval: int = 1,
-                 prompt_refresh_interval: int = 1):
+                 prompt_refresh_interval: int = 1, load_adaptive: bool = False):
         if prompt_len < 1:
             raise ValueError(f"request {request_id!r}: prompt_len must be >= 1, got {prompt_len}")
         if block_length < 1 or canvas_len < 1 or canvas_len % block_length:
@@ -123,6 +123,7 @@ class Request:
         self.cache = cache
         self.refresh_interval = refresh_interval
         self.prompt_refresh_interval = prompt_refresh_interval
+        self.load_adaptive = load_adaptive  # its blocks' thresholds follow the worker's load
         self.priority = priority  # vLLM's: lower is served first; ties by arrival
         # Its place among equal arrivals: kept by the copies a worker schedules (``seq``).
         self.seq = next(_SEQ) if seq is None else seq

@@ -199,7 +199,8 @@ class Worker:
         senders = [i for i in range(nd, len(reqs)) if tasks[i].kv_dest is not None]
         streams = self._open_streams([tasks[i] for i in senders]) if self.streaming else {}
         states = [t.payload for t in tasks]
-        start_blocks_at(self.builder.load, states)
+        if self.builder.num_load_adaptive:
+            start_blocks_at(self.builder.load, states)
         pages = [r.pages for r in reqs]
         if streams:
             result = self._execute_streaming(states, pages, streams)
