@@ -92,12 +92,14 @@ class EngineConfig:
     policy: str = field(default="deficit", metadata=flag_meta(
         "Scheduling policy: deficit token budget, prefill_first (tau = infinity), fastdllm "
         "(batch size 1, each request to completion), or adaptive (deficit, tau raised to the "
-        "waiting prefill tokens over --drain-iterations, --token-budget its floor)",
+        "waiting prefill tokens times the queue's share of the requests, over "
+        "--drain-iterations; --token-budget its floor)",
         choices=POLICIES))
     token_budget: float = field(default=1024, metadata=flag_meta(
         "Deficit token budget tau per iteration ('inf' = prefill-first; adaptive: the floor)"))
     drain_iterations: int = field(default=DRAIN_ITERATIONS, metadata=flag_meta(
-        "adaptive policy: tau admits the waiting prefill tokens over this many iterations "
+        "adaptive policy: tau admits the queue's share of the waiting prefill tokens over "
+        "this many iterations "
         f"(default {DRAIN_ITERATIONS})"))
     max_model_len: int | None = field(default=None, metadata=flag_meta(
         "Longest prompt + response canvas a request may have (default: the model's context); "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
 import torch
 
 from sangam.bench.cli import main
@@ -77,3 +78,26 @@ def test_compare_specs_set_their_requests_options(llada_path, tmp_path, capsys):
     for r in rows:
         forwards.setdefault(r["id"], set()).add(r["forwards"])
     assert all(len(v) == 1 for v in forwards.values())  # topk 1: one forward per token
+
+
+def test_compare_specs_take_request_overrides(llada_path, tmp_path, capsys):
+    """A --compare spec may set SamplingParams fields that are no engine flag (min_threshold):
+    that configuration's requests are load-adaptive and the run reports their mean threshold;
+    a configuration without it reports none."""
+    out = tmp_path / "serve"
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["serve", "--model", llada_path, "--device", "cpu", "--dtype", "float32",
+                   "--num-pages", "256", "--num-requests", "6", "--qps", "100",
+                   "--length-scale", "0.05", "--block-length", "4", "--torch-threads", "1",
+                   "--compare", "", "min_threshold=0.3", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    plain, adaptive = json.loads((out / "results.json").read_text())["summaries"]
+    assert adaptive["config"].endswith("[min_threshold=0.3]")
+    assert plain["threshold_mean"] is None
+    assert 0.3 <= adaptive["threshold_mean"] <= 0.9  # lowered from the default 0.9 with load
+    assert "threshold" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="bad override"):
+        main(["serve", "--model", llada_path, "--compare", "not_a_field=1"])

@@ -447,12 +447,15 @@ def test_failed_transfer_is_retried(paths):
         engine.shutdown()
 
 
-def test_aborts_free_everything(paths):
-    """Aborts at any point (queued, refreshing, K/V in flight, decoding) leak no page and
-    leave no transfer hanging; the other requests are unaffected, and so is a request
-    resubmitted under an aborted one's id while news of the old one is still in flight."""
-    reqs = WORKLOADS["dream"]
-    want = _reference(paths["dream"], "dream")
+@pytest.mark.parametrize("workloads", [WORKLOADS, CADENCE_WORKLOADS],
+                         ids=["full-refresh", "cadences"])
+def test_aborts_free_everything(paths, workloads):
+    """Aborts at any point (queued, refreshing, K/V in flight, decoding; with cadences also a
+    block continuing on its holder without a refresh) leak no page and leave no transfer
+    hanging; the other requests are unaffected, and so is a request resubmitted under an
+    aborted one's id while news of the old one is still in flight."""
+    reqs = workloads["dream"]
+    want = _reference(paths["dream"], "dream", workloads)
     by_id = {r[0]: r for r in reqs}
     engine = make_engine(EngineConfig(**_options(paths["dream"], mode="hybrid",
                                                  prefill_workers=1, decode_workers=2,

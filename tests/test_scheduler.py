@@ -153,7 +153,8 @@ def test_refresh_cadence_transitions_and_costs():
 
 
 def test_adaptive_budget_follows_the_prefill_queue():
-    """tau = max(floor, waiting prefill tokens / drain_iterations), recomputed every iteration."""
+    """tau = max(floor, waiting prefill tokens x waiting / (waiting + seated) / drain_iterations),
+    recomputed every iteration: seated decodes pull it toward the floor."""
     b = BatchBuilder(PageAllocator(1000), 4, "adaptive", token_budget=64, drain_iterations=4)
     assert b.current_budget() == 64
     for i in range(10):
@@ -163,9 +164,9 @@ def test_adaptive_budget_follows_the_prefill_queue():
     assert len(batch.prefills) == 2 and batch.deficit == 48 and b.waiting_tokens == 8 * 96
     for r in batch.prefills:
         b.step_done(r, 1.0, block_done=False, finished=False)
-    assert b.current_budget() == 192  # 768 / 4
+    assert b.num_seated == 2 and b.current_budget() == 154  # 768 * 8 / 10 = 614, / 4
     b.abort("r9")
-    assert b.waiting_tokens == 7 * 96 and b.current_budget() == 168
+    assert b.waiting_tokens == 7 * 96 and b.current_budget() == 131  # 672 * 7 // 9 = 522, / 4
 
 
 # PageAllocator.

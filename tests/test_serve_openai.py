@@ -183,6 +183,13 @@ def test_load_adaptive_requests_report_their_block_thresholds(client):
     chat = client.chat.completions.create(model=MODEL, max_tokens=8, extra_body=extra,
                                           messages=[{"role": "user", "content": "hi"}])
     assert len(chat.choices[0].model_extra["block_thresholds"]) == 2
+    resp = client.responses.create(model=MODEL, input="hi", max_output_tokens=8,
+                                   extra_body=extra)
+    assert len(resp.model_extra["block_thresholds"]) == 2
+    done = [e for e in client.responses.create(model=MODEL, input="hi", max_output_tokens=8,
+                                               stream=True, extra_body=extra)
+            if e.type == "response.incomplete"]  # it runs to max_output_tokens
+    assert len(done[0].response.model_extra["block_thresholds"]) == 2
     chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=12,
                                             stream=True, extra_body=extra))
     assert [len(c.choices[0].model_extra["block_thresholds"]) for c in chunks] == [1, 1, 1]

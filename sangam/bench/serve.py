@@ -116,8 +116,9 @@ def prepare(trace: Sequence[TraceRequest], args: argparse.Namespace, vocab: int,
 
 def _record(p: Prepared, arrival: float, finish: float, ttfb: float | None,
             queueing: float | None, decode: float | None, forwards: int | None,
-            blocks: int | None) -> dict:
-    return {"id": p.index, "arrival": arrival, "finish": finish, "latency": finish - arrival,
+            blocks: int | None, thresholds: list[float] | None = None) -> dict:
+    return {"threshold": None if not thresholds else sum(thresholds) / len(thresholds),
+            "id": p.index, "arrival": arrival, "finish": finish, "latency": finish - arrival,
             "ttfb": ttfb, "queueing": queueing, "decode": decode, "transfer": None,
             "forwards": forwards, "prompt_len": p.prompt_len, "gen_len": p.params.max_tokens,
             "canvas_tokens": None if blocks is None else blocks * p.params.block_length}
@@ -140,6 +141,11 @@ class _Progress:
             lead = "\r" if self._tty else ""
             print(f"{lead}  {self.label}: {self.done}/{self.total} done",
                   end="\n" if last else "", file=sys.stderr, flush=True)
+
+
+def _mean(values) -> float | None:
+    xs = [v for v in values if v is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 # In-process engine.
@@ -173,12 +179,14 @@ def run_engine(engine, requests: Sequence[Prepared], label: str) -> RunResult:
                 p = by_id[rid]
                 records.append(_record(p, m.arrival_time - t0, m.finish_time - t0,
                                        m.time_to_first_block, m.queueing_time, m.decode_time,
-                                       m.num_steps, len(m.block_finished)))
+                                       m.num_steps, len(m.block_finished),
+                                       out.block_thresholds))
                 progress.update()
     its = list(engine.stats.iterations)
     extra = {"iterations": len(its),
              "mean_batch": sum(i.batch_size for i in its) / len(its) if its else None,
-             "prefill_tokens": sum(i.prefill_tokens for i in its)}  # refresh work, in tokens
+             "prefill_tokens": sum(i.prefill_tokens for i in its),  # refresh work, in tokens
+             "threshold_mean": _mean(r["threshold"] for r in records)}  # load-adaptive only
     return RunResult(records, steps, extra)
 
 
@@ -284,8 +292,20 @@ async def _http_run(url: str, requests: Sequence[Prepared], args: argparse.Names
 
 
 # Driving runs.
-def configs_from_args(args: argparse.Namespace) -> dict[str, EngineConfig]:
-    """Label -> engine configuration: the flags, with each --compare spec applied on top."""
+def _split_spec(spec: str) -> tuple[str, dict]:
+    """A --compare spec's engine-flag part, and its SamplingParams overrides (the fields that
+    are no EngineConfig field, e.g. ``min_threshold``), typed."""
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    engine, request = [], []
+    for item in spec.split(","):
+        key = item.partition("=")[0].strip().replace("-", "_")
+        (engine if key in engine_fields or not key else request).append(item)
+    return ",".join(engine), parse_overrides(",".join(request), SamplingParams)
+
+
+def compare_specs(args: argparse.Namespace) -> dict[str, tuple[EngineConfig, dict]]:
+    """Label -> (engine configuration, request overrides): the flags, with each --compare spec
+    applied on top."""
     base = EngineConfig.from_cli_args(args)
     specs = list(args.compare or [])
     policies = args.policies.split(",") if args.policies else [None]
@@ -294,11 +314,19 @@ def configs_from_args(args: argparse.Namespace) -> dict[str, EngineConfig]:
         parts = ([f"policy={pol}"] if pol else []) + ([f"token_budget={tau}"] if tau else [])
         if parts:
             specs.append(",".join(parts))
-    configs = [(s, dataclasses.replace(base, **parse_overrides(s, EngineConfig)))
-               for s in specs or [""]]
-    labels = [policy_label(c.policy, c.token_budget) for _, c in configs]
-    return {(lab if labels.count(lab) == 1 else f"{lab} [{s}]"): c
-            for lab, (s, c) in zip(labels, configs)}
+    configs = []
+    for s in specs or [""]:
+        engine, request = _split_spec(s)
+        configs.append((s, dataclasses.replace(base, **parse_overrides(engine, EngineConfig)),
+                        request))
+    labels = [policy_label(c.policy, c.token_budget) for _, c, _ in configs]
+    return {(lab if labels.count(lab) == 1 else f"{lab} [{s}]"): (c, r)
+            for lab, (s, c, r) in zip(labels, configs)}
+
+
+def configs_from_args(args: argparse.Namespace) -> dict[str, EngineConfig]:
+    """Label -> engine configuration (:func:`compare_specs` without the request overrides)."""
+    return {label: cfg for label, (cfg, _) in compare_specs(args).items()}
 
 
 def config_labels(args: argparse.Namespace) -> list[str]:
@@ -321,7 +349,8 @@ class Bench:
                 setattr(args, name, getattr(defaults, name))
         self.args = args
         self.factory = None if args.url else EngineFactory()
-        self.configs = {} if args.url else configs_from_args(args)
+        self.specs = {} if args.url else compare_specs(args)
+        self.configs = {label: cfg for label, (cfg, _) in self.specs.items()}
         self.steps: Counter = Counter()
         self._lengths: list[LengthSample] | None = None
 
@@ -352,8 +381,10 @@ class Bench:
             reqs = prepare(trace, args, mc.vocab_size, mc.mask_token_id, loaded.context_length,
                            loaded.encode if loaded.tokenizer is not None else None)
             # The configuration's request defaults (a --compare spec's cache, refresh cadence,
-            # ...) apply to its requests; the trace keeps their lengths.
+            # ...) and its request overrides (min_threshold, ...) apply to its requests; the
+            # trace keeps their lengths.
             own = {k: v for k, v in cfg.request_defaults().items() if k != "max_tokens"}
+            own |= self.specs[label][1]
             reqs = [dataclasses.replace(r, params=dataclasses.replace(r.params, **own))
                     for r in reqs]
             engine = self.factory.engine(cfg)
@@ -396,7 +427,8 @@ def run(args: argparse.Namespace) -> int:
             summaries.sort(key=lambda s: labels.index(s["config"]))  # stable: config, then QPS
             if args.out:  # after every run, so a run cut short keeps what it measured
                 paths = write_serve_outputs(args, bench, summaries, records)
-    columns = SUMMARY_COLUMNS + (("mean_batch", "batch", "{:.2f}"),)
+    columns = SUMMARY_COLUMNS + (("mean_batch", "batch", "{:.2f}"),
+                                 ("threshold_mean", "threshold", "{:.3f}"))
     print(format_table(summaries, columns))
     if args.out:
         print("wrote " + ", ".join(paths))
@@ -438,7 +470,8 @@ def add_serve_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> No
                         "steps fast on a shared CPU, where spinning threads oversubscribe it")
     e.add_argument("--compare", nargs="+", default=None, metavar="SPEC",
                    help="configurations to compare in one run, each a comma-separated list of "
-                        "engine-flag overrides, e.g. 'policy=fastdllm' 'token_budget=512'")
+                        "engine-flag or SamplingParams overrides, e.g. 'policy=fastdllm' "
+                        "'token_budget=512' 'min_threshold=0.5'")
     e.add_argument("--policies", default=None,
                    help="shorthand for --compare policy=A policy=B ...: comma-separated")
     e.add_argument("--token-budgets", default=None,

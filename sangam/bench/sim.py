@@ -612,8 +612,8 @@ _HELP = {
     "policy": "scheduling policy of every worker",
     "token_budget": "deficit token budget tau per iteration ('inf' = prefill-first; adaptive: "
                     "its floor)",
-    "drain_iterations": "adaptive policy: tau admits the waiting prefill tokens over this many "
-                        "iterations",
+    "drain_iterations": "adaptive policy: tau admits the queue's share of the waiting prefill "
+                        "tokens over this many iterations",
     "max_batch_size": "most requests in one forward",
     "overflow_threshold": "hybrid: outstanding prefill tokens (theta) on every prefill worker "
                           "before a prefill overflows onto a decode worker",

@@ -18,9 +18,11 @@ Policies:
 - ``fastdllm``: batch size 1 (the Fast-dLLM baseline): one request at a time, run to
   completion; its own re-prefills run immediately; when it finishes the next is admitted.
 - ``adaptive``: ``deficit`` with tau set every iteration from what the worker holds: the
-  larger of ``token_budget`` (a floor) and the waiting prefill tokens over
-  ``drain_iterations``, so a growing prefill queue raises the budget toward prefill-first and a
-  short one keeps it at the floor that protects decodes. Scheduling only: tokens never change.
+  larger of ``token_budget`` (a floor) and the waiting prefill tokens weighted by the queue's
+  share of the worker's requests (waiting / (waiting + seated)), over ``drain_iterations``.
+  A prefill stalls every seated decode while a wait delays only the waiting, so a queue that
+  outgrows the decodes raises the budget toward prefill-first and a short one, behind many
+  decodes, keeps the floor that protects them. Scheduling only: tokens never change.
 
 Memory: a request's pages for the whole canvas (``ceil(T / page_size)``) are allocated at its
 first admission and freed when it finishes or is aborted; re-prefills hold them already, so
@@ -41,7 +43,7 @@ from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.request import Request, RequestStatus
 
 POLICIES = ("deficit", "prefill_first", "fastdllm", "adaptive")  # EngineConfig.policy's
-DRAIN_ITERATIONS = 2  # adaptive: iterations over which tau would admit the whole queue
+DRAIN_ITERATIONS = 1  # adaptive: iterations over which tau would admit the queue's share
 
 
 @dataclass
@@ -142,10 +144,13 @@ class BatchBuilder:
 
     def current_budget(self) -> int | float:
         """This iteration's tau: ``token_budget``, or for ``adaptive`` the larger of it and the
-        queue's share over ``drain_iterations``."""
-        if self.policy == "adaptive":
-            return max(self.token_budget, -(-self._waiting_tokens // self.drain_iterations))
-        return self.token_budget
+        waiting prefill tokens times the queue's share of the requests, over
+        ``drain_iterations``."""
+        if self.policy != "adaptive":
+            return self.token_budget
+        waiting = len(self._waiting)
+        share = self._waiting_tokens * waiting // max(1, waiting + len(self._seated))
+        return max(self.token_budget, -(-share // self.drain_iterations))
 
     @property
     def num_seated(self) -> int:

@@ -214,6 +214,8 @@ class ResponseObject(BaseModel):
     max_output_tokens: int | None
     text: dict = Field(default_factory=lambda: {"format": {"type": "text"}})
     usage: ResponseUsage | None = None
+    # Sangam: with min_threshold, the threshold each block used (streamed: the completed event's)
+    block_thresholds: list[float] | None = None
 
 
 def _new_id(prefix: str) -> str:
@@ -256,7 +258,8 @@ class ResponseBuilder:
             tool_choice=body.tool_choice or ("auto" if body.tools else "none"),
             tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
             temperature=body.temperature, top_p=body.top_p,
-            max_output_tokens=body.max_output_tokens, usage=usage)
+            max_output_tokens=body.max_output_tokens, usage=usage,
+            block_thresholds=None if out is None else out.block_thresholds)
 
     def _output(self, text: str, calls: tuple[ParsedCall, ...], status: str) -> list:
         """The output items: the message (unless only calls were written), then the calls."""
