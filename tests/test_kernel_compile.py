@@ -38,6 +38,9 @@ def test_serving_launches_compile_for_h200_without_spills(tmp_path):
     attn = {(b["constants"]["BLOCK_M"], b["constants"]["SPLIT"]) for b in builds
             if b["kernel"] == "_attn_kernel"}
     assert attn == {("32", "True"), ("32", "False"), ("128", "True"), ("128", "False")}
+    # SDAR's block-causal mask compiles for cached steps and prefills alike.
+    assert {b["constants"]["BLOCK_M"] for b in builds if b["kernel"] == "_attn_kernel"
+            and b["constants"]["BLOCK_CAUSAL"] == "True"} == {"32", "128"}
     # Refresh tiles (compute-bound) run on Hopper's asynchronous tensor-core instructions.
     assert {b["mma"] for b in builds
             if b["kernel"] == "_attn_kernel" and b["constants"]["BLOCK_M"] == "128"} == {"wgmma"}

@@ -1,7 +1,8 @@
 """``sangam-bench kernels``: time the Triton kernels at the shapes of the real models.
 
-Models: LLaDA-8B (32 query heads / 32 KV heads, head_dim 128) and Dream-7B (28 / 4, head_dim
-128); bf16, pages of 16 tokens.
+Models: LLaDA-8B (32 query heads / 32 KV heads, head_dim 128), Dream-7B (28 / 4, head_dim
+128) and, with ``--models sdar``, SDAR-8B (32 / 8, head_dim 128) under its block-causal mask
+(blocks of 4); bf16, pages of 16 tokens.
 
   attention  cached steps: spans of 32 queries x batch 1, 4, 16, 64 x KV length 512-4096
              (memory-bound: reported as GB/s of K/V read)
@@ -45,7 +46,9 @@ PEAK_FLOPS = 989e12
 MODELS = {  # name: (query heads, KV heads, head_dim, layers)
     "llada": (32, 32, 128, 32),
     "dream": (28, 4, 128, 28),
+    "sdar": (32, 8, 128, 36),
 }
+CAUSAL_BLOCK = {"sdar": 4}  # block-causal models' block size in the suites (SDAR's default)
 VOCAB = 126464
 PAGE = 16
 SUITES = ("attention", "refresh", "unmask", "gather")
@@ -76,8 +79,21 @@ def _paged_batch(r: int, q_per_req: int, kv: int, hq: int, hkv: int, d: int, dev
     return q, k_cache, v_cache, cu, table, kv_lens
 
 
-def _torch_attention(q, k_cache, v_cache, table, kv: int, q_per_req: int):
-    """The PyTorch baseline: gather each request's pages, then one batched SDPA (GQA)."""
+def _causal_args(model: str, r: int, n_q: int, kv: int, dev) -> dict:
+    """paged_attention's block-causal arguments for a batch of ``r`` spans of ``n_q`` queries
+    ending at ``kv`` (none for a bidirectional model)."""
+    bs = CAUSAL_BLOCK.get(model)
+    if bs is None:
+        return {}
+    pos = torch.arange(kv - n_q, kv, device=dev).repeat(r)
+    return {"causal_blocks": torch.full((r,), bs, dtype=torch.int32, device=dev),
+            "positions": pos}
+
+
+def _torch_attention(q, k_cache, v_cache, table, kv: int, q_per_req: int,
+                     causal_block: int | None = None):
+    """The PyTorch baseline: gather each request's pages, then one batched SDPA (GQA), under
+    the block-causal mask when ``causal_block`` is given."""
     r = table.shape[0]
     hq, d = q.shape[1:]
     hkv = k_cache.shape[2]
@@ -85,8 +101,12 @@ def _torch_attention(q, k_cache, v_cache, table, kv: int, q_per_req: int):
     k = k_cache[idx].flatten(1, 2)[:, :kv].transpose(1, 2)  # [R, Hkv, kv, D]
     v = v_cache[idx].flatten(1, 2)[:, :kv].transpose(1, 2)
     qq = q.view(r, q_per_req, hq, d).transpose(1, 2)
+    mask = None
+    if causal_block:
+        q_blk = torch.arange(kv - q_per_req, kv, device=q.device) // causal_block
+        mask = (torch.arange(kv, device=q.device) // causal_block)[None, :] <= q_blk[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
-        qq, k, v, scale=d ** -0.5, enable_gqa=hq != hkv)
+        qq, k, v, attn_mask=mask, scale=d ** -0.5, enable_gqa=hq != hkv)
     return out.transpose(1, 2).reshape(-1, hq, d)
 
 
@@ -132,19 +152,21 @@ def _attention_rows(model, batches, kvs, q_per_req, suite, args) -> list[dict]:
             q, kc, vc, cu, table, kvl = _paged_batch(r, q_per_req or kv, kv, hq, hkv, d,
                                                      DEVICE, torch.bfloat16)
             n_q = q_per_req or kv
+            causal = _causal_args(model, r, n_q, kv, DEVICE)
 
-            def run(q=q, kc=kc, vc=vc, cu=cu, table=table, kvl=kvl, n_q=n_q):
-                return paged_attention(q, kc, vc, cu, table, kvl, d ** -0.5, max_query_len=n_q)
+            def run(q=q, kc=kc, vc=vc, cu=cu, table=table, kvl=kvl, n_q=n_q, causal=causal):
+                return paged_attention(q, kc, vc, cu, table, kvl, d ** -0.5, max_query_len=n_q,
+                                       **causal)
 
             def ref(q=q, kc=kc, vc=vc, table=table, kv=kv, n_q=n_q):
-                return _torch_attention(q, kc, vc, table, kv, n_q)
+                return _torch_attention(q, kc, vc, table, kv, n_q, CAUSAL_BLOCK.get(model))
 
             err = (run().float() - ref().float()).abs().max().item()
             ms = _bench(run, args.warmup, args.rep)
             ref_ms = _bench(ref, args.warmup, args.rep)
             fi_ms = None
-            try:
-                fi = _flashinfer_attention(q, kc, vc, table, kv, n_q)
+            try:  # FlashInfer has no block-causal mask
+                fi = None if causal else _flashinfer_attention(q, kc, vc, table, kv, n_q)
                 if fi is not None:
                     fi_ms = _bench(fi, args.warmup, args.rep)
             except Exception as exc:  # an API drift must not sink the other numbers
@@ -152,8 +174,9 @@ def _attention_rows(model, batches, kvs, q_per_req, suite, args) -> list[dict]:
             if suite == "attention":
                 work = 2 * r * kv * hkv * d * 2 + 2 * q.numel() * 2  # K+V read, q in, out
                 unit = "GB/s"
-            else:
-                work = 4 * r * n_q * kv * hq * d
+            else:  # block-causal: the keys each query sees, about half of a prefill's
+                seen = kv * (kv + CAUSAL_BLOCK[model]) / 2 if causal else n_q * kv
+                work = 4 * r * seen * hq * d
                 unit = "TFLOP/s"
             shape = f"B={r} q={n_q} kv={kv}"
             rows.append(_row(suite, model, shape, ms, work, unit, ref_ms, fi_ms, err))
@@ -285,7 +308,7 @@ def run_gpu(args: argparse.Namespace, save: Callable[[list[dict]], None]) -> lis
 
 # ----------------------------------------------------------------------------- cross-compile
 
-def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream",
+def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream,sdar",
                          quick: bool = False) -> list[dict]:
     """Compile, for ``gpu`` (a name in ``cross_compile.TARGETS``), every launch the suites and
     the engine's Triton backend make at the serving shapes, on meta tensors. Needs compiled
@@ -307,14 +330,20 @@ def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream",
             hq, hkv, d, layers = MODELS[model]
             spans = [(r, kv, STEP_QUERIES) for r in shapes.batches for kv in shapes.kvs]
             spans += [(1, kv, kv) for kv in shapes.refresh]
+            if model in CAUSAL_BLOCK:  # its block steps: the finished block and the new one
+                spans += [(r, kv, 2 * CAUSAL_BLOCK[model]) for r in shapes.batches
+                          for kv in shapes.kvs]
             for r, kv, n_q in spans:
                 pages = r * (kv // PAGE)
                 kv_buf = empty(layers, 2, pages, PAGE, hkv, d)  # a PagedKV buffer's layout
                 q, k = empty(r * n_q, hq, d), empty(r * n_q, hkv, d)
                 store_kv(k, k, kv_buf[0, 0], kv_buf[0, 1], empty(r * n_q, dtype=i64))
+                causal = ({"causal_blocks": empty(r, dtype=i32),
+                           "positions": empty(r * n_q, dtype=i64)}
+                          if model in CAUSAL_BLOCK else {})
                 paged_attention(q, kv_buf[0, 0], kv_buf[0, 1], empty(r + 1, dtype=i32),
                                 empty(r, kv // PAGE, dtype=i32), empty(r, dtype=i32),
-                                d ** -0.5, max_query_len=n_q)
+                                d ** -0.5, max_query_len=n_q, **causal)
             for n_req in shapes.gather:
                 pages = n_req * GATHER_TOKENS // PAGE
                 kv_buf, ids = empty(layers, 2, pages, PAGE, hkv, d), empty(pages, dtype=i64)
@@ -475,8 +504,8 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suites", default=",".join(SUITES),
                    help=f"comma-separated subset of {','.join(SUITES)}")
-    p.add_argument("--models", default="llada,dream", help="comma-separated subset of "
-                   "llada,dream")
+    p.add_argument("--models", default="llada,dream,sdar", help="comma-separated subset of "
+                   f"{','.join(MODELS)}")
     p.add_argument("--quick", action="store_true", help="fewer shapes (about a minute)")
     p.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=50, help="do_bench measuring time, ms")

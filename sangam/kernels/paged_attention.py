@@ -3,6 +3,11 @@
 Request r's query rows ``cu_seqlens_q[r]:cu_seqlens_q[r+1]`` attend, with no causal mask, over
 its first ``kv_lens[r]`` cached positions, which live in pages ``block_tables[r]``.
 
+Block-causal models (SDAR): with ``causal_blocks`` (block size per request, 0 = bidirectional)
+and ``positions`` (each query's absolute position), a query at position q sees key k only if
+k // B <= q // B: bidirectional inside its block, causal across blocks. The bound is per row,
+and a tile's KV loop stops at its last row's bound, so a prefill does about half the work.
+
 Layout of the work. For one KV head, the (query, head-in-group) pairs of a request are flattened
 into ``qlen * group`` rows, so a tile of BLOCK_M rows holds every query head that shares the K/V
 tile it loads: K/V are read once per KV head and tile, and GQA group sizes that are not powers of
@@ -29,7 +34,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _attn_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, lse_ptr,
-    cu_q_ptr, cu_tiles_ptr, bt_ptr, kv_lens_ptr,
+    cu_q_ptr, cu_tiles_ptr, bt_ptr, kv_lens_ptr, pos_ptr, cblk_ptr,
     num_requests, search_steps, group, head_dim, num_splits, qk_scale,
     s_q_n, s_q_h,
     s_kc_page, s_kc_off, s_kc_h, s_vc_page, s_vc_off, s_vc_h,
@@ -37,7 +42,7 @@ def _attn_kernel(
     s_o_split, s_o_n, s_o_h,
     s_lse_split, s_lse_n,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_CAUSAL: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -74,6 +79,13 @@ def _attn_kernel(
         else:
             kv_lo = kv_len * 0
             kv_hi = kv_len
+        if BLOCK_CAUSAL:
+            # Each row's keys end with its block: min(kv_len, (pos // B + 1) * B).
+            bs = tl.load(cblk_ptr + r)
+            pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+            row_hi = tl.where(bs > 0, (pos // tl.maximum(bs, 1) + 1) * bs, kv_len)
+            row_hi = tl.where(row_ok, tl.minimum(row_hi, kv_len), 0)
+            kv_hi = tl.minimum(kv_hi, tl.max(row_hi, 0))
 
         m_i = tl.full([BLOCK_M], float("-inf"), ACC_DTYPE)
         l_i = tl.zeros([BLOCK_M], ACC_DTYPE)
@@ -90,7 +102,11 @@ def _attn_kernel(
             s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC)
             # Scores in log2 units; every tile holds at least one valid key, so m_new is finite.
             s = tl.where(n_ok[None, :], s.to(ACC_DTYPE) * qk_scale, float("-inf"))
+            if BLOCK_CAUSAL:
+                s = tl.where(offs_n[None, :] < row_hi[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
+            if BLOCK_CAUSAL:  # a row may have seen no key yet (a later split): keep it finite
+                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -263,8 +279,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
                     kv_lens: torch.Tensor, scale: float, *, max_query_len: int | None = None,
                     num_splits: int | None = None, block_m: int | None = None,
-                    block_n: int | None = None, plan: AttentionPlan | None = None
-                    ) -> torch.Tensor:
+                    block_n: int | None = None, plan: AttentionPlan | None = None,
+                    causal_blocks: torch.Tensor | None = None,
+                    positions: torch.Tensor | None = None) -> torch.Tensor:
     """Bidirectional paged attention for packed spans; returns ``[N, Hq, D]`` in q's dtype.
 
     q ``[N, Hq, D]``; k_cache/v_cache ``[num_pages, page_size, Hkv, D]`` (head dim contiguous;
@@ -274,6 +291,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (default: chosen from the batch shape, 1 off-GPU); ``block_m``/``block_n`` force tile sizes
     (powers of two >= 16). ``plan`` (from :func:`plan_attention` for this batch) replaces those
     four and saves re-planning in every layer. Accumulates in fp32 (fp64 for fp64 inputs).
+    ``causal_blocks`` int32 ``[R]`` with ``positions`` int ``[N]``: the block-causal mask (see
+    the module docstring).
     """
     n_tok, hq, d = q.shape
     num_pages, page_size, hkv, dk = k_cache.shape
@@ -288,6 +307,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("the caches' head dim must be contiguous")
     num_requests = cu_seqlens_q.numel() - 1
+    block_causal = causal_blocks is not None
+    if block_causal and (positions is None or positions.numel() != n_tok
+                         or causal_blocks.numel() != num_requests):
+        raise ValueError("causal_blocks needs one block size per request and positions one "
+                         "position per query")
     out = torch.empty((n_tok, hq, d), dtype=q.dtype, device=q.device)
     if n_tok == 0 or num_requests == 0:
         return out
@@ -299,6 +323,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _attn_kernel[p.grid](
         q, k_cache, v_cache, part, lse,
         p.cu_q, p.cu_tiles, block_tables, kv_lens.to(torch.int32),
+        positions if block_causal else kv_lens, causal_blocks if block_causal else kv_lens,
         num_requests, num_requests.bit_length(), hq // hkv, d, p.num_splits, scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -307,7 +332,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part.stride(0) if split else 0, part.stride(-3), part.stride(-2),
         lse.stride(0) if split else 0, lse.stride(-2) if split else 0,
         PAGE_SIZE=page_size, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=max(16, d),
-        SPLIT=split, DOT_DTYPE=p.dot_dtype, ACC_DTYPE=p.acc_dtype,
+        SPLIT=split, BLOCK_CAUSAL=block_causal, DOT_DTYPE=p.dot_dtype, ACC_DTYPE=p.acc_dtype,
         # fp32/fp64 dots in full precision (no TF32); half types use the tensor cores as is.
         DOT_PREC="ieee" if p.dot_dtype in (tl.float32, tl.float64) else "tf32",
         num_warps=p.num_warps, num_stages=p.num_stages,

@@ -52,10 +52,14 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
                         kv_lens: torch.Tensor, scale: float, *,
                         query_lens: list[int] | None = None,
-                        kv_lens_host: list[int] | None = None) -> torch.Tensor:
+                        kv_lens_host: list[int] | None = None,
+                        causal_blocks: torch.Tensor | None = None,
+                        positions: torch.Tensor | None = None) -> torch.Tensor:
     """Each request's queries attend, without a causal mask, over its first ``kv_lens[r]`` cached
     positions: gather the pages, then softmax attention in fp32 (fp64 for fp64 inputs) through
-    ``scaled_dot_product_attention`` (K/V heads shared by query heads are never repeated)."""
+    ``scaled_dot_product_attention`` (K/V heads shared by query heads are never repeated).
+    With ``causal_blocks`` (block size B per request, 0 = none) and ``positions`` (each query's
+    absolute position), a query at q sees key k only if k // B <= q // B (block-causal)."""
     page_size = k_cache.shape[1]
     gqa = q.shape[1] != k_cache.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -64,6 +68,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if kv_lens_host is None:
         kv_lens_host = kv_lens.tolist()
     out = torch.zeros_like(q)
+    blocks = None if causal_blocks is None else causal_blocks.tolist()
     start = 0
     for r, (n, kv_len) in enumerate(zip(query_lens, kv_lens_host, strict=True)):
         if n == 0 or kv_len == 0:
@@ -74,8 +79,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         kk = k_cache[pages].flatten(0, 1)[:kv_len].to(acc).transpose(0, 1)[None]
         vv = v_cache[pages].flatten(0, 1)[:kv_len].to(acc).transpose(0, 1)[None]
         qq = q[start:start + n].to(acc).transpose(0, 1)[None]
-        o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, scale=scale,
-                                                             enable_gqa=gqa)
+        mask = None
+        if blocks is not None and blocks[r] > 0:
+            bs = blocks[r]
+            q_block = positions[start:start + n].to(kk.device).long() // bs
+            mask = (torch.arange(kv_len, device=kk.device) // bs)[None, :] <= q_block[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask,
+                                                             scale=scale, enable_gqa=gqa)
         out[start:start + n] = o[0].transpose(0, 1).to(q.dtype)
         start += n
     return out
