@@ -101,6 +101,9 @@ class EngineConfig:
         "adaptive policy: tau admits the queue's share of the waiting prefill tokens over "
         "this many iterations "
         f"(default {DRAIN_ITERATIONS})"))
+    enable_chunked_prefill: bool = field(default=False, metadata=flag_meta(
+        "Block-causal models (SDAR): admit a prompt's prefill in chunks of whole blocks within "
+        "the token budget, instead of whole when the budget covers it"))
     max_model_len: int | None = field(default=None, metadata=flag_meta(
         "Longest prompt + response canvas a request may have (default: the model's context); "
         "CUDA-graph block tables are sized for it"))

@@ -1,4 +1,4 @@
-"""Tiny random checkpoints in the real LLaDA / Dream layouts, for tests and for trying Sangam
+"""Tiny random checkpoints in the real LLaDA / Dream / SDAR layouts, for tests and for trying Sangam
 without weights, and config.json files of the real models' shapes for ``--load-format dummy``.
 
     python -m sangam.testing DIR                      # a tiny LLaDA checkpoint with weights
@@ -21,8 +21,10 @@ from sangam.models.loader import ARCHITECTURES, save_checkpoint
 
 def tiny_config(arch: str = "llada", vocab_size: int = 160, hidden_size: int = 64,
                 num_layers: int = 2, num_heads: int = 4, num_kv_heads: int | None = None,
-                intermediate_size: int = 128, max_position: int = 1024) -> dict:
-    """A config.json dict with the real key names, mask token = last id, EOS = id 1."""
+                intermediate_size: int = 128, max_position: int = 1024,
+                tie_word_embeddings: bool = False) -> dict:
+    """A config.json dict with the real key names, mask token = last id, EOS = id 1
+    (``tie_word_embeddings``: SDAR's smaller models tie their LM head to the embedding)."""
     if arch == "llada":
         return {
             "architectures": ["LLaDAModelLM"], "model_type": "llada",
@@ -43,7 +45,18 @@ def tiny_config(arch: str = "llada", vocab_size: int = 160, hidden_size: int = 6
             "rope_theta": 1e6, "rms_norm_eps": 1e-6, "max_position_embeddings": max_position,
             "tie_word_embeddings": False,
         }
-    raise ValueError(f"unknown tiny architecture {arch!r}: use 'llada' or 'dream'")
+    if arch == "sdar":  # Qwen3 key names; head_dim given (not hidden / heads), as SDAR's is
+        return {
+            "architectures": ["SDARForCausalLM"], "model_type": "sdar",
+            "hidden_size": hidden_size, "num_hidden_layers": num_layers,
+            "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads or num_heads,
+            "head_dim": 2 * hidden_size // num_heads, "intermediate_size": intermediate_size,
+            "vocab_size": vocab_size, "mask_token_id": vocab_size - 1, "eos_token_id": 1,
+            "pad_token_id": 1, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": max_position, "tie_word_embeddings": tie_word_embeddings,
+            "attention_bias": False, "block_size": 4,
+        }
+    raise ValueError(f"unknown tiny architecture {arch!r}: use 'llada', 'dream' or 'sdar'")
 
 
 def real_shape_config(geometry: str, max_position: int = 4096) -> dict:
@@ -85,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sangam.testing", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", help="directory to write")
-    p.add_argument("--arch", choices=("llada", "dream"), default="llada",
+    p.add_argument("--arch", choices=("llada", "dream", "sdar"), default="llada",
                    help="tiny checkpoint's architecture")
     p.add_argument("--shape", choices=("llada", "dream"), default=None,
                    help="a real model's shape instead of the tiny one (implies --config-only)")

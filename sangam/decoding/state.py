@@ -7,6 +7,13 @@ requests share a forward.
 Infilling: with ``suffix_ids`` the sequence is prompt + [MASK]*G + suffix (T = P + G + S). The
 suffix is context like the prompt: every refresh covers it, ``cache="prefix"`` spans reach it,
 and the response is the canvas between the two.
+
+Block-causal models (SDAR, ``block_causal=True``; README "Block-causal models"): blocks lie on
+the grid from position 0, so block 0 is [floor(P/B)·B, +B) and may start with the prompt's tail;
+T = ceil((P + max_tokens)/B)·B. A finished block's K/V is exact and never refreshed: the
+request's first forward spans [0, e) (the prompt's K/V and block 0's first step under the
+block-causal mask), the first step of every later block spans [s - B, e) (it writes the
+finished block's final K/V as it steps the new one), and other steps span [s, e).
 """
 
 from __future__ import annotations
@@ -64,9 +71,11 @@ class BlockProgress:
 class DecodeState:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, mask_token_id: int,
                  stop_ids: frozenset[int], shift_logits: bool, seed: int = 0,
-                 suffix_ids: list[int] | tuple[int, ...] = ()):
+                 suffix_ids: list[int] | tuple[int, ...] = (), block_causal: bool = False):
         if not prompt_ids:
             raise ValueError("the prompt is empty: a request needs at least one prompt token")
+        if block_causal and (suffix_ids or shift_logits):
+            raise ValueError("a block-causal model has no infilling and no shifted logits")
         self.params = params
         self.mask_token_id = mask_token_id
         # The ids that end the response: EOS (given) under stop_at_eos, and the request's own.
@@ -76,16 +85,23 @@ class DecodeState:
         self.shift = int(shift_logits)  # 1: row p - 1 predicts position p (Dream)
         self.seed = seed
         self.prompt_len = len(prompt_ids)
-        self.canvas_end = self.prompt_len + params.canvas_length  # where the suffix begins
+        self.block_causal = block_causal
+        b = params.block_length
+        if block_causal:  # the block grid from position 0 (see the module docstring)
+            self.block_origin = self.prompt_len // b * b
+            canvas = -(-(self.prompt_len + params.max_tokens) // b) * b - self.prompt_len
+        else:
+            self.block_origin = self.prompt_len
+            canvas = params.canvas_length
+        self.canvas_end = self.prompt_len + canvas  # where the suffix begins
         self.tokens = np.array(
-            list(prompt_ids) + [mask_token_id] * params.canvas_length + list(suffix_ids),
-            dtype=np.int64)
+            list(prompt_ids) + [mask_token_id] * canvas + list(suffix_ids), dtype=np.int64)
         # Each response position's confidence (DESIGN.md §2) at the step that committed it.
         self.confidence = np.zeros(len(self.tokens), dtype=np.float64)
         # With logprobs = n > 0: each response position's n most probable tokens at that step.
         n = params.logprobs or 0
-        self.top_ids = np.zeros((params.canvas_length, n), dtype=np.int64) if n else None
-        self.top_logprobs = np.zeros((params.canvas_length, n), dtype=np.float64) if n else None
+        self.top_ids = np.zeros((canvas, n), dtype=np.int64) if n else None
+        self.top_logprobs = np.zeros((canvas, n), dtype=np.float64) if n else None
         # Each block's threshold: the request's, or for a load-adaptive one (min_threshold) what
         # the worker that started the block set (set_load).
         self.block_thresholds = np.full(self.num_blocks, params.threshold, dtype=np.float64)
@@ -95,6 +111,11 @@ class DecodeState:
         # trigger fired when the block before it ended (SamplingParams.refresh_confidence), or
         # the K/V its worker kept is gone (the front sets it then). Its first step clears it.
         self.force_refresh = False
+        # Block-causal chunked prefill: prompt positions whose K/V is stored, and the end of
+        # the chunk the scheduler admitted for the next forward (None: the whole rest).
+        self.prefilled = 0
+        self.chunk_end: int | None = None
+        self.num_chunks = 0  # forwards that only stored prompt K/V
         self.num_forwards = 0
         self.finished = False
         self.finish_reason: str | None = None
@@ -123,9 +144,9 @@ class DecodeState:
     def progress(self, block: int) -> BlockProgress:
         """What the forwards of ``block`` changed (positions are only ever committed in the
         current block, so its positions and the counters are all of it)."""
-        s = self.prompt_len + block * self.params.block_length
+        s = self.block_origin + block * self.params.block_length
         e = s + self.params.block_length
-        top = slice(s - self.prompt_len, e - self.prompt_len)
+        top = slice(max(0, s - self.prompt_len), e - self.prompt_len)
         return BlockProgress(
             s, self.tokens[s:e].copy(), self.confidence[s:e].copy(),
             None if self.top_ids is None else self.top_ids[top].copy(),
@@ -140,14 +161,14 @@ class DecodeState:
         self.tokens[p.start:e] = p.tokens
         self.confidence[p.start:e] = p.confidence
         if p.top_ids is not None:
-            top = slice(p.start - self.prompt_len, e - self.prompt_len)
+            top = slice(max(0, p.start - self.prompt_len), e - self.prompt_len)
             self.top_ids[top] = p.top_ids
             self.top_logprobs[top] = p.top_logprobs
         self.block, self.step, self.num_forwards = p.block, p.step, p.num_forwards
         self.finished, self.finish_reason = p.finished, p.finish_reason
         self.stop_len, self.stop_string, self.stop_text = p.stop_len, p.stop_string, p.stop_text
         self.force_refresh = p.force_refresh
-        self.block_thresholds[(p.start - self.prompt_len) // self.params.block_length] = \
+        self.block_thresholds[(p.start - self.block_origin) // self.params.block_length] = \
             p.threshold
 
     # Geometry.
@@ -157,10 +178,10 @@ class DecodeState:
 
     @property
     def num_blocks(self) -> int:
-        return self.params.canvas_length // self.params.block_length
+        return (self.canvas_end - self.block_origin) // self.params.block_length
 
     def block_bounds(self) -> tuple[int, int]:
-        s = self.prompt_len + self.block * self.params.block_length
+        s = self.block_origin + self.block * self.params.block_length
         return s, s + self.params.block_length
 
     @property
@@ -184,6 +205,13 @@ class DecodeState:
         """The next forward's span of query positions (DESIGN.md §2)."""
         s, e = self.block_bounds()
         p, end = self.params, self.total_len
+        if self.block_causal:  # the cache is exact: nothing after a block ever attends to it
+            if self.step > 0:
+                return s, e
+            if self.block == 0 or self.force_refresh:  # the prompt's K/V (what is left of it)
+                start = 0 if self.force_refresh else self.prefilled
+                return start, e if self.chunk_end is None else self.chunk_end
+            return s - p.block_length, e
         if p.cache == "none":
             return 0, end
         if self.step == 0:  # the block's first step, as the refresh cadence says
@@ -195,10 +223,19 @@ class DecodeState:
             s -= self.shift  # a cached first step: with shifted logits, row s - 1 predicts s
         return (s, e) if p.cache == "dual" else (s, end)
 
+    def keys_attended(self, span_end: int) -> int:
+        """How many cached positions a forward ending at ``span_end`` attends over: all T, or
+        for a block-causal model those up to its span's end (nothing after it is visible, and
+        its pages hold nothing written yet)."""
+        return span_end if self.block_causal else self.total_len
+
     # One step.
     def plan(self) -> StepPlan:
         start, end = self.span()
         s, e = self.block_bounds()
+        if end <= s:  # a prefill chunk: it stores K/V and predicts nothing
+            empty = np.zeros(0, dtype=np.int64)
+            return StepPlan(start, end, empty, 0, empty, empty)
         offsets = (self.tokens[s:e] == self.mask_token_id).nonzero()[0]  # masked, in-block
         num_forced = 0
         shift = 1 if self.shift else 0
@@ -227,6 +264,11 @@ class DecodeState:
         """``apply`` on a plan's parts: the first ``num_forced`` positions are committed
         regardless, the rule picks among the rest; True if a block ended."""
         p = self.params
+        if self.chunk_end is not None:  # the forward was a prefill chunk (no rows)
+            self.prefilled, self.chunk_end = self.chunk_end, None
+            self.num_chunks += 1
+            self.num_forwards += 1
+            return False
         k = num_forced
         chosen = select_commits(conf[k:].tolist(), p.unmasking, self.threshold, p.factor,
                                 p.tokens_per_step)

@@ -21,7 +21,7 @@ from sangam.engine.cuda_graphs import DecodeGraphRunner
 from sangam.engine.kv_pool import KVPool, pool_num_pages
 from sangam.engine.loaded_model import LoadedModel, use_device
 from sangam.engine.model_runner import ModelRunner
-from sangam.sampling_params import RequestOutput, SamplingParams
+from sangam.sampling_params import MAX_INT32, RequestOutput, SamplingParams
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
 from sangam.sched.request import Request, RequestMetrics
 
@@ -73,7 +73,7 @@ def build_worker_parts(config: EngineConfig,
     pool = KVPool(loaded.config, num_pages, config.page_size, loaded.dtype, loaded.device)
     builder = BatchBuilder(pool.allocator, config.page_size, config.policy,
                            config.effective_token_budget, config.max_batch_size,
-                           config.drain_iterations)
+                           config.drain_iterations, config.enable_chunked_prefill)
     return pool, builder, ModelRunner(loaded, pool, graphs=decode_graphs(config, loaded, pool))
 
 
@@ -144,9 +144,12 @@ def scheduling_request(request_id: str, arrival_time: float, state: DecodeState,
     """The scheduler's view of a request whose canvas is ``state``, at its current block
     (``seq``: the front's request's, so that a worker orders equal arrivals as it does)."""
     p = state.params
-    req = Request(request_id, arrival_time, state.prompt_len, p.canvas_length, p.block_length,
-                  p.cache, state.total_len - state.canvas_end, p.priority, seq,
-                  p.refresh_interval, p.prompt_refresh_interval, p.min_threshold is not None)
+    # A block-causal request refreshes only its first block (its cadence: never again).
+    refresh_interval = MAX_INT32 if state.block_causal else p.refresh_interval
+    req = Request(request_id, arrival_time, state.prompt_len,
+                  state.canvas_end - state.prompt_len, p.block_length, p.cache,
+                  state.total_len - state.canvas_end, p.priority, seq, refresh_interval,
+                  p.prompt_refresh_interval, p.min_threshold is not None, state.block_causal)
     req.block = state.block
     return req
 
@@ -224,6 +227,8 @@ class Engine:
         reqs = batch.decodes + batch.prefills
         tracked = [self.requests[r.request_id] for r in reqs]
         states = [t.state for t in tracked]
+        for r in batch.prefills:  # a block-causal prefill chunk, or None
+            self.requests[r.request_id].state.chunk_end = r.chunk_end
         if self.builder.num_load_adaptive:
             start_blocks_at(self.builder.load, states)
         result = self.runner.execute(states, [r.pages for r in reqs])

@@ -57,7 +57,7 @@ class PackedBatch:
     slot_mapping: np.ndarray  # int64 [N]: page * page_size + offset of each query position
     block_tables: np.ndarray  # int32 [n, max pages], zero-padded
     cu_seqlens_q: np.ndarray  # int32 [n + 1]
-    kv_lens: np.ndarray  # int32 [n]: every request attends over its whole canvas
+    kv_lens: np.ndarray  # int32 [n]: its whole canvas (block-causal: up to its span's end)
     logits_indices: np.ndarray  # int64 [M]: the packed hidden-state row of each logits row
     cu_rows: np.ndarray  # int64 [n + 1]
     row_keys: np.ndarray  # int64 [M]: noise key of each row (0 when greedy)
@@ -97,7 +97,8 @@ class PackedBatch:
         return cls(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
-            kv_lens=np.array([st.total_len for st in states], dtype=np.int32),
+            kv_lens=np.array([st.keys_attended(p.span_end) for st, p in zip(states, plans)],
+                             dtype=np.int32),
             logits_indices=logits_indices, cu_rows=cu_rows,
             row_keys=np.concatenate([p.row_keys for p in plans]),
             temperatures=np.repeat(
@@ -117,11 +118,14 @@ class PackedBatch:
                 "logits_indices": self.logits_indices}
 
     def metadata(self, dev: dict[str, torch.Tensor]) -> AttentionMetadata:
-        """The attention metadata over ``dev``, the uploaded ``device_arrays()``."""
+        """The attention metadata over ``dev``, the uploaded ``device_arrays()`` (and, for a
+        block-causal model, ``causal_blocks``: each request's block size)."""
+        causal = dev.get("causal_blocks")
         return AttentionMetadata(
             cu_seqlens_q=dev["cu_seqlens_q"], kv_lens=dev["kv_lens"],
             block_tables=dev["block_tables"], slot_mapping=dev["slot_mapping"],
-            query_lens=np.diff(self.cu_seqlens_q).tolist(), kv_lens_host=self.kv_lens.tolist())
+            query_lens=np.diff(self.cu_seqlens_q).tolist(), kv_lens_host=self.kv_lens.tolist(),
+            causal_blocks=causal, positions=None if causal is None else dev["positions"])
 
 
 class PythonHostBatcher:

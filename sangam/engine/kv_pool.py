@@ -38,7 +38,8 @@ def pool_num_pages(cfg: ModelConfig, engine: EngineConfig, dtype: torch.dtype,
 class KVPool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device | str):
-        # torch.empty: pages are always written (by a refresh) before they are read.
+        # torch.empty: pages are always written (by a refresh) before they are read (a
+        # block-causal request attends only up to the end of its span, all of it written).
         shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv = PagedKV(torch.empty(shape, dtype=dtype, device=device))
         self.page_size = page_size

@@ -76,6 +76,21 @@ def make_attention_backend(name: str | None, device: torch.device) -> AttentionB
     return TritonAttentionBackend()
 
 
+def block_causal_request_errors(params: SamplingParams, suffix_ids: list[int]) -> None:
+    """What a block-causal model (SDAR) cannot do: its finished blocks' K/V is exact, so the
+    cache modes and refresh knobs of bidirectional models do not apply, and it has no
+    infilling (a suffix would sit after the canvas, invisible to it)."""
+    unsupported = [name for name, bad in (
+        ("cache (only 'dual')", params.cache != "dual"),
+        ("refresh_interval", params.refresh_interval != 1),
+        ("prompt_refresh_interval", params.prompt_refresh_interval != 1),
+        ("refresh_confidence", params.refresh_confidence > 0),
+        ("suffix (infilling)", bool(suffix_ids))) if bad]
+    if unsupported:
+        raise ValueError(f"a block-causal model (SDAR) does not take {', '.join(unsupported)}: "
+                         "its finished blocks' K/V is exact and never refreshed")
+
+
 GENERATION_CONFIG = "generation_config.json"
 # generation_config.json keys that become SamplingParams defaults (HF name -> ours).
 GENERATION_KEYS = {"max_new_tokens": "max_tokens", "block_length": "block_length",
@@ -125,9 +140,12 @@ class LoadedModel:
         """``model`` (None on a front whose workers hold the weights) with the checkpoint's
         tokenizer (or ``cfg.tokenizer``'s), stop ids, request defaults and context limit."""
         tokenizer = load_tokenizer(cfg.tokenizer or path, required=cfg.tokenizer is not None)
+        # A block-causal model's requests default to the block size it was trained with.
+        trained = ({"block_length": model_config.causal_block_size}
+                   if model_config.block_causal else {})
         return cls(str(path), model, model_config, tokenizer,
                    stop_token_ids(model_config.eos_token_id, tokenizer), device, dtype,
-                   {**read_generation_defaults(path), **cfg.request_defaults()},
+                   {**trained, **read_generation_defaults(path), **cfg.request_defaults()},
                    context_limit(cfg, model_config))
 
     def default_params(self, **overrides) -> SamplingParams:
@@ -198,9 +216,13 @@ class LoadedModel:
         if len(prompt_ids) == 0:
             raise ValueError("the prompt is empty")
         suffix_ids = list(suffix_ids)
+        if self.config.block_causal:
+            block_causal_request_errors(params, suffix_ids)
         keep = params.truncate_prompt_tokens
         if keep == -1:
-            keep = max(1, self.context_length - params.canvas_length - len(suffix_ids))
+            # A block-causal canvas may reach B - 1 positions past the plain one.
+            slack = params.block_length - 1 if self.config.block_causal else 0
+            keep = max(1, self.context_length - params.canvas_length - slack - len(suffix_ids))
         if keep is not None:
             prompt_ids = prompt_ids[-keep:]
         vocab = self.config.vocab_size
@@ -209,12 +231,17 @@ class LoadedModel:
             if bad:
                 raise ValueError(f"{name} token ids must be integers in [0, {vocab}); got "
                                  f"{bad[:5]}")
-        total = len(prompt_ids) + params.canvas_length + len(suffix_ids)
+        if self.config.block_causal:
+            b = params.block_length
+            canvas = -(-(len(prompt_ids) + params.max_tokens) // b) * b - len(prompt_ids)
+        else:
+            canvas = params.canvas_length
+        total = len(prompt_ids) + canvas + len(suffix_ids)
         if total > self.context_length:
             suffix = f" plus suffix ({len(suffix_ids)} tokens)" if suffix_ids else ""
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) plus response canvas "
-                f"({params.canvas_length} tokens){suffix} is {total} tokens, beyond the model's "
+                f"({canvas} tokens){suffix} is {total} tokens, beyond the model's "
                 f"context of {self.context_length}")
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
                           ("stop_token_ids", params.stop_token_ids)):
@@ -226,7 +253,7 @@ class LoadedModel:
                              "stop_token_ids")
         seed = params.seed if params.seed is not None else rng.getrandbits(63)
         return DecodeState(list(prompt_ids), params, self.config.mask_token_id, self.stop_ids,
-                           self.config.shift_logits, seed, suffix_ids)
+                           self.config.shift_logits, seed, suffix_ids, self.config.block_causal)
 
     def output(self, request_id: str, prompt_ids: list[int], state: DecodeState,
                finished: bool, reason: str | None, metrics: dict,

@@ -36,8 +36,11 @@ class ModelRunner:
         self.loaded = loaded
         self.pool = pool
         self.device = loaded.device
-        self.host = make_host_batcher(pool.page_size, host_impl)
-        self.graphs = list(graphs)  # one per captured block length
+        # A block-causal model's spans (README "Block-causal models") are planned in Python
+        # and run eagerly: the C++ planner and the captured graphs know bidirectional ones.
+        block_causal = loaded.config.block_causal
+        self.host = make_host_batcher(pool.page_size, "python" if block_causal else host_impl)
+        self.graphs = [] if block_causal else list(graphs)  # one per captured block length
         self.uploader = BatchUploader(self.device)
         # With the Triton backend, scoring is the fused online-softmax kernel (no [rows, vocab]
         # fp32 copy); the host then commits by the rules, as on the reference path (rows
@@ -86,6 +89,11 @@ class ModelRunner:
         batch, dev, rescore = stage_batch(self.host, self.uploader, states, pages,
                                           self.fused_scoring)
         model = self.loaded.model
+        if batch.num_rows == 0:  # only block-causal prefill chunks: K/V stored, nothing scored
+            model.hidden_states(dev["input_ids"], dev["positions"], batch.metadata(dev),
+                                self.pool.kv)
+            empty = np.zeros(0, dtype=np.int64)
+            return batch, empty, empty.astype(np.float64), None, None
         graphs = next((g for g in self.graphs if g.can_run(batch)), None) if allow_graphs \
             else None
         if graphs is not None:
@@ -168,6 +176,9 @@ def stage_batch(host: HostBatcher, uploader: BatchUploader, states: list[DecodeS
     with ``fused_scoring``). Returns the batch, its device tensors by name, and the rescoring."""
     batch = host.build(states, pages)
     arrays = batch.device_arrays()
+    if states and states[0].block_causal:  # one model per runner: all or none
+        arrays["causal_blocks"] = np.array([st.params.block_length for st in states],
+                                           dtype=np.int32)
     if fused_scoring:  # the scoring kernel's inputs beyond the logits, per row
         arrays.update(temperatures=batch.temperatures, row_keys=batch.row_keys)
     # Read for every request of every iteration: one attribute and one cached property.

@@ -11,6 +11,7 @@ import torch
 
 from sangam.decoding.confidence import score_logits
 from sangam.decoding.logit_edits import pack_edits, request_edits
+from sangam.decoding.noise import noise_key, row_keys
 from sangam.decoding.state import DecodeState
 from sangam.models.attention import AttentionMetadata, PagedKV
 from sangam.models.transformer import DiffusionLM
@@ -36,12 +37,16 @@ class ReferenceDecoder:
             plan = state.plan()
             # Pages are numbered in order, so a position's slot is the position itself.
             positions = torch.arange(plan.span_start, plan.span_end, device=self.device)
+            kv_len = state.keys_attended(plan.span_end)
             meta = AttentionMetadata(
                 cu_seqlens_q=torch.tensor([0, plan.span_len], dtype=torch.int32,
                                           device=self.device),
-                kv_lens=torch.tensor([state.total_len], dtype=torch.int32, device=self.device),
+                kv_lens=torch.tensor([kv_len], dtype=torch.int32, device=self.device),
                 block_tables=table, slot_mapping=positions, query_lens=[plan.span_len],
-                kv_lens_host=[state.total_len])
+                kv_lens_host=[kv_len],
+                causal_blocks=(torch.tensor([state.params.block_length], dtype=torch.int32)
+                               if state.block_causal else None),
+                positions=positions if state.block_causal else None)
             ids = torch.from_numpy(state.tokens[plan.span_start:plan.span_end]).to(self.device)
             logits = self.model(ids, positions, meta, kv,
                                 torch.from_numpy(plan.rows).to(self.device))
@@ -57,3 +62,62 @@ class ReferenceDecoder:
             if top is not None:
                 state.record_top(plan.positions, *(t.cpu().numpy() for t in top))
         return state
+
+
+class UpstreamBlockDiffusion:
+    """SDAR's upstream ``block_diffusion_generate`` loop (JetAstra/SDAR ``generate.py``) for one
+    request, step for step, with a dense block-causal forward over the sequence so far in place
+    of its KV cache (the cache holds the exact K/V of the finished blocks, which the
+    block-causal mask makes a function of those blocks' tokens alone).
+
+    Prefill the prompt's whole blocks (one forward, when there is one); then per block, while a
+    mask is left: one denoising forward over the block against the cache, committing by the
+    rule; then one more forward over the finished block that stores its K/V; stop after a block
+    that holds a stop id. Forwards are counted as upstream spends them. Committing follows
+    DESIGN.md §2 (the mask token is never committed; the threshold rule, which with one token
+    per step is upstream's ``low_confidence_dynamic`` up to ties at exactly the threshold).
+    The oracle of the engine's block-causal path, which fuses each store forward into the next
+    block's first step: it spends ``fused_savings`` fewer forwards and commits the same tokens.
+    """
+
+    def __init__(self, model: DiffusionLM):
+        self.model = model
+        p = next(model.parameters())
+        self.device = p.device
+
+    @torch.inference_mode()
+    def run(self, state: DecodeState) -> tuple[list[int], int]:
+        """Decode ``state`` (a fresh block-causal request) in place; returns its output tokens
+        and the forwards upstream spends on it."""
+        if not state.block_causal or state.num_forwards:
+            raise ValueError("needs a fresh block-causal request")
+        b, p = state.params.block_length, state.params
+        forwards = int(state.block_origin > 0)  # the prompt's whole blocks, stored
+        temp = torch.tensor([p.temperature], dtype=torch.float64)
+        while not state.finished:
+            s, e = state.block_bounds()
+            offsets = (state.tokens[s:e] == state.mask_token_id).nonzero()[0]
+            ids = torch.from_numpy(state.tokens[:e]).to(self.device)[None]
+            logits = self.model.forward_dense(ids, block_size=b)[0, s + offsets]
+            n = len(offsets)
+            keys = (row_keys(noise_key(state.seed, state.block, state.step), offsets)
+                    if p.temperature > 0 else np.zeros(n, dtype=np.int64))
+            edits = pack_edits([request_edits(state, s + offsets)], [n])
+            tokens, conf, _ = score_logits(
+                logits, self.model.config.mask_token_id, temp.expand(n), torch.from_numpy(keys),
+                torch.full((n,), p.top_p, dtype=torch.float64), torch.full((n,), p.top_k),
+                torch.full((n,), p.min_p, dtype=torch.float64),
+                None if edits is None else edits.map(torch.from_numpy), 0)
+            forwards += 1
+            if state.commit(s + offsets, 0, tokens.cpu().numpy(),
+                            conf.cpu().numpy().astype(np.float64)):
+                forwards += 1  # the finished block's store forward
+        return state.output_token_ids(), forwards
+
+
+def fused_savings(state: DecodeState) -> int:
+    """The forwards the engine's block-causal path saves on a finished request against the
+    upstream loop: the prompt prefill (fused into block 0's first step) and every decoded
+    block's store forward (fused into the next block's first step; the last one's is never
+    needed)."""
+    return int(state.block_origin > 0) + state.block + 1

@@ -48,7 +48,9 @@ class AttentionMetadata:
 
     Request r owns query rows ``cu_seqlens_q[r]:cu_seqlens_q[r+1]`` and attends over its first
     ``kv_lens[r]`` cached positions, stored in pages ``block_tables[r]``. Row i's fresh K/V goes
-    to flat slot ``slot_mapping[i]`` (page * page_size + offset; -1 = do not store).
+    to flat slot ``slot_mapping[i]`` (page * page_size + offset; -1 = do not store). A
+    block-causal model's batch also carries each request's block size (``causal_blocks``) and
+    each query's position (``positions``): a query sees only keys of its block and earlier ones.
     """
 
     cu_seqlens_q: torch.Tensor  # int32 [R + 1]
@@ -57,6 +59,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [N]
     query_lens: list[int]  # host copies, so backends need no device sync
     kv_lens_host: list[int]
+    causal_blocks: torch.Tensor | None = None  # int32 [R]; None: bidirectional
+    positions: torch.Tensor | None = None  # int64 [N], with causal_blocks
 
     @property
     def num_requests(self) -> int:
@@ -83,4 +87,5 @@ class TorchAttentionBackend(AttentionBackend):
         store_kv_ref(k, v, k_pages, v_pages, meta.slot_mapping)
         return paged_attention_ref(q, k_pages, v_pages, meta.cu_seqlens_q, meta.block_tables,
                                    meta.kv_lens, scale, query_lens=meta.query_lens,
-                                   kv_lens_host=meta.kv_lens_host)
+                                   kv_lens_host=meta.kv_lens_host,
+                                   causal_blocks=meta.causal_blocks, positions=meta.positions)

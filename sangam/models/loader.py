@@ -14,11 +14,13 @@ from torch.overrides import TorchFunctionMode
 from sangam.models.config import CheckpointError, ModelConfig, parse_config
 from sangam.models.dream import DreamModel
 from sangam.models.llada import LLaDAModel
+from sangam.models.sdar import SDARModel
 from sangam.models.transformer import DiffusionLM
 
 ARCHITECTURES: dict[str, type[DiffusionLM]] = {
     "LLaDAModelLM": LLaDAModel,
     "DreamModel": DreamModel,
+    "SDARForCausalLM": SDARModel,
 }
 
 DTYPES = {
@@ -55,7 +57,7 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
-    return parse_config(raw)
+    return parse_config(raw, str(path.resolve()))
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:

@@ -9,7 +9,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
 
 
 def load_tokenizer(path: str | os.PathLike, required: bool = False):

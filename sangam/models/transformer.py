@@ -1,6 +1,7 @@
-"""The transformer both architectures share: pre-norm blocks, RMSNorm, RoPE, SwiGLU.
+"""The transformer every architecture shares: pre-norm blocks, RMSNorm, RoPE, SwiGLU.
 
-LLaDA and Dream differ only in tensor names, q/k/v biases and Dream's one-position logit shift,
+LLaDA, Dream and SDAR differ only in tensor names, q/k/v biases, SDAR's q/k norms and explicit
+head_dim, Dream's one-position logit shift and SDAR's block-causal mask (an attention matter),
 so each subclass mirrors its Hugging Face module tree (state_dict keys are the real tensor
 names) and hands its layers to the shared code here.
 """
@@ -100,8 +101,15 @@ class DiffusionLM(nn.Module):
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def output_head(self) -> nn.Linear:
+    def output_head(self) -> nn.Module:
+        """The LM head: a Linear, or an Embedding when tied (its weight is the same
+        ``[vocab, hidden]`` matrix)."""
         raise NotImplementedError
+
+    def qk_norms(self, i: int) -> tuple[nn.Module, nn.Module] | None:
+        """(q_norm, k_norm) of layer i, RMSNorms over head_dim applied before RoPE; None for
+        architectures without them."""
+        return None
 
     # Shared computation.
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
@@ -111,10 +119,14 @@ class DiffusionLM(nn.Module):
         for i in range(cfg.num_layers):
             attn_norm, q_p, k_p, v_p, o_p, mlp_norm, gate, up, down = self.layer_parts(i)
             x = attn_norm(h)
-            q = self.rope.apply(q_p(x).view(*lead, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = self.rope.apply(k_p(x).view(*lead, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q = q_p(x).view(*lead, cfg.num_heads, cfg.head_dim)
+            k = k_p(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
+            norms = self.qk_norms(i)
+            if norms is not None:
+                q, k = norms[0](q), norms[1](k)
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
             v = v_p(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
-            h = h + o_p(attend(i, q, k, v).reshape(*lead, cfg.hidden_size))
+            h = h + o_p(attend(i, q, k, v).reshape(*lead, cfg.num_heads * cfg.head_dim))
             x = mlp_norm(h)
             h = h + down(F.silu(gate(x)) * up(x))
         return self.final_norm(h)
@@ -146,25 +158,32 @@ class DiffusionLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """The LM head on the rows ``logits_indices`` of ``hidden`` only."""
-        return self.output_head()(hidden[logits_indices])
+        return F.linear(hidden[logits_indices], self.output_head().weight)
 
-    def forward_dense(self, input_ids: torch.Tensor,
-                      key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Plain full-sequence bidirectional forward, ``[B, T] -> [B, T, vocab]``, with autograd.
+    def forward_dense(self, input_ids: torch.Tensor, key_mask: torch.Tensor | None = None,
+                      block_size: int | None = None) -> torch.Tensor:
+        """Plain full-sequence forward, ``[B, T] -> [B, T, vocab]``, with autograd.
 
         No cache and no paging: the oracle for tests and the forward used for training.
         ``key_mask [B, T]`` (bool) hides the False positions from every query (padding).
+        Bidirectional, or for a block-causal model block-causal over blocks of ``block_size``
+        positions (default: the model's), counted from position 0.
         """
         cfg = self.config
         group = cfg.num_heads // cfg.num_kv_heads
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        if cfg.block_causal:
+            blk = positions // (block_size or cfg.causal_block_size)
+            causal = (blk[None, :] <= blk[:, None])[None, None]
+            mask = causal if mask is None else mask & causal
 
         def attend(i, q, k, v):  # [B, T, H, D]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-            mask = None if key_mask is None else key_mask[:, None, None, :]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             return out.transpose(1, 2)
 
-        return self.output_head()(self._layers(self.embed(input_ids), positions, attend))
+        return F.linear(self._layers(self.embed(input_ids), positions, attend),
+                        self.output_head().weight)

@@ -30,4 +30,5 @@ class TritonAttentionBackend(AttentionBackend):
                                   max_query_len=max(meta.query_lens, default=0))
             self._planned = (meta, plan)
         return paged_attention(q, k_pages, v_pages, meta.cu_seqlens_q, meta.block_tables,
-                               meta.kv_lens, scale, plan=self._planned[1])
+                               meta.kv_lens, scale, plan=self._planned[1],
+                               causal_blocks=meta.causal_blocks, positions=meta.positions)

@@ -12,7 +12,10 @@ Policies:
   tokens). Seated decodes always run; waiting prefills are admitted in queue order (the
   request's ``priority``, lower first, then original arrival: ``Request.queue_key``), strict
   head-of-line, while their cost fits ``(tau - decode_tokens) + deficit``; unused budget carries
-  over, so a prefill larger than ``tau`` is admitted after enough iterations.
+  over, so a prefill larger than ``tau`` is admitted after enough iterations. With
+  ``chunked_prefill``, a block-causal head (SDAR) whose prefill exceeds what is left is
+  admitted in part instead: its prompt's whole blocks up to the budget, one chunk per
+  iteration, the rest (with its first block) when the budget covers it.
 - ``prefill_first``: ``tau`` = infinity: every waiting prefill that fits memory and the batch cap
   is admitted, head-of-line (Orca / vLLM / dLLM-Serve).
 - ``fastdllm``: batch size 1 (the Fast-dLLM baseline): one request at a time, run to
@@ -80,7 +83,7 @@ class BatchBuilder:
 
     def __init__(self, allocator: PageAllocator, page_size: int, policy: str = "deficit",
                  token_budget: int | float = 1024, max_batch_size: int = 256,
-                 drain_iterations: int = DRAIN_ITERATIONS):
+                 drain_iterations: int = DRAIN_ITERATIONS, chunked_prefill: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if page_size < 1:
@@ -103,6 +106,9 @@ class BatchBuilder:
         # tau (adaptive: its floor); math.inf for prefill-first
         self.token_budget: int | float = token_budget
         self.drain_iterations = drain_iterations
+        # Block-causal requests: a head whose prefill exceeds the budget left may be admitted
+        # in part, its prompt's whole blocks up to the budget (Request.chunk_room).
+        self.chunked_prefill = chunked_prefill
         self.max_batch_size = 1 if policy == "fastdllm" else max_batch_size
         self._deficit = 0
         self._requests: dict[str, Request] = {}  # every request held here, any status
@@ -276,8 +282,12 @@ class BatchBuilder:
                 batch_full = True
                 break
             by_budget = head.prefill_cost <= remaining - admitted
+            chunk = 0
             if not by_budget and (decodes or prefills):
-                break  # strict head-of-line: nothing behind it may leapfrog
+                if self.chunked_prefill:
+                    chunk = head.chunk_room(remaining - admitted)
+                if not chunk:
+                    break  # strict head-of-line: nothing behind it may leapfrog
             if not head.pages:  # first admission: the whole canvas
                 n = head.pages_needed(self.page_size)
                 if not self.allocator.can_allocate(n):
@@ -285,6 +295,11 @@ class BatchBuilder:
                     break
                 head.pages = self.allocator.allocate(n)
             heapq.heappop(self._queue)
+            if chunk:  # part of the head's prefill; what follows it waits behind the rest
+                self._admit(head, now, prefills)
+                head.chunk_end = head.prefilled + chunk
+                admitted += chunk
+                break
             self._admit(head, now, prefills)
             admitted += head.prefill_cost
             idle = idle or not by_budget  # the idle rule: never leave the GPU idle

@@ -20,6 +20,15 @@ a full refresh can run anywhere; the others need the K/V the canvas holder kept.
 ``force_refresh`` the current block starts with a full refresh whatever the cadence says: the
 request's adaptive trigger fired (the driver says so in ``mark_step_done``), or its cached K/V
 was lost (its worker died, a transfer failed).
+
+A block-causal request (SDAR, ``block_causal``) lays its blocks on the grid from position 0, so
+T is a multiple of B and block 0 starts at floor(P/B)·B. Only block 0 (or a block that lost its
+K/V) starts with a "refresh": the forward over [0, e) that writes the prompt's K/V and takes the
+block's first step. Every later block stays seated; its first step spans 2B (it writes the
+finished block's final K/V) and the others B. That refresh is divisible at block boundaries:
+with chunked prefill the scheduler may admit [prefilled, chunk_end) of the prompt's whole
+blocks alone (a forward that only writes K/V), after which the request waits again, at the head
+of the queue, for the rest.
 """
 
 from __future__ import annotations
@@ -99,10 +108,18 @@ class Request:
     def __init__(self, request_id: str, arrival_time: float, prompt_len: int, canvas_len: int,
                  block_length: int, cache: str = "dual", suffix_len: int = 0,
                  priority: int = 0, seq: int | None = None, refresh_interval: int = 1,
-                 prompt_refresh_interval: int = 1, load_adaptive: bool = False):
+                 prompt_refresh_interval: int = 1, load_adaptive: bool = False,
+                 block_causal: bool = False):
         if prompt_len < 1:
             raise ValueError(f"request {request_id!r}: prompt_len must be >= 1, got {prompt_len}")
-        if block_length < 1 or canvas_len < 1 or canvas_len % block_length:
+        if block_causal and (block_length < 1 or canvas_len < 1 or suffix_len
+                             or (prompt_len + canvas_len) % block_length):
+            raise ValueError(
+                f"request {request_id!r}: a block-causal canvas ({canvas_len}) must end the "
+                f"prompt ({prompt_len}) on the grid of block_length ({block_length}), with no "
+                "suffix")
+        if not block_causal and (block_length < 1 or canvas_len < 1
+                                 or canvas_len % block_length):
             raise ValueError(
                 f"request {request_id!r}: canvas_len ({canvas_len}) must be a positive multiple "
                 f"of block_length ({block_length})")
@@ -127,8 +144,15 @@ class Request:
         self.priority = priority  # vLLM's: lower is served first; ties by arrival
         # Its place among equal arrivals: kept by the copies a worker schedules (``seq``).
         self.seq = next(_SEQ) if seq is None else seq
+        self.block_causal = block_causal
         self.total_len = prompt_len + canvas_len + suffix_len
-        self.num_blocks = canvas_len // block_length
+        # Where block 0 starts: after the prompt, or on the grid below its end (block-causal).
+        self.block_origin = prompt_len // block_length * block_length if block_causal \
+            else prompt_len
+        self.num_blocks = (prompt_len + canvas_len - self.block_origin) // block_length
+        self.block_first_step = False  # seated at a block that starts without a refresh
+        self.prefilled = 0  # block-causal: prompt positions whose K/V is stored (whole blocks)
+        self.chunk_end: int | None = None  # admitted as a prefill chunk [prefilled, chunk_end)
         self.block = 0
         self.status = RequestStatus.WAITING
         self.pages: list[int] = []
@@ -154,7 +178,9 @@ class Request:
     @property
     def prefill_cost(self) -> int:
         """The current block's refresh: a full one spans all T positions (bidirectional
-        attention: it cannot be chunked), a response-only one [P, T)."""
+        attention: it cannot be chunked), a response-only one [P, T); block-causal, [0, e)."""
+        if self.block_causal:
+            return self.block_origin + (self.block + 1) * self.block_length - self.prefilled
         if self.block_start == FULL_REFRESH:
             return self.total_len
         return self.total_len - self.prompt_len
@@ -162,11 +188,24 @@ class Request:
     @property
     def decode_span(self) -> int:
         """Span of one cached step in the current block (DESIGN.md §2)."""
+        if self.block_causal:  # a seated block's first step also stores the finished one
+            return self.block_length * (2 if self.block_first_step else 1)
         if self.cache == "dual":
             return self.block_length
         if self.cache == "prefix":
             return self.total_len - (self.prompt_len + self.block * self.block_length)
         return self.total_len  # "none": every step is a refresh
+
+    def chunk_room(self, budget: int | float) -> int:
+        """The longest prefill chunk of this request within ``budget`` tokens: whole blocks of
+        its prompt not yet stored (the block with the first masks is never split off); 0 if
+        none fits."""
+        if not self.block_causal or self.block_start != FULL_REFRESH:
+            return 0
+        room = self.block_origin - self.prefilled
+        if budget < room:
+            room = int(budget) // self.block_length * self.block_length
+        return max(0, room)
 
     @property
     def queue_key(self) -> tuple[int, float, int]:
@@ -195,10 +234,19 @@ class Request:
             raise ValueError(f"{self!r}: the last block is done, so the request must finish")
         m = self.metrics
         m.num_steps += 1
+        self.block_first_step = False
+        if self.status is RequestStatus.PREFILL and self.chunk_end is not None:
+            # A prefill chunk: its K/V is stored; the rest of the prefill waits again.
+            m.prefill_finished.append(now)
+            m.prefill_queued.append(now)
+            self.prefilled, self.chunk_end = self.chunk_end, None
+            self.status = RequestStatus.WAITING
+            return
         if self.status is RequestStatus.PREFILL:
             m.prefill_finished.append(now)
             m.decode_started.append(now)
             self.force_refresh = False
+            self.prefilled = 0
         if finished:
             m.block_finished.append(now)
             self._finish(now, finish_reason or (
@@ -210,6 +258,7 @@ class Request:
             if self.block_start == NO_REFRESH:  # stays seated
                 m.decode_started.append(now)
                 self.status = RequestStatus.DECODE
+                self.block_first_step = True
             else:
                 m.prefill_queued.append(now)
                 self.status = RequestStatus.WAITING

@@ -152,6 +152,9 @@ class MultiWorkerEngine:
         self.config = config
         self.roles = launcher.validate(config)
         self.loaded = _front_model(config, loaded, launcher.worker_device(config, 0))
+        if self.loaded.config.block_causal:
+            raise ValueError("a block-causal model (SDAR) is served by one worker process for "
+                             "now: drop --num-workers / --mode / --nnodes")
         self.requests: dict[str, _Entry] = {}
         self.stats = EngineStats()
         self.counters = Counters()
