@@ -92,7 +92,7 @@ step tests 120 "$PY" -m pytest -q -p no:cacheprovider "${TESTS_MODE[@]}" tests/t
   --junitxml="$OUT/tests.xml"
 
 # Each benchmark rewrites its JSON after each suite or run, so a cut one keeps what it measured.
-step kernels 90 "${BENCH[@]}" kernels --json "$OUT/kernels.json"
+step kernels 90 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
 step graphs 50 "${BENCH[@]}" graphs --json "$OUT/graphs.json"
 step model 20 "$PY" -m sangam.testing "$OUT/model" "${SHAPE[@]}"
 step calibrate 45 "${BENCH[@]}" calibrate --model "$OUT/model" --load-format dummy \

@@ -393,3 +393,51 @@ def test_sim_against_a_measured_run_pairs_policies_and_checks_the_requests(tmp_p
         main(["sim", "--model", "calibrated", "--num-requests", "2"])
     with pytest.raises(SystemExit, match="not the output of an in-process"):
         main([*common, "--against", str(tmp_path / "sim")])
+
+
+# Block-causal models (SDAR).
+def test_block_causal_request_prefills_once_and_steps_its_blocks():
+    # P=10, 12 tokens, B=4: the grid puts block 0 at [8, 12) (2 masks), blocks to position 24:
+    # 4 blocks. 2 tokens per step: block 0 takes 1 forward (the prefill [0, 12)), blocks 1-3
+    # two each (their first spans 8: the finished block and the new one).
+    cfg = SimConfig(model="sdar", block_length=4)
+    res = run(cfg, [TraceRequest(0.0, 10, 12)])
+    r = by_id(res)[0]
+    assert r["forwards"] == 7 and r["latency"] == pytest.approx(7 * TICK)
+    assert res.workers[0]["prefill_tokens"] == 12  # one prefill, no refresh ever after
+    with pytest.raises(ValueError, match="block-causal"):
+        SimConfig(model="sdar", mode="hybrid")
+    with pytest.raises(ValueError, match="block-causal"):
+        SimConfig(model="sdar", refresh_interval=2)
+
+
+def test_chunked_prefill_splits_a_long_prompt_within_the_budget():
+    # A (P=2, prefill 4) is admitted at t=0 with B (P=200, prefill 204) not yet there, leaving
+    # a deficit of 60. tau = 64; whole-prompt waits until the deficit covers 204 tokens.
+    # Chunked: t=0.1, 60 carried + 64 - 4 (A's step) = 120 -> chunk [0, 120); t=0.2, 64 - 8
+    # (A's first step of a block) = 56 -> chunk [120, 176); t=0.3, the rest (28, with block 0)
+    # fits whole: two chunks.
+    trace = [TraceRequest(0.0, 2, 40), TraceRequest(0.05, 200, 8)]
+    whole = run(SimConfig(model="sdar", block_length=4, token_budget=64), trace, 1)
+    chunked = run(SimConfig(model="sdar", block_length=4, token_budget=64,
+                            enable_chunked_prefill=True), trace, 1)
+    w, c = by_id(whole), by_id(chunked)
+    assert w[1]["forwards"] == 8 and c[1]["forwards"] == 8 + 2  # its chunks are forwards too
+    assert whole.workers[0]["prefill_tokens"] == chunked.workers[0]["prefill_tokens"] == 204 + 4
+    # A steps every iteration whatever B does: 2 masks in block 0, 4 in each of 10 more.
+    assert w[0]["forwards"] == c[0]["forwards"] == 42
+
+
+def test_block_causal_attention_counts_the_keys_each_query_sees():
+    # A prefill of 3 blocks of 4 from position 0: queries of block j see 4(j + 1) keys.
+    assert Span(12, 12, 0, causal_block=4).attention_pairs == 4 * (4 + 8 + 12)
+    assert Span(8, 24, 4, causal_block=4).attention_pairs == 4 * 20 + 4 * 24  # a block step
+    assert Span(8, 24, 4).attention_pairs == 8 * 24
+
+
+def test_block_causal_experiment(tmp_path, capsys):
+    assert main(["sim", "--experiment", "block-causal", "--num-requests", "12", "--qps", "2",
+                 "--out", str(tmp_path)]) == 0
+    panels = json.loads((tmp_path / "results.json").read_text())["panels"]
+    assert len(panels) == 4 and all(len(p["capacity_qps"]) == 4 for p in panels.values())
+    assert "sustains" in capsys.readouterr().out

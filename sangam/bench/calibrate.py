@@ -58,7 +58,8 @@ def compositions(max_len: int, block: int) -> list[list[Span]]:
 
 def _geometry_of(cfg, name: str) -> ModelGeometry:
     return ModelGeometry(name, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                         cfg.intermediate_size, cfg.vocab_size)
+                         cfg.intermediate_size, cfg.vocab_size, cfg.block_causal, cfg.head_dim,
+                         cfg.tie_word_embeddings)
 
 
 def random_model(geom_key: str, device, dtype):
@@ -252,7 +253,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "calibrate", help="time forwards and fit the simulator's cost coefficients (GPU)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--geometry", choices=sorted(MODELS), default="llada",
+    p.add_argument("--geometry", choices=sorted(k for k in MODELS if not MODELS[k].block_causal),
+                   default="llada",
                    help="on a GPU without --model: this model's shape with random weights")
     p.add_argument("--model", default=None, help="checkpoint directory to time instead")
     p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",

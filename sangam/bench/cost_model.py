@@ -46,24 +46,29 @@ class ModelGeometry:
     kv_heads: int
     intermediate: int
     vocab: int
+    block_causal: bool = False  # SDAR: a query sees its block and the blocks before
+    head_size: int = 0  # 0: hidden // heads (Qwen3 and SDAR name theirs: 128)
+    tied_head: bool = False  # the LM head is the embedding table (SDAR-1.7B and 4B)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     @property
     def layer_params(self) -> int:
-        """Weights of one block: q and o (hidden^2 each), k and v (GQA), SwiGLU gate/up/down."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        return 2 * h * h + 2 * h * kv + 3 * h * self.intermediate
+        """Weights of one block: q and o (hidden x heads x head_dim each), k and v (GQA),
+        SwiGLU gate/up/down."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return 2 * h * q + 2 * h * kv + 3 * h * self.intermediate
 
     @property
     def head_params(self) -> int:
         return self.hidden * self.vocab
 
     def weight_bytes(self, dtype_bytes: int = BF16_BYTES) -> int:
-        """Resident weights: the layers, the LM head and the (untied) embedding table."""
-        return (self.layers * self.layer_params + 2 * self.head_params) * dtype_bytes
+        """Resident weights: the layers, the LM head and the embedding table (once if tied)."""
+        tables = 1 if self.tied_head else 2
+        return (self.layers * self.layer_params + tables * self.head_params) * dtype_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int = BF16_BYTES) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
@@ -72,6 +77,11 @@ class ModelGeometry:
 MODELS = {
     "llada": ModelGeometry("LLaDA-8B", 4096, 32, 32, 32, 12288, 126464),
     "dream": ModelGeometry("Dream-7B", 3584, 28, 28, 4, 18944, 152064),
+    "sdar": ModelGeometry("SDAR-8B", 4096, 36, 32, 8, 12288, 151936, block_causal=True),
+    "sdar-4b": ModelGeometry("SDAR-4B", 2560, 36, 32, 8, 9728, 151936, block_causal=True,
+                             head_size=128, tied_head=True),
+    "sdar-1.7b": ModelGeometry("SDAR-1.7B", 2048, 28, 16, 8, 6144, 151936, block_causal=True,
+                               head_size=128, tied_head=True),
 }
 
 
@@ -150,8 +160,18 @@ class Span:
     """One request's part of a forward."""
 
     q_len: int  # positions computed (T for a refresh, the block for a DualCache step)
-    kv_len: int  # positions attended to (the request's whole sequence T)
+    kv_len: int  # positions attended to (the request's whole sequence T; block-causal: to e)
     lm_rows: int  # LM-head rows: masked positions of the current block
+    causal_block: int = 0  # block-causal: the block size (a query sees keys to its block's end)
+
+    @property
+    def attention_pairs(self) -> float:
+        """(query, key) pairs the attention computes: all of them, or under the block-causal
+        mask for a span ending at ``kv_len``, each query's keys up to its block's end."""
+        if not self.causal_block:
+            return float(self.q_len * self.kv_len)
+        start = self.kv_len - self.q_len
+        return self.q_len * (start + self.kv_len + self.causal_block) / 2
 
 
 def batch_features(geom: ModelGeometry, spans: Sequence[Span], dtype_bytes: int = BF16_BYTES
@@ -163,7 +183,7 @@ def batch_features(geom: ModelGeometry, spans: Sequence[Span], dtype_bytes: int 
     """
     tokens = sum(s.q_len for s in spans)
     rows = sum(s.lm_rows for s in spans)
-    attn_pairs = sum(s.q_len * s.kv_len for s in spans)
+    attn_pairs = sum(s.attention_pairs for s in spans)
     kv_tokens = sum(s.kv_len + s.q_len for s in spans)
     return np.array([
         2.0 * tokens * geom.layers * geom.layer_params,

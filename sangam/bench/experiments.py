@@ -12,6 +12,10 @@
   (``policy="adaptive"``: tau raised with the prefill queue) against the static taus of the
   sweep, mean and p99 latency at loads from light to saturation (the paper's limitation: the
   best static tau flips between the two traces).
+- ``block-causal``: SDAR-8B (block-causal: one prefill per request, no refreshes) on one GPU,
+  ShareGPT and arXiv, block sizes 4 and 32: batch 1, prefill-first, and the deficit budget with
+  whole-prompt and chunked prefill admission (the paper's unmeasured claim: with rare
+  re-prefills the problem slides back toward autoregressive scheduling).
 - ``refresh-cadence``: ``fastdllm-vs-deficit``'s setting, colocated tau=1024 under refresh
   cadences (``quality.REFRESH_CADENCES``: blocks between refreshes, refreshes between full ones):
   the QPS
@@ -47,7 +51,8 @@ from sangam.bench.traces import load_lengths
 from sangam.sched.batch_builder import DRAIN_ITERATIONS
 
 DEFAULT_REQUESTS = {"fastdllm-vs-deficit": 300, "tau-sweep": 600, "modes": 500,
-                    "refresh-cadence": 300, "adaptive-tau": 1500}
+                    "refresh-cadence": 300, "adaptive-tau": 1500,
+                    "block-causal": 300}
 
 
 class _Runner:
@@ -107,25 +112,27 @@ BASELINE = "fastdllm (batch 1)"
 
 
 def _against_batch1(r: _Runner, panel: str, configs: dict[str, SimConfig],
-                    grid: list[float]) -> tuple[float, float, dict[str, float]]:
+                    grid: list[float], trace: str = "sharegpt"
+                    ) -> tuple[float, float, dict[str, float]]:
     """Latency against QPS for each configuration (the first is the batch-1 baseline), then the
     QPS each sustains at matched latency: twice the baseline's mean latency at light load,
     where it is pure service time. Returns (light, target, capacity by label)."""
     for label, cfg in configs.items():
         for q in grid:
-            r.point(panel, label, cfg, "sharegpt", q)
+            r.point(panel, label, cfg, trace, q)
     print(format_table(r.summaries, SUMMARY_COLUMNS))
-    light = r.point(panel, BASELINE, configs[BASELINE], "sharegpt", 0.02,
+    light = r.point(panel, BASELINE, configs[BASELINE], trace, 0.02,
                     keep=False)["latency_mean"]
     target = 2 * light
     caps = {}
     for label, cfg in configs.items():
         res = find_capacity(
-            lambda q, cfg=cfg, label=label: r.point(panel, label, cfg, "sharegpt", q,
+            lambda q, cfg=cfg, label=label: r.point(panel, label, cfg, trace, q,
                                                     keep=False)["latency_mean"],
             target, qps_start=0.2, rel_tol=0.03)
         caps[label] = res.qps
-    print(f"\nmatched mean latency {target:.2f} s (2x the baseline's {light:.2f} s at light load):")
+    print(f"\n{panel}: matched mean latency {target:.2f} s (2x the baseline's {light:.2f} s "
+          "at light load):")
     for label, q in caps.items():
         print(f"  {label:<34} sustains {q:.3f} QPS, {q / caps[BASELINE]:.2f}x the baseline")
     return light, target, caps
@@ -161,6 +168,34 @@ def refresh_cadence(args: argparse.Namespace) -> int:
     _, target, caps = _against_batch1(r, panel, configs, _grid(args, [0.2, 0.5, 1.0, 1.5]))
     r.finish({"matched_latency_s": target, "capacity_qps": caps,
               "cadences": REFRESH_CADENCES}, panel)
+    return 0
+
+
+BLOCK_CAUSAL_SIZES = (4, 32)
+
+
+def block_causal(args: argparse.Namespace) -> int:
+    """SDAR-8B on one GPU, both traces, block sizes 4 and 32: batch 1, prefill-first and the
+    deficit budget with whole-prompt and chunked admission. Latency against QPS, and the QPS
+    each sustains at the matched latency (twice batch 1's light-load mean)."""
+    r = _Runner("block-causal", args)
+    out = {}
+    for trace in ("sharegpt", "arxiv"):
+        for b in BLOCK_CAUSAL_SIZES:
+            panel = f"SDAR-8B B={b}, {trace}, 1x {GPUS[args.gpu].name}"
+            base = _base(args, model="sdar", block_length=b)
+            configs = {BASELINE: replace(base, policy="fastdllm"),
+                       "prefill-first": replace(base, policy="prefill_first"),
+                       "tau=1024 whole prompt": replace(base, token_budget=1024),
+                       "tau=1024 chunked": replace(base, token_budget=1024,
+                                                   enable_chunked_prefill=True)}
+            cap = r.point(panel, "prefill-first", configs["prefill-first"], trace,
+                          float("inf"), keep=False)["throughput_rps"]
+            grid = _grid(args, [round(f * cap, 2) for f in LOAD_FRACTIONS])
+            light, target, caps = _against_batch1(r, panel, configs, grid, trace)
+            out[panel] = {"matched_latency_s": target, "light_latency_s": light,
+                          "capacity_qps": caps, "saturation_qps": cap}
+    r.finish({"panels": out}, f"SDAR-8B, 1x {GPUS[args.gpu].name}")
     return 0
 
 
@@ -277,7 +312,8 @@ def adaptive_tau(args: argparse.Namespace) -> int:
 
 
 EXPERIMENTS = {"fastdllm-vs-deficit": fastdllm_vs_deficit, "tau-sweep": tau_sweep,
-               "modes": modes, "refresh-cadence": refresh_cadence, "adaptive-tau": adaptive_tau}
+               "modes": modes, "refresh-cadence": refresh_cadence, "adaptive-tau": adaptive_tau,
+               "block-causal": block_causal}
 
 
 def run_experiment(name: str, args: argparse.Namespace) -> int:

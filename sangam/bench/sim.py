@@ -68,7 +68,7 @@ from sangam.bench.traces import (
     scale_lengths,
 )
 from sangam.config import EngineConfig
-from sangam.sampling_params import CACHE_MODES, FULL_REFRESH, SamplingParams
+from sangam.sampling_params import CACHE_MODES, FULL_REFRESH, MAX_INT32, SamplingParams
 from sangam.sched.batch_builder import POLICIES, BatchBuilder, ScheduledBatch
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.placement import NeverFits, Placed, Placement
@@ -183,6 +183,7 @@ class SimConfig:
     policy: str = _ENGINE["policy"].default
     token_budget: float = _ENGINE["token_budget"].default
     drain_iterations: int = _ENGINE["drain_iterations"].default
+    enable_chunked_prefill: bool = _ENGINE["enable_chunked_prefill"].default
     max_batch_size: int = _ENGINE["max_batch_size"].default
     overflow_threshold: int = _ENGINE["overflow_threshold"].default
     block_length: int = _REQUEST.block_length
@@ -213,6 +214,11 @@ class SimConfig:
             raise ValueError(f"link must be one of {sorted(LINKS)}, got {self.link!r}")
         if self.policy == "fastdllm" and self.mode != "colocated":
             raise ValueError("the fastdllm policy (batch size 1) runs colocated only")
+        if self.block_causal and (self.mode != "colocated" or self.cache != "dual"
+                                  or (self.refresh_interval, self.prompt_refresh_interval)
+                                  != (1, 1) or self.adaptive_refresh_rate):
+            raise ValueError("a block-causal model (sdar) runs colocated with cache 'dual' and "
+                             "no refresh cadence, as the engine serves it")
         if min(self.num_workers, self.prefill_workers, self.decode_workers) < 1:
             raise ValueError("worker counts must be >= 1")
         if not 0.0 <= self.adaptive_refresh_rate <= 1.0:
@@ -222,6 +228,10 @@ class SimConfig:
         SamplingParams(block_length=self.block_length, cache=self.cache,
                        refresh_interval=self.refresh_interval,
                        prompt_refresh_interval=self.prompt_refresh_interval)
+
+    @property
+    def block_causal(self) -> bool:
+        return self.model in MODELS and MODELS[self.model].block_causal
 
     @property
     def roles(self) -> list[str]:
@@ -249,6 +259,8 @@ class SimConfig:
             cadence = f" refresh={self.refresh_interval}/{self.prompt_refresh_interval}"
         if self.adaptive_refresh_rate:
             cadence += f" adaptive={self.adaptive_refresh_rate:g}"
+        if self.enable_chunked_prefill and self.block_causal:
+            cadence += " chunked"
         return f"{where} {core}" + (" lw" if self.layerwise_kv_streaming else "") + cadence
 
 
@@ -298,7 +310,7 @@ class _Progress:
     forwards: int = 0
 
     def masks_left(self, plan: list[int]) -> int:
-        return self.live.request.block_length - sum(plan[:self.step])
+        return sum(plan[self.step:])  # the plan commits every mask of the block
 
 
 @dataclass
@@ -353,7 +365,7 @@ class Simulator:
         for i, role in enumerate(cfg.roles):  # as the engine builds each worker's parts
             self._workers.append(_Worker(i, role, WorkerCore(BatchBuilder(
                 PageAllocator(self.num_pages), cfg.page_size, cfg.policy, budget,
-                cfg.max_batch_size, cfg.drain_iterations))))
+                cfg.max_batch_size, cfg.drain_iterations, cfg.enable_chunked_prefill))))
         self._transfer_ids = itertools.count()
         self.placement = Placement(cfg.mode, cfg.roles, [self.num_pages] * len(cfg.roles),
                                    cfg.page_size, cfg.overflow_threshold, cfg.seed)
@@ -396,15 +408,23 @@ class Simulator:
         cfg = self.config
         b = cfg.block_length
         out = t.gen_len if cfg.max_tokens is None else min(t.gen_len, cfg.max_tokens)
-        canvas = -(-(out if cfg.max_tokens is None else cfg.max_tokens) // b) * b
-        req = Request(f"r{index}", t.arrival_time, t.prompt_len, canvas, b, cfg.cache,
-                      refresh_interval=cfg.refresh_interval,
-                      prompt_refresh_interval=cfg.prompt_refresh_interval)
+        want = out if cfg.max_tokens is None else cfg.max_tokens
+        if cfg.block_causal:  # the block grid from position 0; no refresh after block 0
+            canvas = -(-(t.prompt_len + want) // b) * b - t.prompt_len
+            blocks = -(-(t.prompt_len + out) // b) - t.prompt_len // b
+            req = Request(f"r{index}", t.arrival_time, t.prompt_len, canvas, b, cfg.cache,
+                          refresh_interval=MAX_INT32, block_causal=True)
+        else:
+            canvas = -(-want // b) * b
+            blocks = -(-out // b)
+            req = Request(f"r{index}", t.arrival_time, t.prompt_len, canvas, b, cfg.cache,
+                          refresh_interval=cfg.refresh_interval,
+                          prompt_refresh_interval=cfg.prompt_refresh_interval)
         try:
             placed = self.placement.add(req)
         except NeverFits as e:
             raise ValueError(f"request {index} can never fit a worker's KV pool: {e}") from None
-        self._lives[req.request_id] = _Live(index, placed, out, -(-out // b))
+        self._lives[req.request_id] = _Live(index, placed, out, blocks)
 
     @staticmethod
     def _view(live: _Live) -> Request:
@@ -412,7 +432,8 @@ class Simulator:
         r = live.request
         req = Request(r.request_id, r.arrival_time, r.prompt_len, r.canvas_len,
                       r.block_length, r.cache, seq=r.seq, refresh_interval=r.refresh_interval,
-                      prompt_refresh_interval=r.prompt_refresh_interval)
+                      prompt_refresh_interval=r.prompt_refresh_interval,
+                      block_causal=r.block_causal)
         req.block, req.force_refresh = r.block, r.force_refresh
         return req
 
@@ -440,11 +461,14 @@ class Simulator:
             batch = w.core.builder.schedule(now)
             if batch.is_empty:
                 continue  # memory-blocked; a later event frees pages
-            spans = [Span(r.prefill_cost, r.total_len, r.block_length) for r in batch.prefills]
+            spans = [self._prefill_span(r) for r in batch.prefills]
             for r in batch.decodes:
                 progress = w.core.tasks[r.request_id].payload
-                spans.append(Span(r.decode_span, r.total_len,
-                                  progress.masks_left(self.block_plan(progress.live))))
+                kv = r.block_origin + (r.block + 1) * r.block_length if r.block_causal \
+                    else r.total_len
+                spans.append(Span(r.decode_span, kv,
+                                  progress.masks_left(self.block_plan(progress.live)),
+                                  r.block_length if r.block_causal else 0))
             dt = self.cost.iteration_time(spans)
             w.batch, w.started = batch, now
             w.iterations += 1
@@ -453,6 +477,18 @@ class Simulator:
             w.prefill_tokens += batch.prefill_tokens
             self._push(now + dt, _ITER_DONE, w)
 
+    @staticmethod
+    def _prefill_span(r: Request) -> Span:
+        """A refresh's part of the forward; block-causal, [prefilled, e) under the mask (a
+        prefill chunk, [prefilled, chunk_end), scores no row)."""
+        if not r.block_causal:
+            return Span(r.prefill_cost, r.total_len, r.block_length)
+        if r.chunk_end is not None:
+            return Span(r.chunk_end - r.prefilled, r.chunk_end, 0, r.block_length)
+        end = r.prefilled + r.prefill_cost
+        return Span(r.prefill_cost, end, end - max(r.prompt_len, end - r.block_length),
+                    r.block_length)
+
     def _iteration_done(self, w: _Worker) -> None:
         """In the worker's order: every request's step, then the reports (refreshes run, K/V
         sent, blocks done) as the front reads them."""
@@ -460,8 +496,11 @@ class Simulator:
         batch, w.batch = w.batch, None
         reqs = batch.decodes + batch.prefills
         tasks = [w.core.tasks[r.request_id] for r in reqs]
-        outcomes = [self._advance(t.payload) for t in tasks]
+        chunks = {r.request_id for r in batch.prefills if r.chunk_end is not None}
+        outcomes = [self._advance(t.payload, r.request_id in chunks) for r, t in zip(reqs, tasks)]
         for req, task in zip(batch.prefills, tasks[len(batch.decodes):]):
+            if req.request_id in chunks:
+                continue  # the refresh is not done: the rest of the prompt waits
             current = self.placement.current(req.request_id, task.attempt)
             if current is not None:
                 self.placement.refreshed(current, w.index, w.started, now)
@@ -488,16 +527,24 @@ class Simulator:
         return self.steps.block_commits(rng, block_length)
 
     def block_plan(self, live: _Live) -> list[int]:
-        """``block_commits`` of the request's current block (drawn once)."""
+        """``block_commits`` of the request's current block (drawn once): over its masks (a
+        block-causal block 0 starts with the prompt's tail)."""
         r = live.request
         if live.plan[0] != r.block:
-            live.plan = (r.block, self.block_commits(r.request_id, r.block, r.block_length))
+            masks = r.block_length
+            if r.block_causal and r.block == 0:
+                masks -= r.prompt_len - r.block_origin
+            live.plan = (r.block, self.block_commits(r.request_id, r.block, masks))
         return live.plan[1]
 
-    def _advance(self, progress: _Progress) -> tuple[bool, bool, bool]:
-        """One forward of a request's block; returns (block done, request finished, next
-        block refreshes fully by the adaptive trigger)."""
+    def _advance(self, progress: _Progress, chunk: bool = False) -> tuple[bool, bool, bool]:
+        """One forward of a request's block (``chunk``: a block-causal prefill chunk, which
+        commits nothing); returns (block done, request finished, next block refreshes fully
+        by the adaptive trigger)."""
         live = progress.live
+        if chunk:
+            progress.forwards += 1
+            return False, False, False
         progress.step += 1
         progress.forwards += 1
         block_done = progress.step == len(self.block_plan(live))
@@ -602,8 +649,10 @@ def simulate(config: SimConfig, trace: Sequence[TraceRequest], qps: float = math
 
 # Command line.
 _HELP = {
-    "model": "model geometry (DESIGN.md §6): llada = LLaDA-8B, dream = Dream-7B, calibrated = "
-             "the model a --calibration file was measured on (e.g. a CPU-calibrated small one)",
+    "model": "model geometry (DESIGN.md §6): llada = LLaDA-8B, dream = Dream-7B, sdar = "
+             "SDAR-8B, sdar-4b, sdar-1.7b (block-causal: one prefill per request, colocated), "
+             "calibrated = the model a --calibration file was measured on (e.g. a "
+             "CPU-calibrated small one)",
     "gpu": "GPU of every worker: peak FLOP/s, HBM bandwidth and memory",
     "mode": "colocated, disaggregated (xPyD) or hybrid (xPyD + overflow onto decode workers)",
     "num_workers": "workers (GPUs) in colocated mode",
@@ -614,6 +663,8 @@ _HELP = {
                     "its floor)",
     "drain_iterations": "adaptive policy: tau admits the queue's share of the waiting prefill "
                         "tokens over this many iterations",
+    "enable_chunked_prefill": "block-causal models (sdar): admit a prompt's prefill in chunks "
+                              "of whole blocks within tau",
     "max_batch_size": "most requests in one forward",
     "overflow_threshold": "hybrid: outstanding prefill tokens (theta) on every prefill worker "
                           "before a prefill overflows onto a decode worker",
@@ -690,14 +741,15 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
                             "flags: print simulated / measured latency per policy and QPS")
         p.add_argument("--experiment", default=None, choices=sorted(EXPERIMENT_NAMES),
                        help="run one of the paper's experiments, or refresh-cadence / "
-                            "adaptive-tau (of the deployment flags it takes --gpu, --link, "
-                            "--layerwise-kv-streaming, --calibration and --seed, and "
-                            "refresh-cadence --adaptive-refresh-rate; --num-requests and --qps "
+                            "adaptive-tau / block-causal (of the deployment flags it takes "
+                            "--gpu, --link, --layerwise-kv-streaming, --calibration and "
+                            "--seed, and refresh-cadence --adaptive-refresh-rate; "
+                            "--num-requests and --qps "
                             "replace its defaults)")
 
 
 EXPERIMENT_NAMES = ("fastdllm-vs-deficit", "tau-sweep", "modes", "refresh-cadence",
-                    "adaptive-tau")
+                    "adaptive-tau", "block-causal")
 # (sangam.bench.experiments)
 DEFAULT_NUM_REQUESTS = 300
 
