@@ -22,7 +22,7 @@ from sangam.models.loader import ARCHITECTURES, save_checkpoint
 def tiny_config(arch: str = "llada", vocab_size: int = 160, hidden_size: int = 64,
                 num_layers: int = 2, num_heads: int = 4, num_kv_heads: int | None = None,
                 intermediate_size: int = 128, max_position: int = 1024,
-                tie_word_embeddings: bool = False) -> dict:
+                tie_word_embeddings: bool = False, head_dim: int | None = None) -> dict:
     """A config.json dict with the real key names, mask token = last id, EOS = id 1
     (``tie_word_embeddings``: SDAR's smaller models tie their LM head to the embedding)."""
     if arch == "llada":
@@ -50,7 +50,8 @@ def tiny_config(arch: str = "llada", vocab_size: int = 160, hidden_size: int = 6
             "architectures": ["SDARForCausalLM"], "model_type": "sdar",
             "hidden_size": hidden_size, "num_hidden_layers": num_layers,
             "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads or num_heads,
-            "head_dim": 2 * hidden_size // num_heads, "intermediate_size": intermediate_size,
+            "head_dim": head_dim or 2 * hidden_size // num_heads,
+            "intermediate_size": intermediate_size,
             "vocab_size": vocab_size, "mask_token_id": vocab_size - 1, "eos_token_id": 1,
             "pad_token_id": 1, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
             "max_position_embeddings": max_position, "tie_word_embeddings": tie_word_embeddings,
@@ -61,13 +62,17 @@ def tiny_config(arch: str = "llada", vocab_size: int = 160, hidden_size: int = 6
 
 def real_shape_config(geometry: str, max_position: int = 4096) -> dict:
     """config.json of a real model's shape (``cost_model.MODELS``: llada = LLaDA-8B, dream =
-    Dream-7B) with this module's token conventions; for random weights, not for real ones."""
+    Dream-7B, sdar = SDAR-8B, ...) with this module's token conventions; for random weights,
+    not for real ones."""
     from sangam.bench.cost_model import MODELS
 
     g = MODELS[geometry]
-    return tiny_config(geometry, vocab_size=g.vocab, hidden_size=g.hidden, num_layers=g.layers,
+    arch, extra = geometry, {}
+    if g.block_causal:
+        arch, extra = "sdar", {"head_dim": g.head_dim, "tie_word_embeddings": g.tied_head}
+    return tiny_config(arch, vocab_size=g.vocab, hidden_size=g.hidden, num_layers=g.layers,
                        num_heads=g.heads, num_kv_heads=g.kv_heads,
-                       intermediate_size=g.intermediate, max_position=max_position)
+                       intermediate_size=g.intermediate, max_position=max_position, **extra)
 
 
 def make_tiny_checkpoint(path: str | os.PathLike, arch: str = "llada", seed: int = 0,
@@ -100,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", help="directory to write")
     p.add_argument("--arch", choices=("llada", "dream", "sdar"), default="llada",
                    help="tiny checkpoint's architecture")
-    p.add_argument("--shape", choices=("llada", "dream"), default=None,
+    p.add_argument("--shape", choices=("llada", "dream", "sdar", "sdar-4b", "sdar-1.7b"),
+                   default=None,
                    help="a real model's shape instead of the tiny one (implies --config-only)")
     p.add_argument("--config-only", action="store_true",
                    help="write config.json only: load it with --load-format dummy")

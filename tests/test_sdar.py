@@ -211,3 +211,26 @@ def test_server_serves_sdar(tmp_path):
         bad = httpx.post(f"{base}/v1/completions", timeout=60,
                          json={**body, "cache": "prefix"})
         assert bad.status_code == 400 and "block-causal" in bad.text
+
+
+def test_real_shapes_and_stop_ids():
+    """--load-format dummy configs of the SDAR shapes parse to the cost model's geometry, and
+    a Qwen tokenizer's <|im_end|> and <|endoftext|> both stop a response."""
+    from sangam.bench.cost_model import MODELS
+    from sangam.models import stop_token_ids
+    from sangam.testing import real_shape_config
+
+    for key in ("sdar", "sdar-4b", "sdar-1.7b"):
+        cfg, g = parse_config(real_shape_config(key)), MODELS[key]
+        assert (cfg.head_dim, cfg.num_kv_heads, cfg.tie_word_embeddings) == (
+            g.head_dim, g.kv_heads, g.tied_head)
+        assert cfg.block_causal and cfg.head_dim == 128
+
+    class QwenVocab:
+        eos_token_id = None
+
+        @staticmethod
+        def get_vocab():
+            return {"<|im_end|>": 151645, "<|endoftext|>": 151643, "hi": 5}
+
+    assert stop_token_ids(151645, QwenVocab()) == {151645, 151643}
