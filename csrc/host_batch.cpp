@@ -33,7 +33,8 @@ struct Names {
       *step, *num_forwards, *finished, *finish_reason, *block_length, *cache, *temperature,
       *unmasking, *threshold, *factor, *tokens_per_step, *stop, *length, *confidence,
       *max_tokens, *refresh_interval, *prompt_refresh_interval, *force_refresh,
-      *refresh_confidence, *min_threshold;
+      *refresh_confidence, *min_threshold, *block_causal, *block_origin, *canvas_end,
+      *prefilled, *chunk_end, *num_chunks;
 };
 Names names;
 
@@ -70,6 +71,12 @@ bool intern_names() {
       {&names.force_refresh, "force_refresh"},
       {&names.refresh_confidence, "refresh_confidence"},
       {&names.min_threshold, "min_threshold"},
+      {&names.block_causal, "block_causal"},
+      {&names.block_origin, "block_origin"},
+      {&names.canvas_end, "canvas_end"},
+      {&names.prefilled, "prefilled"},
+      {&names.chunk_end, "chunk_end"},
+      {&names.num_chunks, "num_chunks"},
   };
   for (const auto& entry : table) {
     *entry.slot = PyUnicode_InternFromString(entry.text);
@@ -207,11 +214,45 @@ struct Plan {
   int64_t shift = 0;           // Dream: position p is predicted by hidden row p - 1
   int64_t s = 0, e = 0;        // the current block [s, e)
   int64_t start = 0, end = 0;  // the span fed to the model
+  int64_t kv_len = 0;          // keys attended: T (block-causal: the span's end)
+  bool chunk = false;          // a block-causal prefill chunk: it stores K/V, scores no row
   int64_t num_forced = 0;      // Dream's refresh commits position s regardless of the rule
   int64_t num_rows = 0;        // forced rows + rule candidates
   double temperature = 0.0;
   uint32_t key = 0;            // the step's noise key (only drawn when temperature > 0)
 };
+
+// DecodeState.span() of a block-causal request: its prompt's K/V (what is left of it, or a
+// chunk of it) with block 0's first step, a later block's first step over [s - B, e), and
+// the block's other steps over [s, e); keys up to the span's end.
+bool block_causal_span(PyObject* st, Plan* p, int64_t block, int64_t step, int64_t block_length,
+                       bool force_refresh) {
+  if (step > 0) {
+    p->start = p->s, p->end = p->e;
+  } else if (block == 0 || force_refresh) {
+    int64_t prefilled = 0;
+    if (!force_refresh && !attr_i64(st, names.prefilled, &prefilled)) return false;
+    Ref chunk_end(PyObject_GetAttr(st, names.chunk_end));
+    if (!chunk_end) return false;
+    p->start = prefilled, p->end = p->e;
+    if (chunk_end.get() != Py_None) {
+      const long long end = PyLong_AsLongLong(chunk_end.get());
+      if (end == -1 && PyErr_Occurred()) return false;
+      p->end = end;
+    }
+    p->chunk = p->end <= p->s;
+  } else {
+    p->start = p->s - block_length, p->end = p->e;
+  }
+  if (p->start < 0 || p->end <= p->start || p->end > p->total_len) {
+    PyErr_Format(PyExc_ValueError, "DecodeState: span [%lld, %lld) outside its canvas of %lld",
+                 static_cast<long long>(p->start), static_cast<long long>(p->end),
+                 static_cast<long long>(p->total_len));
+    return false;
+  }
+  p->kv_len = p->end;
+  return true;
+}
 
 bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
   Ref tokens(PyObject_GetAttr(st, names.tokens));
@@ -222,9 +263,12 @@ bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
   if (!cache) return false;
   const bool cache_none = str_equals(cache.get(), "none");
   const bool cache_dual = str_equals(cache.get(), "dual");
-  int64_t block_length, prompt_len, block, step, refresh_interval, prompt_refresh_interval;
-  bool shift, force_refresh;
+  int64_t block_length, prompt_len, block, step, refresh_interval, prompt_refresh_interval,
+      origin;
+  bool shift, force_refresh, block_causal;
   if (!attr_i64(params.get(), names.block_length, &block_length) ||
+      !attr_truth(st, names.block_causal, &block_causal) ||
+      !attr_i64(st, names.block_origin, &origin) ||
       !attr_f64(params.get(), names.temperature, &p->temperature) ||
       !attr_i64(params.get(), names.refresh_interval, &refresh_interval) ||
       !attr_i64(params.get(), names.prompt_refresh_interval, &prompt_refresh_interval) ||
@@ -236,7 +280,7 @@ bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
   const int64_t T = p->tokens.size();
   p->total_len = T;
   p->shift = shift ? 1 : 0;
-  p->s = prompt_len + block * block_length;  // block_bounds
+  p->s = origin + block * block_length;  // block_bounds
   p->e = p->s + block_length;
   if (p->s < 0 || p->e <= p->s || p->e > T || refresh_interval < 1 ||
       prompt_refresh_interval < 1) {
@@ -251,7 +295,10 @@ bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
   // both intervals at most 2**31 - 1, so their product fits), or refreshes fully when the
   // cache was lost.
   const bool first = step == 0 || cache_none;
-  if (cache_none ||
+  p->kv_len = T;
+  if (block_causal) {  // the cache is exact: nothing after a block ever attends to it
+    if (!block_causal_span(st, p, block, step, block_length, force_refresh)) return false;
+  } else if (cache_none ||
       (step == 0 && (force_refresh || block % (refresh_interval * prompt_refresh_interval) == 0))) {
     p->start = 0, p->end = T;  // a full refresh
   } else if (step == 0 && block % refresh_interval == 0) {
@@ -264,7 +311,7 @@ bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
   const int64_t* tok = p->tokens.data();
   p->num_forced = (shift && first && tok[p->s] == p->mask) ? 1 : 0;
   int64_t masked = 0;
-  for (int64_t i = p->s + p->shift; i < p->e; ++i) masked += tok[i] == p->mask;
+  for (int64_t i = p->s + p->shift; i < p->e && !p->chunk; ++i) masked += tok[i] == p->mask;
   p->num_rows = p->num_forced + masked;
   if (p->temperature > 0) {  // greedy steps draw no noise
     Ref seed(PyObject_GetAttr(st, names.seed));
@@ -358,7 +405,7 @@ bool pack_one(const Plan& p, int64_t r, int64_t width, int64_t page_size, int64_
     }
   }
   out.cu_seqlens_q[r + 1] = static_cast<int32_t>(tok_off + p.end - p.start);
-  out.kv_lens[r] = static_cast<int32_t>(p.total_len);
+  out.kv_lens[r] = static_cast<int32_t>(p.kv_len);
 
   // Rows: the forced position first, then the rule's candidates in position order.
   int64_t i = row_off;
@@ -370,7 +417,7 @@ bool pack_one(const Plan& p, int64_t r, int64_t width, int64_t page_size, int64_
     ++i;
   };
   if (p.num_forced) add_row(p.s);
-  for (int64_t pos = p.s + p.shift; pos < p.e; ++pos) {
+  for (int64_t pos = p.s + p.shift; pos < p.e && !p.chunk; ++pos) {
     if (tok[pos] == p.mask) add_row(pos);
   }
   out.cu_rows[r + 1] = i;
@@ -470,6 +517,18 @@ bool block_threshold(PyObject* st, PyObject* params, double* out) {
 bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const double* conf,
                 int64_t num_rows, int64_t num_forced, std::vector<int64_t>& order,
                 std::vector<uint8_t>& chosen, bool* block_done) {
+  *block_done = false;
+  Ref chunk_end(PyObject_GetAttr(st, names.chunk_end));
+  if (!chunk_end) return false;
+  if (chunk_end.get() != Py_None) {  // the forward was a block-causal prefill chunk (no rows)
+    int64_t chunks, forwards;
+    return attr_i64(st, names.num_chunks, &chunks) &&
+           attr_i64(st, names.num_forwards, &forwards) &&
+           PyObject_SetAttr(st, names.prefilled, chunk_end.get()) == 0 &&
+           PyObject_SetAttr(st, names.chunk_end, Py_None) == 0 &&
+           set_attr_i64(st, names.num_chunks, chunks + 1) &&
+           set_attr_i64(st, names.num_forwards, forwards + 1);
+  }
   Ref tokens(PyObject_GetAttr(st, names.tokens));
   Array<int64_t> canvas;
   if (!tokens || !canvas.acquire(tokens.get(), "DecodeState.tokens", true)) return false;
@@ -481,9 +540,12 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
                             : str_equals(unmasking.get(), "factor")  ? sangam::Rule::kFactor
                             : str_equals(unmasking.get(), "topk")    ? sangam::Rule::kTopk
                                                                      : sangam::Rule::kUnknown;
-  int64_t mask, prompt_len, block, step, num_forwards, block_length, tokens_per_step;
-  double threshold, factor;
+  int64_t mask, prompt_len, block, step, num_forwards, block_length, tokens_per_step, origin,
+      canvas_end;
+  double threshold = 0.0, factor = 0.0;
   if (!attr_i64(params.get(), names.block_length, &block_length) ||
+      !attr_i64(st, names.block_origin, &origin) ||
+      !attr_i64(st, names.canvas_end, &canvas_end) ||
       !block_threshold(st, params.get(), &threshold) ||
       !attr_f64(params.get(), names.factor, &factor) ||
       !attr_i64(params.get(), names.tokens_per_step, &tokens_per_step) ||
@@ -532,7 +594,7 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
     return false;
   }
   // block_bounds, clamped to the canvas as Python's slice tokens[s:e] would be.
-  const int64_t s = std::clamp<int64_t>(prompt_len + block * block_length, 0, T);
+  const int64_t s = std::clamp<int64_t>(origin + block * block_length, 0, T);
   const int64_t e = std::clamp<int64_t>(s + block_length, 0, T);
   *block_done = true;
   for (int64_t i = s; i < e && *block_done; ++i) *block_done = canvas[i] != mask;
@@ -545,8 +607,8 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
   const int64_t from = std::clamp<int64_t>(prompt_len, 0, e);
   const int64_t to = std::clamp<int64_t>(prompt_len + max_tokens, from, e);
   if (!holds_stop_id(st, canvas.data(), from, to, &stopped)) return false;
-  // DecodeState.num_blocks: the canvas is ceil(max_tokens / B) blocks (tokens may hold a suffix).
-  const bool last = block + 1 == (max_tokens + block_length - 1) / block_length;
+  // DecodeState.num_blocks: from block 0's start to the canvas's end (a suffix may follow).
+  const bool last = block + 1 == (canvas_end - origin) / block_length;
   if (stopped || last) {
     return PyObject_SetAttr(st, names.finished, Py_True) == 0 &&
            PyObject_SetAttr(st, names.finish_reason, stopped ? names.stop : names.length) == 0;

@@ -79,7 +79,23 @@ def _random_state(rng: random.Random) -> DecodeState:
     seed = rng.choice([0, rng.getrandbits(63), 2**64 + rng.getrandbits(40)])
     stop_ids = rng.choice([frozenset(), frozenset({1}), frozenset({1, 2})])
     suffix = [rng.randrange(MASK) for _ in range(rng.choice([0, 0, 3]))]  # infilling
+    if rng.random() < 0.25:  # block-causal (SDAR): grid-aligned blocks, no cadence or suffix
+        params = dataclasses.replace(params, cache="dual", refresh_interval=1,
+                                     prompt_refresh_interval=1, refresh_confidence=0.0)
+        return DecodeState(prompt, params, MASK, stop_ids, False, seed, block_causal=True)
     return DecodeState(prompt, params, MASK, stop_ids, rng.random() < 0.5, seed, suffix)
+
+
+def _maybe_chunk(rng: random.Random, copies: list[DecodeState]) -> None:
+    """What the scheduler may decide for a block-causal request about to prefill: a chunk of
+    its prompt's whole blocks (the same on every copy)."""
+    st = copies[0]
+    b = st.params.block_length
+    room = (st.block_origin - st.prefilled) // b
+    if st.block_causal and st.block == 0 and st.step == 0 and room and rng.random() < 0.5:
+        end = st.prefilled + b * rng.randint(1, room)
+        for c in copies:
+            c.chunk_end = end
 
 
 def _random_pages(rng: random.Random, st: DecodeState, page_size: int) -> list[int]:
@@ -108,7 +124,8 @@ def _assert_same_batch(a: PackedBatch, b: PackedBatch) -> None:
 def _assert_same_state(a: DecodeState, b: DecodeState) -> None:
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.confidence, b.confidence)
-    for name in ("block", "step", "num_forwards", "finished", "finish_reason", "force_refresh"):
+    for name in ("block", "step", "num_forwards", "finished", "finish_reason", "force_refresh",
+                 "prefilled", "chunk_end", "num_chunks"):
         x, y = getattr(a, name), getattr(b, name)
         assert (x, type(x)) == (y, type(y)), name
 
@@ -125,7 +142,7 @@ def _naive_pack(states, pages, page_size) -> PackedBatch:
         cols["input_ids"] += [st.tokens[p] for p in span]
         cols["slot_mapping"] += [pg[p // page_size] * page_size + p % page_size for p in span]
         tables.append(list(pg) + [0] * (width - len(pg)))
-        cols["kv_lens"].append(st.total_len)
+        cols["kv_lens"].append(plan.span_end if st.block_causal else st.total_len)
         cols["logits_indices"] += [cu_q[-1] + r for r in plan.rows]
         cols["row_keys"] += list(plan.row_keys)
         cols["temperatures"] += [st.params.temperature] * len(plan.rows)
@@ -158,6 +175,8 @@ def _drive(seed: int, num_states: int, batchers: list) -> int:
         if not live:
             continue
         picked = rng.sample(live, rng.randint(1, len(live)))
+        for _, copies in picked:
+            _maybe_chunk(rng, copies)
         pages = [pg for pg, _ in picked]
         built = [b.build([copies[i] for _, copies in picked], pages)
                  for i, b in enumerate(batchers)]

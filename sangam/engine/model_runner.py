@@ -36,11 +36,10 @@ class ModelRunner:
         self.loaded = loaded
         self.pool = pool
         self.device = loaded.device
-        # A block-causal model's spans (README "Block-causal models") are planned in Python
-        # and run eagerly: the C++ planner and the captured graphs know bidirectional ones.
-        block_causal = loaded.config.block_causal
-        self.host = make_host_batcher(pool.page_size, "python" if block_causal else host_impl)
-        self.graphs = [] if block_causal else list(graphs)  # one per captured block length
+        self.host = make_host_batcher(pool.page_size, host_impl)
+        # A block-causal model's batches run eagerly: the captured graphs hold bidirectional
+        # decode spans only.
+        self.graphs = [] if loaded.config.block_causal else list(graphs)
         self.uploader = BatchUploader(self.device)
         # With the Triton backend, scoring is the fused online-softmax kernel (no [rows, vocab]
         # fp32 copy); the host then commits by the rules, as on the reference path (rows
