@@ -54,20 +54,23 @@ def test_serve_writes_json_csv_png_and_profile(llada_path, tmp_path, capsys):
     assert sum(profile.steps_per_block.values()) > 0
 
 
+def _serve_tiny(model: str, out, *args: str) -> int:
+    """``sangam-bench serve`` in-process on a tiny model, CPU, one torch thread (restored)."""
+    threads = torch.get_num_threads()
+    try:
+        return main(["serve", "--model", model, "--device", "cpu", "--dtype", "float32",
+                     "--num-pages", "256", "--length-scale", "0.05", "--block-length", "4",
+                     "--torch-threads", "1", *args, "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_compare_specs_set_their_requests_options(llada_path, tmp_path, capsys):
     """A --compare spec of a request default (here the refresh cadence) applies to that
     configuration's requests: fewer refreshes, so fewer prefill tokens; same forwards."""
     out = tmp_path / "serve"
-    threads = torch.get_num_threads()
-    try:
-        rc = main(["serve", "--model", llada_path, "--device", "cpu", "--dtype", "float32",
-                   "--num-pages", "256", "--num-requests", "4", "--qps", "50",
-                   "--length-scale", "0.05", "--block-length", "4", "--torch-threads", "1",
-                   "--unmasking", "topk", "--compare", "", "refresh_interval=1000",
-                   "--out", str(out)])
-    finally:
-        torch.set_num_threads(threads)
-    assert rc == 0
+    assert _serve_tiny(llada_path, out, "--num-requests", "4", "--qps", "50", "--unmasking",
+                       "topk", "--compare", "", "refresh_interval=1000") == 0
     summaries = json.loads((out / "results.json").read_text())["summaries"]
     full, never = summaries
     assert never["config"].endswith("[refresh_interval=1000]")
@@ -85,15 +88,8 @@ def test_compare_specs_take_request_overrides(llada_path, tmp_path, capsys):
     that configuration's requests are load-adaptive and the run reports their mean threshold;
     a configuration without it reports none."""
     out = tmp_path / "serve"
-    threads = torch.get_num_threads()
-    try:
-        rc = main(["serve", "--model", llada_path, "--device", "cpu", "--dtype", "float32",
-                   "--num-pages", "256", "--num-requests", "6", "--qps", "100",
-                   "--length-scale", "0.05", "--block-length", "4", "--torch-threads", "1",
-                   "--compare", "", "min_threshold=0.3", "--out", str(out)])
-    finally:
-        torch.set_num_threads(threads)
-    assert rc == 0
+    assert _serve_tiny(llada_path, out, "--num-requests", "6", "--qps", "100",
+                       "--compare", "", "min_threshold=0.3") == 0
     plain, adaptive = json.loads((out / "results.json").read_text())["summaries"]
     assert adaptive["config"].endswith("[min_threshold=0.3]")
     assert plain["threshold_mean"] is None

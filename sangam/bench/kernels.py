@@ -1,7 +1,7 @@
 """``sangam-bench kernels``: time the Triton kernels at the shapes of the real models.
 
 Models: LLaDA-8B (32 query heads / 32 KV heads, head_dim 128), Dream-7B (28 / 4, head_dim
-128) and, with ``--models sdar``, SDAR-8B (32 / 8, head_dim 128) under its block-causal mask
+128) and SDAR-8B (32 / 8, head_dim 128) under its block-causal mask
 (blocks of 4); bf16, pages of 16 tokens.
 
   attention  cached steps: spans of 32 queries x batch 1, 4, 16, 64 x KV length 512-4096

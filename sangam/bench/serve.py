@@ -117,11 +117,11 @@ def prepare(trace: Sequence[TraceRequest], args: argparse.Namespace, vocab: int,
 def _record(p: Prepared, arrival: float, finish: float, ttfb: float | None,
             queueing: float | None, decode: float | None, forwards: int | None,
             blocks: int | None, thresholds: list[float] | None = None) -> dict:
-    return {"threshold": None if not thresholds else sum(thresholds) / len(thresholds),
-            "id": p.index, "arrival": arrival, "finish": finish, "latency": finish - arrival,
+    return {"id": p.index, "arrival": arrival, "finish": finish, "latency": finish - arrival,
             "ttfb": ttfb, "queueing": queueing, "decode": decode, "transfer": None,
             "forwards": forwards, "prompt_len": p.prompt_len, "gen_len": p.params.max_tokens,
-            "canvas_tokens": None if blocks is None else blocks * p.params.block_length}
+            "canvas_tokens": None if blocks is None else blocks * p.params.block_length,
+            "threshold": _mean(thresholds or ())}  # its blocks' mean: load-adaptive only
 
 
 class _Progress:

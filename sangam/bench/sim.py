@@ -68,7 +68,13 @@ from sangam.bench.traces import (
     scale_lengths,
 )
 from sangam.config import EngineConfig
-from sangam.sampling_params import CACHE_MODES, FULL_REFRESH, MAX_INT32, SamplingParams
+from sangam.sampling_params import (
+    CACHE_MODES,
+    FULL_REFRESH,
+    MAX_INT32,
+    SamplingParams,
+    grid_canvas,
+)
 from sangam.sched.batch_builder import POLICIES, BatchBuilder, ScheduledBatch
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.placement import NeverFits, Placed, Placement
@@ -410,7 +416,7 @@ class Simulator:
         out = t.gen_len if cfg.max_tokens is None else min(t.gen_len, cfg.max_tokens)
         want = out if cfg.max_tokens is None else cfg.max_tokens
         if cfg.block_causal:  # the block grid from position 0; no refresh after block 0
-            canvas = -(-(t.prompt_len + want) // b) * b - t.prompt_len
+            canvas = grid_canvas(t.prompt_len, want, b)
             blocks = -(-(t.prompt_len + out) // b) - t.prompt_len // b
             req = Request(f"r{index}", t.arrival_time, t.prompt_len, canvas, b, cfg.cache,
                           refresh_interval=MAX_INT32, block_causal=True)

@@ -87,12 +87,9 @@ class DecodeState:
         self.prompt_len = len(prompt_ids)
         self.block_causal = block_causal
         b = params.block_length
-        if block_causal:  # the block grid from position 0 (see the module docstring)
-            self.block_origin = self.prompt_len // b * b
-            canvas = -(-(self.prompt_len + params.max_tokens) // b) * b - self.prompt_len
-        else:
-            self.block_origin = self.prompt_len
-            canvas = params.canvas_length
+        # Block-causal: the block grid from position 0 (see the module docstring).
+        self.block_origin = self.prompt_len // b * b if block_causal else self.prompt_len
+        canvas = params.canvas_after(self.prompt_len, block_causal)
         self.canvas_end = self.prompt_len + canvas  # where the suffix begins
         self.tokens = np.array(
             list(prompt_ids) + [mask_token_id] * canvas + list(suffix_ids), dtype=np.int64)

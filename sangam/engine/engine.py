@@ -227,8 +227,8 @@ class Engine:
         reqs = batch.decodes + batch.prefills
         tracked = [self.requests[r.request_id] for r in reqs]
         states = [t.state for t in tracked]
-        for r in batch.prefills:  # a block-causal prefill chunk, or None
-            self.requests[r.request_id].state.chunk_end = r.chunk_end
+        for r, t in zip(batch.prefills, tracked[len(batch.decodes):]):
+            t.state.chunk_end = r.chunk_end  # a block-causal prefill chunk, or None
         if self.builder.num_load_adaptive:
             start_blocks_at(self.builder.load, states)
         result = self.runner.execute(states, [r.pages for r in reqs])

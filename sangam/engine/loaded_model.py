@@ -231,11 +231,7 @@ class LoadedModel:
             if bad:
                 raise ValueError(f"{name} token ids must be integers in [0, {vocab}); got "
                                  f"{bad[:5]}")
-        if self.config.block_causal:
-            b = params.block_length
-            canvas = -(-(len(prompt_ids) + params.max_tokens) // b) * b - len(prompt_ids)
-        else:
-            canvas = params.canvas_length
+        canvas = params.canvas_after(len(prompt_ids), self.config.block_causal)
         total = len(prompt_ids) + canvas + len(suffix_ids)
         if total > self.context_length:
             suffix = f" plus suffix ({len(suffix_ids)} tokens)" if suffix_ids else ""

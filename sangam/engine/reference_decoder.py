@@ -32,7 +32,6 @@ class ReferenceDecoder:
         kv = PagedKV.allocate(cfg.num_layers, n_pages, self.page_size, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
         table = torch.arange(n_pages, dtype=torch.int32, device=self.device)[None]
-        temp = torch.tensor([state.params.temperature], dtype=torch.float64)
         while not state.finished:
             plan = state.plan()
             # Pages are numbered in order, so a position's slot is the position itself.
@@ -50,18 +49,29 @@ class ReferenceDecoder:
             ids = torch.from_numpy(state.tokens[plan.span_start:plan.span_end]).to(self.device)
             logits = self.model(ids, positions, meta, kv,
                                 torch.from_numpy(plan.rows).to(self.device))
-            n, p = len(plan.rows), state.params
-            edits = pack_edits([request_edits(state, plan.positions)], [n])
-            tokens, conf, top = score_logits(
-                logits, self.model.config.mask_token_id, temp.expand(n),
-                torch.from_numpy(plan.row_keys), torch.full((n,), p.top_p, dtype=torch.float64),
-                torch.full((n,), p.top_k), torch.full((n,), p.min_p, dtype=torch.float64),
-                None if edits is None else edits.map(torch.from_numpy),
-                p.logprobs or 0)
-            state.apply(plan, tokens.cpu().numpy(), conf.cpu().numpy().astype(np.float64))
+            tokens, conf, top = score_rows(self.model, state, logits, plan.positions,
+                                           plan.row_keys)
+            state.apply(plan, tokens, conf)
             if top is not None:
-                state.record_top(plan.positions, *(t.cpu().numpy() for t in top))
+                state.record_top(plan.positions, *top)
         return state
+
+
+def score_rows(model: DiffusionLM, state: DecodeState, logits: torch.Tensor,
+               positions: np.ndarray, keys: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """One request's rows scored as DESIGN.md §2 says (its sampling, logit edits and
+    alternatives): tokens, float64 confidences and, with logprobs, the top alternatives."""
+    n, p = len(positions), state.params
+    edits = pack_edits([request_edits(state, positions)], [n])
+    tokens, conf, top = score_logits(
+        logits, model.config.mask_token_id,
+        torch.full((n,), p.temperature, dtype=torch.float64), torch.from_numpy(keys),
+        torch.full((n,), p.top_p, dtype=torch.float64), torch.full((n,), p.top_k),
+        torch.full((n,), p.min_p, dtype=torch.float64),
+        None if edits is None else edits.map(torch.from_numpy), p.logprobs or 0)
+    return (tokens.cpu().numpy(), conf.cpu().numpy().astype(np.float64),
+            None if top is None else tuple(t.cpu().numpy() for t in top))
 
 
 class UpstreamBlockDiffusion:
@@ -93,24 +103,16 @@ class UpstreamBlockDiffusion:
             raise ValueError("needs a fresh block-causal request")
         b, p = state.params.block_length, state.params
         forwards = int(state.block_origin > 0)  # the prompt's whole blocks, stored
-        temp = torch.tensor([p.temperature], dtype=torch.float64)
         while not state.finished:
             s, e = state.block_bounds()
             offsets = (state.tokens[s:e] == state.mask_token_id).nonzero()[0]
             ids = torch.from_numpy(state.tokens[:e]).to(self.device)[None]
             logits = self.model.forward_dense(ids, block_size=b)[0, s + offsets]
-            n = len(offsets)
             keys = (row_keys(noise_key(state.seed, state.block, state.step), offsets)
-                    if p.temperature > 0 else np.zeros(n, dtype=np.int64))
-            edits = pack_edits([request_edits(state, s + offsets)], [n])
-            tokens, conf, _ = score_logits(
-                logits, self.model.config.mask_token_id, temp.expand(n), torch.from_numpy(keys),
-                torch.full((n,), p.top_p, dtype=torch.float64), torch.full((n,), p.top_k),
-                torch.full((n,), p.min_p, dtype=torch.float64),
-                None if edits is None else edits.map(torch.from_numpy), 0)
+                    if p.temperature > 0 else np.zeros(len(offsets), dtype=np.int64))
+            tokens, conf, _ = score_rows(self.model, state, logits, s + offsets, keys)
             forwards += 1
-            if state.commit(s + offsets, 0, tokens.cpu().numpy(),
-                            conf.cpu().numpy().astype(np.float64)):
+            if state.commit(s + offsets, 0, tokens, conf):
                 forwards += 1  # the finished block's store forward
         return state.output_token_ids(), forwards
 

@@ -101,45 +101,20 @@ def parse_config(cfg: dict[str, Any], source: str | None = None) -> ModelConfig:
             shift_logits=False,
         )
     if arch == "DreamModel":
-        g = lambda k, d=...: _get(cfg, k, arch, d)
-        n_heads = int(g("num_attention_heads"))
         return ModelConfig(
-            architecture=arch,
-            hidden_size=int(g("hidden_size")),
-            num_layers=int(g("num_hidden_layers")),
-            num_heads=n_heads,
-            num_kv_heads=int(g("num_key_value_heads", n_heads)),
-            intermediate_size=int(g("intermediate_size")),
-            vocab_size=int(g("vocab_size")),
-            mask_token_id=int(g("mask_token_id", 151666)),
-            eos_token_id=_first(g("eos_token_id", 151643)),
-            rope_theta=float(g("rope_theta", 1e6)),
-            rms_norm_eps=float(g("rms_norm_eps", 1e-6)),
-            max_position=int(g("max_position_embeddings", 32768)),
+            **_qwen_fields(cfg, arch, mask_token_id=151666, eos_token_id=151643),
             qkv_bias=True,
             shift_logits=True,
         )
     if arch == "SDARForCausalLM":
         g = lambda k, d=...: _get(cfg, k, arch, d)
-        n_heads = int(g("num_attention_heads"))
+        qwen = _qwen_fields(cfg, arch, mask_token_id=SDAR_MASK_TOKEN_ID,
+                            eos_token_id=SDAR_EOS_TOKEN_ID)
         return ModelConfig(
-            architecture=arch,
-            hidden_size=int(g("hidden_size")),
-            num_layers=int(g("num_hidden_layers")),
-            num_heads=n_heads,
-            num_kv_heads=int(g("num_key_value_heads", n_heads)),
-            intermediate_size=int(g("intermediate_size")),
-            vocab_size=int(g("vocab_size")),
-            # The hub configs carry neither (SGLang hard-codes the same): <|MASK|> and
-            # <|im_end|>; the tokenizer adds <|endoftext|> (151643) as a stop id.
-            mask_token_id=int(g("mask_token_id", SDAR_MASK_TOKEN_ID)),
-            eos_token_id=_first(g("eos_token_id", SDAR_EOS_TOKEN_ID)),
-            rope_theta=float(g("rope_theta", 1e6)),
-            rms_norm_eps=float(g("rms_norm_eps", 1e-6)),
-            max_position=int(g("max_position_embeddings", 32768)),
+            **qwen,
             qkv_bias=bool(cfg.get("attention_bias", False)),
             shift_logits=False,
-            head_dim=int(g("head_dim", int(g("hidden_size")) // n_heads)),
+            head_dim=int(g("head_dim", qwen["hidden_size"] // qwen["num_heads"])),
             qk_norm=True,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             causal_block_size=int(g("block_size", g("block_length", sdar_block_size(cfg, source)))),
@@ -147,6 +122,31 @@ def parse_config(cfg: dict[str, Any], source: str | None = None) -> ModelConfig:
     raise CheckpointError(
         f"config.json: unknown architecture {arch!r}; "
         "Sangam serves 'LLaDAModelLM', 'DreamModel' and 'SDARForCausalLM'")
+
+
+def _qwen_fields(cfg: dict[str, Any], arch: str, mask_token_id: int,
+                 eos_token_id: int) -> dict[str, Any]:
+    """The ModelConfig fields under Qwen's config.json names (Dream, SDAR), with the model's
+    default token ids. The hub's SDAR configs carry neither id (SGLang hard-codes the same):
+    <|MASK|> and <|im_end|>; the tokenizer adds <|endoftext|> (151643) as a stop id."""
+    def g(k, d=...):
+        return _get(cfg, k, arch, d)
+
+    n_heads = int(g("num_attention_heads"))
+    return dict(
+        architecture=arch,
+        hidden_size=int(g("hidden_size")),
+        num_layers=int(g("num_hidden_layers")),
+        num_heads=n_heads,
+        num_kv_heads=int(g("num_key_value_heads", n_heads)),
+        intermediate_size=int(g("intermediate_size")),
+        vocab_size=int(g("vocab_size")),
+        mask_token_id=int(g("mask_token_id", mask_token_id)),
+        eos_token_id=_first(g("eos_token_id", eos_token_id)),
+        rope_theta=float(g("rope_theta", 1e6)),
+        rms_norm_eps=float(g("rms_norm_eps", 1e-6)),
+        max_position=int(g("max_position_embeddings", 32768)),
+    )
 
 
 SDAR_MASK_TOKEN_ID = 151669  # <|MASK|>

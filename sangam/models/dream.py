@@ -1,4 +1,8 @@
-"""Dream (``DreamModel``): Qwen2 geometry and tensor names (DESIGN.md §6)."""
+"""Dream (``DreamModel``): Qwen2 geometry and tensor names (DESIGN.md §6).
+
+The module tree is Qwen's, which SDAR (Qwen3) shares with two additions read from the config:
+q/k RMSNorms (``qk_norm``) and an LM head tied to the embedding (``tie_word_embeddings``).
+"""
 
 from __future__ import annotations
 
@@ -13,10 +17,13 @@ class DreamAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, kvd = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(d, cfg.num_heads * cfg.head_dim, bias=True)
-        self.k_proj = nn.Linear(d, kvd, bias=True)
-        self.v_proj = nn.Linear(d, kvd, bias=True)
+        self.q_proj = nn.Linear(d, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, kvd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, kvd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=False)
+        if cfg.qk_norm:  # Qwen3 / SDAR: per-head RMSNorm of q and k before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
 
 class DreamMLP(nn.Module):
@@ -43,7 +50,8 @@ class DreamModel(DiffusionLM):
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(DreamLayer(cfg) for _ in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
@@ -54,8 +62,14 @@ class DreamModel(DiffusionLM):
         return (layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
                 layer.post_attention_layernorm, m.gate_proj, m.up_proj, m.down_proj)
 
+    def qk_norms(self, i: int) -> tuple[nn.Module, nn.Module] | None:
+        if not self.config.qk_norm:
+            return None
+        a = self.model.layers[i].self_attn
+        return a.q_norm, a.k_norm
+
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.norm(h)
 
-    def output_head(self) -> nn.Linear:
-        return self.lm_head
+    def output_head(self) -> nn.Module:
+        return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head

@@ -14,13 +14,14 @@ from torch.overrides import TorchFunctionMode
 from sangam.models.config import CheckpointError, ModelConfig, parse_config
 from sangam.models.dream import DreamModel
 from sangam.models.llada import LLaDAModel
-from sangam.models.sdar import SDARModel
 from sangam.models.transformer import DiffusionLM
 
 ARCHITECTURES: dict[str, type[DiffusionLM]] = {
     "LLaDAModelLM": LLaDAModel,
     "DreamModel": DreamModel,
-    "SDARForCausalLM": SDARModel,
+    # Qwen3's tree, Dream's plus q/k norms and a tied head, both read from the config; the
+    # block-causal mask is the attention backend's (ModelConfig.causal_block_size).
+    "SDARForCausalLM": DreamModel,
 }
 
 DTYPES = {

@@ -295,12 +295,11 @@ class BatchBuilder:
                     break
                 head.pages = self.allocator.allocate(n)
             heapq.heappop(self._queue)
+            self._admit(head, now, prefills)
             if chunk:  # part of the head's prefill; what follows it waits behind the rest
-                self._admit(head, now, prefills)
                 head.chunk_end = head.prefilled + chunk
                 admitted += chunk
                 break
-            self._admit(head, now, prefills)
             admitted += head.prefill_cost
             idle = idle or not by_budget  # the idle rule: never leave the GPU idle
             head = self._head()
