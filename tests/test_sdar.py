@@ -234,3 +234,32 @@ def test_real_shapes_and_stop_ids():
             return {"<|im_end|>": 151645, "<|endoftext|>": 151643, "hi": 5}
 
     assert stop_token_ids(151645, QwenVocab()) == {151645, 151643}
+
+
+def test_abort_between_prefill_chunks_frees_its_pages(sdar_path, loaded):
+    """A request aborted while its prompt is half prefilled (waiting, pages held, between
+    chunks) or decoding frees everything; the others are untouched and exact."""
+    rng = random.Random(11)
+    reqs = [(f"long{i}", [rng.randrange(2, 150) for _ in range(120)],
+             SamplingParams(max_tokens=8, block_length=4, threshold=0.6, seed=i))
+            for i in range(3)] + [_request(rng, i) for i in range(6)]
+    want = _upstream(loaded, reqs)
+    engine = Engine(EngineConfig(model=sdar_path, device="cpu", dtype="float64",
+                                 token_budget=64, page_size=4, num_pages=400,
+                                 enable_chunked_prefill=True), loaded)
+    for r in reqs:
+        engine.add_request(*r)
+    got, aborted = {}, set()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = o.token_ids
+        for rid, t in list(engine.requests.items()):
+            mid_chunk = 0 < t.state.prefilled < t.state.block_origin and t.state.block == 0
+            decoding = rid.startswith("r") and t.state.block == 1
+            if (mid_chunk and rid == "long1") or (decoding and len(aborted) == 1):
+                assert engine.abort_request(rid).finish_reason == "abort"
+                aborted.add(rid)
+    assert "long1" in aborted and len(aborted) == 2
+    assert got == {rid: want[rid][0] for rid in want if rid not in aborted}
+    assert engine.pool.allocator.num_free == engine.pool.num_pages
