@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -71,9 +70,7 @@ class LLM:
         inputs = self._inputs(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(inputs))
         # Each prompt's n samples are n requests (seeds seed + j, as the server's n choices).
-        work = [(i, dataclasses.replace(sp, n=1, seed=sp.seed if sp.seed is None or j == 0
-                                        else (sp.seed + j) % 2**63))
-                for i, sp in enumerate(params) for j in range(sp.n)]
+        work = [(i, sp.for_sample(j)) for i, sp in enumerate(params) for j in range(sp.n)]
         engine = self.engine
         rids = [f"generate-{next(self._counter)}" for _ in work]
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
 UNMASKING_RULES = ("threshold", "factor", "topk")
@@ -21,6 +21,7 @@ MAX_TEMPERATURE = 1e4  # beyond it logits / t underflow to a uniform draw anyway
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024  # biased tokens per request
+MAX_BIAS = 100.0  # a logit_bias value is in [-MAX_BIAS, MAX_BIAS], OpenAI's range
 MAX_LOGPROBS = 20  # alternatives per token, vLLM's default max_logprobs
 MAX_PENALTY = 2.0  # presence / frequency penalties, OpenAI's range
 # Logits are divided (or multiplied) by it: far beyond any use, far from fp32 overflow.
@@ -30,6 +31,7 @@ MAX_STOP_TOKEN_IDS = 1024
 # Lengths, counts and token ids reach int32 arrays on the device and int64 ones on the host:
 # bounded here, so no request can overflow either downstream.
 MAX_INT32 = 2**31 - 1
+SEED_BITS = 63  # a seed is in [0, 2**SEED_BITS): a non-negative int64
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to this request's logits before
-    # they are scored, so the choice, the sampling and the confidence all see the biased logits.
-    # Kept as sorted (token id, bias) pairs.
+    # OpenAI's logit_bias: {token id: bias in [-MAX_BIAS, MAX_BIAS]} added to this request's
+    # logits before they are scored, so the choice, the sampling and the confidence all see the
+    # biased logits. Kept as sorted (token id, bias) pairs.
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Penalties on tokens the response already holds (its committed tokens before the first stop
     # id; see sangam/decoding/logit_edits.py): OpenAI's presence / frequency penalties, subtracted
@@ -135,8 +137,8 @@ class SamplingParams:
              f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if self.temperature < GREEDY_TEMPERATURE:  # below fp32 resolution: plain argmax
             object.__setattr__(self, "temperature", 0.0)
-        need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
-             f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**SEED_BITS),
+             f"seed must be None or an integer in [0, 2**{SEED_BITS}), got {self.seed!r}")
         need(isinstance(self.stop_at_eos, bool), "stop_at_eos must be a bool")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop or ()
         need(isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop),
@@ -173,9 +175,9 @@ class SamplingParams:
         need(isinstance(pairs, (list, tuple)) and all(
             isinstance(p, (list, tuple)) and len(p) == 2 and _is_int(p[0])
             and 0 <= p[0] <= MAX_INT32 and _is_num(p[1]) and math.isfinite(p[1])
-            and -100 <= p[1] <= 100 for p in pairs),
-            f"logit_bias must map token ids (in [0, {MAX_INT32}]) to biases in [-100, 100], got "
-            f"{_short(self.logit_bias)}")
+            and -MAX_BIAS <= p[1] <= MAX_BIAS for p in pairs),
+            f"logit_bias must map token ids (in [0, {MAX_INT32}]) to biases in [-{MAX_BIAS:g}, "
+            f"{MAX_BIAS:g}], got {_short(self.logit_bias)}")
         need(len(pairs) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
         need(len({t for t, _ in pairs}) == len(pairs), "logit_bias names a token twice")
         object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
@@ -198,6 +200,13 @@ class SamplingParams:
         need(k is None or (_is_int(k) and (1 <= k <= MAX_INT32 or k == -1)),
              f"truncate_prompt_tokens must be None, -1 or an integer in [1, {MAX_INT32}], got "
              f"{k!r}")
+
+    def for_sample(self, j: int) -> SamplingParams:
+        """The ``j``-th of this request's ``n`` samples, as one request (n=1): with a seed, its
+        seed is seed + j (modulo 2**SEED_BITS), so samples differ yet reproduce; without one,
+        each draws its own."""
+        seed = None if self.seed is None else (self.seed + j) % 2**SEED_BITS
+        return replace(self, n=1, seed=seed)
 
     @property
     def restricts_sampling(self) -> bool:

@@ -8,7 +8,7 @@
   is not valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON can escape but no
   tokenizer can encode) is a 400 naming the field.
 
-Tokenizing and chat templates run off the loop too (``_Server.offload`` in app.py).
+Tokenizing and chat templates run off the loop too (``Offloader`` in offload.py).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ histograms, and request outcome counters (``GET /metrics``, text exposition form
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -14,6 +16,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from sangam.engine.async_engine import AsyncEngine
 from sangam.engine.engine import Engine
 
+logger = logging.getLogger(__name__)
+
+INGEST_PERIOD_S = 1.0
 _TOKEN_BUCKETS = tuple(float(2**k) for k in range(15))  # 1 .. 16384 tokens
 _ITERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _PARALLELISM_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
@@ -187,3 +192,19 @@ class ServerMetrics:
     def render(self) -> bytes:
         self.ingest()
         return generate_latest(self.registry)
+
+
+async def ingest_forever(metrics: ServerMetrics, log_interval: float) -> None:
+    """Feed ``metrics`` from the engine's stats every INGEST_PERIOD_S (so its deques never
+    roll over unread), and log its stats line every ``log_interval`` seconds (0: never)."""
+    loop = asyncio.get_running_loop()
+    next_log = loop.time() + log_interval
+    while True:
+        await asyncio.sleep(INGEST_PERIOD_S)
+        metrics.ingest()
+        now = loop.time()
+        if log_interval and now >= next_log:
+            next_log = now + log_interval
+            line = metrics.stats_line()
+            if line:
+                logger.info("engine: %s", line)

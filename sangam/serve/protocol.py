@@ -8,6 +8,7 @@ OpenAI API does. OpenAI fields Sangam cannot honour are accepted only at their n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Annotated, Any, Literal
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 
 from sangam.sampling_params import (
     CACHE_MODES,
+    MAX_BIAS,
     MAX_INT32,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -25,13 +27,13 @@ from sangam.sampling_params import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
     MIN_REPETITION_PENALTY,
+    SEED_BITS,
     UNMASKING_RULES,
+    SamplingParams,
 )
 
-# Far above any useful value (OpenAI caps at 2), far below where the engine's fp32 tempered
-# logits overflow: at temperature ~3e38 a request never finishes.
-MAX_TEMPERATURE = 100.0
 MAX_MESSAGES = 4096  # messages (or Responses input items) per conversation
 
 
@@ -67,15 +69,20 @@ class StreamOptions(RequestBody):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too
 
 
-# Bounds the engine enforces (SamplingParams), stated in the schema too. A token id's bound is
-# the model's vocabulary: the served schema says so (TOKEN_ID_MARK, see openapi.py).
+# Bounds the engine enforces (SamplingParams), stated in the schema too, from SamplingParams'
+# constants (tests/test_serve_protocol_fields.py holds the two to each other). A token id's
+# bound is the model's vocabulary: the served schema says so (TOKEN_ID_MARK, see openapi.py).
 TOKEN_ID_MARK = "x-sangam-token-id"
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32, json_schema_extra={TOKEN_ID_MARK: True})]
 Length = Annotated[int, Field(ge=1, le=MAX_INT32)]
+Probability = Annotated[float, Field(ge=0, le=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
-BiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # a token id, as JSON keys are
-Bias = Annotated[float, Field(ge=-100, le=100)]
+# A logit_bias key is a token id as JSON keys are, a string: bounded by its digits, the most
+# digits every number of which is a token id (<= MAX_INT32).
+BIAS_KEY_DIGITS = len(str(MAX_INT32)) - 1
+BiasKey = Annotated[str, Field(pattern=rf"^[0-9]{{1,{BIAS_KEY_DIGITS}}}$")]
+Bias = Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
@@ -88,8 +95,8 @@ class _GenerationRequest(RequestBody):
     temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32)  # vLLM's extra field
-    min_p: float | None = Field(default=None, ge=0, le=1)  # vLLM's extra field
-    seed: int | None = Field(default=None, ge=0)  # taken modulo 2**63
+    min_p: Probability | None = None  # vLLM's extra field
+    seed: int | None = Field(default=None, ge=0)  # taken modulo 2**SEED_BITS
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -97,14 +104,14 @@ class _GenerationRequest(RequestBody):
     # Sangam's diffusion options (DESIGN.md §2), as extra body fields.
     block_length: Length | None = None
     unmasking: Literal[UNMASKING_RULES] | None = None
-    threshold: float | None = Field(default=None, ge=0, le=1)
+    threshold: Probability | None = None
     factor: float | None = Field(default=None, gt=0)
     tokens_per_step: Length | None = None
     cache: Literal[CACHE_MODES] | None = None
     refresh_interval: Length | None = None
     prompt_refresh_interval: Length | None = None
-    refresh_confidence: float | None = Field(default=None, ge=0, le=1)
-    min_threshold: float | None = Field(default=None, ge=0, le=1)  # opt-in: load-adaptive
+    refresh_confidence: Probability | None = None
+    min_threshold: Probability | None = None  # opt-in: load-adaptive
     stop_at_eos: bool | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None \
         = None
@@ -129,16 +136,9 @@ class _GenerationRequest(RequestBody):
 
     def sampling_overrides(self) -> dict[str, object]:
         """The SamplingParams fields this request sets explicitly."""
-        names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "block_length",
-                 "unmasking", "threshold", "factor", "tokens_per_step", "cache",
-                 "refresh_interval", "prompt_refresh_interval", "refresh_confidence",
-                 "min_threshold", "stop_at_eos",
-                 "stop", "include_stop_str_in_output", "stop_token_ids", "skip_special_tokens",
-                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens",
-                 "truncate_prompt_tokens", "priority")
-        out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        out = {k: getattr(self, k) for k in _AS_GIVEN if getattr(self, k) is not None}
         if self.seed is not None:  # any integer is a seed, as OpenAI's; the engine's are int63
-            out["seed"] = self.seed % 2**63
+            out["seed"] = self.seed % 2**SEED_BITS
         if self.ignore_eos is not None:
             if self.stop_at_eos is not None and self.stop_at_eos == self.ignore_eos:
                 raise ValueError("ignore_eos and stop_at_eos contradict each other: give one")
@@ -146,6 +146,14 @@ class _GenerationRequest(RequestBody):
         if self.logit_bias:
             out["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         return out
+
+
+# The SamplingParams fields a request sets under their own names, as given: all of them but
+# those whose value is converted (seed, logit_bias) or means something else in each API
+# (logprobs: a count in completions, a flag in chat).
+_CONVERTED = frozenset({"seed", "logit_bias", "logprobs"})
+_AS_GIVEN = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                  if f.name in _GenerationRequest.model_fields and f.name not in _CONVERTED)
 
 
 PromptText = Annotated[str, Field(min_length=1)]

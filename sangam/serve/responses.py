@@ -12,14 +12,15 @@ sequence of events: created, in progress, the message's item and text part, one 
 committed block, then the closing events of each item and ``response.completed`` (or
 ``response.incomplete`` when ``max_output_tokens`` cut it or it was aborted, with status
 ``cancelled`` then).
+
+Here: the bodies and the ``ResponseBuilder``; the store is response_store.py, the route
+serving_responses.py.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag
@@ -130,7 +131,7 @@ class ResponsesRequest(_GenerationRequest, ToolChoice):
             if isinstance(item, InputMessage):
                 messages.append(ChatMessage(role=item.role, content=item.text()))
             elif isinstance(item, FunctionCallItem):
-                _add_call(messages, ToolCall(id=item.call_id, function=FunctionCall(
+                add_call(messages, ToolCall(id=item.call_id, function=FunctionCall(
                     name=item.name, arguments=item.arguments)))
             else:
                 messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
@@ -151,7 +152,7 @@ class ResponsesRequest(_GenerationRequest, ToolChoice):
         return ChatTemplateOptions(tools=tools)
 
 
-def _add_call(messages: list[ChatMessage], call: ToolCall) -> None:
+def add_call(messages: list[ChatMessage], call: ToolCall) -> None:
     """Append an assistant's call: calls in a row are one turn (parallel calls)."""
     if messages and messages[-1].role == "assistant" and messages[-1].tool_calls:
         messages[-1].tool_calls.append(call)
@@ -362,50 +363,3 @@ class ResponseBuilder:
 def _item_status(status: str) -> str:
     """An output item's status in a response of ``status``."""
     return "completed" if status == "completed" else "incomplete"
-
-
-def output_messages(response: ResponseObject) -> list[ChatMessage]:
-    """A response's output as the assistant turn that continues its conversation."""
-    messages: list[ChatMessage] = []
-    for item in response.output:
-        if isinstance(item, OutputMessage):
-            text = "".join(part.text for part in item.content)
-            messages.append(ChatMessage(role="assistant", content=text))
-        else:
-            _add_call(messages, ToolCall(id=item.call_id, function=FunctionCall(
-                name=item.name, arguments=item.arguments)))
-    return messages
-
-
-@dataclass
-class StoredResponse:
-    history: list[ChatMessage]  # the turns it answered, without its instructions
-    response: ResponseObject
-
-
-class ResponseStore:
-    """The newest ``capacity`` stored responses, in memory: for ``previous_response_id`` and
-    ``GET``/``DELETE /v1/responses/{id}``. Not thread-safe: the event loop alone uses it."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    def put(self, history: list[ChatMessage], response: ResponseObject) -> None:
-        self._responses[response.id] = StoredResponse(history, response)
-        self._responses.move_to_end(response.id)
-        while len(self._responses) > self.capacity:
-            self._responses.popitem(last=False)
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        return self._responses.get(response_id)
-
-    def delete(self, response_id: str) -> bool:
-        return self._responses.pop(response_id, None) is not None
-
-    def continued(self, response_id: str) -> list[ChatMessage] | None:
-        """The conversation a response ended, its output included (None: not stored)."""
-        stored = self.get(response_id)
-        if stored is None:
-            return None
-        return [*stored.history, *output_messages(stored.response)]

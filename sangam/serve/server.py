@@ -93,7 +93,7 @@ def uvicorn_server(app: FastAPI, config: ServerConfig) -> uvicorn.Server:
         timeout_graceful_shutdown=config.shutdown_grace + SHUTDOWN_BACKSTOP_S,
         ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
         ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs)
-    return _Server(uv_config, app.state.server.abort_all, config.shutdown_grace)
+    return _Server(uv_config, app.state.engine_requests.abort_all, config.shutdown_grace)
 
 
 def run(args: argparse.Namespace) -> int:
