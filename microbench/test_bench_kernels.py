@@ -18,7 +18,7 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
                 allow_module_level=True)
 
 from sangam.bench.kernels import MODELS, PAGE, VOCAB, _paged_batch  # noqa: E402
-from sangam.kernels import fused_unmask, gather_pages, paged_attention, store_kv  # noqa: E402
+from sangam.kernels import fused_score, gather_pages, paged_attention, store_kv  # noqa: E402
 
 
 def _timed(benchmark, fn):
@@ -54,17 +54,12 @@ def test_store_kv(benchmark, model):
 
 @pytest.mark.parametrize("rows", [32, 2048])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_fused_unmask(benchmark, rows, temperature):
+def test_fused_score(benchmark, rows, temperature):
     dev = "cuda"
     logits = 3 * torch.randn(rows, VOCAB, device=dev, dtype=torch.bfloat16)
-    r = max(1, rows // 32)
-    cu = torch.linspace(0, rows, r + 1, device=dev).round().to(torch.int32)
-    zeros = torch.zeros(r, device=dev, dtype=torch.int32)
-    args = (cu, zeros, zeros, torch.full((r,), 0.9, device=dev, dtype=torch.float64),
-            torch.ones(r, device=dev, dtype=torch.float64), zeros + 1,
-            torch.full((r,), temperature, device=dev, dtype=torch.float64),
-            torch.randint(0, 2**32, (rows,), device=dev))
-    _timed(benchmark, lambda: fused_unmask(logits, VOCAB - 128, *args))
+    temperatures = torch.full((rows,), temperature, device=dev, dtype=torch.float64)
+    keys = torch.randint(0, 2**32, (rows,), device=dev)
+    _timed(benchmark, lambda: fused_score(logits, VOCAB - 128, temperatures, keys))
 
 
 @pytest.mark.parametrize("model", list(MODELS))

@@ -17,6 +17,7 @@ import torch
 
 from sangam.models.config import parse_config
 from sangam.models.loader import ARCHITECTURES, save_checkpoint
+from sangam.models.registry import LAYOUTS, MODEL_SHAPES
 
 
 def tiny_config(arch: str = "llada", vocab_size: int = 160, hidden_size: int = 64,
@@ -57,22 +58,22 @@ def tiny_config(arch: str = "llada", vocab_size: int = 160, hidden_size: int = 6
             "max_position_embeddings": max_position, "tie_word_embeddings": tie_word_embeddings,
             "attention_bias": False, "block_size": 4,
         }
-    raise ValueError(f"unknown tiny architecture {arch!r}: use 'llada', 'dream' or 'sdar'")
+    raise ValueError(f"unknown tiny architecture {arch!r}: use one of {LAYOUTS}")
 
 
-def real_shape_config(geometry: str, max_position: int = 4096) -> dict:
-    """config.json of a real model's shape (``cost_model.MODELS``: llada = LLaDA-8B, dream =
-    Dream-7B, sdar = SDAR-8B, ...) with this module's token conventions; for random weights,
-    not for real ones."""
-    from sangam.bench.cost_model import MODELS
-
-    g = MODELS[geometry]
-    arch, extra = geometry, {}
-    if g.block_causal:
-        arch, extra = "sdar", {"head_dim": g.head_dim, "tie_word_embeddings": g.tied_head}
-    return tiny_config(arch, vocab_size=g.vocab, hidden_size=g.hidden, num_layers=g.layers,
-                       num_heads=g.heads, num_kv_heads=g.kv_heads,
-                       intermediate_size=g.intermediate, max_position=max_position, **extra)
+def real_shape_config(key: str, max_position: int = 4096) -> dict:
+    """config.json of a known model's shape (``sangam.models.registry.MODEL_SHAPES``: llada =
+    LLaDA-8B, dream = Dream-7B, sdar = SDAR-8B, ...) with this module's token conventions; for
+    random weights, not for real ones."""
+    shape = MODEL_SHAPES[key]
+    extra = {}
+    if shape.layout == "sdar":  # the one layout that names head_dim and the tied head
+        extra = {"head_dim": shape.head_dim, "tie_word_embeddings": shape.tie_word_embeddings}
+    return tiny_config(shape.layout, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                       num_layers=shape.num_layers, num_heads=shape.num_heads,
+                       num_kv_heads=shape.num_kv_heads,
+                       intermediate_size=shape.intermediate_size, max_position=max_position,
+                       **extra)
 
 
 def make_tiny_checkpoint(path: str | os.PathLike, arch: str = "llada", seed: int = 0,
@@ -103,10 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sangam.testing", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", help="directory to write")
-    p.add_argument("--arch", choices=("llada", "dream", "sdar"), default="llada",
+    p.add_argument("--arch", choices=LAYOUTS, default="llada",
                    help="tiny checkpoint's architecture")
-    p.add_argument("--shape", choices=("llada", "dream", "sdar", "sdar-4b", "sdar-1.7b"),
-                   default=None,
+    p.add_argument("--shape", choices=list(MODEL_SHAPES), default=None,
                    help="a real model's shape instead of the tiny one (implies --config-only)")
     p.add_argument("--config-only", action="store_true",
                    help="write config.json only: load it with --load-format dummy")

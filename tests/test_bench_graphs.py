@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from sangam.bench import calibrate, graphs
+from sangam.bench import graphs
 from sangam.bench.cli import main
-from sangam.bench.cost_model import ModelGeometry
+from sangam.models.registry import MODEL_SHAPES, ModelShape
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU path captures graphs")
@@ -26,7 +26,8 @@ def test_cpu_run_times_the_eager_engine(tmp_path, capsys):
 
 def test_random_weight_engine_times_decode_iterations(monkeypatch):
     """The GPU run's model and engines, at a tiny geometry on the CPU."""
-    monkeypatch.setitem(calibrate.MODELS, "llada", ModelGeometry("tiny", 64, 2, 4, 2, 128, 160))
+    tiny = ModelShape("tiny", "llada", 64, 2, 4, 2, 128, 160, 16)
+    monkeypatch.setitem(MODEL_SHAPES, "llada", tiny)
     loaded = graphs._random_loaded("llada", torch.device("cpu"), block_length=8)
     assert loaded.default_params().block_length == 8  # the span graphs are captured for
     args = argparse.Namespace(batch_sizes=[3], prompt_len=20, blocks=2, block_length=8,

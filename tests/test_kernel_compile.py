@@ -18,7 +18,7 @@ from sangam.kernels.cross_compile import H200, TARGETS
 
 MEMORY_BOUND = {"_attn_kernel", "_store_kv_kernel", "_page_copy_kernel", "_score_kernel"}
 KERNELS = {"_attn_kernel", "_merge_splits_kernel", "_store_kv_kernel", "_page_copy_kernel",
-           "_score_kernel", "_merge_kernel", "_rule_kernel"}
+           "_score_kernel", "_merge_kernel"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU path times instead")

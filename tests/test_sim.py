@@ -95,7 +95,7 @@ def test_refresh_cadence_changes_work_and_decode_time():
 
 def test_refresh_cadence_experiment_reports_capacity_against_batch1(tmp_path, capsys):
     from sangam.bench.experiments import EXPERIMENTS
-    from sangam.bench.sim import EXPERIMENT_NAMES
+    from sangam.bench.sim.cli import EXPERIMENT_NAMES
 
     assert EXPERIMENT_NAMES == tuple(EXPERIMENTS)
     assert main(["sim", "--experiment", "refresh-cadence", "--num-requests", "16", "--qps",

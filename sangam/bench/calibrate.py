@@ -56,12 +56,6 @@ def compositions(max_len: int, block: int) -> list[list[Span]]:
     return out
 
 
-def _geometry_of(cfg, name: str) -> ModelGeometry:
-    return ModelGeometry(name, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                         cfg.intermediate_size, cfg.vocab_size, cfg.block_causal, cfg.head_dim,
-                         cfg.tie_word_embeddings)
-
-
 def random_model(geom_key: str, device, dtype):
     """The real geometry with random weights, built straight on the device in ``dtype``."""
     from sangam.models import parse_config
@@ -171,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = model.config
         name = str(path)
     model.attention_backend = make_attention_backend(args.attention_backend, device)
-    geom = _geometry_of(cfg, name)
+    geom = ModelGeometry.of(name, cfg)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     comps = compositions(min(args.max_len, cfg.max_position), args.block_length)
     if device.type == "cuda":  # keep the pool within free memory (LLaDA: 0.5 MiB per token)

@@ -12,8 +12,9 @@ server) or ``sim`` (simulator) at that QPS, with the same trace lengths and arri
 from __future__ import annotations
 
 import argparse
+import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -81,13 +82,22 @@ def _metric_of(args: argparse.Namespace) -> tuple[str, float]:
         else ("latency_p99", args.slo_p99)
 
 
+@dataclass(frozen=True)
+class CapacityTarget:
+    """A benchmark the search probes (``sangam-bench capacity TARGET``): its flags, the
+    configurations they name, and one run of a configuration at a load."""
+
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    config_labels: Callable[[argparse.Namespace], list[str]]
+    # args -> (qps, config label) -> that run's summary (``latency_mean``, ``latency_p99``, ...)
+    probe: Callable[[argparse.Namespace], Callable[[float, str], dict]]
+
+
 def run(args: argparse.Namespace) -> int:
     key, slo = _metric_of(args)
-    if args.target == "sim":
-        from sangam.bench import sim as target
-    else:
-        from sangam.bench import serve as target
-    measure_all = target.capacity_probe(args)  # qps -> {config label: summary}
+    target: CapacityTarget = args.capacity_target
+    measure_all = target.probe(args)
     results = {}
     for label in target.config_labels(args):
         def measure(q: float, label: str = label) -> float:
@@ -104,8 +114,6 @@ def run(args: argparse.Namespace) -> int:
     for label, res in results.items():
         print(f"  {label:<28} {res.qps:8.4g} QPS")
     if args.json:
-        import json
-
         with open(args.json, "w") as f:
             json.dump({"metric": key, "slo_s": slo, "results": {
                 k: {"qps": r.qps, "probes": [{"qps": q, "value": m, "ok": g}
@@ -114,9 +122,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    from sangam.bench import serve, sim
-
+def register(subparsers: argparse._SubParsersAction, targets: Mapping[str, CapacityTarget]
+             ) -> None:
+    """The ``capacity`` subcommand, with one sub-subcommand per target (its own flags)."""
     p = subparsers.add_parser(
         "capacity", help="highest QPS meeting a latency SLO (real runs or simulated)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -127,9 +135,9 @@ def register(subparsers) -> None:
     p.add_argument("--rel-tol", type=float, default=0.05,
                    help="stop when the bracket is this fraction of its upper end")
     p.add_argument("--json", default=None, help="write the searches to this JSON file")
-    targets = p.add_subparsers(dest="target", required=True)
-    sp = targets.add_parser("sim", help="probe the simulator")
-    sim.add_sim_args(sp, for_capacity=True)
-    rp = targets.add_parser("serve", help="probe the engine or a server")
-    serve.add_serve_args(rp, for_capacity=True)
+    sub = p.add_subparsers(dest="target", required=True)
+    for name, target in targets.items():
+        tp = sub.add_parser(name, help=target.help)
+        target.add_args(tp)
+        tp.set_defaults(capacity_target=target)
     p.set_defaults(func=run)

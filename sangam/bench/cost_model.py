@@ -31,13 +31,17 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from sangam.models.config import ModelConfig
+from sangam.models.registry import MODEL_SHAPES, ModelShape
+
 GIB = 1 << 30
 BF16_BYTES = 2
 
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """Shapes that set a model's cost (DESIGN.md §6)."""
+    """Shapes that set a model's cost (DESIGN.md §6): the simulator's view of a model (its
+    fields are what calibration files record)."""
 
     name: str
     hidden: int
@@ -49,6 +53,13 @@ class ModelGeometry:
     block_causal: bool = False  # SDAR: a query sees its block and the blocks before
     head_size: int = 0  # 0: hidden // heads (Qwen3 and SDAR name theirs: 128)
     tied_head: bool = False  # the LM head is the embedding table (SDAR-1.7B and 4B)
+
+    @classmethod
+    def of(cls, name: str, config: ModelConfig | ModelShape) -> ModelGeometry:
+        """The cost view of a parsed config.json or of a registry shape (the same names)."""
+        return cls(name, config.hidden_size, config.num_layers, config.num_heads,
+                   config.num_kv_heads, config.intermediate_size, config.vocab_size,
+                   config.block_causal, config.head_dim, config.tie_word_embeddings)
 
     @property
     def head_dim(self) -> int:
@@ -74,15 +85,8 @@ class ModelGeometry:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
 
-MODELS = {
-    "llada": ModelGeometry("LLaDA-8B", 4096, 32, 32, 32, 12288, 126464),
-    "dream": ModelGeometry("Dream-7B", 3584, 28, 28, 4, 18944, 152064),
-    "sdar": ModelGeometry("SDAR-8B", 4096, 36, 32, 8, 12288, 151936, block_causal=True),
-    "sdar-4b": ModelGeometry("SDAR-4B", 2560, 36, 32, 8, 9728, 151936, block_causal=True,
-                             head_size=128, tied_head=True),
-    "sdar-1.7b": ModelGeometry("SDAR-1.7B", 2048, 28, 16, 8, 6144, 151936, block_causal=True,
-                               head_size=128, tied_head=True),
-}
+# The known models (sangam.models.registry), by the keys --model and --geometry take.
+MODELS = {key: ModelGeometry.of(shape.name, shape) for key, shape in MODEL_SHAPES.items()}
 
 
 CALIBRATED = "calibrated"  # the simulator's model: the geometry a calibration file records

@@ -46,7 +46,8 @@ from sangam.bench.report import (
     plot_latency,
     write_outputs,
 )
-from sangam.bench.sim import SimConfig, coefficients_from_args, run_point, step_model_from_args
+from sangam.bench.sim.config import SimConfig
+from sangam.bench.sim.runs import coefficients_from_args, run_point, step_model_from_args
 from sangam.bench.traces import load_lengths
 from sangam.sched.batch_builder import DRAIN_ITERATIONS
 

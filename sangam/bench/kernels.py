@@ -7,8 +7,9 @@ Models: LLaDA-8B (32 query heads / 32 KV heads, head_dim 128), Dream-7B (28 / 4,
   attention  cached steps: spans of 32 queries x batch 1, 4, 16, 64 x KV length 512-4096
              (memory-bound: reported as GB/s of K/V read)
   refresh    one request's full forward: 512-4096 queries over as many keys (TFLOP/s)
-  unmask     fused confidence unmasking over 32-2048 rows of 126464 logits, temperature 0
-             and 1 (GB/s of logits read)
+  unmask     fused confidence scoring (each row's token and confidence, what the unmasking
+             rules commit by) over 32-2048 rows of 126464 logits, temperature 0 and 1 (GB/s
+             of logits read)
   gather     KV-transfer page gather of 1-16 requests of 1024 tokens, all layers (GB/s read +
              written)
 
@@ -41,15 +42,18 @@ from dataclasses import dataclass
 
 import torch
 
+from sangam.models.config import SDAR_BLOCK_SIZE
+from sangam.models.registry import MODEL_SHAPES
+
 PEAK_BYTES_PER_S = 4.8e12
 PEAK_FLOPS = 989e12
-MODELS = {  # name: (query heads, KV heads, head_dim, layers)
-    "llada": (32, 32, 128, 32),
-    "dream": (28, 4, 128, 28),
-    "sdar": (32, 8, 128, 36),
-}
-CAUSAL_BLOCK = {"sdar": 4}  # block-causal models' block size in the suites (SDAR's default)
-VOCAB = 126464
+# The models timed, of sangam.models.registry: name -> (query heads, KV heads, head_dim, layers)
+MODELS = {key: (MODEL_SHAPES[key].num_heads, MODEL_SHAPES[key].num_kv_heads,
+                MODEL_SHAPES[key].head_dim, MODEL_SHAPES[key].num_layers)
+          for key in ("llada", "dream", "sdar")}
+# Block-causal models' block size in the suites: SDAR's default.
+CAUSAL_BLOCK = {key: SDAR_BLOCK_SIZE for key in MODELS if MODEL_SHAPES[key].block_causal}
+VOCAB = MODEL_SHAPES["llada"].vocab_size
 PAGE = 16
 SUITES = ("attention", "refresh", "unmask", "gather")
 DEVICE = "cuda"
@@ -185,31 +189,25 @@ def _attention_rows(model, batches, kvs, q_per_req, suite, args) -> list[dict]:
     return rows
 
 
-def _unmask_rows(row_counts, args) -> list[dict]:
+def _score_rows(row_counts, args) -> list[dict]:
     from sangam.decoding import score_logits
-    from sangam.kernels.unmask import fused_unmask
+    from sangam.kernels.unmask import fused_score
 
     rows = []
     dev = DEVICE
     for m in row_counts:
         for temp in (0.0, 1.0):
             logits = 3 * torch.randn(m, VOCAB, device=dev, dtype=torch.bfloat16)
-            r = max(1, m // 32)  # requests of 32 rows
-            cu = torch.linspace(0, m, r + 1, device=dev).round().to(torch.int32)
-            ints = torch.zeros(r, device=dev, dtype=torch.int32)  # no forced rows; threshold
-            rule_args = (cu, ints, ints, torch.full((r,), 0.9, device=dev, dtype=torch.float64),
-                         torch.ones(r, device=dev, dtype=torch.float64), ints + 1,
-                         torch.full((r,), temp, device=dev, dtype=torch.float64))
             keys = torch.randint(0, 2**32, (m,), device=dev)
             rows_temp = torch.full((m,), temp, device=dev, dtype=torch.float64)
 
-            def run(logits=logits, rule_args=rule_args, keys=keys):
-                return fused_unmask(logits, VOCAB - 128, *rule_args, keys)
+            def run(logits=logits, keys=keys, rows_temp=rows_temp):
+                return fused_score(logits, VOCAB - 128, rows_temp, keys)
 
             def ref(logits=logits, keys=keys, rows_temp=rows_temp):
                 return score_logits(logits, VOCAB - 128, rows_temp, keys)
 
-            tok, _, _ = run()
+            tok, _ = run()
             rtok, _, _ = ref()
             err = float((tok != rtok).float().mean().item())  # fraction of differing tokens
             ms = _bench(run, args.warmup, args.rep)
@@ -301,7 +299,7 @@ def run_gpu(args: argparse.Namespace, save: Callable[[list[dict]], None]) -> lis
             rows += _gather_rows(model, shapes.gather, GATHER_TOKENS, args)
             save(rows)
     if "unmask" in suites:
-        rows += _unmask_rows(shapes.unmask, args)
+        rows += _score_rows(shapes.unmask, args)
         save(rows)
     return rows
 
@@ -313,7 +311,7 @@ def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream,sdar",
     """Compile, for ``gpu`` (a name in ``cross_compile.TARGETS``), every launch the suites and
     the engine's Triton backend make at the serving shapes, on meta tensors. Needs compiled
     kernels (no ``TRITON_INTERPRET``); no GPU. Returns one dict per distinct build."""
-    from sangam.kernels import fused_unmask, gather_pages, paged_attention, scatter_pages, store_kv
+    from sangam.kernels import fused_score, gather_pages, paged_attention, scatter_pages, store_kv
     from sangam.kernels.cross_compile import TARGETS, cross_compiling
 
     if gpu not in TARGETS:
@@ -349,11 +347,8 @@ def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream,sdar",
                 kv_buf, ids = empty(layers, 2, pages, PAGE, hkv, d), empty(pages, dtype=i64)
                 scatter_pages(gather_pages(kv_buf, ids), kv_buf, ids)
         for m in shapes.unmask:
-            r = max(1, m // STEP_QUERIES)
-            per_req_f64 = empty(r, dtype=torch.float64)
-            fused_unmask(empty(m, VOCAB), VOCAB - 128, empty(r + 1, dtype=i32),
-                         empty(r, dtype=i32), empty(r, dtype=i32), per_req_f64, per_req_f64,
-                         empty(r, dtype=i32), per_req_f64, empty(m, dtype=i64))
+            fused_score(empty(m, VOCAB), VOCAB - 128, empty(m, dtype=torch.float64),
+                        empty(m, dtype=i64))
     return [dataclasses.asdict(b) | {"constants": {k: str(v) for k, v in b.constants.items()},
                                      "text": b.describe()} for b in builds]
 
@@ -362,9 +357,9 @@ def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream,sdar",
 
 def cpu_selfcheck() -> list[dict]:
     """Every kernel against its reference at tiny shapes (interpreter). Returns result rows."""
-    from sangam.decoding.unmask_reference import unmask_ref
+    from sangam.decoding import score_logits
     from sangam.kernels import (
-        fused_unmask,
+        fused_score,
         gather_pages,
         gather_pages_ref,
         paged_attention,
@@ -403,16 +398,13 @@ def cpu_selfcheck() -> list[dict]:
     record("store_kv", torch.equal(pages[0], pages[2]) and torch.equal(pages[1], pages[3]))
 
     logits = 3 * torch.randn(11, 300, generator=g)
-    cu_rows = torch.tensor([0, 4, 11], dtype=torch.int32)
-    args = (cu_rows, torch.tensor([1, 0], dtype=torch.int32),
-            torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0.3, 0.9], dtype=torch.float64),
-            torch.tensor([1.0, 1.0], dtype=torch.float64), torch.tensor([1, 1], dtype=torch.int32),
-            torch.tensor([0.0, 0.7], dtype=torch.float64),
+    args = (torch.tensor([0.0] * 4 + [0.7] * 7, dtype=torch.float64),  # greedy and sampled
             torch.randint(0, 2**32, (11,), generator=g))
-    got = fused_unmask(logits, 299, *args, block_v=64)
-    want = unmask_ref(logits, 299, *args)
-    same = torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
-    record("fused_unmask", same and torch.allclose(got[1], want[1], atol=1e-6))
+    for splits in (1, 3):
+        got = fused_score(logits, 299, *args, block_v=64, num_splits=splits)
+        want = score_logits(logits, 299, *args)
+        record(f"fused_score splits={splits}", torch.equal(got[0], want.tokens)
+               and torch.allclose(got[1], want.conf, atol=1e-6))
 
     pool = torch.randn(3, 2, 6, 4, 2, 8, generator=g)
     ids = torch.tensor([4, 0, 5])

@@ -1,5 +1,5 @@
 """Triton kernels of the serving hot path, each with a PyTorch reference in ``reference`` (the
-unmasking kernel's is decoding's scoring and rules: ``sangam.decoding.unmask_reference``).
+scoring kernel's is decoding's own: ``sangam.decoding.score_logits``).
 
 The kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before
 Triton is first imported).
@@ -15,10 +15,10 @@ from sangam.kernels.reference import (
     store_kv_ref,
     store_kv_rope_ref,
 )
-from sangam.kernels.unmask import fused_score, fused_unmask
+from sangam.kernels.unmask import fused_score
 
 __all__ = [
-    "fused_score", "fused_unmask", "gather_pages", "gather_pages_ref", "paged_attention",
+    "fused_score", "gather_pages", "gather_pages_ref", "paged_attention",
     "paged_attention_ref", "scatter_pages", "scatter_pages_ref", "store_kv", "store_kv_ref",
     "store_kv_rope", "store_kv_rope_ref",
 ]

@@ -1,18 +1,14 @@
-"""Fused confidence unmasking (DESIGN.md §2, §5.3).
+"""Fused confidence scoring (DESIGN.md §2, §5.3): each logits row's token and confidence.
 
-Phase 1, one pass over each row's logits in vocabulary chunks: an online softmax (running max
-and sum of exponentials) together with the running argmax of the logits (temperature 0) or of
+One pass over each row's logits in vocabulary chunks: an online softmax (running max and sum
+of exponentials) together with the running argmax of the logits (temperature 0) or of
 ``logits / t + gumbel`` (temperature t > 0, noise from the same lowbias32 hash as
 ``sangam.decoding.noise``), so no ``[rows, vocab]`` float32 copy is ever made. When there are
 too few rows to fill the GPU, each row's vocabulary is split across programs and a small kernel
 merges the partial statistics.
 
-Phase 2, one program per request: the first ``num_forced[r]`` rows are committed; among the
-rest, each candidate's rank by (confidence desc, row asc) comes from pairwise comparisons, and
-the request's rule (threshold / factor / topk) decides from the ranks.
-
-The result equals ``sangam.decoding.score_logits`` + ``select_commits`` (see
-``sangam.decoding.unmask_reference.unmask_ref``).
+The result equals ``sangam.decoding.score_logits``'s tokens and confidences (its reference).
+Which rows commit is the host's to decide, by the decoding rules.
 """
 
 from __future__ import annotations
@@ -128,67 +124,15 @@ def _merge_kernel(
     tl.store(conf_ptr + row, _confidence(x, m, s).to(CDT))
 
 
-@triton.jit
-def _ranks(conf_ptr, i, ci, c0, b, BLOCK_R: tl.constexpr):
-    """Rank of candidates i (confidences ci) among candidates c0..b-1: how many come first by
-    (confidence desc, row asc)."""
-    rank = tl.zeros([BLOCK_R], tl.int32)
-    for js in range(c0, b, BLOCK_R):
-        j = js + tl.arange(0, BLOCK_R)
-        cj = tl.load(conf_ptr + j, mask=j < b, other=0.0).to(tl.float64)
-        first = (cj[None, :] > ci[:, None]) | (
-            (cj[None, :] == ci[:, None]) & (j[None, :] < i[:, None]))
-        rank += tl.sum((first & (j < b)[None, :]).to(tl.int32), 1)
-    return rank
-
-
-@triton.jit
-def _rule_kernel(
-    conf_ptr, commit_ptr, cu_ptr, forced_ptr, rule_ptr, thr_ptr, factor_ptr, k_ptr,
-    BLOCK_R: tl.constexpr,
-):
-    r = tl.program_id(0)
-    a = tl.load(cu_ptr + r)
-    b = tl.load(cu_ptr + r + 1)
-    c0 = a + tl.minimum(tl.maximum(tl.load(forced_ptr + r), 0), b - a)
-    rule = tl.load(rule_ptr + r)
-    thr = tl.load(thr_ptr + r).to(tl.float64)
-    fac = tl.load(factor_ptr + r).to(tl.float64)
-    topk = tl.load(k_ptr + r)
-    lanes = tl.arange(0, BLOCK_R)
-
-    for start in range(a, c0, BLOCK_R):
-        i = start + lanes
-        tl.store(commit_ptr + i, tl.full([BLOCK_R], 1, tl.int1), mask=i < c0)
-
-    # factor: the committed prefix ends at the first rank k >= 1 whose confidence is below
-    # 1 - f / (k + 2) (0-based k); ranks come from pairwise comparisons.
-    n_factor = b - c0
-    if rule == 1:
-        for start in range(c0, b, BLOCK_R):
-            i = start + lanes
-            ci = tl.load(conf_ptr + i, mask=i < b, other=0.0).to(tl.float64)
-            rank = _ranks(conf_ptr, i, ci, c0, b, BLOCK_R)
-            fails = (i < b) & (rank >= 1) & (ci < 1.0 - fac / (rank + 2).to(tl.float64))
-            n_factor = tl.minimum(n_factor, tl.min(tl.where(fails, rank, b - c0), 0))
-
-    for start in range(c0, b, BLOCK_R):
-        i = start + lanes
-        ci = tl.load(conf_ptr + i, mask=i < b, other=0.0).to(tl.float64)
-        rank = _ranks(conf_ptr, i, ci, c0, b, BLOCK_R)
-        commit = tl.where(rule == 0, (ci >= thr) | (rank == 0),
-                          tl.where(rule == 1, rank < n_factor, rank < topk))
-        tl.store(commit_ptr + i, commit, mask=i < b)
-
-
 def fused_score(logits: torch.Tensor, mask_token_id: int, temperature: torch.Tensor,
                 row_keys: torch.Tensor, *, block_v: int | None = None,
                 num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 1 of :func:`fused_unmask` alone: each row's token and confidence, with
-    ``temperature`` per row (float ``[M]``, as ``sangam.decoding.score_logits``; other
-    arguments as there). The engine uses it alone, since its host commits by the rules itself
-    (after any rows are scored again). Returns (tokens int64 ``[M]``, confidence ``[M]`` fp32
-    — fp64 for fp64 logits)."""
+    """Each row of ``logits [M, V]``: its token (never ``mask_token_id``) and confidence, as
+    ``sangam.decoding.score_logits`` with ``temperature`` float ``[M]`` (read in its own float
+    dtype: pass float64 for bit-exact agreement with Python-float parameters) and ``row_keys``
+    int64 ``[M]`` (uint32 noise keys). ``block_v`` (vocabulary tile) and ``num_splits``
+    (vocabulary splits per row) override the defaults. Returns (tokens int64 ``[M]``,
+    confidence ``[M]`` fp32 — fp64 for fp64 logits)."""
     m_rows, vocab = logits.shape
     dev = logits.device
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -228,40 +172,3 @@ def fused_score(logits: torch.Tensor, mask_token_id: int, temperature: torch.Ten
             BLOCK_S=triton.next_power_of_2(num_splits), CDT=tl_cdt, num_warps=1)
     return tokens, conf
 
-
-def fused_unmask(logits: torch.Tensor, mask_token_id: int, cu_rows: torch.Tensor,
-                 num_forced: torch.Tensor, rule: torch.Tensor, threshold: torch.Tensor,
-                 factor: torch.Tensor, tokens_per_step: torch.Tensor, temperature: torch.Tensor,
-                 row_keys: torch.Tensor, *, block_v: int | None = None,
-                 num_splits: int | None = None, block_r: int | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Score every row of ``logits [M, V]`` and apply each request's unmasking rule.
-
-    Rows ``cu_rows[r]:cu_rows[r+1]`` (int32 ``[R+1]``) belong to request r; its first
-    ``num_forced[r]`` rows are committed regardless, the rest are rule candidates in position
-    order. ``rule`` int32 ``[R]`` (``sangam.decoding.RULE_IDS``), ``threshold``/``factor``
-    float ``[R]``, ``tokens_per_step`` int32 ``[R]``, ``temperature`` float ``[R]``,
-    ``row_keys`` int64 ``[M]`` (uint32 noise keys). Threshold, factor and temperature are read
-    in whatever float dtype they come in: pass float64 for bit-exact agreement with Python-float
-    parameters. ``block_v``, ``num_splits`` (vocabulary splits per row) and ``block_r`` (rule
-    tile) override the defaults.
-
-    Returns (tokens int64 ``[M]``, confidence ``[M]`` fp32 — fp64 for fp64 logits —, commit
-    bool ``[M]``).
-    """
-    m_rows = logits.shape[0]
-    num_requests = cu_rows.numel() - 1
-    cu = cu_rows.to(torch.int32)
-    # Each row's temperature is its request's (output_size: no host sync on GPU).
-    row_temperature = torch.repeat_interleave(temperature, cu[1:] - cu[:-1], output_size=m_rows)
-    tokens, conf = fused_score(logits, mask_token_id, row_temperature, row_keys,
-                               block_v=block_v, num_splits=num_splits)
-    commit = torch.zeros(m_rows, dtype=torch.bool, device=logits.device)
-    if m_rows == 0 or num_requests == 0:
-        return tokens, conf, commit
-    on_gpu = compiled(logits.device)
-    _rule_kernel[(num_requests,)](
-        conf, commit, cu, num_forced, rule, threshold, factor, tokens_per_step,
-        BLOCK_R=block_r or (64 if on_gpu else 32), num_warps=4 if on_gpu else 1,
-    )
-    return tokens, conf, commit

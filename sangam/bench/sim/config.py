@@ -1,0 +1,109 @@
+"""One simulated deployment: the model, GPU and link, the serving mode and worker counts, and
+the engine's and requests' options it shares with them (defaults taken from theirs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from sangam.bench.cost_model import CALIBRATED, GPUS, LINKS, MODELS
+from sangam.config import EngineConfig
+from sangam.sampling_params import SamplingParams
+from sangam.sched.router import MODES
+
+# The deployment options the simulator shares with the engine take the engine's defaults.
+_ENGINE = {f.name: f for f in dataclasses.fields(EngineConfig)}
+_REQUEST = SamplingParams()
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model: str = "llada"  # key of cost_model.MODELS, or CALIBRATED
+    gpu: str = "h100"  # key of cost_model.GPUS
+    mode: str = "colocated"
+    num_workers: int = 1  # colocated
+    prefill_workers: int = 5  # disaggregated / hybrid
+    decode_workers: int = 3
+    policy: str = _ENGINE["policy"].default
+    token_budget: float = _ENGINE["token_budget"].default
+    drain_iterations: int = _ENGINE["drain_iterations"].default
+    enable_chunked_prefill: bool = _ENGINE["enable_chunked_prefill"].default
+    max_batch_size: int = _ENGINE["max_batch_size"].default
+    overflow_threshold: int = _ENGINE["overflow_threshold"].default
+    block_length: int = _REQUEST.block_length
+    cache: str = _REQUEST.cache
+    refresh_interval: int = _REQUEST.refresh_interval
+    prompt_refresh_interval: int = _REQUEST.prompt_refresh_interval
+    # Adaptive refresh (SamplingParams.refresh_confidence) has no confidences to read here: the
+    # share of the blocks the cadence starts from cache that refresh fully anyway, drawn per
+    # (seed, request, block); sangam-bench quality measures it for a refresh_confidence.
+    adaptive_refresh_rate: float = 0.0
+    max_tokens: int | None = None  # fixed canvas; None: each request's output length
+    page_size: int = _ENGINE["page_size"].default
+    num_pages: int | None = None  # per worker; None: what the GPU has left after the weights
+    memory_fraction: float = _ENGINE["gpu_memory_fraction"].default
+    link: str = "nvlink"
+    layerwise_kv_streaming: bool = _ENGINE["layerwise_kv_streaming"].default
+    seed: int = _ENGINE["seed"].default
+
+    def __post_init__(self) -> None:
+        if self.model not in (*MODELS, CALIBRATED):
+            raise ValueError(f"model must be one of {[*sorted(MODELS), CALIBRATED]}, got "
+                             f"{self.model!r}")
+        if self.gpu not in GPUS:
+            raise ValueError(f"gpu must be one of {sorted(GPUS)}, got {self.gpu!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.link not in LINKS:
+            raise ValueError(f"link must be one of {sorted(LINKS)}, got {self.link!r}")
+        if self.policy == "fastdllm" and self.mode != "colocated":
+            raise ValueError("the fastdllm policy (batch size 1) runs colocated only")
+        if self.block_causal and (self.mode != "colocated" or self.cache != "dual"
+                                  or (self.refresh_interval, self.prompt_refresh_interval)
+                                  != (1, 1) or self.adaptive_refresh_rate):
+            raise ValueError("a block-causal model (sdar) runs colocated with cache 'dual' and "
+                             "no refresh cadence, as the engine serves it")
+        if min(self.num_workers, self.prefill_workers, self.decode_workers) < 1:
+            raise ValueError("worker counts must be >= 1")
+        if not 0.0 <= self.adaptive_refresh_rate <= 1.0:
+            raise ValueError(f"adaptive_refresh_rate must be in [0, 1], got "
+                             f"{self.adaptive_refresh_rate}")
+        # The request-side checks are SamplingParams' own (cadence needs a cache, bounds).
+        SamplingParams(block_length=self.block_length, cache=self.cache,
+                       refresh_interval=self.refresh_interval,
+                       prompt_refresh_interval=self.prompt_refresh_interval)
+
+    @property
+    def block_causal(self) -> bool:
+        return self.model in MODELS and MODELS[self.model].block_causal
+
+    @property
+    def roles(self) -> list[str]:
+        if self.mode == "colocated":
+            return ["colocated"] * self.num_workers
+        return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
+
+    @property
+    def label(self) -> str:
+        if self.policy == "fastdllm":
+            core = "fastdllm"
+        elif self.policy == "adaptive":
+            core = f"adaptive tau>={int(self.token_budget)}/{self.drain_iterations}"
+        elif self.policy == "prefill_first" or math.isinf(self.token_budget):
+            core = "prefill-first"
+        else:
+            core = f"tau={int(self.token_budget)}"
+        if self.mode == "colocated":
+            where = f"{self.num_workers}C"
+        else:
+            where = f"{self.prefill_workers}P{self.decode_workers}" + (
+                "D" if self.mode == "disaggregated" else "C")
+        cadence = ""
+        if (self.refresh_interval, self.prompt_refresh_interval) != (1, 1):
+            cadence = f" refresh={self.refresh_interval}/{self.prompt_refresh_interval}"
+        if self.adaptive_refresh_rate:
+            cadence += f" adaptive={self.adaptive_refresh_rate:g}"
+        if self.enable_chunked_prefill and self.block_causal:
+            cadence += " chunked"
+        return f"{where} {core}" + (" lw" if self.layerwise_kv_streaming else "") + cadence

@@ -1,0 +1,73 @@
+"""One simulated run at an offered load, from the command line's flags: the trace's lengths
+and arrivals, the step model, the cost coefficients and the model's geometry. ``sangam-bench
+sim`` and its experiments run their points through it."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from sangam.bench.cost_model import (
+    CALIBRATED,
+    GPUS,
+    Coefficients,
+    ModelGeometry,
+    load_calibrated_geometry,
+)
+from sangam.bench.report import summarize
+from sangam.bench.sim.config import SimConfig
+from sangam.bench.sim.simulator import SimResult, simulate
+from sangam.bench.sim.steps import GeometricSteps, StepModel, load_step_profile
+from sangam.bench.traces import (
+    LengthSample,
+    TraceRequest,
+    arrivals,
+    build_trace,
+    load_lengths,
+    scale_lengths,
+)
+
+DEFAULT_NUM_REQUESTS = 300  # per run; the experiments have their own
+
+
+def step_model_from_args(args: argparse.Namespace) -> StepModel:
+    if args.step_profile:
+        return load_step_profile(args.step_profile, args.block_length)
+    return GeometricSteps(args.tokens_per_step)
+
+
+def coefficients_from_args(args: argparse.Namespace, config: SimConfig) -> Coefficients:
+    if args.calibration:
+        return Coefficients.load(args.calibration)
+    return Coefficients.defaults(GPUS[config.gpu])
+
+
+def geometry_from_args(args: argparse.Namespace, config: SimConfig
+                       ) -> tuple[ModelGeometry, int] | None:
+    if config.model != CALIBRATED:
+        return None
+    if not args.calibration:
+        raise ValueError("--model calibrated needs --calibration")
+    return load_calibrated_geometry(args.calibration)
+
+
+def make_trace(lengths: Sequence[LengthSample], qps: float, args: argparse.Namespace
+               ) -> list[TraceRequest]:
+    times = arrivals(len(lengths), qps, args.trace_seed + 1, args.arrival, args.cv)
+    return build_trace(lengths, times)
+
+
+def run_point(config: SimConfig, lengths: Sequence[LengthSample], qps: float,
+              args: argparse.Namespace, label: str) -> tuple[dict, SimResult]:
+    """One simulated run; its summary carries ``config`` (the label) and utilization."""
+    res = simulate(config, make_trace(lengths, qps, args), qps,
+                   coefficients_from_args(args, config), step_model_from_args(args),
+                   geometry_from_args(args, config))
+    summary = {"config": label, **summarize(res.records, qps)}
+    summary["utilization"] = sum(w["utilization"] for w in res.workers) / len(res.workers)
+    return summary, res
+
+
+def trace_lengths(args: argparse.Namespace) -> list[LengthSample]:
+    return scale_lengths(load_lengths(args.trace, args.num_requests or DEFAULT_NUM_REQUESTS,
+                                      args.trace_seed), args.length_scale)
