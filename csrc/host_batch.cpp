@@ -1,18 +1,25 @@
-// sangam._host: the model runner's per-iteration host work in C++ (DESIGN.md §1, csrc/).
+// sangam._host: the model runner's per-iteration host work in C++ (docs/design.md §1, csrc/).
 //
-//   build(states, pages, page_size, arena) -> (fits, num_tokens, num_rows, width)
-//       Plans every request's next step (DecodeState.plan) and packs the batch's arrays
-//       (PackedBatch.from_plans) into the arena's preallocated arrays.
-//   apply(states, tokens, conf, cand_positions, cu_rows, num_forced) -> list[bool]
-//       Commits each request's scored rows (DecodeState.commit + select_commits), in place.
+//   configure(layout) -> None
+//       Learns where each field lives in a request's records (the field lists are defined once,
+//       in Python: BlockCursor's CURSOR_FIELDS, DecodeState's DECODE_FIELDS, ...). Called once,
+//       at import, by sangam/engine/host_batch.py.
+//   build(requests, pages, page_size, arena) -> (fits, num_tokens, num_rows, width)
+//       Plans every request's next step (DecodeState.plan, BlockCursor.span) and packs the
+//       batch's arrays (PackedBatch.from_plans) into the arena's preallocated arrays.
+//   apply(requests, tokens, conf, cand_positions, cu_rows, num_forced) -> list[bool]
+//       Commits each request's scored rows (DecodeState.commit + select_commits), in place,
+//       moving its cursor.
 //
-// The Python code named above (sangam/decoding/state.py, rules.py, noise.py and
-// sangam/engine/host_batch.py) is the specification; this file mirrors it step for step, and
-// tests/test_host_batch.py checks that the two agree array for array and state for state.
+// A request is its DecodeState.host_buffers: a tuple of buffers (its cursor's record, the
+// decoder's integer and float records, its tokens, confidences, block thresholds and stop ids),
+// in HOST_BUFFERS order. No attribute is read by name: the records' layouts come from
+// configure(). The Python code named above is the specification; this file mirrors it step for
+// step, and tests/test_host_batch.py checks that the two agree array for array and state for
+// state.
 //
 // Only the plain CPython C API is used (no pybind11, numpy or torch headers), so the extension
-// builds with nothing but a compiler. Arrays are reached through the buffer protocol; Python
-// owns every output array and this code only fills them, which keeps allocation out of C++.
+// builds with nothing but a compiler. Python owns every array and this code only fills them.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,64 +33,6 @@
 #include "rules.h"
 
 namespace {
-
-// Attribute names and values, interned once at import so lookups hit the string cache.
-struct Names {
-  PyObject *tokens, *params, *mask_token_id, *stop_ids, *shift, *seed, *prompt_len, *block,
-      *step, *num_forwards, *finished, *finish_reason, *block_length, *cache, *temperature,
-      *unmasking, *threshold, *factor, *tokens_per_step, *stop, *length, *confidence,
-      *max_tokens, *refresh_interval, *prompt_refresh_interval, *force_refresh,
-      *refresh_confidence, *min_threshold, *block_causal, *block_origin, *canvas_end,
-      *prefilled, *chunk_end, *num_chunks;
-};
-Names names;
-
-bool intern_names() {
-  const struct {
-    PyObject** slot;
-    const char* text;
-  } table[] = {
-      {&names.tokens, "tokens"},
-      {&names.params, "params"},
-      {&names.mask_token_id, "mask_token_id"},
-      {&names.stop_ids, "stop_ids"},
-      {&names.shift, "shift"},
-      {&names.seed, "seed"},
-      {&names.prompt_len, "prompt_len"},
-      {&names.block, "block"},
-      {&names.step, "step"},
-      {&names.num_forwards, "num_forwards"},
-      {&names.finished, "finished"},
-      {&names.finish_reason, "finish_reason"},
-      {&names.block_length, "block_length"},
-      {&names.cache, "cache"},
-      {&names.temperature, "temperature"},
-      {&names.unmasking, "unmasking"},
-      {&names.threshold, "threshold"},
-      {&names.factor, "factor"},
-      {&names.tokens_per_step, "tokens_per_step"},
-      {&names.stop, "stop"},
-      {&names.length, "length"},
-      {&names.confidence, "confidence"},
-      {&names.max_tokens, "max_tokens"},
-      {&names.refresh_interval, "refresh_interval"},
-      {&names.prompt_refresh_interval, "prompt_refresh_interval"},
-      {&names.force_refresh, "force_refresh"},
-      {&names.refresh_confidence, "refresh_confidence"},
-      {&names.min_threshold, "min_threshold"},
-      {&names.block_causal, "block_causal"},
-      {&names.block_origin, "block_origin"},
-      {&names.canvas_end, "canvas_end"},
-      {&names.prefilled, "prefilled"},
-      {&names.chunk_end, "chunk_end"},
-      {&names.num_chunks, "num_chunks"},
-  };
-  for (const auto& entry : table) {
-    *entry.slot = PyUnicode_InternFromString(entry.text);
-    if (*entry.slot == nullptr) return false;
-  }
-  return true;
-}
 
 // An owned reference, released on scope exit so every error path can simply return.
 class Ref {
@@ -163,51 +112,168 @@ class Array {
   bool held_ = false;
 };
 
-// Attribute readers: false with a Python error set on failure. Integers go through
-// PyLong_AsLongLong, which also takes numpy integers (via __index__).
-bool attr_i64(PyObject* obj, PyObject* name, int64_t* out) {
-  Ref v(PyObject_GetAttr(obj, name));
-  if (!v) return false;
-  const long long x = PyLong_AsLongLong(v.get());
-  if (x == -1 && PyErr_Occurred()) return false;
-  *out = x;
-  return true;
+// ---------------------------------------------------------------------------------------------
+// The records' layout, from configure().
+
+struct CursorLayout {
+  int64_t prompt_len, total_len, block_length, block_origin, num_blocks, canvas_end, cache,
+      refresh_interval, prompt_refresh_interval, shift, block_causal, block, step,
+      force_refresh, prefilled, chunk_end;
+};
+struct DecodeLayout {
+  int64_t mask_token_id, seed, rule, tokens_per_step, max_tokens, num_forwards, num_chunks,
+      finished, finish_reason;
+};
+struct FloatLayout {
+  int64_t temperature, factor, refresh_confidence;
+};
+struct Buffers {  // positions in DecodeState.host_buffers
+  int64_t cursor, record, floats, tokens, confidence, thresholds, stop_ids, count;
+};
+struct Codes {  // values of enumerated fields
+  int64_t cache_dual, cache_prefix, cache_none, rule_threshold, rule_factor, rule_topk,
+      finish_stop, finish_length;
+};
+struct Layout {
+  CursorLayout c;
+  DecodeLayout d;
+  FloatLayout f;
+  Buffers b;
+  Codes code;
+  int64_t cursor_len = 0, record_len = 0, floats_len = 0;  // the records' field counts
+  bool configured = false;
+};
+Layout layout;
+
+// The index of `name` in the sequence `names`; false with an error if it is not there.
+bool index_of(PyObject* names, const char* name, int64_t* out) {
+  Ref seq(PySequence_Fast(names, "configure: field lists must be sequences"));
+  if (!seq) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.get());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq.get(), i);
+    if (PyUnicode_Check(item) && PyUnicode_CompareWithASCIIString(item, name) == 0) {
+      *out = i;
+      return true;
+    }
+  }
+  PyErr_Format(PyExc_KeyError, "configure: no field %s", name);
+  return false;
 }
 
-bool attr_f64(PyObject* obj, PyObject* name, double* out) {
-  Ref v(PyObject_GetAttr(obj, name));
-  if (!v) return false;
-  const double x = PyFloat_AsDouble(v.get());
-  if (x == -1.0 && PyErr_Occurred()) return false;
-  *out = x;
-  return true;
+// configure(layout): layout is a dict of field lists: "cursor", "decode", "floats",
+// "buffers", "cache_modes", "rules" and "finish_reasons" (each a sequence of names; a rule's
+// code is its position in "rules").
+PyObject* configure(PyObject*, PyObject* arg) {
+  if (!PyDict_Check(arg)) {
+    PyErr_SetString(PyExc_TypeError, "configure(layout): layout must be a dict");
+    return nullptr;
+  }
+  const auto list = [&](const char* key) -> PyObject* {
+    PyObject* v = PyDict_GetItemString(arg, key);  // borrowed
+    if (v == nullptr) PyErr_Format(PyExc_KeyError, "configure: layout has no %s", key);
+    return v;
+  };
+  PyObject *cursor = list("cursor"), *decode = list("decode"), *floats = list("floats"),
+           *buffers = list("buffers"), *cache = list("cache_modes"), *rules = list("rules"),
+           *reasons = list("finish_reasons");
+  if (!cursor || !decode || !floats || !buffers || !cache || !rules || !reasons) return nullptr;
+  Layout l;
+  CursorLayout& c = l.c;
+  DecodeLayout& d = l.d;
+  const bool ok =
+      index_of(cursor, "prompt_len", &c.prompt_len) &&
+      index_of(cursor, "total_len", &c.total_len) &&
+      index_of(cursor, "block_length", &c.block_length) &&
+      index_of(cursor, "block_origin", &c.block_origin) &&
+      index_of(cursor, "num_blocks", &c.num_blocks) &&
+      index_of(cursor, "canvas_end", &c.canvas_end) && index_of(cursor, "cache", &c.cache) &&
+      index_of(cursor, "refresh_interval", &c.refresh_interval) &&
+      index_of(cursor, "prompt_refresh_interval", &c.prompt_refresh_interval) &&
+      index_of(cursor, "shift", &c.shift) && index_of(cursor, "block_causal", &c.block_causal) &&
+      index_of(cursor, "block", &c.block) && index_of(cursor, "step", &c.step) &&
+      index_of(cursor, "force_refresh", &c.force_refresh) &&
+      index_of(cursor, "prefilled", &c.prefilled) &&
+      index_of(cursor, "chunk_end", &c.chunk_end) &&
+      index_of(decode, "mask_token_id", &d.mask_token_id) && index_of(decode, "seed", &d.seed) &&
+      index_of(decode, "rule", &d.rule) &&
+      index_of(decode, "tokens_per_step", &d.tokens_per_step) &&
+      index_of(decode, "max_tokens", &d.max_tokens) &&
+      index_of(decode, "num_forwards", &d.num_forwards) &&
+      index_of(decode, "num_chunks", &d.num_chunks) &&
+      index_of(decode, "finished", &d.finished) &&
+      index_of(decode, "finish_reason", &d.finish_reason) &&
+      index_of(floats, "temperature", &l.f.temperature) &&
+      index_of(floats, "factor", &l.f.factor) &&
+      index_of(floats, "refresh_confidence", &l.f.refresh_confidence) &&
+      index_of(buffers, "cursor", &l.b.cursor) && index_of(buffers, "record", &l.b.record) &&
+      index_of(buffers, "floats", &l.b.floats) && index_of(buffers, "tokens", &l.b.tokens) &&
+      index_of(buffers, "confidence", &l.b.confidence) &&
+      index_of(buffers, "block_thresholds", &l.b.thresholds) &&
+      index_of(buffers, "stop_ids", &l.b.stop_ids) &&
+      index_of(cache, "dual", &l.code.cache_dual) &&
+      index_of(cache, "prefix", &l.code.cache_prefix) &&
+      index_of(cache, "none", &l.code.cache_none) &&
+      index_of(rules, "threshold", &l.code.rule_threshold) &&
+      index_of(rules, "factor", &l.code.rule_factor) &&
+      index_of(rules, "topk", &l.code.rule_topk) &&
+      index_of(reasons, "stop", &l.code.finish_stop) &&
+      index_of(reasons, "length", &l.code.finish_length);
+  if (!ok) return nullptr;
+  l.b.count = PySequence_Size(buffers);
+  l.cursor_len = PySequence_Size(cursor);
+  l.record_len = PySequence_Size(decode);
+  l.floats_len = PySequence_Size(floats);
+  if (l.b.count < 0 || l.cursor_len < 0 || l.record_len < 0 || l.floats_len < 0) return nullptr;
+  l.configured = true;
+  layout = l;
+  Py_RETURN_NONE;
 }
 
-bool attr_truth(PyObject* obj, PyObject* name, bool* out) {
-  Ref v(PyObject_GetAttr(obj, name));
-  if (!v) return false;
-  const int t = PyObject_IsTrue(v.get());
-  if (t < 0) return false;
-  *out = t != 0;
-  return true;
-}
+// One request's buffers (DecodeState.host_buffers), acquired for the duration of a call.
+struct Request {
+  Array<int64_t> cursor, record, tokens, stop_ids;
+  Array<double> floats, confidence, thresholds;
 
-// `value == text` for a str attribute value (anything else compares unequal, as in Python).
-bool str_equals(PyObject* value, const char* text) {
-  return PyUnicode_Check(value) && PyUnicode_CompareWithASCIIString(value, text) == 0;
-}
-
-bool set_attr_i64(PyObject* obj, PyObject* name, int64_t value) {
-  Ref v(PyLong_FromLongLong(value));
-  return v && PyObject_SetAttr(obj, name, v.get()) == 0;
-}
+  // `writable`: apply() writes the cursor, the counters, the tokens and the confidences.
+  bool acquire(PyObject* buffers, bool writable) {
+    if (!layout.configured) {
+      PyErr_SetString(PyExc_RuntimeError, "sangam._host: configure() was not called");
+      return false;
+    }
+    if (!PyTuple_Check(buffers) || PyTuple_GET_SIZE(buffers) != layout.b.count) {
+      PyErr_SetString(PyExc_TypeError, "a request is its DecodeState.host_buffers tuple");
+      return false;
+    }
+    PyObject* const* a = &PyTuple_GET_ITEM(buffers, 0);
+    const Buffers& b = layout.b;
+    if (!cursor.acquire(a[b.cursor], "cursor record", writable) ||
+        !record.acquire(a[b.record], "decode record", writable) ||
+        !floats.acquire(a[b.floats], "decode floats", false) ||
+        !tokens.acquire(a[b.tokens], "DecodeState.tokens", writable)) {
+      return false;
+    }
+    if (writable && (!confidence.acquire(a[b.confidence], "DecodeState.confidence", true) ||
+                     !thresholds.acquire(a[b.thresholds], "block_thresholds", false) ||
+                     !stop_ids.acquire(a[b.stop_ids], "stop ids", false))) {
+      return false;
+    }
+    if (cursor.size() != layout.cursor_len || record.size() != layout.record_len ||
+        floats.size() != layout.floats_len) {
+      PyErr_SetString(PyExc_ValueError, "a request's records do not match their layout");
+      return false;
+    }
+    return true;
+  }
+  int64_t& at(int64_t field) const { return cursor[field]; }
+};
 
 // ---------------------------------------------------------------------------------------------
 // build
 
 // One request's step plan (DecodeState.plan), plus what packing it needs.
 struct Plan {
-  Array<int64_t> tokens;       // the canvas: prompt + response, MASK where not yet committed
+  Request req;
   Ref pages;                   // the request's page list, as a PySequence_Fast
   int64_t total_len = 0;       // T
   int64_t mask = 0;            // the mask token id
@@ -222,103 +288,87 @@ struct Plan {
   uint32_t key = 0;            // the step's noise key (only drawn when temperature > 0)
 };
 
-// DecodeState.span() of a block-causal request: its prompt's K/V (what is left of it, or a
-// chunk of it) with block 0's first step, a later block's first step over [s - B, e), and
-// the block's other steps over [s, e); keys up to the span's end.
-bool block_causal_span(PyObject* st, Plan* p, int64_t block, int64_t step, int64_t block_length,
-                       bool force_refresh) {
-  if (step > 0) {
-    p->start = p->s, p->end = p->e;
-  } else if (block == 0 || force_refresh) {
-    int64_t prefilled = 0;
-    if (!force_refresh && !attr_i64(st, names.prefilled, &prefilled)) return false;
-    Ref chunk_end(PyObject_GetAttr(st, names.chunk_end));
-    if (!chunk_end) return false;
-    p->start = prefilled, p->end = p->e;
-    if (chunk_end.get() != Py_None) {
-      const long long end = PyLong_AsLongLong(chunk_end.get());
-      if (end == -1 && PyErr_Occurred()) return false;
-      p->end = end;
+// BlockCursor.span(): the next forward's span [start, end) and the keys it attends.
+bool cursor_span(const Request& q, Plan* p) {
+  const CursorLayout& c = layout.c;
+  const Codes& code = layout.code;
+  const int64_t block = q.at(c.block), step = q.at(c.step), b = q.at(c.block_length);
+  const bool force = q.at(c.force_refresh) != 0;
+  p->s = q.at(c.block_origin) + block * b;
+  p->e = p->s + b;
+  const int64_t T = q.at(c.total_len);
+  p->kv_len = T;
+  if (q.at(c.block_causal)) {  // the cache is exact: nothing after a block ever attends to it
+    if (step > 0) {
+      p->start = p->s, p->end = p->e;
+    } else if (block == 0 || force) {  // the prompt's K/V (what is left of it) and the block
+      const int64_t chunk_end = q.at(c.chunk_end);
+      p->start = q.at(c.prefilled), p->end = chunk_end < 0 ? p->e : chunk_end;
+    } else {
+      p->start = p->s - b, p->end = p->e;
     }
     p->chunk = p->end <= p->s;
+    p->kv_len = p->end;
+  } else if (q.at(c.cache) == code.cache_none) {
+    p->start = 0, p->end = T;
   } else {
-    p->start = p->s - block_length, p->end = p->e;
+    int64_t s = p->s;
+    if (step == 0) {  // the block's first step, as the cadence says (both intervals >= 1)
+      const int64_t every = q.at(c.refresh_interval), prompt_every = q.at(c.prompt_refresh_interval);
+      if (every < 1 || prompt_every < 1) {
+        PyErr_SetString(PyExc_ValueError, "BlockCursor: a refresh interval is below 1");
+        return false;
+      }
+      if (force || block % (every * prompt_every) == 0) {
+        p->start = 0, p->end = T;  // a full refresh
+        return true;
+      }
+      if (block % every == 0) {
+        p->start = q.at(c.prompt_len), p->end = T;  // a response-only refresh
+        return true;
+      }
+      s -= q.at(c.shift);  // a cached first step: with shifted logits, row s - 1 predicts s
+    }
+    p->start = s, p->end = q.at(c.cache) == code.cache_dual ? p->e : T;
   }
-  if (p->start < 0 || p->end <= p->start || p->end > p->total_len) {
-    PyErr_Format(PyExc_ValueError, "DecodeState: span [%lld, %lld) outside its canvas of %lld",
-                 static_cast<long long>(p->start), static_cast<long long>(p->end),
-                 static_cast<long long>(p->total_len));
-    return false;
-  }
-  p->kv_len = p->end;
   return true;
 }
 
-bool read_plan(PyObject* st, PyObject* page_list, Plan* p) {
-  Ref tokens(PyObject_GetAttr(st, names.tokens));
-  if (!tokens || !p->tokens.acquire(tokens.get(), "DecodeState.tokens", false)) return false;
-  Ref params(PyObject_GetAttr(st, names.params));
-  if (!params) return false;
-  Ref cache(PyObject_GetAttr(params.get(), names.cache));
-  if (!cache) return false;
-  const bool cache_none = str_equals(cache.get(), "none");
-  const bool cache_dual = str_equals(cache.get(), "dual");
-  int64_t block_length, prompt_len, block, step, refresh_interval, prompt_refresh_interval,
-      origin;
-  bool shift, force_refresh, block_causal;
-  if (!attr_i64(params.get(), names.block_length, &block_length) ||
-      !attr_truth(st, names.block_causal, &block_causal) ||
-      !attr_i64(st, names.block_origin, &origin) ||
-      !attr_f64(params.get(), names.temperature, &p->temperature) ||
-      !attr_i64(params.get(), names.refresh_interval, &refresh_interval) ||
-      !attr_i64(params.get(), names.prompt_refresh_interval, &prompt_refresh_interval) ||
-      !attr_i64(st, names.mask_token_id, &p->mask) || !attr_truth(st, names.shift, &shift) ||
-      !attr_i64(st, names.prompt_len, &prompt_len) || !attr_i64(st, names.block, &block) ||
-      !attr_i64(st, names.step, &step) || !attr_truth(st, names.force_refresh, &force_refresh)) {
+bool read_plan(PyObject* buffers, PyObject* page_list, Plan* p) {
+  Request& q = p->req;
+  if (!q.acquire(buffers, false)) return false;
+  const CursorLayout& c = layout.c;
+  const int64_t T = q.tokens.size();
+  p->total_len = T;
+  p->shift = q.at(c.shift) ? 1 : 0;
+  p->mask = q.record[layout.d.mask_token_id];
+  p->temperature = q.floats[layout.f.temperature];
+  if (q.at(c.total_len) != T) {
+    PyErr_SetString(PyExc_ValueError, "BlockCursor: total_len differs from the tokens' length");
     return false;
   }
-  const int64_t T = p->tokens.size();
-  p->total_len = T;
-  p->shift = shift ? 1 : 0;
-  p->s = origin + block * block_length;  // block_bounds
-  p->e = p->s + block_length;
-  if (p->s < 0 || p->e <= p->s || p->e > T || refresh_interval < 1 ||
-      prompt_refresh_interval < 1) {
+  if (!cursor_span(q, p)) return false;
+  if (p->s < 0 || p->e <= p->s || p->e > T || p->start < 0 || p->end <= p->start ||
+      p->end > T) {
     PyErr_Format(PyExc_ValueError,
-                 "DecodeState: block [%lld, %lld) lies outside its canvas of %lld, or a refresh "
-                 "interval is below 1",
+                 "BlockCursor: block [%lld, %lld) or span [%lld, %lld) outside its canvas of %lld",
                  static_cast<long long>(p->s), static_cast<long long>(p->e),
+                 static_cast<long long>(p->start), static_cast<long long>(p->end),
                  static_cast<long long>(T));
     return false;
   }
-  // span(): a block's first step follows the refresh cadence (SamplingParams.block_refresh,
-  // both intervals at most 2**31 - 1, so their product fits), or refreshes fully when the
-  // cache was lost.
-  const bool first = step == 0 || cache_none;
-  p->kv_len = T;
-  if (block_causal) {  // the cache is exact: nothing after a block ever attends to it
-    if (!block_causal_span(st, p, block, step, block_length, force_refresh)) return false;
-  } else if (cache_none ||
-      (step == 0 && (force_refresh || block % (refresh_interval * prompt_refresh_interval) == 0))) {
-    p->start = 0, p->end = T;  // a full refresh
-  } else if (step == 0 && block % refresh_interval == 0) {
-    p->start = prompt_len, p->end = T;  // a response-only refresh
-  } else {  // a cached step; the block's first reaches back to s - 1 with shifted logits
-    p->start = p->s - (step == 0 ? p->shift : 0), p->end = cache_dual ? p->e : T;
-  }
   // Candidates: masked positions of the block. No row predicts s in a shifted model's later
   // cached steps, so there s is dropped; a block's first step commits it outright if masked.
-  const int64_t* tok = p->tokens.data();
-  p->num_forced = (shift && first && tok[p->s] == p->mask) ? 1 : 0;
+  const bool first = q.at(c.step) == 0 || q.at(c.cache) == layout.code.cache_none;
+  const int64_t* tok = q.tokens.data();
+  p->num_forced = (p->shift && first && tok[p->s] == p->mask) ? 1 : 0;
   int64_t masked = 0;
   for (int64_t i = p->s + p->shift; i < p->e && !p->chunk; ++i) masked += tok[i] == p->mask;
-  p->num_rows = p->num_forced + masked;
+  p->num_rows = p->chunk ? 0 : p->num_forced + masked;
   if (p->temperature > 0) {  // greedy steps draw no noise
-    Ref seed(PyObject_GetAttr(st, names.seed));
-    if (!seed) return false;
-    const unsigned long long sd = PyLong_AsUnsignedLongLongMask(seed.get());
-    if (sd == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return false;
-    p->key = sangam::noise_key(sd, static_cast<uint64_t>(block), static_cast<uint64_t>(step));
+    const uint64_t seed = static_cast<uint64_t>(q.record[layout.d.seed]);
+    p->key = sangam::noise_key(seed, static_cast<uint64_t>(q.at(c.block)),
+                               static_cast<uint64_t>(q.at(c.step)));
   }
   p->pages.reset(PySequence_Fast(page_list, "pages: each request's pages must be a sequence"));
   return static_cast<bool>(p->pages);
@@ -385,7 +435,7 @@ bool pack_one(const Plan& p, int64_t r, int64_t width, int64_t page_size, int64_
   }
   for (int64_t j = num_pages; j < width; ++j) table[j] = 0;
 
-  const int64_t* tok = p.tokens.data();
+  const int64_t* tok = p.req.tokens.data();
   // (page_index, offset) = divmod(pos, page_size), stepped along the span: a 64-bit division
   // per token was the loop's main cost.
   int64_t page_index = p.start / page_size, offset = p.start % page_size;
@@ -427,15 +477,15 @@ bool pack_one(const Plan& p, int64_t r, int64_t width, int64_t page_size, int64_
 
 PyObject* build(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "build(states, pages, page_size, arena)");
+    PyErr_SetString(PyExc_TypeError, "build(requests, pages, page_size, arena)");
     return nullptr;
   }
-  Ref states(PySequence_Fast(args[0], "states must be a sequence"));
-  Ref pages(states ? PySequence_Fast(args[1], "pages must be a sequence") : nullptr);
+  Ref requests(PySequence_Fast(args[0], "requests must be a sequence"));
+  Ref pages(requests ? PySequence_Fast(args[1], "pages must be a sequence") : nullptr);
   if (!pages) return nullptr;
   const long long page_size = PyLong_AsLongLong(args[2]);
   if (page_size == -1 && PyErr_Occurred()) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(states.get());
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(requests.get());
   if (n == 0 || PySequence_Fast_GET_SIZE(pages.get()) != n || page_size < 1) {
     PyErr_SetString(PyExc_ValueError,
                     "build: needs at least one request, one page list per request, and "
@@ -450,7 +500,7 @@ PyObject* build(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t num_tokens = 0, num_rows = 0, width = 0;
   for (Py_ssize_t r = 0; r < n; ++r) {
     Plan& p = plans[static_cast<size_t>(r)];
-    if (!read_plan(PySequence_Fast_GET_ITEM(states.get(), r),
+    if (!read_plan(PySequence_Fast_GET_ITEM(requests.get(), r),
                    PySequence_Fast_GET_ITEM(pages.get(), r), &p)) {
       return nullptr;
     }
@@ -481,100 +531,49 @@ PyObject* build(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // ---------------------------------------------------------------------------------------------
 // apply
 
-// Whether tokens[from, to) holds any of the request's stop ids (np.isin(...).any()).
-bool holds_stop_id(PyObject* st, const int64_t* tokens, int64_t from, int64_t to, bool* out) {
-  Ref stop_ids(PyObject_GetAttr(st, names.stop_ids));
-  Ref it(stop_ids ? PyObject_GetIter(stop_ids.get()) : nullptr);
-  if (!it) return false;
-  std::vector<int64_t> ids;
-  while (PyObject* item = PyIter_Next(it.get())) {
-    int overflow = 0;
-    const long long id = PyLong_AsLongLongAndOverflow(item, &overflow);
-    Py_DECREF(item);
-    if (id == -1 && PyErr_Occurred()) return false;
-    if (!overflow) ids.push_back(id);  // an id beyond int64 matches no token
-  }
-  if (PyErr_Occurred()) return false;
-  *out = false;
-  for (int64_t i = from; i < to && !*out; ++i) {
-    for (const int64_t id : ids) {
-      if (tokens[i] == id) *out = true;
-    }
-  }
-  return true;
-}
-
 // One request's commit (DecodeState.commit): writes the forced rows and the rule's choice among
-// the rest into the canvas, advances step / block, and sets *block_done.
-// DecodeState.threshold: the request's own, read from its params, unless it is load-adaptive
-// (min_threshold set): then the current block's, through the property (per block, set_load).
-bool block_threshold(PyObject* st, PyObject* params, double* out) {
-  Ref floor(PyObject_GetAttr(params, names.min_threshold));
-  if (!floor) return false;
-  return attr_f64(floor.get() == Py_None ? params : st, names.threshold, out);
-}
-
-bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const double* conf,
+// the rest into the canvas, moves the cursor (BlockCursor.advance / store_chunk), and sets
+// *block_done.
+bool commit_one(PyObject* buffers, const int64_t* cand, const int64_t* tok, const double* conf,
                 int64_t num_rows, int64_t num_forced, std::vector<int64_t>& order,
                 std::vector<uint8_t>& chosen, bool* block_done) {
   *block_done = false;
-  Ref chunk_end(PyObject_GetAttr(st, names.chunk_end));
-  if (!chunk_end) return false;
-  if (chunk_end.get() != Py_None) {  // the forward was a block-causal prefill chunk (no rows)
-    int64_t chunks, forwards;
-    return attr_i64(st, names.num_chunks, &chunks) &&
-           attr_i64(st, names.num_forwards, &forwards) &&
-           PyObject_SetAttr(st, names.prefilled, chunk_end.get()) == 0 &&
-           PyObject_SetAttr(st, names.chunk_end, Py_None) == 0 &&
-           set_attr_i64(st, names.num_chunks, chunks + 1) &&
-           set_attr_i64(st, names.num_forwards, forwards + 1);
+  Request q;
+  if (!q.acquire(buffers, true)) return false;
+  const CursorLayout& c = layout.c;
+  const DecodeLayout& d = layout.d;
+  const Codes& code = layout.code;
+  q.record[d.num_forwards] += 1;
+  if (q.at(c.chunk_end) >= 0) {  // the forward was a block-causal prefill chunk (no rows)
+    q.at(c.prefilled) = q.at(c.chunk_end);
+    q.at(c.chunk_end) = -1;
+    q.record[d.num_chunks] += 1;
+    return true;
   }
-  Ref tokens(PyObject_GetAttr(st, names.tokens));
-  Array<int64_t> canvas;
-  if (!tokens || !canvas.acquire(tokens.get(), "DecodeState.tokens", true)) return false;
-  Ref params(PyObject_GetAttr(st, names.params));
-  if (!params) return false;
-  Ref unmasking(PyObject_GetAttr(params.get(), names.unmasking));
-  if (!unmasking) return false;
-  const sangam::Rule rule = str_equals(unmasking.get(), "threshold") ? sangam::Rule::kThreshold
-                            : str_equals(unmasking.get(), "factor")  ? sangam::Rule::kFactor
-                            : str_equals(unmasking.get(), "topk")    ? sangam::Rule::kTopk
-                                                                     : sangam::Rule::kUnknown;
-  int64_t mask, prompt_len, block, step, num_forwards, block_length, tokens_per_step, origin,
-      canvas_end;
-  double threshold = 0.0, factor = 0.0;
-  if (!attr_i64(params.get(), names.block_length, &block_length) ||
-      !attr_i64(st, names.block_origin, &origin) ||
-      !attr_i64(st, names.canvas_end, &canvas_end) ||
-      !block_threshold(st, params.get(), &threshold) ||
-      !attr_f64(params.get(), names.factor, &factor) ||
-      !attr_i64(params.get(), names.tokens_per_step, &tokens_per_step) ||
-      !attr_i64(st, names.mask_token_id, &mask) || !attr_i64(st, names.prompt_len, &prompt_len) ||
-      !attr_i64(st, names.block, &block) || !attr_i64(st, names.step, &step) ||
-      !attr_i64(st, names.num_forwards, &num_forwards)) {
-    return false;
-  }
-  if (block_length < 1) {  // SamplingParams forbids it; checked so the division below is safe
-    PyErr_SetString(PyExc_ValueError, "SamplingParams: block_length must be >= 1");
+  const int64_t rule_id = q.record[d.rule];
+  const sangam::Rule rule = rule_id == code.rule_threshold ? sangam::Rule::kThreshold
+                            : rule_id == code.rule_factor  ? sangam::Rule::kFactor
+                            : rule_id == code.rule_topk    ? sangam::Rule::kTopk
+                                                           : sangam::Rule::kUnknown;
+  const int64_t block_length = q.at(c.block_length), block = q.at(c.block);
+  if (block_length < 1 || block < 0 || block >= q.thresholds.size()) {
+    PyErr_SetString(PyExc_ValueError, "BlockCursor: block outside the request's blocks");
     return false;
   }
   const int64_t num_cands = num_rows - num_forced;
   if (rule == sangam::Rule::kUnknown && num_cands > 0) {  // select_commits raises only then
-    PyErr_Format(PyExc_ValueError, "unknown unmasking rule %R", unmasking.get());
+    PyErr_Format(PyExc_ValueError, "unknown unmasking rule %lld",
+                 static_cast<long long>(rule_id));
     return false;
   }
   chosen.resize(static_cast<size_t>(num_rows));
   std::fill(chosen.begin(), chosen.begin() + num_forced, uint8_t{1});
-  sangam::select_commits(conf + num_forced, num_cands, rule, threshold, factor, tokens_per_step,
-                         order, chosen.data() + num_forced);
-  const int64_t T = canvas.size();
-  Ref confidence(PyObject_GetAttr(st, names.confidence));
-  Array<double> committed_conf;  // each position's confidence when it was committed
-  if (!confidence ||
-      !committed_conf.acquire(confidence.get(), "DecodeState.confidence", true)) {
-    return false;
-  }
-  if (committed_conf.size() != T) {
+  // DecodeState.threshold: the current block's (load-adaptive requests set theirs per block).
+  sangam::select_commits(conf + num_forced, num_cands, rule, q.thresholds[block],
+                         q.floats[layout.f.factor], q.record[d.tokens_per_step], order,
+                         chosen.data() + num_forced);
+  const int64_t T = q.tokens.size();
+  if (q.confidence.size() != T) {
     PyErr_SetString(PyExc_ValueError, "DecodeState.confidence must be as long as its tokens");
     return false;
   }
@@ -585,60 +584,59 @@ bool commit_one(PyObject* st, const int64_t* cand, const int64_t* tok, const dou
                    static_cast<long long>(cand[i]), static_cast<long long>(T));
       return false;
     }
-    canvas[cand[i]] = tok[i];
-    committed_conf[cand[i]] = conf[i];
-  }
-  if (!set_attr_i64(st, names.step, step + 1) ||
-      !set_attr_i64(st, names.num_forwards, num_forwards + 1) ||
-      PyObject_SetAttr(st, names.force_refresh, Py_False) != 0) {
-    return false;
+    q.tokens[cand[i]] = tok[i];
+    q.confidence[cand[i]] = conf[i];
   }
   // block_bounds, clamped to the canvas as Python's slice tokens[s:e] would be.
-  const int64_t s = std::clamp<int64_t>(origin + block * block_length, 0, T);
+  const int64_t mask = q.record[d.mask_token_id];
+  const int64_t s = std::clamp<int64_t>(q.at(c.block_origin) + block * block_length, 0, T);
   const int64_t e = std::clamp<int64_t>(s + block_length, 0, T);
+  bool done = true;
+  for (int64_t i = s; i < e && done; ++i) done = q.tokens[i] != mask;
+  q.at(c.step) += 1;  // BlockCursor.advance
+  q.at(c.force_refresh) = 0;
+  if (!done) return true;
   *block_done = true;
-  for (int64_t i = s; i < e && *block_done; ++i) *block_done = canvas[i] != mask;
-  if (!*block_done) return true;
-  bool stopped = false;
-  int64_t max_tokens;
-  if (!attr_i64(params.get(), names.max_tokens, &max_tokens)) return false;
-  // stop_ids already reflects stop_at_eos (and holds the request's stop_token_ids). A stop id
-  // beyond max_tokens (the last block's padding) is no stop.
+  // A stop id beyond max_tokens (the last block's padding) is no stop; stop_ids already
+  // reflects stop_at_eos (and holds the request's stop_token_ids).
+  const int64_t prompt_len = q.at(c.prompt_len);
   const int64_t from = std::clamp<int64_t>(prompt_len, 0, e);
-  const int64_t to = std::clamp<int64_t>(prompt_len + max_tokens, from, e);
-  if (!holds_stop_id(st, canvas.data(), from, to, &stopped)) return false;
-  // DecodeState.num_blocks: from block 0's start to the canvas's end (a suffix may follow).
-  const bool last = block + 1 == (canvas_end - origin) / block_length;
-  if (stopped || last) {
-    return PyObject_SetAttr(st, names.finished, Py_True) == 0 &&
-           PyObject_SetAttr(st, names.finish_reason, stopped ? names.stop : names.length) == 0;
+  const int64_t to = std::clamp<int64_t>(prompt_len + q.record[d.max_tokens], from, e);
+  bool stopped = false;
+  for (int64_t i = from; i < to && !stopped; ++i) {
+    for (int64_t j = 0; j < q.stop_ids.size() && !stopped; ++j) stopped = q.tokens[i] == q.stop_ids[j];
   }
-  if (!set_attr_i64(st, names.block, block + 1) || !set_attr_i64(st, names.step, 0)) return false;
-  // Adaptive refresh (DecodeState.commit): the next block refreshes fully when the cadence
-  // starts it from cache and this block committed a token below refresh_confidence.
-  double refresh_confidence;
-  int64_t refresh_interval, prompt_refresh_interval;
-  if (!attr_f64(params.get(), names.refresh_confidence, &refresh_confidence) ||
-      !attr_i64(params.get(), names.refresh_interval, &refresh_interval) ||
-      !attr_i64(params.get(), names.prompt_refresh_interval, &prompt_refresh_interval)) {
-    return false;
+  if (stopped || block + 1 == q.at(c.num_blocks)) {
+    q.record[d.finished] = 1;
+    q.record[d.finish_reason] = stopped ? code.finish_stop : code.finish_length;
+    return true;
   }
+  // Adaptive refresh: the next block refreshes fully when the cadence starts it from cache
+  // and this block committed a token below refresh_confidence.
+  const double refresh_confidence = q.floats[layout.f.refresh_confidence];
+  const int64_t every = q.at(c.refresh_interval), prompt_every = q.at(c.prompt_refresh_interval);
+  // BlockCursor.block_refresh(block + 1) != FULL_REFRESH: a block-causal request's later
+  // blocks never refresh; a bidirectional one's by the cadence.
+  const bool from_cache = q.at(c.block_causal) ||
+                          (every >= 1 && prompt_every >= 1 && (block + 1) % (every * prompt_every) != 0);
   bool force = false;
-  if (refresh_confidence > 0 && refresh_interval >= 1 && prompt_refresh_interval >= 1 &&
-      (block + 1) % (refresh_interval * prompt_refresh_interval) != 0) {
-    for (int64_t i = s; i < e && !force; ++i) force = committed_conf[i] < refresh_confidence;
+  if (refresh_confidence > 0 && from_cache) {
+    for (int64_t i = s; i < e && !force; ++i) force = q.confidence[i] < refresh_confidence;
   }
-  return PyObject_SetAttr(st, names.force_refresh, force ? Py_True : Py_False) == 0;
+  q.at(c.block) = block + 1;
+  q.at(c.step) = 0;
+  q.at(c.force_refresh) = force ? 1 : 0;
+  return true;
 }
 
 PyObject* apply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 6) {
     PyErr_SetString(PyExc_TypeError,
-                    "apply(states, tokens, conf, cand_positions, cu_rows, num_forced)");
+                    "apply(requests, tokens, conf, cand_positions, cu_rows, num_forced)");
     return nullptr;
   }
-  Ref states(PySequence_Fast(args[0], "states must be a sequence"));
-  if (!states) return nullptr;
+  Ref requests(PySequence_Fast(args[0], "requests must be a sequence"));
+  if (!requests) return nullptr;
   Array<int64_t> tokens, cand, cu_rows, num_forced;
   Array<double> conf;
   if (!tokens.acquire(args[1], "tokens", false) || !conf.acquire(args[2], "conf", false) ||
@@ -647,7 +645,7 @@ PyObject* apply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !num_forced.acquire(args[5], "num_forced", false)) {
     return nullptr;
   }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(states.get());
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(requests.get());
   if (cu_rows.size() < n + 1 || num_forced.size() < n) {
     PyErr_SetString(PyExc_ValueError, "apply: cu_rows / num_forced are shorter than the batch");
     return nullptr;
@@ -668,7 +666,7 @@ PyObject* apply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       return nullptr;
     }
     bool block_done = false;
-    if (!commit_one(PySequence_Fast_GET_ITEM(states.get(), r), cand.data() + a,
+    if (!commit_one(PySequence_Fast_GET_ITEM(requests.get(), r), cand.data() + a,
                     tokens.data() + a, conf.data() + a, b - a, k, order, chosen, &block_done)) {
       return nullptr;
     }
@@ -682,12 +680,14 @@ PyObject* apply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyMethodDef methods[] = {
+    {"configure", configure, METH_O,
+     "configure(layout) -> None\n\nLearn the records' field layout (see host_batch.py)."},
     {"build", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(build)), METH_FASTCALL,
-     "build(states, pages, page_size, arena) -> (fits, num_tokens, num_rows, width)\n\n"
-     "Plan each DecodeState's next step and pack the batch into the arena's arrays; when they\n"
+     "build(requests, pages, page_size, arena) -> (fits, num_tokens, num_rows, width)\n\n"
+     "Plan each request's next step and pack the batch into the arena's arrays; when they\n"
      "are too small nothing is written and fits is False."},
     {"apply", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(apply)), METH_FASTCALL,
-     "apply(states, tokens, conf, cand_positions, cu_rows, num_forced) -> list[bool]\n\n"
+     "apply(requests, tokens, conf, cand_positions, cu_rows, num_forced) -> list[bool]\n\n"
      "Commit each request's scored rows in place; returns whether each completed its block."},
     {nullptr, nullptr, 0, nullptr},
 };
@@ -706,7 +706,4 @@ PyModuleDef module_def = {
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__host(void) {
-  if (!intern_names()) return nullptr;
-  return PyModule_Create(&module_def);
-}
+PyMODINIT_FUNC PyInit__host(void) { return PyModule_Create(&module_def); }

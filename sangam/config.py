@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from sangam.sampling_params import CACHE_MODES, UNMASKING_RULES, SamplingParams
-from sangam.sched.batch_builder import DRAIN_ITERATIONS, POLICIES
-from sangam.sched.router import MODES
+from sangam.sched.config import MODES, POLICIES, DeploymentConfig, SchedulerConfig
 
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
@@ -24,6 +22,9 @@ LOAD_FORMATS = ("auto", "dummy")
 T = TypeVar("T")
 
 _REQUEST = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+# The scheduling and deployment fields take their defaults from the configs they build.
+_SCHED = SchedulerConfig()
+_DEPLOY = DeploymentConfig()
 # EngineConfig's request defaults, by the SamplingParams field each sets.
 REQUEST_DEFAULTS = {"max_tokens_default": "max_tokens", "block_length": "block_length",
                     "unmasking": "unmasking", "threshold": "threshold", "cache": "cache",
@@ -81,7 +82,8 @@ class EngineConfig:
     attention_backend: str | None = field(default=None, metadata=flag_meta(
         "Attention implementation: triton (GPU default) or torch (CPU default)",
         choices=ATTENTION_BACKENDS))
-    page_size: int = field(default=16, metadata=flag_meta("KV page size in tokens"))
+    page_size: int = field(default=_SCHED.page_size, metadata=flag_meta(
+        "KV page size in tokens"))
     num_pages: int | None = field(default=None, metadata=flag_meta(
         "KV pool size in pages (default: from --gpu-memory-fraction on GPU, "
         "--cpu-kv-cache-gb on CPU)"))
@@ -89,25 +91,24 @@ class EngineConfig:
         "Fraction of GPU memory for weights + KV pool", aliases=("--gpu-memory-utilization",)))
     cpu_kv_cache_gb: float = field(default=2.0, metadata=flag_meta(
         "KV pool size on CPU, GiB, when --num-pages is not given"))
-    policy: str = field(default="deficit", metadata=flag_meta(
+    policy: str = field(default=_SCHED.policy, metadata=flag_meta(
         "Scheduling policy: deficit token budget, prefill_first (tau = infinity), fastdllm "
         "(batch size 1, each request to completion), or adaptive (deficit, tau raised to the "
         "waiting prefill tokens times the queue's share of the requests, over "
         "--drain-iterations; --token-budget its floor)",
         choices=POLICIES))
-    token_budget: float = field(default=1024, metadata=flag_meta(
+    token_budget: float = field(default=_SCHED.token_budget, metadata=flag_meta(
         "Deficit token budget tau per iteration ('inf' = prefill-first; adaptive: the floor)"))
-    drain_iterations: int = field(default=DRAIN_ITERATIONS, metadata=flag_meta(
+    drain_iterations: int = field(default=_SCHED.drain_iterations, metadata=flag_meta(
         "adaptive policy: tau admits the queue's share of the waiting prefill tokens over "
-        "this many iterations "
-        f"(default {DRAIN_ITERATIONS})"))
-    enable_chunked_prefill: bool = field(default=False, metadata=flag_meta(
+        "this many iterations"))
+    enable_chunked_prefill: bool = field(default=_SCHED.chunked_prefill, metadata=flag_meta(
         "Block-causal models (SDAR): admit a prompt's prefill in chunks of whole blocks within "
         "the token budget, instead of whole when the budget covers it"))
     max_model_len: int | None = field(default=None, metadata=flag_meta(
         "Longest prompt + response canvas a request may have (default: the model's context); "
         "CUDA-graph block tables are sized for it"))
-    max_batch_size: int = field(default=256, metadata=flag_meta(
+    max_batch_size: int = field(default=_SCHED.max_batch_size, metadata=flag_meta(
         "Most requests in one forward (seated decodes plus admitted prefills)",
         aliases=("--max-num-seqs",)))
     enforce_eager: bool = field(default=False, metadata=flag_meta(
@@ -115,18 +116,18 @@ class EngineConfig:
         "replay graphs on GPU with the triton backend)"))
     max_queue_len: int = field(default=1024, metadata=flag_meta(
         "Most requests waiting or running; beyond it new requests are refused (HTTP 503)"))
-    mode: str = field(default="colocated", metadata=flag_meta(
+    mode: str = field(default=_DEPLOY.mode, metadata=flag_meta(
         "Multi-worker serving mode: colocated, disaggregated (prefill/decode workers) or hybrid "
         "(disaggregated + prefill overflow onto decode workers)", choices=MODES))
-    num_workers: int = field(default=1, metadata=flag_meta(
+    num_workers: int = field(default=_DEPLOY.num_workers, metadata=flag_meta(
         "Worker processes (one per GPU; CPU processes without GPUs) in colocated mode"))
     devices: str | None = field(default=None, metadata=flag_meta(
         "Explicit comma-separated device list for the workers, e.g. cuda:0,cuda:1"))
-    prefill_workers: int = field(default=1, metadata=flag_meta(
+    prefill_workers: int = field(default=_DEPLOY.prefill_workers, metadata=flag_meta(
         "Prefill workers in disaggregated / hybrid mode"))
-    decode_workers: int = field(default=1, metadata=flag_meta(
+    decode_workers: int = field(default=_DEPLOY.decode_workers, metadata=flag_meta(
         "Decode workers in disaggregated / hybrid mode"))
-    overflow_threshold: int = field(default=4096, metadata=flag_meta(
+    overflow_threshold: int = field(default=_DEPLOY.overflow_threshold, metadata=flag_meta(
         "Hybrid mode: outstanding prefill tokens (theta) on every prefill worker before a "
         "prefill overflows onto a decode worker"))
     layerwise_kv_streaming: bool = field(default=False, metadata=flag_meta(
@@ -141,7 +142,7 @@ class EngineConfig:
         "(which reports at least every second while it has work) and without computing (its "
         "heartbeats carry the loop's CPU time) before it is declared hung, stopped, and its "
         "requests are placed elsewhere; a loop that computes is given 10x as long"))
-    seed: int = field(default=0, metadata=flag_meta(
+    seed: int = field(default=_DEPLOY.seed, metadata=flag_meta(
         "Seed of the engine's own randomness (router tie-breaks, seeds for unseeded sampling)"))
     # Defaults of requests that leave these options out (the server's, and LLM's
     # get_default_sampling_params). Unset (None): the checkpoint's generation_config.json,
@@ -191,17 +192,12 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         need(0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction must be in (0, 1]")
         need(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
-        need(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
-        need(self.token_budget >= 1, f"token_budget must be >= 1, got {self.token_budget}")
-        need(self.drain_iterations >= 1, "drain_iterations must be >= 1")
-        need(self.max_batch_size >= 1, "max_batch_size must be >= 1")
         need(self.max_queue_len >= 1, "max_queue_len must be >= 1")
-        need(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
-        need(self.num_workers >= 1, "num_workers must be >= 1")
-        need(self.prefill_workers >= 1 and self.decode_workers >= 1,
-             "prefill_workers and decode_workers must be >= 1")
-        need(self.overflow_threshold >= 0, "overflow_threshold must be >= 0")
         need(self.watchdog_timeout > 0, "watchdog_timeout must be > 0")
+        try:
+            self.deployment  # noqa: B018  (validates the scheduling and deployment fields)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig: {e}") from None
         need(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
              f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
         need(self.nnodes == 1 or self.dist_init_addr is not None,
@@ -226,12 +222,30 @@ class EngineConfig:
                              f"integers, got {given!r}") from None
 
     @property
-    def is_multi_worker(self) -> bool:
-        return self.mode != "colocated" or self.num_workers > 1 or self.nnodes > 1
+    def scheduler(self) -> SchedulerConfig:
+        """Each worker's scheduling."""
+        return SchedulerConfig(self.page_size, self.policy, self.token_budget,
+                               self.max_batch_size, self.drain_iterations,
+                               self.enable_chunked_prefill)
 
     @property
-    def effective_token_budget(self) -> float:
-        return math.inf if self.policy == "prefill_first" else self.token_budget
+    def device_list(self) -> list[str]:
+        """``devices`` split: the workers' devices, in order (empty: unset)."""
+        return [d.strip() for d in self.devices.split(",") if d.strip()] if self.devices else []
+
+    @property
+    def deployment(self) -> DeploymentConfig:
+        """The serving mode and its workers ("--devices cuda:0,cuda:1" alone means two
+        colocated workers)."""
+        num_workers = self.num_workers
+        if num_workers == 1 and self.nnodes == 1 and len(self.device_list) > 1:
+            num_workers = len(self.device_list)
+        return DeploymentConfig(self.scheduler, self.mode, num_workers, self.prefill_workers,
+                                self.decode_workers, self.overflow_threshold, self.seed)
+
+    @property
+    def is_multi_worker(self) -> bool:
+        return len(self.deployment.roles) > 1 or self.mode != "colocated" or self.nnodes > 1
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -10,10 +10,6 @@ from typing import NamedTuple
 
 UNMASKING_RULES = ("threshold", "factor", "topk")
 CACHE_MODES = ("dual", "prefix", "none")
-# How a block's first step runs (DESIGN.md §2, refresh cadence): a full refresh (span [0, T)),
-# a response-only refresh (span [P, T), the prompt's K/V kept from the last full one), or a
-# cached step over the block's usual span.
-FULL_REFRESH, RESPONSE_REFRESH, NO_REFRESH = "full", "response", "none"
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily, as in vLLM
 MAX_TEMPERATURE = 1e4  # beyond it logits / t underflow to a uniform draw anyway
 # Stop strings are matched against each block's text (the hold-back scan is quadratic in a
@@ -248,9 +244,21 @@ class SamplingParams:
         return max(self.min_threshold,  # not below it by a rounding
                    self.threshold - (self.threshold - self.min_threshold) * load)
 
-    def block_refresh(self, block: int) -> str:
-        """How block ``block`` starts (see :func:`block_refresh`)."""
-        return block_refresh(block, self.refresh_interval, self.prompt_refresh_interval)
+    def check_block_causal(self, suffix_len: int = 0) -> None:
+        """Raise what a block-causal model (SDAR) cannot do with these options: its finished
+        blocks' K/V is exact, so the cache modes and refresh knobs of bidirectional models do
+        not apply, and it has no infilling (a suffix would sit after the canvas, invisible to
+        it)."""
+        unsupported = [name for name, bad in (
+            ("cache (only 'dual')", self.cache != "dual"),
+            ("refresh_interval", self.refresh_interval != 1),
+            ("prompt_refresh_interval", self.prompt_refresh_interval != 1),
+            ("refresh_confidence", self.refresh_confidence > 0),
+            ("suffix (infilling)", suffix_len > 0)) if bad]
+        if unsupported:
+            raise ValueError(f"a block-causal model (SDAR) does not take "
+                             f"{', '.join(unsupported)}: its finished blocks' K/V is exact and "
+                             "never refreshed")
 
     @property
     def canvas_length(self) -> int:
@@ -268,14 +276,6 @@ class SamplingParams:
 def grid_canvas(prompt_len: int, max_tokens: int, block_length: int) -> int:
     """A block-causal canvas: from the prompt's end to ceil((P + max_tokens) / B) * B."""
     return -(-(prompt_len + max_tokens) // block_length) * block_length - prompt_len
-
-
-def block_refresh(block: int, refresh_interval: int, prompt_refresh_interval: int) -> str:
-    """How block ``block`` starts under a refresh cadence: FULL_REFRESH, RESPONSE_REFRESH or
-    NO_REFRESH. Block 0 always refreshes fully (cache="none" keeps both intervals at 1)."""
-    if block % (refresh_interval * prompt_refresh_interval) == 0:
-        return FULL_REFRESH
-    return RESPONSE_REFRESH if block % refresh_interval == 0 else NO_REFRESH
 
 
 def _is_int(x: object) -> bool:

@@ -144,6 +144,7 @@ def test_each_thread_that_steps_runs_on_the_models_device(dream_path, monkeypatc
 
     from sangam.engine import engine as engine_module
     from sangam.engine import loaded_model
+    from sangam.engine import worker as worker_module
 
     current = []  # (thread, device) of each set_device
     monkeypatch.setattr(loaded_model.torch.cuda, "set_device",
@@ -153,8 +154,9 @@ def test_each_thread_that_steps_runs_on_the_models_device(dream_path, monkeypatc
     loaded_model.use_device(torch.device("cuda:1"))
     assert current == [("MainThread", torch.device("cuda:1"))]
     seen = set()
-    monkeypatch.setattr(engine_module, "use_device",
-                        lambda d: seen.add((threading.current_thread().name, d)))
+    for module in (engine_module, worker_module):  # stepping, and building the worker's parts
+        monkeypatch.setattr(module, "use_device",
+                            lambda d: seen.add((threading.current_thread().name, d)))
     eng = AsyncEngine(EngineConfig(model=dream_path, device="cpu", dtype="float32",
                                    page_size=4, num_pages=64))
     try:

@@ -18,7 +18,7 @@ def test_every_field_is_a_flag_and_round_trips():
         "--max-batch-size", "8", "--mode", "hybrid", "--prefill-workers", "2",
         "--decode-workers", "1", "--overflow-threshold", "64", "--layerwise-kv-streaming"])
     cfg = EngineConfig.from_cli_args(args)
-    assert cfg.token_budget == math.inf and cfg.effective_token_budget == math.inf
+    assert cfg.token_budget == math.inf and cfg.scheduler.budget == math.inf
     assert (cfg.page_size, cfg.num_pages, cfg.max_batch_size) == (32, 100, 8)
     assert cfg.mode == "hybrid" and cfg.layerwise_kv_streaming and cfg.is_multi_worker
     flags = {a.dest for a in parser._actions}

@@ -1,15 +1,18 @@
-"""The simulator against the engine (DESIGN.md §1: the simulator drives the engine's policy
-objects). One trace runs twice, with the same forward times (the simulator's cost model) and
-the same tokens per forward (its seeded step model):
+"""The simulator against the engine (docs/design.md §1: the simulator drives the engine's
+policy objects). One trace runs twice, with the same forward times (the simulator's cost model)
+and the same tokens per forward (its seeded step model):
 
 - through ``Simulator``: Placement and WorkerCore driven by the simulator's own event loop;
-- through the multi-worker front (``MultiWorkerEngine``) and real ``Worker`` loops, every
-  message pickled as on the wire, with stand-ins only for what no decision depends on: a
-  runner that commits the step model's tokens instead of running a model, an in-process K/V
-  transport, and a clock that advances event by event as the simulator's does.
+- through the engine's front and real ``Worker`` objects: the in-process ``Engine`` (one
+  worker, messages and states handed over directly) or the multi-worker front over
+  ``TransferWorker``s (every message and report pickled as on the wire), with stand-ins only for
+  what no decision depends on: a runner that commits the step model's tokens instead of running
+  a model, an in-process K/V transport, and a clock that advances event by event as the
+  simulator's does.
 
 Every decision is recorded where both sides make it (``BatchBuilder.schedule``,
-``Placement.place`` / ``kv_sent`` / ``kv_received``) and the two sequences must be equal.
+``Placement.place`` / ``kv_sent`` / ``kv_received``), and so is every report Placement hears
+(``refreshed``, ``block_done``, ``block_continued``); the two sequences must be equal.
 """
 
 from __future__ import annotations
@@ -21,21 +24,26 @@ import random
 
 import numpy as np
 import pytest
-import zmq
+import torch
 
 from sangam.bench.cost_model import Span
-from sangam.bench.sim import SimConfig, Simulator
+from sangam.bench.sim import GeometricSteps, SimConfig, Simulator, StepModel
 from sangam.bench.traces import TraceRequest
 from sangam.config import EngineConfig
-from sangam.engine.model_runner import StepResult
-from sangam.engine.multi import front as front_mod
-from sangam.engine.multi import messages as msg
+from sangam.engine import messages as msg
+from sangam.engine.engine import Engine
+from sangam.engine.front import Front
+from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.model_runner import step_outcome
 from sangam.engine.multi.kv_transfer import Done
-from sangam.engine.multi.worker import Worker
+from sangam.engine.multi.worker import TransferWorker
+from sangam.engine.worker import Worker
+from sangam.models import read_config
 from sangam.sampling_params import SamplingParams
 from sangam.sched.batch_builder import BatchBuilder
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.placement import Placement
+from sangam.sched.worker_core import WorkerCore
 
 BLOCK = 16
 NUM_PAGES = 24  # per worker: a few canvases at a time, so requests wait for memory
@@ -43,6 +51,7 @@ TOKEN = 7  # what the stub commits (no stop id: requests run to their length)
 _ITER_DONE, _LANDED, _ARRIVAL = 0, 1, 2  # the simulator's order at equal times
 
 DEPLOYMENTS = {  # (mode, prefill or colocated workers, decode workers)
+    "1C": ("colocated", 1, 0),  # the in-process Engine
     "2C": ("colocated", 2, 0),
     "1P2D": ("disaggregated", 1, 2),
     "2P1D": ("disaggregated", 2, 1),
@@ -77,6 +86,8 @@ class Recorder:
         self.clock = [0.0]
         schedule, place = BatchBuilder.schedule, Placement.place
         kv_sent, kv_received = Placement.kv_sent, Placement.kv_received
+        refreshed, block_done = Placement.refreshed, Placement.block_done
+        block_continued = Placement.block_continued
 
         def rec_schedule(builder, now):
             batch = schedule(builder, now)
@@ -101,6 +112,22 @@ class Recorder:
             self.log.append(("kv_received", p.request_id, dst, ok, len(pages)))
             return kv_received(placement, p, dst, ok, pages)
 
+        def rec_refreshed(placement, p, worker, start, end, chunk=False):
+            self.log.append(("refreshed", p.request_id, worker, chunk))
+            return refreshed(placement, p, worker, start, end, chunk)
+
+        def rec_block_done(placement, p, worker, finished, forwards, pages, now):
+            self.log.append(("block_done", p.request_id, p.request.block, worker, finished,
+                             forwards, len(pages)))
+            return block_done(placement, p, worker, finished, forwards, pages, now)
+
+        def rec_block_continued(placement, p, forwards, now):
+            self.log.append(("block_continued", p.request_id, p.request.block, forwards))
+            return block_continued(placement, p, forwards, now)
+
+        monkeypatch.setattr(Placement, "refreshed", rec_refreshed)
+        monkeypatch.setattr(Placement, "block_done", rec_block_done)
+        monkeypatch.setattr(Placement, "block_continued", rec_block_continued)
         monkeypatch.setattr(BatchBuilder, "schedule", rec_schedule)
         monkeypatch.setattr(Placement, "place", rec_place)
         monkeypatch.setattr(Placement, "kv_sent", rec_kv_sent)
@@ -121,16 +148,17 @@ class StubRunner:
     def __init__(self, worker: Worker, sim: Simulator):
         self.worker, self.sim = worker, sim
 
-    def execute(self, states, pages) -> StepResult:
+    def execute(self, states, pages) -> list:
         rid_of = {id(t.payload): rid for rid, t in self.worker.core.tasks.items()}
-        done = []
+        outcomes = []
         for st in states:
             plan = self.sim.block_commits(rid_of[id(st)], st.block, st.params.block_length)
             s, e = st.block_bounds()
             masked = s + (st.tokens[s:e] == st.mask_token_id).nonzero()[0]
             k = len(masked) if st.step == len(plan) - 1 else plan[st.step]
-            done.append(st.commit(masked[:k], k, np.full(k, TOKEN), np.ones(k)))
-        return StepResult(done, {})
+            outcomes.append(step_outcome(st, st.commit(masked[:k], k, np.full(k, TOKEN),
+                                                       np.ones(k))))
+        return outcomes
 
 
 class StubTransport:
@@ -177,64 +205,53 @@ class StubTransport:
         pass
 
 
-class _WorkerSocket:
-    def __init__(self, inbox: collections.deque, index: int):
-        self.inbox, self.ident = inbox, f"w{index}".encode()
+class StubFront(Front):
+    """The multi-worker front, its worker processes replaced by ``Deployment``'s workers: a
+    message is pickled and handled at once (as a worker loop would, before its next forward);
+    reports are pickled back when the deployment flushes them."""
 
-    def send(self, data: bytes) -> None:
-        self.inbox.append([self.ident, data])
-
-
-class _FrontSocket:
-    """The front's ROUTER socket: a message to a worker is handled by it at once (as its loop
-    would, before its next forward); reports queue until the front reads them."""
-
-    def __init__(self, deployment: Deployment):
+    def __init__(self, config: EngineConfig, deployment: Deployment):
         self.d = deployment
-        self.inbox: collections.deque = collections.deque()
+        path = config.model
+        loaded = LoadedModel.around(config, path, None, read_config(path),
+                                    torch.device("cpu"), torch.float32)
+        super().__init__(config, loaded, [NUM_PAGES] * len(config.deployment.roles))
+        for i in range(len(config.deployment.roles)):
+            builder = BatchBuilder(PageAllocator(NUM_PAGES), config.scheduler)
+            w = TransferWorker(i, builder, None, StubTransport(deployment, i))
+            w.runner = StubRunner(w, deployment.sim)
+            deployment.workers.append(w)
 
-    def send_multipart(self, parts: list[bytes]) -> None:
-        ident, data = parts
-        m = msg.loads(data)
-        if ident.startswith(b"w") and not isinstance(m, msg.Shutdown):
-            w = self.d.workers[int(ident[1:])]
-            w._handle(m)
-            w._handled += 1
+    def _send(self, worker: int, message: object) -> None:
+        self.d.workers[worker].handle(msg.loads(msg.dumps(message)))
 
-    def poll(self, timeout_ms: int) -> bool:
-        return bool(self.inbox)
-
-    def recv_multipart(self, flags: int = 0) -> list[bytes]:
-        if not self.inbox:
-            raise zmq.Again()
-        return self.inbox.popleft()
-
-    def close(self) -> None:
-        pass
+    def flush(self) -> None:
+        for w in self.d.workers:
+            events, iterations = msg.loads(msg.dumps((w.events, w.iterations)))
+            w.events, w.iterations = [], []
+            self._on_report(w.index, events, iterations)
+        self._place()
 
 
-class StubFront(front_mod.MultiWorkerEngine):
-    """The front with its process and socket layer replaced by ``Deployment``'s workers."""
+class InProcess:
+    """The in-process ``Engine`` (one worker: messages and states handed over as objects), its
+    model runner replaced by the stub."""
 
-    deployment: Deployment
+    def __init__(self, config: EngineConfig, deployment: Deployment):
+        self.engine = Engine(config)
+        w = self.engine.worker
+        w.runner = StubRunner(w, deployment.sim)
+        deployment.workers.append(w)
 
-    def _start(self) -> None:
-        d = self.deployment
-        self._sock.close()
-        self._sock = _FrontSocket(d)
-        for i in range(len(self.roles)):
-            builder = BatchBuilder(PageAllocator(NUM_PAGES), self.config.page_size,
-                                   self.config.policy, self.config.effective_token_budget,
-                                   self.config.max_batch_size)
-            w = Worker(i, _WorkerSocket(self._sock.inbox, i), builder, None,
-                       StubTransport(d, i))
-            w.runner = StubRunner(w, d.sim)
-            d.workers.append(w)
-            hello = msg.Hello(i, 0, "stub", "cpu", NUM_PAGES, 0, ())
-            self._workers[i] = front_mod._WorkerInfo(hello, 0.0, NUM_PAGES)
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
 
-    def _check_workers(self) -> None:
-        pass  # no processes to watch: failure detection has its own tests
+    def flush(self) -> None:
+        e = self.engine
+        w = e.worker
+        events, iterations, w.events, w.iterations = w.events, w.iterations, [], []
+        e._on_report(0, events, iterations)
+        e._place()
 
 
 class Deployment:
@@ -243,21 +260,21 @@ class Deployment:
     def __init__(self, model_path: str, sim: Simulator):
         self.sim, self.config = sim, sim.config
         c = sim.config
-        mode = c.mode
         self.engine_config = EngineConfig(
-            model=model_path, device="cpu", dtype="float32", mode=mode, num_workers=c.num_workers,
+            model=model_path, device="cpu", dtype="float32", mode=c.mode, num_workers=c.num_workers,
             prefill_workers=c.prefill_workers, decode_workers=c.decode_workers,
             policy=c.policy, token_budget=c.token_budget, max_batch_size=c.max_batch_size,
-            overflow_threshold=c.overflow_threshold, page_size=c.page_size, seed=c.seed)
-        self.workers: list[Worker] = []
+            overflow_threshold=c.overflow_threshold, page_size=c.page_size, seed=c.seed,
+            num_pages=NUM_PAGES)
+        self.workers: list = []
         self.send_free: dict[int, float] = collections.defaultdict(float)
         self.recv_free: dict[int, float] = collections.defaultdict(float)
         self.in_flight: dict[int, tuple] = {}
         self.events: list = []
         self.seq = itertools.count()
         self.now = 0.0
-        StubFront.deployment = self
-        self.front = StubFront(self.engine_config)
+        in_process = len(self.engine_config.deployment.roles) == 1
+        self.front = (InProcess if in_process else StubFront)(self.engine_config, self)
 
     def push(self, t: float, kind: int, payload) -> None:
         heapq.heappush(self.events, (t, kind, next(self.seq), payload))
@@ -288,14 +305,12 @@ class Deployment:
                 dst, done = payload
                 w = self.workers[dst]
                 w.transport.land(done)
-                for d in w.transport.poll():
-                    w._transfer_done(d)
+                w.poll_transfers()
             else:
                 w = self.workers[payload]
-                w._run(*self.in_flight.pop(payload))
-            for w in self.workers:
-                w._flush()
-            finished += sum(o.finished for o in self.front.step())
+                w.run(*self.in_flight.pop(payload))
+            self.front.flush()
+            finished += sum(o.finished for o in self.front._take_outputs())
             self._kick()
         return finished
 
@@ -303,37 +318,33 @@ class Deployment:
         for w in self.workers:
             if w.index in self.in_flight:
                 continue
-            w.core.seat_ready()
-            if not w.builder.has_work:
-                continue
-            batch = w._schedule(self.now)
+            batch = w.core.schedule(self.now)
             if batch is None:
                 continue
-            spans = [Span(r.prefill_cost, r.total_len, r.block_length) for r in batch.prefills]
-            for r in batch.decodes:
-                st = w.core.tasks[r.request_id].payload
+            spans = []
+            for r, t in zip(batch.requests, w.core.batch_tasks(batch)):
+                st = t.payload
                 s, e = st.block_bounds()
-                spans.append(Span(r.decode_span, r.total_len,
-                                  int((st.tokens[s:e] == st.mask_token_id).sum())))
+                start, end = st.span()
+                rows = 0 if r.chunk_admitted else int((st.tokens[s:e] == st.mask_token_id).sum())
+                spans.append(Span(end - start, st.keys_attended(end), rows))
             self.in_flight[w.index] = (batch, self.now)
             self.push(self.now + self.sim.cost.iteration_time(spans), _ITER_DONE, w.index)
 
 
 def run_both(model_path: str, deployment: str, cache: str, monkeypatch: pytest.MonkeyPatch,
-             cadence: tuple[int, int] = (1, 1)) -> tuple[list, list, Simulator]:
+             cadence: tuple[int, int] = (1, 1), steps: StepModel | None = None
+             ) -> tuple[list, list, Simulator]:
     trace = make_trace()
     rec = Recorder(monkeypatch)
-    sim = Simulator(sim_config(deployment, cache, cadence))
+    sim = Simulator(sim_config(deployment, cache, cadence), steps=steps)
     result = sim.run(trace)
     assert len(result.records) == len(trace)
     simulated = rec.take({id(w.core.builder): w.index for w in sim._workers})
-    d = Deployment(model_path, Simulator(sim_config(deployment, cache, cadence)))
-    try:
-        assert d.run(trace) == len(trace)
-        served = rec.take({id(w.builder): w.index for w in d.workers})
-        return simulated, served, sim
-    finally:
-        d.front.shutdown()
+    d = Deployment(model_path, Simulator(sim_config(deployment, cache, cadence), steps=steps))
+    assert d.run(trace) == len(trace)
+    served = rec.take({id(w.builder): w.index for w in d.workers})
+    return simulated, served, sim
 
 
 @pytest.mark.parametrize("cache", ["dual", "prefix", "none"])
@@ -344,6 +355,8 @@ def test_simulator_decides_as_the_engine(llada_path, deployment, cache, monkeypa
     assert kinds["batch"] > 48 and kinds["place"] >= 48
     if DEPLOYMENTS[deployment][0] != "colocated" and cache != "none":
         assert kinds["kv_sent"] > 0
+    if deployment == "1C":  # the in-process engine: requests wait for memory
+        assert any(e[0] == "batch" and not e[4] for e in simulated)
     if deployment == "1P2C":  # overflow: blocks whose refresh runs on a decode worker
         counts = sim.placement.counters.prefills_by_worker
         assert counts.get(1, 0) + counts.get(2, 0) > 0
@@ -362,6 +375,29 @@ def test_simulator_follows_refresh_cadences_as_the_engine(llada_path, deployment
     places = sum(e[0] == "place" for e in simulated)
     blocks = sum(-(-t.gen_len // BLOCK) for t in make_trace())
     assert 48 <= places < blocks  # every request's first block, fewer than all blocks
+    for i, (a, b) in enumerate(zip(simulated, served)):
+        assert a == b, f"decision {i} differs: simulator {a}, engine {b}"
+    assert len(simulated) == len(served)
+
+
+@pytest.mark.parametrize("deployment", ["1P2D", "2P1D", "1P2C"])
+def test_refreshes_that_end_their_block_ship_as_the_engine(llada_path, deployment, monkeypatch):
+    """A refresh on a prefill worker that commits its whole block, when the next block starts
+    from cached K/V: its K/V still ships, and the receiver starts that block (many steps commit
+    a whole block of 16 at a mean of 10 tokens per step)."""
+    shipped_ends = []
+    complete = WorkerCore.complete
+
+    def counting(core, batch, tasks, outcomes, start, end):
+        out = complete(core, batch, tasks, outcomes, start, end)
+        shipped_ends.extend(s for s in out.ships
+                            if not s.drain and s.block != s.task.request.block)
+        return out
+
+    monkeypatch.setattr(WorkerCore, "complete", counting)
+    simulated, served, _ = run_both(llada_path, deployment, "dual", monkeypatch, (2, 1),
+                                    GeometricSteps(10.0))
+    assert shipped_ends
     for i, (a, b) in enumerate(zip(simulated, served)):
         assert a == b, f"decision {i} differs: simulator {a}, engine {b}"
     assert len(simulated) == len(served)

@@ -11,7 +11,8 @@ import torch
 from sangam import LLM
 from sangam.config import EngineConfig
 from sangam.engine.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
-from sangam.engine.engine import Engine, QueueFull, RequestRejected
+from sangam.engine.engine import Engine
+from sangam.engine.front import QueueFull, RequestRejected
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.reference_decoder import ReferenceDecoder
 from sangam.models import read_config
@@ -165,7 +166,7 @@ def test_refresh_cadence_matches_reference(loaded, arch, policy, budget):
             if st.step == 0 and end == st.total_len and start in (0, st.prompt_len):
                 kind = "full" if start == 0 else "response"
                 spans[kind] += end - start
-                spans["forced"] += params.block_refresh(st.block) != kind
+                spans["forced"] += st.cursor.block_refresh(st.block) != kind
             return plan()
 
         st.plan = recording_plan
@@ -333,7 +334,7 @@ def test_padded_decode_batches_match_reference(loaded, arch):
 def test_failed_graph_capture_falls_back_to_eager(loaded, monkeypatch, caplog):
     """A capture that fails (graphs have never run on this machine's GPU kind) leaves the
     engine eager, which computes the same tokens, with a warning that says why."""
-    from sangam.engine import engine as engine_module
+    from sangam.engine import worker as engine_module
 
     tries = []
 
@@ -361,7 +362,7 @@ def test_graphs_are_captured_for_the_block_lengths_requests_get(tiny_path, monke
     """The capture plan: the default block length requests get (the checkpoint's, or
     --block-length: ``serve --block-length 16`` replays graphs for its requests), or the
     --cuda-graph-block-lengths listed; logged."""
-    from sangam.engine import engine as engine_module
+    from sangam.engine import worker as engine_module
 
     class Captured:
         def __init__(self, model, kv, span, *args):

@@ -19,15 +19,17 @@ import pytest
 from sangam import LLM
 from sangam.config import EngineConfig
 from sangam.engine.async_engine import AsyncEngine
-from sangam.engine.engine import tokens_per_forward
+from sangam.engine.front import tokens_per_forward
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import make_engine
 from sangam.engine.multi.front import MultiWorkerEngine
 from sangam.engine.reference_decoder import ReferenceDecoder
 from sangam.sampling_params import SamplingParams
 from sangam.sched.batch_builder import BatchBuilder
+from sangam.sched.block_cursor import BlockCursor
+from sangam.sched.config import SchedulerConfig
 from sangam.sched.page_allocator import PageAllocator
-from sangam.sched.request import Request, RequestStatus
+from sangam.sched.request import BLOCK_DONE, CONTINUES, Request, RequestStatus
 
 PAGE_SIZE = 4
 NUM_PAGES = 48  # three of the largest canvases (64 tokens): decode workers run out of room
@@ -252,15 +254,16 @@ def test_workers_on_one_node_never_share_a_gpu():
 
 def test_builder_seat_and_detach():
     alloc = PageAllocator(16)
-    b = BatchBuilder(alloc, page_size=4, max_batch_size=1)
-    req = Request("a", 0.0, prompt_len=3, canvas_len=8, block_length=4)
+    b = BatchBuilder(alloc, SchedulerConfig(page_size=4, max_batch_size=1))
+    req = Request("a", 0.0, BlockCursor(3, 8, 4))
     req.pages = alloc.allocate(req.pages_needed(4))
     with pytest.raises(ValueError, match="DECODE"):
         b.seat(req)
     req.mark_admitted(0.0)
-    req.mark_step_done(0.0, block_done=False, finished=False)
+    req.cursor.advance(block_done=False, finished=False)
+    req.mark_step_done(0.0, CONTINUES)
     b.seat(req)
-    other = Request("b", 0.0, 3, 8, 4)
+    other = Request("b", 0.0, BlockCursor(3, 8, 4))
     other.pages, other.status = alloc.allocate(3), RequestStatus.DECODE
     with pytest.raises(ValueError, match="no free seat"):
         b.seat(other)
@@ -268,7 +271,8 @@ def test_builder_seat_and_detach():
     assert batch.decodes == [req] and not batch.prefills
     with pytest.raises(ValueError, match="last scheduled batch"):
         b.detach("a")
-    b.step_done(req, 1.0, block_done=True, finished=False)  # block 0 done: WAITING again
+    req.cursor.advance(block_done=True, finished=False)
+    b.step_done(req, 1.0, BLOCK_DONE)  # block 0 done: WAITING again
     pages = list(req.pages)
     assert b.detach("a") is req and req.pages == pages  # forgotten, pages kept
     assert not b.has_work and alloc.num_used == 6
@@ -285,7 +289,7 @@ def test_block_progress_carries_all_a_block_changes():
     import numpy as np
 
     from sangam.decoding.state import DecodeState
-    from sangam.engine.multi import messages as msg
+    from sangam.engine import messages as msg
 
     params = SamplingParams(max_tokens=20, block_length=8, logprobs=2, stop=["zz"])
     st = DecodeState(list(range(2, 12)), params, 159, frozenset([1]), False)
@@ -297,17 +301,19 @@ def test_block_progress_carries_all_a_block_changes():
             masked = s + (st.tokens[s:e] == 159).nonzero()[0][:3]
             st.commit(masked, len(masked), masked + 20, np.linspace(0.5, 0.9, len(masked)))
             st.record_top(masked, np.full((len(masked), 2), -0.5), np.stack([masked] * 2, 1))
-        start.catch_up(msg.loads(msg.dumps(st.progress(block))))
+        msg.catch_up(start, msg.loads(msg.dumps(msg.block_progress(st, block))))
         assert start.__dict__.keys() == st.__dict__.keys()
         for k, v in st.__dict__.items():
             if isinstance(v, np.ndarray):
                 assert np.array_equal(getattr(start, k), v), k
-            elif k not in ("stop_text", "params"):
+            elif k == "cursor":  # its geometry is fixed; its position is the record
+                assert start.cursor.record == v.record, k
+            elif k not in ("stop_text", "params", "host_buffers"):  # (those arrays, above)
                 assert getattr(start, k) == v, k
     st.stop_after(12, "zz")
     start = copy.deepcopy(st)
-    start.finished = False
-    start.catch_up(st.progress(1))
+    start.finish(None)
+    msg.catch_up(start, msg.block_progress(st, 1))
     assert (start.finished, start.finish_reason, start.stop_len, start.stop_string) == (
         True, "stop", 12, "zz")
     assert start.output_token_ids() == st.output_token_ids()
@@ -316,28 +322,29 @@ def test_block_progress_carries_all_a_block_changes():
 def test_busy_worker_loop_reports_at_least_every_second():
     """A worker loop with work but nothing new (e.g. a send waiting on a slow receiver) still
     reports, so the front's watchdog only flags loops that stopped; an idle one stays quiet."""
-    from sangam.engine.multi import messages as msg
+    from sangam.engine import messages as msg
     from sangam.engine.multi import worker as worker_mod
-    from sangam.sched.batch_builder import BatchBuilder
-    from sangam.sched.request import Request
     from sangam.sched.worker_core import Task
 
     sent = []
-    w = worker_mod.Worker(0, None, BatchBuilder(PageAllocator(8), 16), None, None)
+    worker = worker_mod.TransferWorker(0, BatchBuilder(PageAllocator(8), SchedulerConfig()),
+                                       None, None)
+    w = worker_mod.WorkerProcess(worker, None)
     w._handled = 3
-    w._send = lambda m: sent.append(msg.loads(msg.dumps(m)))
-    w.core.take_block(Task(Request("a", 0.0, 4, 16, 16), None, 0, None, False))  # work to do
-    w._flush()
+    w.send = lambda m: sent.append(msg.loads(msg.dumps(m)))
+    worker.core.take_block(Task(Request("a", 0.0, BlockCursor(4, 16, 16)), None, 0, None,
+                                False))  # work to do
+    w.flush()
     assert len(sent) == 1 and sent[0].busy and sent[0].handled == 3
-    w._flush()
+    w.flush()
     assert len(sent) == 1  # nothing changed, too soon
     w._reported_at -= worker_mod._KEEPALIVE_S  # a second passes
-    w._flush()
+    w.flush()
     assert len(sent) == 2 and sent[1].busy and not sent[1].events
-    w.core.drop("a")
-    w._flush()  # busy -> idle is a change: reported once
+    worker.core.drop("a")
+    w.flush()  # busy -> idle is a change: reported once
     w._reported_at -= 5 * worker_mod._KEEPALIVE_S
-    w._flush()
+    w.flush()
     assert len(sent) == 3 and not sent[2].busy
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from sangam.sched.block_cursor import BlockCursor
 from sangam.sched.request import Request
 from sangam.sched.router import Router
 
@@ -13,7 +14,7 @@ ROOMY = [10_000] * 4  # free pages per worker: room everywhere
 def mk(rid: str = "r", P: int = 8, G: int = 16, holder: int | None = None) -> Request:
     """T = P + G tokens: ceil(T / 16) pages at the default page size. ``holder``: the worker
     that already holds its canvas (a re-prefill)."""
-    r = Request(rid, 0.0, P, G, 8, "dual")
+    r = Request(rid, 0.0, BlockCursor(P, G, 8))
     if holder is not None:
         r.pages, r.worker = [0, 1], holder
     return r

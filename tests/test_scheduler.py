@@ -14,21 +14,38 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sangam.sampling_params import CACHE_MODES
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
+from sangam.sched.block_cursor import BlockCursor
+from sangam.sched.config import SchedulerConfig
 from sangam.sched.page_allocator import OutOfPagesError, PageAllocator
-from sangam.sched.request import CACHE_MODES, Request, RequestStatus
+from sangam.sched.request import CONTINUES, Request, RequestStatus, StepOutcome
 
 W, PF, DE, FI = (RequestStatus.WAITING, RequestStatus.PREFILL, RequestStatus.DECODE,
                  RequestStatus.FINISHED)
 
 
 def mk(rid: str, t: float = 0.0, P: int = 8, G: int = 16, B: int = 8,
-       cache: str = "dual", priority: int = 0) -> Request:
-    return Request(rid, t, P, G, B, cache, priority=priority)
+       cache: str = "dual", priority: int = 0, **cadence) -> Request:
+    return Request(rid, t, BlockCursor(P, G, B, cache=cache, **cadence), priority=priority)
 
 
 def builder(num_pages: int = 1000, page_size: int = 4, **kw) -> BatchBuilder:
-    return BatchBuilder(PageAllocator(num_pages), page_size, **kw)
+    return BatchBuilder(PageAllocator(num_pages), SchedulerConfig(page_size=page_size, **kw))
+
+
+def ran(r: Request, block_done: bool, finished: bool) -> StepOutcome:
+    """A forward of ``r`` as a runner reports it: its cursor moved (a chunk stored)."""
+    if r.chunk_admitted:
+        r.cursor.store_chunk()
+        return CONTINUES
+    r.cursor.advance(block_done, finished)
+    return StepOutcome(block_done, finished)
+
+
+def done(r: Request, now: float, block_done: bool, finished: bool) -> None:
+    """``r``'s forward ran: the cursor moves, then the request records it."""
+    r.mark_step_done(now, ran(r, block_done, finished))
 
 
 def step(b: BatchBuilder, now: float, outcomes: dict | None = None) -> ScheduledBatch:
@@ -36,7 +53,7 @@ def step(b: BatchBuilder, now: float, outcomes: dict | None = None) -> Scheduled
     finished)`` says otherwise."""
     batch = b.schedule(now)
     for r in batch.prefills + batch.decodes:
-        b.step_done(r, now, *(outcomes or {}).get(r.request_id, (False, False)))
+        b.step_done(r, now, ran(r, *(outcomes or {}).get(r.request_id, (False, False))))
     return batch
 
 
@@ -60,7 +77,7 @@ def test_request_geometry_and_spans():
     assert (r.total_len, r.num_blocks, r.prefill_cost, r.decode_span) == (34, 3, 34, 8)
     p = mk("b", P=10, G=24, B=8, cache="prefix")
     assert p.decode_span == 34 - 10  # span [s, T) with s = P
-    p.block = 2
+    p.cursor.block = 2
     assert p.decode_span == 34 - (10 + 16)
     assert mk("c", P=10, G=24, B=8, cache="none").decode_span == 34
     assert r.pages_needed(16) == 3 and r.pages_needed(17) == 2 and r.pages_needed(1) == 34
@@ -78,19 +95,19 @@ def test_request_geometry_and_spans():
 def test_request_transitions_and_metrics():
     r = mk("a", t=1.0, G=16, B=8)  # two blocks
     with pytest.raises(ValueError):
-        r.mark_step_done(1.0, False, False)  # not admitted
+        done(r, 1.0, False, False)  # not admitted
     r.mark_admitted(2.0)
     with pytest.raises(ValueError):
         r.mark_admitted(2.0)
-    r.mark_step_done(3.0, block_done=False, finished=False)
+    done(r, 3.0, False, False)
     assert r.status is DE
-    r.mark_step_done(4.0, block_done=True, finished=False)
+    done(r, 4.0, True, False)
     assert (r.status, r.block) == (W, 1)
     r.mark_admitted(6.0)
-    r.mark_step_done(7.0, block_done=False, finished=False)
+    done(r, 7.0, False, False)
     with pytest.raises(ValueError):  # the last block ended: the request must finish
-        r.mark_step_done(8.0, block_done=True, finished=False)
-    r.mark_step_done(9.0, block_done=True, finished=True)
+        done(r, 8.0, True, False)
+    done(r, 9.0, True, True)
     assert (r.status, r.finish_reason) == (FI, "length")
     with pytest.raises(ValueError):
         r.mark_aborted(10.0)
@@ -103,7 +120,7 @@ def test_request_transitions_and_metrics():
 
     early = mk("b", G=16, B=8)
     early.mark_admitted(0.0)
-    early.mark_step_done(1.0, block_done=True, finished=True)  # EOS in the first block
+    done(early, 1.0, True, True)  # EOS in the first block
     assert early.finish_reason == "stop" and early.metrics.decode_time == 0.0
     ab = mk("c")
     ab.mark_aborted(5.0)
@@ -112,58 +129,59 @@ def test_request_transitions_and_metrics():
 
 def test_refresh_cadence_transitions_and_costs():
     """Four blocks, refreshes every 2nd, every 2nd of those full: full, none, response, none."""
-    r = Request("a", 0.0, prompt_len=10, canvas_len=16, block_length=4, refresh_interval=2,
-                prompt_refresh_interval=2)
-    assert [r.block_refresh(b) for b in range(4)] == ["full", "none", "response", "none"]
+    r = mk("a", P=10, G=16, B=4, refresh_interval=2, prompt_refresh_interval=2)
+    assert [r.cursor.block_refresh(b) for b in range(4)] == ["full", "none", "response", "none"]
     assert r.prefill_cost == 26
     r.mark_admitted(1.0)
-    r.mark_step_done(2.0, block_done=True, finished=False)  # block 0 in its refresh
+    done(r, 2.0, True, False)  # block 0 in its refresh
     assert (r.status, r.block) == (DE, 1)  # block 1 starts without one: stays seated
-    r.mark_step_done(3.0, block_done=False, finished=False)
-    r.mark_step_done(4.0, block_done=True, finished=False)
+    done(r, 3.0, False, False)
+    done(r, 4.0, True, False)
     assert (r.status, r.block, r.prefill_cost) == (W, 2, 16)  # response-only: T - P
     r.mark_admitted(5.0)
-    r.mark_step_done(6.0, block_done=True, finished=False)
+    done(r, 6.0, True, False)
     assert (r.status, r.block) == (DE, 3)
-    r.mark_step_done(8.0, block_done=True, finished=True)
+    done(r, 8.0, True, True)
     m = r.metrics
     assert m.prefill_queued == [0.0, 4.0] and m.prefill_finished == [2.0, 6.0]
     assert m.decode_started == [2.0, 2.0, 6.0, 6.0] and m.block_finished == [2.0, 4.0, 6.0, 8.0]
     assert m.decode_time == 2.0 + 2.0 and m.queueing_time == 1.0 + 1.0
 
     # The builder keeps such a request seated across the boundary.
-    b = BatchBuilder(PageAllocator(16), 4, "deficit", 64)
-    q = Request("q", 0.0, prompt_len=4, canvas_len=8, block_length=4, refresh_interval=2)
+    b = builder(num_pages=16, page_size=4, policy="deficit", token_budget=64)
+    q = mk("q", P=4, G=8, B=4, refresh_interval=2)
     b.add(q)
     (got,) = b.schedule(0.0).prefills
-    b.step_done(got, 1.0, block_done=True, finished=False)
+    b.step_done(got, 1.0, ran(got, block_done=True, finished=False))
     batch = b.schedule(1.0)
     assert batch.prefills == [] and batch.decodes == [q] and batch.decode_tokens == 4
     with pytest.raises(ValueError, match="refresh intervals"):
-        Request("z", 0.0, 1, 4, 4, refresh_interval=0)
+        mk("z", P=1, G=4, B=4, refresh_interval=0)
 
     # Its cache lost (taken back after a failure): the block refreshes fully, then the cadence
     # resumes.
-    lost = Request("l", 0.0, prompt_len=4, canvas_len=12, block_length=4, refresh_interval=2)
-    lost.block, lost.force_refresh = 1, True
-    assert (lost.block_refresh(1), lost.block_start, lost.prefill_cost) == ("none", "full", 16)
+    lost = mk("l", P=4, G=12, B=4, refresh_interval=2)
+    lost.cursor.block, lost.cursor.force_refresh = 1, True
+    assert (lost.cursor.block_refresh(1), lost.block_start, lost.prefill_cost) == (
+        "none", "full", 16)
     lost.mark_admitted(0.0)
-    lost.mark_step_done(1.0, block_done=True, finished=False)
-    assert not lost.force_refresh and (lost.status, lost.block) == (W, 2)
+    done(lost, 1.0, True, False)
+    assert not lost.cursor.force_refresh and (lost.status, lost.block) == (W, 2)
 
 
 def test_adaptive_budget_follows_the_prefill_queue():
     """tau = max(floor, waiting prefill tokens x waiting / (waiting + seated) / drain_iterations),
     recomputed every iteration: seated decodes pull it toward the floor."""
-    b = BatchBuilder(PageAllocator(1000), 4, "adaptive", token_budget=64, drain_iterations=4)
+    b = builder(num_pages=1000, page_size=4, policy="adaptive", token_budget=64,
+                drain_iterations=4)
     assert b.current_budget() == 64
     for i in range(10):
-        b.add(Request(f"r{i}", float(i), prompt_len=88, canvas_len=8, block_length=8))
+        b.add(mk(f"r{i}", float(i), P=88, G=8, B=8))
     assert b.waiting_tokens == 960 and b.current_budget() == 240
     batch = b.schedule(0.0)  # 240 tokens of budget: two refreshes of 96, 48 carried over
     assert len(batch.prefills) == 2 and batch.deficit == 48 and b.waiting_tokens == 8 * 96
     for r in batch.prefills:
-        b.step_done(r, 1.0, block_done=False, finished=False)
+        b.step_done(r, 1.0, ran(r, block_done=False, finished=False))
     assert b.num_seated == 2 and b.current_budget() == 154  # 768 * 8 / 10 = 614, / 4
     b.abort("r9")
     assert b.waiting_tokens == 7 * 96 and b.current_budget() == 131  # 672 * 7 // 9 = 522, / 4
@@ -365,7 +383,7 @@ def test_abort_frees_pages_wherever_the_request_is():
         assert r is not None and (r.status, r.finish_reason, r.pages) == (FI, "abort", [])
     assert b.abort("seated") is None and b.abort("nobody") is None
     assert b.allocator.num_free == 100
-    b.step_done(batch.prefills[0], 3.0, False, False)  # a late result of an aborted request
+    b.step_done(batch.prefills[0], 3.0, CONTINUES)  # a late result of an aborted request
     assert b.num_seated == 0  # is dropped
     batch = step(b, 3.0)
     assert ids(batch.prefills) == ["inflight"]
@@ -425,10 +443,10 @@ def test_driver_misuse_raises():
     with pytest.raises(RuntimeError):
         b.schedule(1.0)  # step_done missing
     with pytest.raises(ValueError):
-        b.step_done(mk("stranger"), 1.0, False, False)
-    b.step_done(r, 1.0, False, False)
+        b.step_done(mk("stranger"), 1.0, CONTINUES)
+    b.step_done(r, 1.0, ran(r, False, False))
     with pytest.raises(ValueError):
-        b.step_done(r, 1.0, False, False)  # reported twice
+        b.step_done(r, 1.0, CONTINUES)  # reported twice
     with pytest.raises(ValueError):
         builder(policy="sjf")
     with pytest.raises(ValueError):
@@ -462,7 +480,7 @@ def simulate(b: BatchBuilder, specs: list, seed: int, abort_prob: float = 0.0,
     it = 0
     while it <= max(arrivals) or b.has_work:
         for i, (t, lag, P, nb, B, cache, priority) in arrivals.get(it, []):
-            r = Request(f"r{i}", float(t - lag), P, nb * B, B, cache, priority=priority)
+            r = mk(f"r{i}", float(t - lag), P, nb * B, B, cache, priority=priority)
             reqs.append(r)
             b.add(r)
         if abort_prob and reqs and rng.random() < abort_prob:
@@ -478,7 +496,7 @@ def simulate(b: BatchBuilder, specs: list, seed: int, abort_prob: float = 0.0,
                 continue
             block_done = rng.random() < 0.4
             finished = block_done and (r.block + 1 == r.num_blocks or rng.random() < 0.2)
-            b.step_done(r, float(it), block_done, finished)
+            b.step_done(r, float(it), ran(r, block_done, finished))
         held = [r for r in reqs if r.status is not FI]
         assert all(len(r.pages) == r.pages_needed(b.page_size) for r in held if r.pages)
         assert b.allocator.num_used == sum(len(r.pages) for r in held)  # no page leaks
@@ -508,8 +526,8 @@ def test_property_deficit_budget_is_never_exceeded(specs, tau, page_size, extra,
     hence for every n:  sum_{i<=n} a_i + D_n <= sum_{i<=n} max(0, tau - d_i)
     (= tau * n - sum d_i when decodes never exceed tau: a prefill cannot be split, so the budget
     holds amortized, and decode tokens above tau are not charged to later prefills)."""
-    b = BatchBuilder(PageAllocator(pool_for(specs, page_size, extra)), page_size,
-                     token_budget=tau, max_batch_size=max_batch)
+    b = builder(pool_for(specs, page_size, extra), page_size, token_budget=tau,
+                max_batch_size=max_batch)
     totals = {"a": 0, "fresh": 0}
 
     def check(batch: ScheduledBatch, deficit_before: int, waiting: list, seated: list) -> None:
@@ -547,8 +565,8 @@ def test_property_deficit_budget_is_never_exceeded(specs, tau, page_size, extra,
        abort_prob=st.sampled_from([0.0, 0.05, 0.3]))
 def test_property_no_page_leak_with_random_aborts(specs, policy, tau, page_size, extra,
                                                   max_batch, seed, abort_prob):
-    b = BatchBuilder(PageAllocator(pool_for(specs, page_size, extra)), page_size, policy=policy,
-                     token_budget=tau, max_batch_size=max_batch)
+    b = builder(pool_for(specs, page_size, extra), page_size, policy=policy, token_budget=tau,
+                max_batch_size=max_batch)
 
     def check(batch: ScheduledBatch, deficit_before: int, waiting: list, seated: list) -> None:
         assert sorted(ids(batch.decodes)) == sorted(ids(seated)) and batch.deficit >= 0

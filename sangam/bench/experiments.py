@@ -49,7 +49,7 @@ from sangam.bench.report import (
 from sangam.bench.sim.config import SimConfig
 from sangam.bench.sim.runs import coefficients_from_args, run_point, step_model_from_args
 from sangam.bench.traces import load_lengths
-from sangam.sched.batch_builder import DRAIN_ITERATIONS
+from sangam.sched.config import DRAIN_ITERATIONS
 
 DEFAULT_REQUESTS = {"fastdllm-vs-deficit": 300, "tau-sweep": 600, "modes": 500,
                     "refresh-cadence": 300, "adaptive-tau": 1500,

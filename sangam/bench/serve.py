@@ -153,7 +153,6 @@ def run_engine(engine, requests: Sequence[Prepared], label: str) -> RunResult:
     """Submit each request at its arrival time (wall clock) and step until all finish."""
     pending = deque(sorted(requests, key=lambda p: p.arrival_time))
     by_id = {f"bench-{p.index}": p for p in requests}
-    held = {}  # request id -> the engine's Request, whose metrics outlive the engine's tracking
     last_forwards: dict[str, int] = {}
     steps: Counter = Counter()
     records = []
@@ -166,7 +165,6 @@ def run_engine(engine, requests: Sequence[Prepared], label: str) -> RunResult:
             p = pending.popleft()
             rid = f"bench-{p.index}"
             engine.add_request(rid, p.prompt, p.params, arrival_time=t0 + p.arrival_time)
-            held[rid] = engine.requests[rid].request
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, t0 + pending[0].arrival_time - time.monotonic()))
             continue
@@ -175,11 +173,10 @@ def run_engine(engine, requests: Sequence[Prepared], label: str) -> RunResult:
             steps[out.num_forwards - last_forwards.get(rid, 0)] += 1
             last_forwards[rid] = out.num_forwards
             if out.finished:
-                m = held.pop(rid).metrics
-                p = by_id[rid]
-                records.append(_record(p, m.arrival_time - t0, m.finish_time - t0,
-                                       m.time_to_first_block, m.queueing_time, m.decode_time,
-                                       m.num_steps, len(m.block_finished),
+                m = out.metrics
+                records.append(_record(by_id[rid], m["arrival_time"] - t0, m["finish_time"] - t0,
+                                       m["time_to_first_block"], m["queueing_time"],
+                                       m["decode_time"], m["num_forwards"], m["num_blocks"],
                                        out.block_thresholds))
                 progress.update()
     its = list(engine.stats.iterations)

@@ -1,4 +1,4 @@
-"""One request's canvas and its progress through blocks and steps (DESIGN.md §2).
+"""One request's canvas and its progress through blocks and steps (docs/design.md §2).
 
 Both the single-request reference decoder and the batched engine drive requests through this
 object, which is what makes their tokens identical: the engine differs only in how many
@@ -8,25 +8,41 @@ Infilling: with ``suffix_ids`` the sequence is prompt + [MASK]*G + suffix (T = P
 suffix is context like the prompt: every refresh covers it, ``cache="prefix"`` spans reach it,
 and the response is the canvas between the two.
 
-Block-causal models (SDAR, ``block_causal=True``; README "Block-causal models"): blocks lie on
-the grid from position 0, so block 0 is [floor(P/B)·B, +B) and may start with the prompt's tail;
-T = ceil((P + max_tokens)/B)·B. A finished block's K/V is exact and never refreshed: the
-request's first forward spans [0, e) (the prompt's K/V and block 0's first step under the
-block-causal mask), the first step of every later block spans [s - B, e) (it writes the
-finished block's final K/V as it steps the new one), and other steps span [s, e).
+Which positions each forward covers, and where the request stands, is its ``BlockCursor``
+(sangam/sched/block_cursor.py), which the scheduler's ``Request`` of the same request shares; a
+commit moves it. Block-causal models (SDAR, ``block_causal=True``) lay their blocks on the grid
+from position 0, so block 0 may start with the prompt's tail.
+
+The C++ host path (csrc/host_batch.cpp) reads ``host_buffers``: the cursor's record, this
+object's ``record`` and ``floats`` (fields ``DECODE_FIELDS`` and ``DECODE_FLOAT_FIELDS``) and
+its arrays, and mirrors ``plan`` and ``commit``.
 """
 
 from __future__ import annotations
 
 import functools
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
 
 from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.noise import noise_key, row_keys
-from sangam.decoding.rules import select_commits
-from sangam.sampling_params import FULL_REFRESH, RESPONSE_REFRESH, SamplingParams
+from sangam.decoding.rules import RULE_IDS, select_commits
+from sangam.sampling_params import SamplingParams
+from sangam.sched.block_cursor import FULL_REFRESH, BlockCursor
+
+# The decoder's record (beside its cursor's): the request's fixed integer parameters, then its
+# counters. finish_reason is an index into FINISH_REASONS; seed is its low 64 bits.
+DECODE_FIELDS = ("mask_token_id", "seed", "rule", "tokens_per_step", "max_tokens",
+                 "num_forwards", "num_chunks", "finished", "finish_reason")
+DECODE_FLOAT_FIELDS = ("temperature", "factor", "refresh_confidence")
+FINISH_REASONS = (None, "stop", "length")
+# What the C++ host path reads of a request, in ``DecodeState.host_buffers`` order.
+HOST_BUFFERS = ("cursor", "record", "floats", "tokens", "confidence", "block_thresholds",
+                "stop_ids")
+_FORWARDS, _CHUNKS, _FINISHED, _REASON = (
+    DECODE_FIELDS.index(n) for n in ("num_forwards", "num_chunks", "finished", "finish_reason"))
 
 
 @dataclass
@@ -43,29 +59,6 @@ class StepPlan:
     @property
     def span_len(self) -> int:
         return self.span_end - self.span_start
-
-
-@dataclass
-class BlockProgress:
-    """What the forwards of one block changed in a request's state: that block's positions
-    and the counters. The multi-worker front and its workers exchange this instead of the
-    whole state, whose prompt, suffix and other blocks the receiving side already has."""
-
-    start: int  # the block's first position
-    tokens: np.ndarray
-    confidence: np.ndarray
-    top_ids: np.ndarray | None
-    top_logprobs: np.ndarray | None
-    block: int
-    step: int
-    num_forwards: int
-    finished: bool
-    finish_reason: str | None
-    stop_len: int | None
-    stop_string: str | None
-    stop_text: IncrementalDetokenizer | None
-    force_refresh: bool  # the next block refreshes fully (the adaptive trigger fired)
-    threshold: float  # the threshold the block used (load-adaptive)
 
 
 class DecodeState:
@@ -86,14 +79,18 @@ class DecodeState:
         self.seed = seed
         self.prompt_len = len(prompt_ids)
         self.block_causal = block_causal
-        b = params.block_length
-        # Block-causal: the block grid from position 0 (see the module docstring).
-        self.block_origin = self.prompt_len // b * b if block_causal else self.prompt_len
         canvas = params.canvas_after(self.prompt_len, block_causal)
-        self.canvas_end = self.prompt_len + canvas  # where the suffix begins
+        # Which positions each forward covers (shared with the scheduler's Request).
+        self.cursor = BlockCursor(
+            self.prompt_len, canvas, params.block_length, suffix_len=len(suffix_ids),
+            cache=params.cache, refresh_interval=params.refresh_interval,
+            prompt_refresh_interval=params.prompt_refresh_interval, shift=self.shift,
+            block_causal=block_causal)
+        self.block_origin = self.cursor.block_origin
+        self.canvas_end = self.cursor.canvas_end  # where the suffix begins
         self.tokens = np.array(
             list(prompt_ids) + [mask_token_id] * canvas + list(suffix_ids), dtype=np.int64)
-        # Each response position's confidence (DESIGN.md §2) at the step that committed it.
+        # Each response position's confidence (docs/design.md §2) at the step that committed it.
         self.confidence = np.zeros(len(self.tokens), dtype=np.float64)
         # With logprobs = n > 0: each response position's n most probable tokens at that step.
         n = params.logprobs or 0
@@ -102,26 +99,83 @@ class DecodeState:
         # Each block's threshold: the request's, or for a load-adaptive one (min_threshold) what
         # the worker that started the block set (set_load).
         self.block_thresholds = np.full(self.num_blocks, params.threshold, dtype=np.float64)
-        self.block = 0
-        self.step = 0  # steps taken in the current block; 0 = the next is the block's first
-        # The current block starts with a full refresh whatever the cadence says: the adaptive
-        # trigger fired when the block before it ended (SamplingParams.refresh_confidence), or
-        # the K/V its worker kept is gone (the front sets it then). Its first step clears it.
-        self.force_refresh = False
-        # Block-causal chunked prefill: prompt positions whose K/V is stored, and the end of
-        # the chunk the scheduler admitted for the next forward (None: the whole rest).
-        self.prefilled = 0
-        self.chunk_end: int | None = None
-        self.num_chunks = 0  # forwards that only stored prompt K/V
-        self.num_forwards = 0
-        self.finished = False
-        self.finish_reason: str | None = None
+        low = seed & (2**64 - 1)  # the noise key reads the seed's low 64 bits
+        self.record = array("q", (mask_token_id, low - 2**64 if low >= 2**63 else low,
+                                  RULE_IDS[params.unmasking], params.tokens_per_step,
+                                  params.max_tokens, 0, 0, 0, 0))
+        self.floats = array("d", (params.temperature, params.factor, params.refresh_confidence))
+        self.host_buffers = (self.cursor.record, self.record, self.floats, self.tokens,
+                             self.confidence, self.block_thresholds, self.stop_array)
         self.stop_len: int | None = None  # response tokens kept when a stop string ended it
         self.stop_string: str | None = None  # that stop string
         # The response's text as far as the stop strings were searched (it travels with the
         # state between workers, so each block is decoded once).
         self.stop_text = (IncrementalDetokenizer(params.skip_special_tokens) if params.stop
                           else None)
+
+    # The cursor's position and the counters (kept in records the C++ host path shares).
+    @property
+    def block(self) -> int:
+        return self.cursor.block
+
+    @block.setter
+    def block(self, value: int) -> None:
+        self.cursor.block = value
+
+    @property
+    def step(self) -> int:
+        """Steps taken in the current block; 0: the next is the block's first."""
+        return self.cursor.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.cursor.step = value
+
+    @property
+    def force_refresh(self) -> bool:
+        return self.cursor.force_refresh
+
+    @force_refresh.setter
+    def force_refresh(self, value: bool) -> None:
+        self.cursor.force_refresh = value
+
+    @property
+    def prefilled(self) -> int:
+        return self.cursor.prefilled
+
+    @property
+    def chunk_end(self) -> int | None:
+        return self.cursor.chunk_end
+
+    @chunk_end.setter
+    def chunk_end(self, value: int | None) -> None:
+        self.cursor.chunk_end = value
+
+    @property
+    def num_forwards(self) -> int:
+        return self.record[_FORWARDS]
+
+    @num_forwards.setter
+    def num_forwards(self, value: int) -> None:
+        self.record[_FORWARDS] = value
+
+    @property
+    def num_chunks(self) -> int:
+        """Forwards that only stored prompt K/V (block-causal chunked prefill)."""
+        return self.record[_CHUNKS]
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.record[_FINISHED])
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS[self.record[_REASON]]
+
+    def finish(self, reason: str | None) -> None:
+        """End (``reason`` "stop" or "length") or, with None, reopen the request."""
+        self.record[_FINISHED] = reason is not None
+        self.record[_REASON] = FINISH_REASONS.index(reason)
 
     def prompt_ids(self) -> list[int]:
         """The prompt's token ids (after any truncation)."""
@@ -137,37 +191,6 @@ class DecodeState:
         return np.unique(np.concatenate([self.tokens[:self.prompt_len],
                                          self.tokens[self.canvas_end:]]))
 
-    # Between processes.
-    def progress(self, block: int) -> BlockProgress:
-        """What the forwards of ``block`` changed (positions are only ever committed in the
-        current block, so its positions and the counters are all of it)."""
-        s = self.block_origin + block * self.params.block_length
-        e = s + self.params.block_length
-        top = slice(max(0, s - self.prompt_len), e - self.prompt_len)
-        return BlockProgress(
-            s, self.tokens[s:e].copy(), self.confidence[s:e].copy(),
-            None if self.top_ids is None else self.top_ids[top].copy(),
-            None if self.top_logprobs is None else self.top_logprobs[top].copy(),
-            self.block, self.step, self.num_forwards, self.finished, self.finish_reason,
-            self.stop_len, self.stop_string, self.stop_text, self.force_refresh,
-            float(self.block_thresholds[block]))
-
-    def catch_up(self, p: BlockProgress) -> None:
-        """Take ``p`` (a copy of this state's ``progress``, from another process) in."""
-        e = p.start + len(p.tokens)
-        self.tokens[p.start:e] = p.tokens
-        self.confidence[p.start:e] = p.confidence
-        if p.top_ids is not None:
-            top = slice(max(0, p.start - self.prompt_len), e - self.prompt_len)
-            self.top_ids[top] = p.top_ids
-            self.top_logprobs[top] = p.top_logprobs
-        self.block, self.step, self.num_forwards = p.block, p.step, p.num_forwards
-        self.finished, self.finish_reason = p.finished, p.finish_reason
-        self.stop_len, self.stop_string, self.stop_text = p.stop_len, p.stop_string, p.stop_text
-        self.force_refresh = p.force_refresh
-        self.block_thresholds[(p.start - self.block_origin) // self.params.block_length] = \
-            p.threshold
-
     # Geometry.
     @property
     def total_len(self) -> int:
@@ -175,11 +198,10 @@ class DecodeState:
 
     @property
     def num_blocks(self) -> int:
-        return (self.canvas_end - self.block_origin) // self.params.block_length
+        return self.cursor.num_blocks
 
     def block_bounds(self) -> tuple[int, int]:
-        s = self.block_origin + self.block * self.params.block_length
-        return s, s + self.params.block_length
+        return self.cursor.block_bounds()
 
     @property
     def threshold(self) -> float:
@@ -199,32 +221,11 @@ class DecodeState:
         return self.block_thresholds[:self.block + self.finished].tolist()
 
     def span(self) -> tuple[int, int]:
-        """The next forward's span of query positions (DESIGN.md §2)."""
-        s, e = self.block_bounds()
-        p, end = self.params, self.total_len
-        if self.block_causal:  # the cache is exact: nothing after a block ever attends to it
-            if self.step > 0:
-                return s, e
-            if self.block == 0 or self.force_refresh:  # the prompt's K/V (what is left of it)
-                start = 0 if self.force_refresh else self.prefilled
-                return start, e if self.chunk_end is None else self.chunk_end
-            return s - p.block_length, e
-        if p.cache == "none":
-            return 0, end
-        if self.step == 0:  # the block's first step, as the refresh cadence says
-            start = FULL_REFRESH if self.force_refresh else p.block_refresh(self.block)
-            if start == FULL_REFRESH:
-                return 0, end
-            if start == RESPONSE_REFRESH:
-                return self.prompt_len, end
-            s -= self.shift  # a cached first step: with shifted logits, row s - 1 predicts s
-        return (s, e) if p.cache == "dual" else (s, end)
+        """The next forward's span of query positions (``BlockCursor.span``)."""
+        return self.cursor.span()
 
     def keys_attended(self, span_end: int) -> int:
-        """How many cached positions a forward ending at ``span_end`` attends over: all T, or
-        for a block-causal model those up to its span's end (nothing after it is visible, and
-        its pages hold nothing written yet)."""
-        return span_end if self.block_causal else self.total_len
+        return self.cursor.keys_attended(span_end)
 
     # One step.
     def plan(self) -> StepPlan:
@@ -259,12 +260,12 @@ class DecodeState:
     def commit(self, positions: np.ndarray, num_forced: int, tokens: np.ndarray,
                conf: np.ndarray) -> bool:
         """``apply`` on a plan's parts: the first ``num_forced`` positions are committed
-        regardless, the rule picks among the rest; True if a block ended."""
-        p = self.params
-        if self.chunk_end is not None:  # the forward was a prefill chunk (no rows)
-            self.prefilled, self.chunk_end = self.chunk_end, None
-            self.num_chunks += 1
-            self.num_forwards += 1
+        regardless, the rule picks among the rest; moves the cursor; True if a block ended."""
+        p, c, r = self.params, self.cursor, self.record
+        r[_FORWARDS] += 1
+        if c.chunk_end is not None:  # the forward was a prefill chunk (no rows)
+            c.store_chunk()
+            r[_CHUNKS] += 1
             return False
         k = num_forced
         chosen = select_commits(conf[k:].tolist(), p.unmasking, self.threshold, p.factor,
@@ -272,26 +273,22 @@ class DecodeState:
         commit = list(range(k)) + [k + i for i in chosen]
         self.tokens[positions[commit]] = tokens[commit]
         self.confidence[positions[commit]] = conf[commit]
-        self.step += 1
-        self.force_refresh = False
-        self.num_forwards += 1
-        s, e = self.block_bounds()
+        s, e = c.block_bounds()
         if self.mask_token_id in self.tokens[s:e]:
+            c.advance(block_done=False, finished=False)
             return False
         # A stop id beyond max_tokens (the last block's padding) is no stop: the response
         # reached its length first.
         response = self.tokens[self.prompt_len:min(e, self.prompt_len + p.max_tokens)]
         if self.stop_index(response) < len(response):
-            self.finished, self.finish_reason = True, "stop"
-        elif self.block + 1 == self.num_blocks:
-            self.finished, self.finish_reason = True, "length"
-        else:
-            self.block += 1
-            self.step = 0
-            # Adaptive refresh: an unsure block leaves the next one no stale cache to trust.
-            self.force_refresh = bool(
-                p.refresh_confidence > 0 and p.block_refresh(self.block) != FULL_REFRESH
-                and self.confidence[s:e].min() < p.refresh_confidence)
+            self.finish("stop")
+        elif c.block + 1 == c.num_blocks:
+            self.finish("length")
+        # Adaptive refresh: an unsure block leaves the next one no stale cache to trust.
+        force = (not self.finished and p.refresh_confidence > 0
+                 and c.block_refresh(c.block + 1) != FULL_REFRESH
+                 and self.confidence[s:e].min() < p.refresh_confidence)
+        c.advance(block_done=True, finished=self.finished, force_next=force)
         return True
 
     def stop_index(self, response: np.ndarray) -> int:
@@ -309,7 +306,7 @@ class DecodeState:
     def stop_after(self, num_tokens: int, stop_string: str) -> None:
         """End the request with its first ``num_tokens`` response tokens (``stop_string`` ended
         there: the engine finds those in text, which this class never sees)."""
-        self.finished, self.finish_reason = True, "stop"
+        self.finish("stop")
         self.stop_len, self.stop_string = num_tokens, stop_string
 
     def stop_reason(self) -> int | str | None:

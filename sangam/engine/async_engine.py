@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from sangam.config import EngineConfig
-from sangam.engine.engine import Engine, QueueFull
+from sangam.engine.front import check_queue
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import make_engine
 from sangam.engine.profiler import MAX_PROFILED_STEPS, EngineProfiler
@@ -81,24 +81,16 @@ class AsyncEngine:
         return self.engine.loaded.tokenizer
 
     def describe(self) -> str:
-        """One line on what serves: the model, its precision and device, the context, the KV
-        pool (how many tokens fit) or the workers, and the scheduling policy."""
-        loaded, cfg = self.engine.loaded, self.config
-        parts = [f"{loaded.config.architecture} from {loaded.path}",
-                 f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device}",
-                 f"context {loaded.context_length} tokens"]
-        if isinstance(self.engine, Engine):
-            pool, runner = self.engine.pool, self.engine.runner
-            parts.append(f"KV pool {pool.num_pages} pages x {pool.page_size} = "
-                         f"{pool.num_pages * pool.page_size} tokens")
-            spans = ", ".join(str(g.span) for g in runner.graphs)
-            parts.append(f"{loaded.model.attention_backend.name} attention, CUDA graphs "
-                         f"{f'for block length {spans}' if spans else 'off'}")
-        else:
-            parts.append(f"{cfg.mode} over {len(self.engine.worker_states())} workers")
-        budget = "" if cfg.policy == "fastdllm" else f", token budget {cfg.effective_token_budget}"
-        parts.append(f"policy {cfg.policy}{budget}")
-        return "; ".join(parts)
+        """One line on what serves (the engine's ``describe``)."""
+        return self.engine.describe()
+
+    def gauges(self) -> list[tuple[str, str, float]]:
+        """The engine's live gauges (read from any thread: plain attribute reads)."""
+        return self.engine.gauges()
+
+    @property
+    def stats(self):
+        return self.engine.stats
 
     async def get_tokenizer(self):
         """The checkpoint's tokenizer (None without one), as vLLM's ``AsyncLLM``."""
@@ -115,9 +107,7 @@ class AsyncEngine:
         suffix (infilling). Text is tokenized off the event loop."""
         self._check_alive()
         with self._count_lock:
-            if self.open_requests >= self.config.max_queue_len:  # refused here: fast
-                raise QueueFull(f"{self.open_requests} requests in flight (max_queue_len "
-                                f"{self.config.max_queue_len})")
+            check_queue(self.open_requests, self.config.max_queue_len)  # refused here: fast
             self.open_requests += 1
         request_id = request_id or uuid.uuid4().hex
         accepted: concurrent.futures.Future | None = None  # None: nothing submitted yet
@@ -241,7 +231,7 @@ class AsyncEngine:
                 self.engine.abort_request(out.request_id)
 
     def _profile(self, action: str, out_dir: str | os.PathLike | None) -> Path | None:
-        if not isinstance(self.engine, Engine):
+        if not self.engine.profilable:
             raise ValueError("profiling traces the single-process engine; the workers of a "
                              "multi-worker engine are not profiled")
         if action == "start":

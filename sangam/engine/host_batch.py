@@ -1,13 +1,15 @@
 """The model runner's per-iteration host work: plan every request's step, pack the batch's
-arrays, and commit the scored tokens back into the requests (DESIGN.md §1, §2).
+arrays, and commit the scored tokens back into the requests (docs/design.md §1, §2).
 
 One API, two implementations:
 
 - ``PythonHostBatcher``: ``DecodeState.plan`` / ``DecodeState.commit`` and
   ``PackedBatch.from_plans``. The readable reference, and what runs without a compiler.
 - ``CHostBatcher``: the C++ extension ``sangam._host`` (csrc/host_batch.cpp), which mirrors the
-  reference step for step and is an order of magnitude faster; used whenever it was built.
-  tests/test_host_batch.py checks that both produce identical arrays and states.
+  reference step for step and is an order of magnitude faster; used whenever it was built. It
+  reads each request's ``DecodeState.host_buffers`` (its cursor's and decoder's records and its
+  arrays), whose layouts it is given here, once, at import. tests/test_host_batch.py checks
+  that both produce identical arrays and states.
 
 ``SANGAM_NO_CEXT=1`` forces the Python path (tests, A/B measurement).
 """
@@ -20,13 +22,28 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from sangam.decoding.state import DecodeState, StepPlan
+from sangam.decoding.rules import RULE_IDS
+from sangam.decoding.state import (
+    DECODE_FIELDS,
+    DECODE_FLOAT_FIELDS,
+    FINISH_REASONS,
+    HOST_BUFFERS,
+    DecodeState,
+    StepPlan,
+)
 from sangam.models import AttentionMetadata
+from sangam.sampling_params import CACHE_MODES
+from sangam.sched.block_cursor import CURSOR_FIELDS
 
 try:
     from sangam import _host
 except ImportError:  # built without a compiler: the Python path serves
     _host = None
+else:  # the records' layouts, defined once (in Python), for the extension to read them by
+    _host.configure({
+        "cursor": CURSOR_FIELDS, "decode": DECODE_FIELDS, "floats": DECODE_FLOAT_FIELDS,
+        "buffers": HOST_BUFFERS, "cache_modes": CACHE_MODES,
+        "rules": sorted(RULE_IDS, key=RULE_IDS.get), "finish_reasons": FINISH_REASONS})
 
 IMPLS = ("python", "cext")
 
@@ -195,8 +212,9 @@ class CHostBatcher:
     def build(self, states: list[DecodeState], pages: list[list[int]]) -> PackedBatch:
         """As ``PythonHostBatcher.build``; the arrays are views into this batcher's arena."""
         n = len(states)
+        requests = [st.host_buffers for st in states]
         while True:
-            fits, num_tokens, num_rows, width = _host.build(states, pages, self.page_size,
+            fits, num_tokens, num_rows, width = _host.build(requests, pages, self.page_size,
                                                             self._arena)
             if fits:
                 break
@@ -212,7 +230,8 @@ class CHostBatcher:
     def apply(self, states: list[DecodeState], batch: PackedBatch, tokens: np.ndarray,
               conf: np.ndarray) -> list[bool]:
         """As ``PythonHostBatcher.apply``."""
-        return _host.apply(states, np.ascontiguousarray(tokens, dtype=np.int64),
+        return _host.apply([st.host_buffers for st in states],
+                           np.ascontiguousarray(tokens, dtype=np.int64),
                            np.ascontiguousarray(conf, dtype=np.float64), batch.cand_positions,
                            batch.cu_rows, batch.num_forced)
 

@@ -76,21 +76,6 @@ def make_attention_backend(name: str | None, device: torch.device) -> AttentionB
     return TritonAttentionBackend()
 
 
-def block_causal_request_errors(params: SamplingParams, suffix_ids: list[int]) -> None:
-    """What a block-causal model (SDAR) cannot do: its finished blocks' K/V is exact, so the
-    cache modes and refresh knobs of bidirectional models do not apply, and it has no
-    infilling (a suffix would sit after the canvas, invisible to it)."""
-    unsupported = [name for name, bad in (
-        ("cache (only 'dual')", params.cache != "dual"),
-        ("refresh_interval", params.refresh_interval != 1),
-        ("prompt_refresh_interval", params.prompt_refresh_interval != 1),
-        ("refresh_confidence", params.refresh_confidence > 0),
-        ("suffix (infilling)", bool(suffix_ids))) if bad]
-    if unsupported:
-        raise ValueError(f"a block-causal model (SDAR) does not take {', '.join(unsupported)}: "
-                         "its finished blocks' K/V is exact and never refreshed")
-
-
 GENERATION_CONFIG = "generation_config.json"
 # generation_config.json keys that become SamplingParams defaults (HF name -> ours).
 GENERATION_KEYS = {"max_new_tokens": "max_tokens", "block_length": "block_length",
@@ -217,7 +202,7 @@ class LoadedModel:
             raise ValueError("the prompt is empty")
         suffix_ids = list(suffix_ids)
         if self.config.block_causal:
-            block_causal_request_errors(params, suffix_ids)
+            params.check_block_causal(len(suffix_ids))
         keep = params.truncate_prompt_tokens
         if keep == -1:
             # A block-causal canvas may reach B - 1 positions past the plain one.

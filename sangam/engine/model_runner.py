@@ -26,6 +26,7 @@ from sangam.engine.host_batch import HostBatcher, PackedBatch, make_host_batcher
 from sangam.engine.kv_pool import KVPool
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.stop_strings import apply_stop_strings
+from sangam.sched.request import BLOCK_DONE, CONTINUES, StepOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, states: list[DecodeState], pages: list[list[int]],
-                allow_graphs: bool = True, isolate: bool = True) -> StepResult:
-        """Run one step of every request in one forward; returns, per request, whether its
-        current block was completed (a completed block's stop strings are checked here, so a
-        request they end is finished on return), and the errors of requests that failed.
+                allow_graphs: bool = True, isolate: bool = True) -> list[StepOutcome]:
+        """Run one step of every request in one forward, moving their cursors; returns each
+        one's outcome (a completed block's stop strings are checked here, so a request they
+        end is finished on return; a request that failed has its error).
         ``allow_graphs=False`` forces the eager forward (e.g. when a hook must see every
         layer).
 
@@ -74,12 +75,11 @@ class ModelRunner:
             if not isolate:
                 raise
             if len(states) == 1:
-                return StepResult([False], {0: e})
-            alone = [self.execute([st], [pg], allow_graphs) for st, pg in zip(states, pages)]
-            errors = {i: r.errors[0] for i, r in enumerate(alone) if r.errors}
+                return [_failed(e)]
+            alone = [self.execute([st], [pg], allow_graphs)[0] for st, pg in zip(states, pages)]
             logger.warning("a batch of %d failed (%r); alone, %d of them fail and end with "
-                           "an error", len(states), e, len(errors))
-            return StepResult([r.block_done[0] for r in alone], errors)
+                           "an error", len(states), e, sum(o.error is not None for o in alone))
+            return alone
         return self._commit(states, *scored)
 
     def _score(self, states: list[DecodeState], pages: list[list[int]], allow_graphs: bool
@@ -117,7 +117,8 @@ class ModelRunner:
                 top)
 
     def _commit(self, states: list[DecodeState], batch: PackedBatch, tokens: np.ndarray,
-                conf: np.ndarray, rescore: Rescore | None, top: tuple | None) -> StepResult:
+                conf: np.ndarray, rescore: Rescore | None, top: tuple | None
+                ) -> list[StepOutcome]:
         """Commit the scored rows into each request, then its alternatives and stop strings;
         an error there ends only its request."""
         errors: dict[int, Exception] = {}
@@ -135,16 +136,22 @@ class ModelRunner:
                     apply_stop_strings(st, self.loaded.decode)
                 except Exception as e:
                     errors[r] = e
-        return StepResult(block_done, errors)
+        return [_failed(errors[r]) if r in errors else step_outcome(st, done)
+                for r, (st, done) in enumerate(zip(states, block_done))]
 
 
-@dataclass
-class StepResult:
-    """One step of a batch, per request: whether it completed its block, and the errors of
-    those that failed (by position in the batch; they end with that error)."""
+def step_outcome(state: DecodeState, block_done: bool) -> StepOutcome:
+    """What a committed step did to ``state``'s request."""
+    if not block_done:
+        return CONTINUES
+    if state.finished:
+        return StepOutcome(True, True, state.finish_reason)
+    return BLOCK_DONE
 
-    block_done: list[bool]
-    errors: dict[int, Exception]
+
+def _failed(error: Exception) -> StepOutcome:
+    """A request whose step failed: it ends with this error, alone (the front logs it)."""
+    return StepOutcome(error=f"the request failed in the engine: {error!r}")
 
 
 # Errors no request causes: the device is unusable, so the engine must not go on.

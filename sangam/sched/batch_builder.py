@@ -1,14 +1,15 @@
-"""Per-worker batch builder: which requests share the next forward (DESIGN.md §4).
+"""Per-worker batch builder: which requests share the next forward (docs/design.md §4).
 
 Pure Python, no tensors, no model: the engine and the simulator call the same methods in the
 same order, once per iteration::
 
     batch = builder.schedule(now)          # decide this iteration
-    ... one forward over batch.prefills (refreshes) and batch.decodes (cached steps) ...
-    builder.step_done(req, now, ...)       # once for every request of the batch
+    ... one forward over batch.prefills (refreshes) and batch.decodes (cached steps),
+        which moves each request's cursor ...
+    builder.step_done(req, now, outcome)   # once for every request of the batch
 
-Policies:
-- ``deficit``: the deficit token budget of DESIGN.md §4 (Deficit Round-Robin over prefill
+Policies (``SchedulerConfig.policy``):
+- ``deficit``: the deficit token budget of docs/design.md §4 (Deficit Round-Robin over prefill
   tokens). Seated decodes always run; waiting prefills are admitted in queue order (the
   request's ``priority``, lower first, then original arrival: ``Request.queue_key``), strict
   head-of-line, while their cost fits ``(tau - decode_tokens) + deficit``; unused budget carries
@@ -40,13 +41,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from sangam.sched.config import SchedulerConfig
 from sangam.sched.page_allocator import PageAllocator
-from sangam.sched.request import Request, RequestStatus
-
-POLICIES = ("deficit", "prefill_first", "fastdllm", "adaptive")  # EngineConfig.policy's
-DRAIN_ITERATIONS = 1  # adaptive: iterations over which tau would admit the queue's share
+from sangam.sched.request import Request, RequestStatus, StepOutcome
 
 
 @dataclass
@@ -60,10 +59,15 @@ class ScheduledBatch:
     deficit: int  # carried budget after this iteration
     memory_blocked: bool  # the head of the queue could not get its pages
     idle_admission: bool  # a prefill was admitted by the idle rule, over the budget
+    # Every request of the batch, in the order the forward packs them: decodes first.
+    requests: list[Request] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.requests = self.decodes + self.prefills
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not self.requests
 
 
 class BatchBuilder:
@@ -81,35 +85,13 @@ class BatchBuilder:
       ``num_load_adaptive`` counts the held requests with ``load_adaptive``.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int, policy: str = "deficit",
-                 token_budget: int | float = 1024, max_batch_size: int = 256,
-                 drain_iterations: int = DRAIN_ITERATIONS, chunked_prefill: bool = False):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if not token_budget >= 1:
-            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
-        if drain_iterations < 1:
-            raise ValueError(f"drain_iterations must be >= 1, got {drain_iterations}")
-        if policy == "prefill_first" or math.isinf(token_budget):
-            token_budget = math.inf
-        elif token_budget != int(token_budget):
-            raise ValueError(f"token_budget must be a whole number of tokens, got {token_budget}")
-        else:
-            token_budget = int(token_budget)
+    def __init__(self, allocator: PageAllocator, config: SchedulerConfig):
         self.allocator = allocator
-        self.page_size = page_size
-        self.policy = policy
-        # tau (adaptive: its floor); math.inf for prefill-first
-        self.token_budget: int | float = token_budget
-        self.drain_iterations = drain_iterations
-        # Block-causal requests: a head whose prefill exceeds the budget left may be admitted
-        # in part, its prompt's whole blocks up to the budget (Request.chunk_room).
-        self.chunked_prefill = chunked_prefill
-        self.max_batch_size = 1 if policy == "fastdllm" else max_batch_size
+        self.config = config
+        self.page_size = config.page_size
+        self.policy = config.policy
+        self.token_budget: int | float = config.budget  # tau (adaptive: its floor)
+        self.max_batch_size = config.batch_cap
         self._deficit = 0
         self._requests: dict[str, Request] = {}  # every request held here, any status
         self._waiting: dict[str, Request] = {}  # status WAITING
@@ -156,7 +138,7 @@ class BatchBuilder:
             return self.token_budget
         waiting = len(self._waiting)
         share = self._waiting_tokens * waiting // max(1, waiting + len(self._seated))
-        return max(self.token_budget, -(-share // self.drain_iterations))
+        return max(self.token_budget, -(-share // self.config.drain_iterations))
 
     @property
     def num_seated(self) -> int:
@@ -203,8 +185,7 @@ class BatchBuilder:
             self._in_flight[r.request_id] = r
         return batch
 
-    def step_done(self, req: Request, now: float, block_done: bool, finished: bool,
-                  finish_reason: str | None = None, force_refresh: bool = False) -> None:
+    def step_done(self, req: Request, now: float, outcome: StepOutcome) -> None:
         """Report ``req``'s forward of the last batch (see ``Request.mark_step_done``).
 
         A request aborted since ``schedule`` is ignored: its result is simply dropped.
@@ -214,7 +195,7 @@ class BatchBuilder:
         if self._in_flight.pop(req.request_id, None) is not req:
             raise ValueError(f"step_done: {req!r} is not in the last scheduled batch")
         self._now = now
-        req.mark_step_done(now, block_done, finished, finish_reason, force_refresh)
+        req.mark_step_done(now, outcome)
         if req.status is RequestStatus.FINISHED:
             self._release(req)
         elif req.status is RequestStatus.WAITING:  # next block's re-prefill, same priority
@@ -266,7 +247,7 @@ class BatchBuilder:
     def _schedule_budget(self, now: float) -> ScheduledBatch:
         """DESIGN.md §4's deficit token budget; ``tau = inf`` gives prefill-first."""
         decodes = list(self._seated.values())
-        decode_tokens = sum(r.decode_span for r in decodes)
+        decode_tokens = sum(r.cursor.decode_span for r in decodes)
         prefills: list[Request] = []
         head = self._head()
         if head is None:  # nothing waiting: the deficit resets (DRR)
@@ -284,7 +265,7 @@ class BatchBuilder:
             by_budget = head.prefill_cost <= remaining - admitted
             chunk = 0
             if not by_budget and (decodes or prefills):
-                if self.chunked_prefill:
+                if self.config.chunked_prefill:
                     chunk = head.chunk_room(remaining - admitted)
                 if not chunk:
                     break  # strict head-of-line: nothing behind it may leapfrog
@@ -295,9 +276,8 @@ class BatchBuilder:
                     break
                 head.pages = self.allocator.allocate(n)
             heapq.heappop(self._queue)
-            self._admit(head, now, prefills)
+            self._admit(head, now, prefills, chunk)
             if chunk:  # part of the head's prefill; what follows it waits behind the rest
-                head.chunk_end = head.prefilled + chunk
                 admitted += chunk
                 break
             admitted += head.prefill_cost
@@ -371,11 +351,12 @@ class BatchBuilder:
         holders = [r for r in self._waiting.values() if r.pages]
         return min(holders, key=lambda r: r.queue_key, default=None)
 
-    def _admit(self, req: Request, now: float, prefills: list[Request]) -> None:
-        """``req`` has left the heap (or never was in it) and holds its pages."""
+    def _admit(self, req: Request, now: float, prefills: list[Request], chunk: int = 0) -> None:
+        """``req`` has left the heap (or never was in it) and holds its pages; ``chunk``: only
+        that many tokens of its prefill are admitted."""
         del self._waiting[req.request_id]
         self._waiting_tokens -= req.prefill_cost
-        req.mark_admitted(now)
+        req.mark_admitted(now, chunk)
         prefills.append(req)
 
     def _hold(self, req: Request) -> None:

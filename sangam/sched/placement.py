@@ -1,5 +1,5 @@
 """Placement: where each block of each request runs, when its K/V moves, and what a failure
-takes back, in every mode (DESIGN.md §4). The multi-worker front and the simulator drive this
+takes back, in every mode (docs/design.md §4). The multi-worker front and the simulator drive this
 one object; each turns its decisions into its own actions (messages to worker processes;
 events of a simulated clock).
 
@@ -15,8 +15,9 @@ A request's life here, one block at a time:
     failure (dead worker, failed transfer) -> back to pending at its block's start
 
 Who runs what:
-- colocated: each block runs where its canvas is (the router keeps re-prefills there); a new
-  request goes to the least-loaded worker.
+- colocated: each block runs where its canvas is (the router keeps re-prefills there), so a
+  request is placed once and its later blocks continue there (``Dispatch.stays``; their
+  refreshes still count as the worker's load); a new request goes to the least-loaded worker.
 - disaggregated / hybrid: a new canvas is placed on the decode worker with the most free pages
   (``Router.route_decode``); a request that finds none waits, and blocks the new canvases
   behind it (strict priority: blocks of requests that hold a canvas never wait for memory).
@@ -29,9 +30,12 @@ Who runs what:
 - A block whose cadence starts it from cached K/V (a response-only refresh, or none) is not
   placed: it continues on the canvas holder (``block_continued``), where the prompt's K/V is.
   Only full refreshes are placed. A request taken back (``_restart``) has lost its cache, so
-  its block is placed for a full refresh whatever the cadence says (``Request.force_refresh``).
+  its block is placed for a full refresh whatever the cadence says (``BlockCursor.lose_cache``).
 - Failover: while workers of only one role survive (``Router.one_role_left``) they serve as
   colocated workers do. With none left, placing raises.
+
+The drivers keep each request's cursor at the start of its next block (the workers report
+their progress); Placement moves it only when it takes a request back.
 
 Memory: every worker's page commitments (canvases held or promised, pages of refreshes for
 other workers) are mirrored here, so the router's free-page counts do not lag behind the
@@ -49,7 +53,8 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from sangam.sampling_params import NO_REFRESH
+from sangam.sched.block_cursor import FULL_REFRESH
+from sangam.sched.config import DeploymentConfig
 from sangam.sched.request import Request
 from sangam.sched.router import Router
 
@@ -75,7 +80,8 @@ class Placed:
     reserved: int | None = None  # decode worker promised the canvas on K/V receipt
     kv_src: int | None = None
     kv_dst: int | None = None
-    load_worker: int | None = None  # router load outstanding there
+    load_worker: int | None = None  # router load outstanding there...
+    load_tokens: int = 0  # ... this many tokens (what route_prefill charged)
     restarts: int = 0
 
     @property
@@ -86,14 +92,16 @@ class Placed:
 @dataclass(frozen=True)
 class Dispatch:
     """Run the next block's refresh of a request on ``worker``: with ``kv_dest`` None the
-    whole block (keeping the canvas there afterwards when ``keep_pages``), else the refresh
-    only, its K/V then sent to ``kv_dest``."""
+    whole block (keeping the canvas there afterwards when ``keep_pages``; with ``stays`` every
+    later block runs there too, without being placed), else the refresh only, its K/V then
+    sent to ``kv_dest``."""
 
     request_id: str
     attempt: int
     worker: int
     kv_dest: int | None
     keep_pages: bool
+    stays: bool = False
 
 
 @dataclass
@@ -105,13 +113,15 @@ class PlacementCounters:
 
 
 class Placement:
-    def __init__(self, mode: str, roles: Sequence[str], num_pages: Sequence[int],
-                 page_size: int, overflow_threshold: int | None = None, seed: int = 0):
-        self.mode = mode
-        self.roles = list(roles)
+    def __init__(self, deployment: DeploymentConfig, num_pages: Sequence[int]):
+        """``num_pages``: each worker's KV pool."""
+        self.mode = deployment.mode
+        self.roles = list(deployment.roles)
+        if len(num_pages) != len(self.roles):
+            raise ValueError(f"{len(num_pages)} pool sizes for {len(self.roles)} workers")
         self.num_pages = list(num_pages)
-        self.page_size = page_size
-        self.router = Router(mode, self.roles, overflow_threshold, seed, page_size)
+        self.page_size = deployment.scheduler.page_size
+        self.router = Router.for_deployment(deployment)
         self.counters = PlacementCounters()
         self.requests: dict[str, Placed] = {}
         self.pending: dict[str, Placed] = {}
@@ -153,6 +163,8 @@ class Placement:
     # Placing.
     def place(self) -> list[Dispatch]:
         """Place every pending block that can be placed now, in priority order."""
+        if not self.pending:
+            return []
         out = []
         blocked = False
         for placed in sorted(self.pending.values(), key=lambda p: p.request.queue_key):
@@ -172,8 +184,8 @@ class Placement:
         req = p.request
         free = self.free_pages()
         if self.mode == "colocated" or (self.router.one_role_left and req.cache != "none"):
-            w = self.router.route_prefill(req, free)
-            return self._dispatch(p, w, None, keep=True, holder=w)
+            w = self.router.route_prefill(req, free)  # the holder, once it holds the canvas
+            return self._dispatch(p, w, None, keep=True, holder=w, stays=True)
         if req.cache == "none":
             return self._dispatch(p, self.router.route_prefill(req, free), None, keep=False)
         dest = p.holder
@@ -189,26 +201,27 @@ class Placement:
                               reserved=dest if p.holder is None else None)
 
     def _dispatch(self, p: Placed, w: int, kv_dest: int | None, keep: bool,
-                  holder: int | None = None, reserved: int | None = None) -> Dispatch:
+                  holder: int | None = None, reserved: int | None = None,
+                  stays: bool = False) -> Dispatch:
         with self._moving(p):
             p.phase, p.worker, p.holder, p.reserved = RUNNING, w, holder, reserved
-            p.load_worker = w  # route_prefill charged the refresh to w
+            p.load_worker, p.load_tokens = w, p.request.prefill_cost  # as route_prefill did
+        self._count_prefill(w)
+        return Dispatch(p.request_id, p.attempt, w, kv_dest, keep, stays)
+
+    def _count_prefill(self, w: int) -> None:
         c = self.counters.prefills_by_worker
         c[w] = c.get(w, 0) + 1
-        return Dispatch(p.request_id, p.attempt, w, kv_dest, keep)
 
     # What the workers report.
-    def refreshed(self, p: Placed, worker: int, start: float, end: float) -> None:
+    def refreshed(self, p: Placed, worker: int, start: float, end: float,
+                  chunk: bool = False) -> None:
         """The block's refresh forward ran on ``worker`` from ``start`` to ``end``: its tokens
-        leave the load."""
-        if p.load_worker == worker:
-            self.router.done(worker, p.request.prefill_cost)
+        leave the load (``chunk``: only a chunk of it ran; the rest is still to come)."""
+        if p.load_worker == worker and not chunk:
+            self.router.done(worker, p.load_tokens)
             p.load_worker = None
-        m = p.request.metrics
-        m.prefill_started.append(start)
-        m.prefill_finished.append(end)
-        m.decode_started.append(end)
-        p.request.force_refresh = False
+        p.request.mark_refreshed(start, end, chunk)
 
     def kv_sent(self, p: Placed | None, src: int, dest: int, drain: bool) -> bool:
         """``src`` posted a transfer to ``dest`` for ``p`` (None: for work taken back). Returns
@@ -232,18 +245,16 @@ class Placement:
         p.request.pages, p.request.worker = list(pages), dst
         return set()
 
-    def block_done(self, p: Placed, worker: int, finished: bool, block: int, forwards: int,
+    def block_done(self, p: Placed, worker: int, finished: bool, forwards: int,
                    pages: list[int], now: float) -> set[int]:
-        """A block of ``p`` completed on ``worker`` at ``now`` (``forwards`` spent so far),
-        which keeps ``pages`` of its canvas (none: it freed them). Unfinished, the next block
-        waits to be placed; finished, the request is removed. Returns the live workers, other
-        than ``worker``, that still hold some of it (to be told to drop it)."""
+        """A block of ``p`` completed on ``worker`` at ``now`` (``forwards`` spent so far; the
+        request's cursor at its next block), which keeps ``pages`` of its canvas (none: it
+        freed them). Unfinished, the next block waits to be placed; finished, the request is
+        removed. Returns the live workers, other than ``worker``, that still hold some of it
+        (to be told to drop it)."""
         rid = p.request_id
-        m = p.request.metrics
-        m.block_finished.append(now)
-        m.num_steps = forwards
+        p.request.mark_block_done(now, forwards, finished)
         if finished:
-            m.finish_time = now
             stale = {p.holder, p.kv_dst} - {None, worker}
             with self._moving(p):
                 p.phase, p.worker, p.holder, p.reserved = PENDING, None, None, None
@@ -255,23 +266,20 @@ class Placement:
                 p.holder = worker
         if pages:
             p.request.pages, p.request.worker = list(pages), worker
-        p.request.block = block
-        m.prefill_queued.append(now)
         self.pending[rid] = p
         return set()
 
-    def block_continued(self, p: Placed, block: int, forwards: int, now: float) -> None:
-        """A block of ``p`` completed at ``now`` and block ``block`` starts from cached K/V
-        (its cadence: a response-only refresh or none), so it continues on the canvas holder
-        (or on its way there) without being placed again."""
-        m = p.request.metrics
-        m.block_finished.append(now)
-        m.num_steps = forwards
-        p.request.block = block
-        if p.request.block_refresh(block) == NO_REFRESH:
-            m.decode_started.append(now)
-        else:  # the holder queues its response-only refresh
-            m.prefill_queued.append(now)
+    def block_continued(self, p: Placed, forwards: int, now: float) -> None:
+        """A block of ``p`` completed at ``now`` and the next (the request's cursor is there)
+        runs on without being placed: it starts from cached K/V (its cadence), on the canvas
+        holder or on its way there, or its request stays where it is (``Dispatch.stays``), whose
+        next full refresh counts as that worker's load as a placed one would."""
+        req = p.request
+        req.mark_block_done(now, forwards, finished=False)
+        if req.block_start == FULL_REFRESH and p.worker is not None:  # stays: as if placed
+            p.load_worker, p.load_tokens = p.worker, req.prefill_cost
+            self.router.add(p.worker, p.load_tokens)
+            self._count_prefill(p.worker)
 
     def worker_dead(self, w: int) -> list[tuple[Placed, set[int]]]:
         """``w`` is gone: every request with anything on it is taken back to its block's start
@@ -309,7 +317,7 @@ class Placement:
         """Clear ``p``'s placement; the live workers that may hold part of it."""
         drops = {w for w in (p.worker, p.holder, p.kv_dst) if w is not None and w not in self.dead}
         if p.load_worker is not None:
-            self.router.done(p.load_worker, p.request.prefill_cost)
+            self.router.done(p.load_worker, p.load_tokens)
         with self._moving(p):
             p.phase = PENDING
             p.worker = p.holder = p.reserved = p.kv_src = p.kv_dst = p.load_worker = None
@@ -319,7 +327,7 @@ class Placement:
     def _restart(self, p: Placed) -> set[int]:
         """Take ``p`` back to the start of its current block, to be placed again."""
         drops = self._release(p)
-        p.request.force_refresh = True  # whatever K/V it had is gone or discarded
+        p.request.cursor.lose_cache()  # whatever K/V it had is gone or discarded
         p.attempt = next(self._attempts)
         p.restarts += 1
         self.counters.restarts += 1

@@ -1,4 +1,6 @@
-"""A request as the scheduler sees it: geometry, state machine, timing (DESIGN.md §4).
+"""A request as the scheduler sees it: its state machine and timeline (docs/design.md §4), around
+its ``BlockCursor`` (the block geometry and position, which the decoder of the same request
+shares).
 
 Pure Python, no tensors: the engine and the simulator drive the same objects.
 
@@ -13,22 +15,16 @@ Life of a request (B = block length, one refresh then cached steps per block)::
                                   +------ finished ----------+--> FINISHED
     any state but FINISHED --mark_aborted--> FINISHED (finish_reason "abort")
 
-The refresh cadence (``refresh_interval``, ``prompt_refresh_interval``: SamplingParams') says
-how each block starts: a full refresh (cost T), a response-only one (cost T - P), or none (the
-request stays seated and its next cached step starts the block). Only a block that starts with
-a full refresh can run anywhere; the others need the K/V the canvas holder kept. With
-``force_refresh`` the current block starts with a full refresh whatever the cadence says: the
-request's adaptive trigger fired (the driver says so in ``mark_step_done``), or its cached K/V
-was lost (its worker died, a transfer failed).
+The cursor says how each block starts (``block_start``): a full refresh, a response-only one, or
+none (the request stays seated and its next cached step starts the block); every cost is the
+span of the next forward (``BlockCursor.span``). Only a block that starts with a full refresh can
+run anywhere; the others need the K/V the canvas holder kept. A block-causal request (SDAR)
+refreshes its block 0 only, and with chunked prefill the scheduler may admit part of that
+refresh (``admit_chunk``): a forward that only stores K/V, after which the request waits again,
+at the head of the queue, for the rest.
 
-A block-causal request (SDAR, ``block_causal``) lays its blocks on the grid from position 0, so
-T is a multiple of B and block 0 starts at floor(P/B)·B. Only block 0 (or a block that lost its
-K/V) starts with a "refresh": the forward over [0, e) that writes the prompt's K/V and takes the
-block's first step. Every later block stays seated; its first step spans 2B (it writes the
-finished block's final K/V) and the others B. That refresh is divisible at block boundaries:
-with chunked prefill the scheduler may admit [prefilled, chunk_end) of the prompt's whole
-blocks alone (a forward that only writes K/V), after which the request waits again, at the head
-of the queue, for the rest.
+The driver moves the cursor when a step commits (the decoder's commit; the simulator's step
+model), then reports the step's ``StepOutcome`` here: the transitions only record.
 """
 
 from __future__ import annotations
@@ -37,13 +33,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from sangam.sampling_params import (
-    CACHE_MODES,
-    FULL_REFRESH,
-    MAX_INT32,
-    NO_REFRESH,
-    block_refresh,
-)
+from sangam.sched.block_cursor import NO_REFRESH, BlockCursor
 
 # Creation order, the tie-break after arrival time. next() on a count is atomic under the GIL.
 _SEQ = itertools.count()
@@ -56,9 +46,26 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """What one forward did to one request: its block ended (``block_done``), the request
+    ended (``finished``, with ``finish_reason``; a request finishes when a block completes), or
+    it failed (``error``: it ends with that error, alone)."""
+
+    block_done: bool = False
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+CONTINUES = StepOutcome()  # the most common outcome: the block goes on
+BLOCK_DONE = StepOutcome(block_done=True)
+
+
 @dataclass
 class RequestMetrics:
-    """Timestamps on the driver's clock (wall time in the engine, simulated in the simulator).
+    """Timestamps on the driver's clock (wall time in the engine, simulated in the simulator),
+    written only by ``Request``'s transitions.
 
     Per-block lists are indexed by block; an entry is appended when the event happens, so an
     aborted request may have a queued time without a start.
@@ -97,115 +104,77 @@ class RequestMetrics:
 
 
 class Request:
-    """One generation request: prompt of ``prompt_len`` tokens, canvas of ``canvas_len`` masks,
-    then (infilling) a suffix of ``suffix_len`` tokens.
+    """One generation request: its cursor (``cursor``: geometry and position), its place in the
+    scheduler (``status``, ``pages``) and its timeline (``metrics``).
 
-    Invariants: ``canvas_len`` is a positive multiple of ``block_length``; ``0 <= block <
-    num_blocks`` while not FINISHED; ``pages`` is empty until the first admission and then
-    covers all ``total_len`` positions until the request finishes (the holder frees them).
+    Invariants: ``pages`` is empty until the first admission and then covers all ``total_len``
+    positions until the request finishes (the holder frees them); the status moves only through
+    the transitions below.
     """
 
-    def __init__(self, request_id: str, arrival_time: float, prompt_len: int, canvas_len: int,
-                 block_length: int, cache: str = "dual", suffix_len: int = 0,
-                 priority: int = 0, seq: int | None = None, refresh_interval: int = 1,
-                 prompt_refresh_interval: int = 1, load_adaptive: bool = False,
-                 block_causal: bool = False):
-        if prompt_len < 1:
-            raise ValueError(f"request {request_id!r}: prompt_len must be >= 1, got {prompt_len}")
-        if block_causal and (block_length < 1 or canvas_len < 1 or suffix_len
-                             or (prompt_len + canvas_len) % block_length):
-            raise ValueError(
-                f"request {request_id!r}: a block-causal canvas ({canvas_len}) must end the "
-                f"prompt ({prompt_len}) on the grid of block_length ({block_length}), with no "
-                "suffix")
-        if not block_causal and (block_length < 1 or canvas_len < 1
-                                 or canvas_len % block_length):
-            raise ValueError(
-                f"request {request_id!r}: canvas_len ({canvas_len}) must be a positive multiple "
-                f"of block_length ({block_length})")
-        if suffix_len < 0:
-            raise ValueError(f"request {request_id!r}: suffix_len must be >= 0, got {suffix_len}")
-        if cache not in CACHE_MODES:
-            raise ValueError(f"request {request_id!r}: cache must be one of {CACHE_MODES}, "
-                             f"got {cache!r}")
-        if not (1 <= refresh_interval <= MAX_INT32 and 1 <= prompt_refresh_interval <= MAX_INT32):
-            raise ValueError(f"request {request_id!r}: refresh intervals must be in "
-                             f"[1, {MAX_INT32}], got {refresh_interval}, "
-                             f"{prompt_refresh_interval}")
+    def __init__(self, request_id: str, arrival_time: float, cursor: BlockCursor, *,
+                 priority: int = 0, seq: int | None = None, load_adaptive: bool = False):
         self.request_id = request_id
         self.arrival_time = arrival_time
-        self.prompt_len = prompt_len
-        self.canvas_len = canvas_len
-        self.block_length = block_length
-        self.cache = cache
-        self.refresh_interval = refresh_interval
-        self.prompt_refresh_interval = prompt_refresh_interval
-        self.load_adaptive = load_adaptive  # its blocks' thresholds follow the worker's load
+        self.cursor = cursor
         self.priority = priority  # vLLM's: lower is served first; ties by arrival
         # Its place among equal arrivals: kept by the copies a worker schedules (``seq``).
         self.seq = next(_SEQ) if seq is None else seq
-        self.block_causal = block_causal
-        self.total_len = prompt_len + canvas_len + suffix_len
-        # Where block 0 starts: after the prompt, or on the grid below its end (block-causal).
-        self.block_origin = prompt_len // block_length * block_length if block_causal \
-            else prompt_len
-        self.num_blocks = (prompt_len + canvas_len - self.block_origin) // block_length
-        self.block_first_step = False  # seated at a block that starts without a refresh
-        self.prefilled = 0  # block-causal: prompt positions whose K/V is stored (whole blocks)
-        self.chunk_end: int | None = None  # admitted as a prefill chunk [prefilled, chunk_end)
-        self.block = 0
+        self.load_adaptive = load_adaptive  # its blocks' thresholds follow the worker's load
         self.status = RequestStatus.WAITING
         self.pages: list[int] = []
-        self.force_refresh = False  # the current block starts with a full refresh regardless
         self.finish_reason: str | None = None
         self.worker: int | None = None
+        self.chunk_admitted = False  # its prefill in flight is a chunk (the rest waits)
         self.metrics = RequestMetrics(arrival_time, prefill_queued=[arrival_time])
 
     def __repr__(self) -> str:
+        c = self.cursor
         return (f"Request({self.request_id!r}, status={self.status.name}, "
-                f"block={self.block}/{self.num_blocks}, T={self.total_len}, cache={self.cache})")
+                f"block={c.block}/{c.num_blocks}, T={c.total_len}, cache={c.cache})")
 
-    def block_refresh(self, block: int) -> str:
-        """How ``block`` starts by the cadence: FULL_REFRESH, RESPONSE_REFRESH or NO_REFRESH."""
-        return block_refresh(block, self.refresh_interval, self.prompt_refresh_interval)
+    # The cursor's geometry, as the scheduler reads it.
+    @property
+    def block(self) -> int:
+        return self.cursor.block
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cursor.num_blocks
+
+    @property
+    def total_len(self) -> int:
+        return self.cursor.total_len
+
+    @property
+    def prompt_len(self) -> int:
+        return self.cursor.prompt_len
+
+    @property
+    def block_length(self) -> int:
+        return self.cursor.block_length
+
+    @property
+    def cache(self) -> str:
+        return self.cursor.cache
 
     @property
     def block_start(self) -> str:
-        """How the current block starts: as the cadence says, or fully if the cache was lost."""
-        return FULL_REFRESH if self.force_refresh else self.block_refresh(self.block)
+        return self.cursor.block_start
 
     # Costs, in tokens of forward span.
     @property
     def prefill_cost(self) -> int:
-        """The current block's refresh: a full one spans all T positions (bidirectional
-        attention: it cannot be chunked), a response-only one [P, T); block-causal, [0, e)."""
-        if self.block_causal:
-            return self.block_origin + (self.block + 1) * self.block_length - self.prefilled
-        if self.block_start == FULL_REFRESH:
-            return self.total_len
-        return self.total_len - self.prompt_len
+        """The current block's refresh (or what is left of it): the next forward's span."""
+        return self.cursor.span_len
 
     @property
     def decode_span(self) -> int:
-        """Span of one cached step in the current block (DESIGN.md §2)."""
-        if self.block_causal:  # a seated block's first step also stores the finished one
-            return self.block_length * (2 if self.block_first_step else 1)
-        if self.cache == "dual":
-            return self.block_length
-        if self.cache == "prefix":
-            return self.total_len - (self.prompt_len + self.block * self.block_length)
-        return self.total_len  # "none": every step is a refresh
+        """The current block's next cached step."""
+        return self.cursor.decode_span
 
     def chunk_room(self, budget: int | float) -> int:
-        """The longest prefill chunk of this request within ``budget`` tokens: whole blocks of
-        its prompt not yet stored (the block with the first masks is never split off); 0 if
-        none fits."""
-        if not self.block_causal or self.block_start != FULL_REFRESH:
-            return 0
-        room = self.block_origin - self.prefilled
-        if budget < room:
-            room = int(budget) // self.block_length * self.block_length
-        return max(0, room)
+        return self.cursor.chunk_room(budget)
 
     @property
     def queue_key(self) -> tuple[int, float, int]:
@@ -215,60 +184,87 @@ class Request:
 
     def pages_needed(self, page_size: int) -> int:
         """Pages that hold the whole canvas: ceil(T / page_size)."""
-        return -(-self.total_len // page_size)
+        return -(-self.cursor.total_len // page_size)
 
-    # Transitions.
-    def mark_admitted(self, now: float) -> None:
+    # Transitions on a worker.
+    def mark_admitted(self, now: float, chunk: int = 0) -> None:
+        """Admitted for its refresh, or (``chunk`` > 0 tokens) for a chunk of it."""
         self._expect("mark_admitted", RequestStatus.WAITING)
         self.status = RequestStatus.PREFILL
         self.metrics.prefill_started.append(now)
+        if chunk:
+            self.cursor.admit_chunk(chunk)
+            self.chunk_admitted = True
 
-    def mark_step_done(self, now: float, block_done: bool, finished: bool,
-                       finish_reason: str | None = None, force_refresh: bool = False) -> None:
-        """Record one forward. ``finished`` wins over ``block_done`` (a request finishes when a
-        block completes); ``finish_reason`` defaults to "length" on the last block, else "stop".
-        ``force_refresh``: the next block starts with a full refresh (the adaptive trigger).
-        """
-        self._expect("mark_step_done", RequestStatus.PREFILL, RequestStatus.DECODE)
-        if block_done and not finished and self.block + 1 == self.num_blocks:
-            raise ValueError(f"{self!r}: the last block is done, so the request must finish")
+    def mark_step_done(self, now: float, outcome: StepOutcome) -> None:
+        """Record one forward, the cursor already moved by it: a chunk waits again for the
+        rest; a block's end leaves the request seated (its next block starts from cached K/V)
+        or waiting for the next refresh; ``finish_reason`` defaults to "length" on the last
+        block, else "stop"."""
         m = self.metrics
-        m.num_steps += 1
-        self.block_first_step = False
-        if self.status is RequestStatus.PREFILL and self.chunk_end is not None:
-            # A prefill chunk: its K/V is stored; the rest of the prefill waits again.
-            m.prefill_finished.append(now)
-            m.prefill_queued.append(now)
-            self.prefilled, self.chunk_end = self.chunk_end, None
-            self.status = RequestStatus.WAITING
+        if self.status is RequestStatus.DECODE and not outcome.block_done:  # the common case
+            m.num_steps += 1
             return
+        self._expect("mark_step_done", RequestStatus.PREFILL, RequestStatus.DECODE)
+        m.num_steps += 1
         if self.status is RequestStatus.PREFILL:
             m.prefill_finished.append(now)
-            m.decode_started.append(now)
-            self.force_refresh = False
-            self.prefilled = 0
-        if finished:
-            m.block_finished.append(now)
-            self._finish(now, finish_reason or (
-                "length" if self.block + 1 == self.num_blocks else "stop"))
-        elif block_done:
-            m.block_finished.append(now)
-            self.block += 1
-            self.force_refresh = force_refresh
-            if self.block_start == NO_REFRESH:  # stays seated
-                m.decode_started.append(now)
-                self.status = RequestStatus.DECODE
-                self.block_first_step = True
-            else:
+            if self.chunk_admitted:  # its K/V is stored; the rest of the prefill waits again
+                self.chunk_admitted = False
                 m.prefill_queued.append(now)
                 self.status = RequestStatus.WAITING
+                return
+            m.decode_started.append(now)
+        if outcome.finished:
+            m.block_finished.append(now)
+            c = self.cursor
+            self._finish(now, outcome.finish_reason or (
+                "length" if c.block + 1 == c.num_blocks else "stop"))
+        elif outcome.block_done:
+            self._block_ended(now)
         else:
             self.status = RequestStatus.DECODE
+
+    def mark_seated(self, now: float) -> None:
+        """Its refresh ran on another worker (or none was due): seated for cached steps."""
+        self._expect("mark_seated", RequestStatus.WAITING)
+        self.status = RequestStatus.DECODE
 
     def mark_aborted(self, now: float) -> None:
         self._expect("mark_aborted", RequestStatus.WAITING, RequestStatus.PREFILL,
                      RequestStatus.DECODE)
         self._finish(now, "abort")
+
+    # Transitions as a front sees them: the request's blocks run on workers, which report.
+    def mark_refreshed(self, start: float, end: float, chunk: bool = False) -> None:
+        """A refresh of this request ran from ``start`` to ``end`` (``chunk``: a chunk of it;
+        the rest waits again)."""
+        m = self.metrics
+        m.prefill_started.append(start)
+        m.prefill_finished.append(end)
+        (m.prefill_queued if chunk else m.decode_started).append(end)
+
+    def mark_block_done(self, now: float, forwards: int, finished: bool) -> None:
+        """A block ended at ``now`` (``forwards`` spent so far), the cursor at the next block;
+        ``finished``: the request ended there."""
+        m = self.metrics
+        m.block_finished.append(now)
+        m.num_steps = forwards
+        if finished:
+            m.finish_time = now
+        elif self.cursor.block_start == NO_REFRESH:
+            m.decode_started.append(now)
+        else:
+            m.prefill_queued.append(now)
+
+    def _block_ended(self, now: float) -> None:
+        self.metrics.block_finished.append(now)
+        if self.cursor.block_start == NO_REFRESH:  # stays seated
+            self.metrics.decode_started.append(now)
+            self.status = RequestStatus.DECODE
+        else:  # the next block's refresh, same priority
+            self.metrics.prefill_queued.append(now)
+            self.status = RequestStatus.WAITING
 
     def _finish(self, now: float, reason: str) -> None:
         self.status = RequestStatus.FINISHED

@@ -1,4 +1,4 @@
-"""Router: which worker runs each prefill, and which holds each canvas (DESIGN.md §4, Modes).
+"""Router: which worker runs each prefill, and which holds each canvas (docs/design.md §4, Modes).
 
 Pure Python, no tensors: the engine and the simulator drive the same object. It decides; the
 driver commits (allocates pages, sets ``req.worker``, moves K/V).
@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import random
 
+from sangam.sched.config import MODES, ROLES, DeploymentConfig
 from sangam.sched.request import Request
-
-MODES = ("colocated", "disaggregated", "hybrid")
-ROLES = ("colocated", "prefill", "decode")
 
 
 class Router:
@@ -70,6 +68,11 @@ class Router:
         self._alive = [True] * len(roles)
         self._prefill_workers = [w for w, r in enumerate(roles) if r != "decode"]
         self._decode_workers = [w for w, r in enumerate(roles) if r != "prefill"]
+
+    @classmethod
+    def for_deployment(cls, deployment: DeploymentConfig) -> Router:
+        return cls(deployment.mode, list(deployment.roles), deployment.overflow_threshold,
+                   deployment.seed, deployment.scheduler.page_size)
 
     @property
     def num_workers(self) -> int:

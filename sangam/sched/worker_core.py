@@ -1,35 +1,41 @@
-"""What one worker keeps of the requests it is given (DESIGN.md §4, Modes): the worker
-process (``engine/multi/worker.py``) and the simulator's workers share it, so a simulated
-worker takes, seats, parks and drops exactly as a real one does.
+"""One worker's requests and its iteration (docs/design.md §1, §4): the engine core that the
+in-process engine, the worker process and the simulator's workers all run::
+
+    batch = core.schedule(now)                         # None: nothing to run now
+    outcomes = <the runner: one forward over batch.requests, moving their cursors>
+    events = core.complete(batch, outcomes, start, end)
+
+The runner is the model (``engine/model_runner.py``, through the worker) or the simulator's
+cost and step models; ``complete`` applies the outcomes in one place and says what the driver
+must do or report (``IterationEvents``).
 
 A request's work on a worker is one of:
 - a whole block (``take_block`` without ``kv_dest``): refresh then cached steps. At the block's
-  end the request leaves the builder; its canvas pages and payload stay (``keep_pages``: this
-  worker holds the canvas, the request is *parked* until its next block or K/V arrives) or
-  are freed;
+  end the request stays (``stays``: its next block runs here anyway, colocated), or leaves the
+  builder with its canvas pages and payload kept (``keep_pages``: *parked* until its next block
+  or K/V arrives) or freed;
 - a refresh for another worker (``kv_dest`` set): temporary pages for the whole canvas, one
-  forward, the K/V sent to ``kv_dest``, pages freed;
+  forward, the K/V shipped to ``kv_dest``, pages freed;
 - cached steps after a received refresh (``expect_kv``, then ``kv_arrived``): the K/V lands in
   the canvas pages and the request is seated with the state the sender shipped.
 
-A block that starts from cached K/V (its cadence gives it a response-only refresh or none:
-``Request.block_start``) is never placed again: it *continues* where the canvas is. The request
-stays in the builder after the block before it ends (``step_done`` then returns no pages); a
+A block that starts from cached K/V (its cadence gives it a response-only refresh or none) is
+never placed again: it *continues* where the canvas is (the request stays in the builder); a
 refresh for another worker that ended its block ships its K/V anyway, and the receiver starts
 the next block there (``Task.starts_block``).
 
 Pure Python: ``payload`` is whatever the driver runs a request with (a DecodeState on a real
-worker); the driver sends the reports.
+worker).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from sangam.sampling_params import FULL_REFRESH, NO_REFRESH
-from sangam.sched.batch_builder import BatchBuilder
-from sangam.sched.request import Request
+from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
+from sangam.sched.block_cursor import FULL_REFRESH, NO_REFRESH
+from sangam.sched.request import Request, StepOutcome
 
 
 @dataclass
@@ -43,6 +49,7 @@ class Task:
     keep_pages: bool  # this worker holds the canvas after the block
     # Received K/V of a refresh that ended its block: the request starts its next block here.
     starts_block: bool = False
+    stays: bool = False  # every next block runs here too (colocated): it never leaves
 
 
 @dataclass
@@ -53,6 +60,60 @@ class Receiving:
     attempt: int
     task: Task | None  # what is seated when it lands (None: a drain asked for)
     pages: list[int] | None
+
+
+@dataclass
+class IterationStats:
+    prefill_tokens: int
+    decode_tokens: int
+    deficit: int
+    batch_size: int
+    num_prefills: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Ship:
+    """Send ``task``'s refresh K/V (in ``pages``) to its ``kv_dest``; ``drain``: the refresh
+    failed or ended its block and the next one is placed again, so the receiver discards it.
+    The pages are free in the allocator once ``complete`` returns: the driver ships before it
+    schedules again."""
+
+    task: Task
+    block: int  # the block whose refresh ran
+    pages: list[int]
+    drain: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEnded:
+    """``task``'s block ``block`` ended here (its request ``finished`` there, or not). ``kept``:
+    the canvas pages this worker parked with the payload (empty: none kept); None: the next
+    block continues without being placed (here, or on the receiver of this refresh's K/V)."""
+
+    task: Task
+    block: int
+    finished: bool
+    kept: list[int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """``task``'s step failed: everything it held here is freed; it ends with ``error``."""
+
+    task: Task
+    error: str
+
+
+@dataclass
+class IterationEvents:
+    """What an iteration leaves the driver to report or do, in this order."""
+
+    # Their refresh forward ran (or, with True, a chunk of it: the rest waits).
+    refreshed: list[tuple[Task, bool]] = field(default_factory=list)
+    ships: list[Ship] = field(default_factory=list)
+    ended: list[BlockEnded | Failed] = field(default_factory=list)  # in batch order
+    stats: IterationStats | None = None
 
 
 class WorkerCore:
@@ -72,6 +133,7 @@ class WorkerCore:
     def busy(self) -> bool:
         return bool(self.tasks or self.ready or self.receiving)
 
+    # Work in.
     def take_block(self, task: Task) -> None:
         """Queue a block's refresh (its canvas, if parked here, refreshes in place)."""
         rid = task.request.request_id
@@ -104,8 +166,7 @@ class WorkerCore:
                 self.builder.add(req)  # its response-only refresh runs here
                 self.tasks[r.request_id] = r.task
                 return r, True
-            req.mark_admitted(now)  # the refresh ran on the sender (or: none is due)
-            req.mark_step_done(now, block_done=False, finished=False)
+            req.mark_seated(now)  # the refresh ran on the sender (or: none is due)
             self.ready[r.request_id] = r.task
             return r, True
         if r.pages is not None:
@@ -133,6 +194,52 @@ class WorkerCore:
             raise RuntimeError(f"{request_id!r} is not parked here")
         return self.parked[request_id][1]
 
+    # The iteration.
+    def schedule(self, now: float) -> ScheduledBatch | None:
+        """Seat what landed, then decide this iteration; None when nothing can run now."""
+        self.seat_ready()
+        if not self.builder.has_work:
+            return None
+        batch = self.builder.schedule(now)
+        return None if batch.is_empty else batch
+
+    def batch_tasks(self, batch: ScheduledBatch) -> list[Task]:
+        """The tasks of ``batch.requests``, in that order."""
+        return [self.tasks[r.request_id] for r in batch.requests]
+
+    def complete(self, batch: ScheduledBatch, tasks: list[Task], outcomes: list[StepOutcome],
+                 start: float, end: float) -> IterationEvents:
+        """Apply the forward's ``outcomes`` (one per ``batch.requests``, whose ``tasks`` they
+        are, their cursors already moved by it) at ``end``: each request goes back to the
+        builder (seated, waiting for its next refresh, or done) or leaves; returns what to
+        report and do."""
+        reqs = batch.requests
+        out = IterationEvents()
+        for i in range(len(batch.decodes), len(reqs)):  # the refreshes
+            req, t, o = reqs[i], tasks[i], outcomes[i]
+            if o.error is None:
+                out.refreshed.append((t, req.chunk_admitted))
+            if t.kv_dest is not None:
+                ends = o.block_done and not self._continues(t, o)
+                out.ships.append(Ship(t, _ran(req, o), list(req.pages),
+                                      drain=ends or o.error is not None))
+        for req, t, o in zip(reqs, tasks, outcomes):
+            if o.error is not None:
+                self.drop(req.request_id)
+                out.ended.append(Failed(t, o.error))
+            elif not o.block_done:
+                self.builder.step_done(req, end, o)
+                if t.kv_dest is not None:  # a refresh for another worker: pages were temporary
+                    self.builder.abort(req.request_id)
+                    del self.tasks[req.request_id]
+            else:
+                block = _ran(req, o)
+                out.ended.append(BlockEnded(t, block, o.finished, self._block_done(req, t, o,
+                                                                                  end)))
+        out.stats = IterationStats(batch.prefill_tokens, batch.decode_tokens, batch.deficit,
+                                   len(reqs), len(batch.prefills), end - start)
+        return out
+
     def seat_ready(self) -> None:
         """Seat landed requests while the builder has room."""
         while self.ready and self.builder.num_seated < self.builder.max_batch_size:
@@ -142,38 +249,40 @@ class WorkerCore:
             self.tasks[rid] = task
 
     @staticmethod
-    def continues(req: Request, block_done: bool, finished: bool,
-                  force_refresh: bool = False) -> bool:
-        """Whether ``req``'s block ended and its next one starts from cached K/V (its cadence
-        says so, and no full refresh is forced), so it continues where the canvas is (call
-        before ``step_done``)."""
-        return (block_done and not finished and not force_refresh
-                and req.block_refresh(req.block + 1) != FULL_REFRESH)
+    def _continues(task: Task, outcome: StepOutcome) -> bool:
+        """Whether the request's block ended and its next one runs on without being placed:
+        it stays here, or starts from cached K/V (by its cadence, no full refresh forced)."""
+        return (outcome.block_done and not outcome.finished
+                and (task.stays or task.request.block_start != FULL_REFRESH))
 
-    def step_done(self, req: Request, now: float, block_done: bool, finished: bool,
-                  finish_reason: str | None = None,
-                  force_refresh: bool = False) -> tuple[Task, list[int] | None]:
-        """After a forward: ``req``'s step is reported to the builder, and its task and, when
-        its block ended and the next is placed again, the canvas pages kept here (an empty
-        list: none kept) are returned; None while the block goes on, or when the next block
-        continues (``continues``) here or on the receiver of this refresh's K/V."""
+    def _block_done(self, req: Request, task: Task, outcome: StepOutcome,
+                    now: float) -> list[int] | None:
+        """Report ``req``'s step, which ended its block, to the builder; when the next block is
+        placed again, return the canvas pages kept here (empty: none kept); None when it
+        continues here or on the receiver of this refresh's K/V."""
         rid = req.request_id
-        task = self.tasks[rid]
-        goes_on = self.continues(req, block_done, finished, force_refresh)
-        self.builder.step_done(req, now, block_done, finished, finish_reason, force_refresh)
+        goes_on = self._continues(task, outcome)
+        self.builder.step_done(req, now, outcome)
         if task.kv_dest is not None:  # a refresh for another worker: its pages were temporary
             self.builder.abort(rid)
             del self.tasks[rid]
-            return task, [] if block_done and not goes_on else None
-        if not block_done or goes_on:
-            return task, None
+            return None if goes_on else []
+        if goes_on:
+            return None
         del self.tasks[rid]
         kept: list[int] = []
-        if finished:
+        if outcome.finished:
             pass  # the builder freed the pages
         elif task.keep_pages:  # park the canvas: the next block's refresh is placed again
             kept = self.builder.detach(rid).pages
             self.parked[rid] = (kept, task.payload)
         else:
             self.builder.abort(rid)
-        return task, kept
+        return kept
+
+
+def _ran(req: Request, outcome: StepOutcome) -> int:
+    """The block the forward ran: a block that ended moved the cursor on to the next (step 0)
+    unless the request finished with it (a stop string may end it after)."""
+    c = req.cursor
+    return c.block - 1 if outcome.block_done and c.step == 0 else c.block

@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncGenerator
 
 from sangam.engine.async_engine import AsyncEngine, RequestFailed
-from sangam.engine.engine import QueueFull, RequestRejected
+from sangam.engine.front import QueueFull, RequestRejected
 from sangam.sampling_params import RequestOutput, SamplingParams
 from sangam.serve.errors import ApiError
 from sangam.serve.intake import overloaded

@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from sangam.engine.async_engine import AsyncEngine
-from sangam.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +25,11 @@ _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 
 
 class _EngineGauges:
-    """Read at scrape time, so the values are current. Scheduler gauges exist for the
-    in-process engine; a multi-worker front reports its workers' pools."""
+    """Read at scrape time, so the values are current: whatever the engine reports (the
+    in-process engine its scheduler and pool, a multi-worker front its workers' pools)."""
 
     def __init__(self, engine: AsyncEngine):
-        self._engine = engine.engine
+        self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
         for name, doc, value in self.values():
@@ -38,34 +37,7 @@ class _EngineGauges:
 
     def values(self) -> list[tuple[str, str, float]]:
         """(name, help, value) of every gauge, now."""
-        e = self._engine
-        gauges: list[tuple[str, str, float]] = [
-            ("sangam_requests_in_flight", "Requests accepted and not finished", e.num_requests)]
-        if isinstance(e, Engine):
-            alloc = e.pool.allocator
-            gauges += [
-                ("sangam_requests_waiting", "Requests waiting for a prefill (queue depth)",
-                 e.builder.num_waiting),
-                ("sangam_requests_seated", "Seated decodes (requests in their cached steps)",
-                 e.builder.num_seated),
-                ("sangam_deficit_tokens", "Carried prefill token budget (deficit)",
-                 e.builder.deficit),
-                ("sangam_kv_pool_usage_ratio", "Fraction of KV pages in use", e.pool.usage),
-                ("sangam_kv_pool_pages_used", "KV pages in use", alloc.num_used),
-                ("sangam_kv_pool_pages", "KV pages in the pool", alloc.num_pages),
-            ]
-        else:  # multi-worker front: pool gauges summed over live workers, as last reported
-            live = [w for w in e.worker_states() if w.alive]
-            pages = sum(w.num_pages for w in live)
-            used = pages - sum(w.free_pages for w in live)
-            gauges += [
-                ("sangam_kv_pool_usage_ratio", "Fraction of KV pages in use",
-                 used / pages if pages else 0.0),
-                ("sangam_kv_pool_pages_used", "KV pages in use", used),
-                ("sangam_kv_pool_pages", "KV pages in the pool", pages),
-                ("sangam_workers_alive", "Worker processes alive", len(live)),
-            ]
-        return gauges
+        return self._engine.gauges()
 
 
 def _total(counter: Counter) -> float:

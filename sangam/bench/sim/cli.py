@@ -35,8 +35,7 @@ from sangam.bench.sim.runs import (
 )
 from sangam.bench.sim.steps import GeometricSteps
 from sangam.sampling_params import CACHE_MODES
-from sangam.sched.batch_builder import POLICIES
-from sangam.sched.router import MODES
+from sangam.sched.config import MODES, POLICIES
 
 _HELP = {
     "model": "model geometry (DESIGN.md §6): llada = LLaDA-8B, dream = Dream-7B, sdar = "

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from sangam.bench.cost_model import CALIBRATED, GPUS, LINKS, MODELS
 from sangam.config import EngineConfig
 from sangam.sampling_params import SamplingParams
-from sangam.sched.router import MODES
+from sangam.sched.config import DeploymentConfig, SchedulerConfig
 
 # The deployment options the simulator shares with the engine take the engine's defaults.
 _ENGINE = {f.name: f for f in dataclasses.fields(EngineConfig)}
@@ -53,36 +53,35 @@ class SimConfig:
                              f"{self.model!r}")
         if self.gpu not in GPUS:
             raise ValueError(f"gpu must be one of {sorted(GPUS)}, got {self.gpu!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.link not in LINKS:
             raise ValueError(f"link must be one of {sorted(LINKS)}, got {self.link!r}")
-        if self.policy == "fastdllm" and self.mode != "colocated":
-            raise ValueError("the fastdllm policy (batch size 1) runs colocated only")
-        if self.block_causal and (self.mode != "colocated" or self.cache != "dual"
-                                  or (self.refresh_interval, self.prompt_refresh_interval)
-                                  != (1, 1) or self.adaptive_refresh_rate):
-            raise ValueError("a block-causal model (sdar) runs colocated with cache 'dual' and "
-                             "no refresh cadence, as the engine serves it")
-        if min(self.num_workers, self.prefill_workers, self.decode_workers) < 1:
-            raise ValueError("worker counts must be >= 1")
         if not 0.0 <= self.adaptive_refresh_rate <= 1.0:
             raise ValueError(f"adaptive_refresh_rate must be in [0, 1], got "
                              f"{self.adaptive_refresh_rate}")
-        # The request-side checks are SamplingParams' own (cadence needs a cache, bounds).
-        SamplingParams(block_length=self.block_length, cache=self.cache,
-                       refresh_interval=self.refresh_interval,
-                       prompt_refresh_interval=self.prompt_refresh_interval)
+        # The deployment's and the requests' checks are the engine's own (modes, worker
+        # counts, what runs colocated only; cadence needs a cache, bounds; what a block-causal
+        # model takes): an adaptive refresh rate stands for a refresh_confidence.
+        deployment = self.deployment
+        params = SamplingParams(block_length=self.block_length, cache=self.cache,
+                                refresh_interval=self.refresh_interval,
+                                prompt_refresh_interval=self.prompt_refresh_interval,
+                                refresh_confidence=0.5 if self.adaptive_refresh_rate else 0.0)
+        if self.block_causal:
+            deployment.check_block_causal()
+            params.check_block_causal()
 
     @property
     def block_causal(self) -> bool:
         return self.model in MODELS and MODELS[self.model].block_causal
 
     @property
-    def roles(self) -> list[str]:
-        if self.mode == "colocated":
-            return ["colocated"] * self.num_workers
-        return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
+    def deployment(self) -> DeploymentConfig:
+        """The simulated deployment, as the engine's ``EngineConfig.deployment``."""
+        scheduler = SchedulerConfig(self.page_size, self.policy, self.token_budget,
+                                    self.max_batch_size, self.drain_iterations,
+                                    self.enable_chunked_prefill)
+        return DeploymentConfig(scheduler, self.mode, self.num_workers, self.prefill_workers,
+                                self.decode_workers, self.overflow_threshold, self.seed)
 
     @property
     def label(self) -> str:

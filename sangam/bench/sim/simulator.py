@@ -1,6 +1,6 @@
 """Discrete-event simulation of a Sangam deployment: N workers, one central placement.
 
-The policy objects are the engine's own (DESIGN.md §1): ``Placement`` decides where each block
+The policy objects are the engine's own (docs/design.md §1): ``Placement`` decides where each block
 runs, when K/V moves and what waits for memory, as it does for the multi-worker front; every
 worker keeps its requests in a ``WorkerCore`` over a ``BatchBuilder`` and a ``PageAllocator``,
 as a worker process does. Only the forward pass and the link are replaced: an iteration lasts
@@ -9,11 +9,12 @@ each forward commits are drawn from a distribution (:class:`StepModel`, per requ
 block), and a K/V transfer takes its whole pages' bytes over the link's bandwidth, one
 transfer at a time per sender and per receiver.
 
-Per iteration of a worker, as the worker process: ``schedule(now)``; the forward takes
-``cost(batch)`` seconds; then, as the front reads the worker's report, the refreshes run
-(``Placement.refreshed``), the K/V sent (``kv_sent``; the receiver expects it), and the blocks
-that ended (``block_done``, after ``WorkerCore.step_done``). When K/V lands the receiver seats
-the request (``kv_received``). Modes and placement are ``Placement``'s (DESIGN.md §4); see
+Per iteration of a worker, as the worker process: ``WorkerCore.schedule(now)``; the forward
+takes ``cost(batch)`` seconds and moves each request's cursor as the step model says;
+``WorkerCore.complete`` applies the outcomes; then, as the front reads the worker's report, the
+refreshes run (``Placement.refreshed``), the K/V sent (``kv_sent``; the receiver expects it),
+and the blocks that ended (``block_done``). When K/V lands the receiver seats the request
+(``kv_received``). Modes and placement are ``Placement``'s (docs/design.md §4); see
 ``sangam/sched/placement.py``. With layer-wise streaming, layer l is sent while layer l+1
 computes: a transfer starts when the forward's first layer is done and ends at the latest of
 (link free + transfer) and (forward end + one layer's transfer), so only
@@ -30,7 +31,7 @@ import itertools
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from sangam.bench.cost_model import (
     BF16_BYTES,
@@ -47,12 +48,13 @@ from sangam.bench.cost_model import (
 from sangam.bench.sim.config import SimConfig
 from sangam.bench.sim.steps import GeometricSteps, StepModel
 from sangam.bench.traces import TraceRequest
-from sangam.sampling_params import FULL_REFRESH, MAX_INT32, grid_canvas
+from sangam.sampling_params import grid_canvas
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
+from sangam.sched.block_cursor import FULL_REFRESH, BlockCursor
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.placement import NeverFits, Placed, Placement
-from sangam.sched.request import Request
-from sangam.sched.worker_core import Task, WorkerCore
+from sangam.sched.request import CONTINUES, Request, StepOutcome
+from sangam.sched.worker_core import BlockEnded, Ship, Task, WorkerCore
 
 
 @dataclass
@@ -92,16 +94,12 @@ class _Live:
 
 @dataclass
 class _Progress:
-    """A worker's copy of a request's block (the engine's DecodeState): placing a block
-    starts it from the block's start, as the front's snapshot does; a K/V transfer carries
-    the sender's copy to the receiver."""
+    """What a worker runs a request with (the engine's DecodeState): its forwards so far. The
+    worker's view of the request carries a copy of the front's cursor, as the front's snapshot
+    does; a K/V transfer carries the sender's copy to the receiver."""
 
     live: _Live
-    step: int = 0  # forwards of the current block done
     forwards: int = 0
-
-    def masks_left(self, plan: list[int]) -> int:
-        return sum(plan[self.step:])  # the plan commits every mask of the block
 
 
 @dataclass
@@ -151,15 +149,13 @@ class Simulator:
     # One run.
     def run(self, trace: Sequence[TraceRequest], qps: float = math.nan) -> SimResult:
         cfg = self.config
-        budget = math.inf if cfg.policy == "prefill_first" else cfg.token_budget
-        self._workers = []
-        for i, role in enumerate(cfg.roles):  # as the engine builds each worker's parts
-            self._workers.append(_Worker(i, role, WorkerCore(BatchBuilder(
-                PageAllocator(self.num_pages), cfg.page_size, cfg.policy, budget,
-                cfg.max_batch_size, cfg.drain_iterations, cfg.enable_chunked_prefill))))
+        deployment = cfg.deployment
+        self._workers = [  # as the engine builds each worker's parts
+            _Worker(i, role, WorkerCore(BatchBuilder(PageAllocator(self.num_pages),
+                                                     deployment.scheduler)))
+            for i, role in enumerate(deployment.roles)]
         self._transfer_ids = itertools.count()
-        self.placement = Placement(cfg.mode, cfg.roles, [self.num_pages] * len(cfg.roles),
-                                   cfg.page_size, cfg.overflow_threshold, cfg.seed)
+        self.placement = Placement(deployment, [self.num_pages] * len(self._workers))
         self._events: list = []
         self._seq = 0
         self._records: list[dict] = []
@@ -201,16 +197,15 @@ class Simulator:
         out = t.gen_len if cfg.max_tokens is None else min(t.gen_len, cfg.max_tokens)
         want = out if cfg.max_tokens is None else cfg.max_tokens
         if cfg.block_causal:  # the block grid from position 0; no refresh after block 0
-            canvas = grid_canvas(t.prompt_len, want, b)
+            cursor = BlockCursor(t.prompt_len, grid_canvas(t.prompt_len, want, b), b,
+                                 block_causal=True)
             blocks = -(-(t.prompt_len + out) // b) - t.prompt_len // b
-            req = Request(f"r{index}", t.arrival_time, t.prompt_len, canvas, b, cfg.cache,
-                          refresh_interval=MAX_INT32, block_causal=True)
         else:
-            canvas = -(-want // b) * b
+            cursor = BlockCursor(t.prompt_len, -(-want // b) * b, b, cache=cfg.cache,
+                                 refresh_interval=cfg.refresh_interval,
+                                 prompt_refresh_interval=cfg.prompt_refresh_interval)
             blocks = -(-out // b)
-            req = Request(f"r{index}", t.arrival_time, t.prompt_len, canvas, b, cfg.cache,
-                          refresh_interval=cfg.refresh_interval,
-                          prompt_refresh_interval=cfg.prompt_refresh_interval)
+        req = Request(f"r{index}", t.arrival_time, cursor)
         try:
             placed = self.placement.add(req)
         except NeverFits as e:
@@ -218,22 +213,19 @@ class Simulator:
         self._lives[req.request_id] = _Live(index, placed, out, blocks)
 
     @staticmethod
-    def _view(live: _Live) -> Request:
-        """A worker's copy of the request, at its current block (as a worker builds one)."""
-        r = live.request
-        req = Request(r.request_id, r.arrival_time, r.prompt_len, r.canvas_len,
-                      r.block_length, r.cache, seq=r.seq, refresh_interval=r.refresh_interval,
-                      prompt_refresh_interval=r.prompt_refresh_interval,
-                      block_causal=r.block_causal)
-        req.block, req.force_refresh = r.block, r.force_refresh
-        return req
+    def _view(request: Request, cursor: BlockCursor) -> Request:
+        """A worker's view of a request, on a copy of ``cursor`` (as a worker's copy of the
+        request's state carries one)."""
+        return Request(request.request_id, request.arrival_time, cursor.copy(),
+                       priority=request.priority, seq=request.seq)
 
     def _place(self) -> None:
         for d in self.placement.place():
             live = self._lives[d.request_id]
+            req = live.request
             self._workers[d.worker].core.take_block(Task(
-                self._view(live), _Progress(live, 0, live.forwards), d.attempt, d.kv_dest,
-                d.keep_pages))
+                self._view(req, req.cursor), _Progress(live, live.forwards), d.attempt,
+                d.kv_dest, d.keep_pages, stays=d.stays))
 
     def _drop(self, request_id: str, workers: set[int]) -> None:
         for i in workers:
@@ -246,20 +238,11 @@ class Simulator:
         for w in self._workers:
             if w.batch is not None:
                 continue
-            w.core.seat_ready()
-            if not w.core.builder.has_work:
-                continue
-            batch = w.core.builder.schedule(now)
-            if batch.is_empty:
-                continue  # memory-blocked; a later event frees pages
-            spans = [self._prefill_span(r) for r in batch.prefills]
-            for r in batch.decodes:
-                progress = w.core.tasks[r.request_id].payload
-                kv = r.block_origin + (r.block + 1) * r.block_length if r.block_causal \
-                    else r.total_len
-                spans.append(Span(r.decode_span, kv,
-                                  progress.masks_left(self.block_plan(progress.live)),
-                                  r.block_length if r.block_causal else 0))
+            batch = w.core.schedule(now)
+            if batch is None:
+                continue  # nothing, or memory-blocked; a later event frees pages
+            spans = [self._span(r, t.payload.live)
+                     for r, t in zip(batch.requests, w.core.batch_tasks(batch))]
             dt = self.cost.iteration_time(spans)
             w.batch, w.started = batch, now
             w.iterations += 1
@@ -268,47 +251,33 @@ class Simulator:
             w.prefill_tokens += batch.prefill_tokens
             self._push(now + dt, _ITER_DONE, w)
 
-    @staticmethod
-    def _prefill_span(r: Request) -> Span:
-        """A refresh's part of the forward; block-causal, [prefilled, e) under the mask (a
-        prefill chunk, [prefilled, chunk_end), scores no row)."""
-        if not r.block_causal:
-            return Span(r.prefill_cost, r.total_len, r.block_length)
-        if r.chunk_end is not None:
-            return Span(r.chunk_end - r.prefilled, r.chunk_end, 0, r.block_length)
-        end = r.prefilled + r.prefill_cost
-        return Span(r.prefill_cost, end, end - max(r.prompt_len, end - r.block_length),
-                    r.block_length)
+    def _span(self, r: Request, live: _Live) -> Span:
+        """A request's part of the forward: its cursor's span, the keys it attends, and an LM
+        row per mask left in its block (none for a prefill chunk)."""
+        c = r.cursor
+        start, end = c.span()
+        rows = 0 if r.chunk_admitted else sum(self.block_plan(live, c)[c.step:])
+        return Span(end - start, c.keys_attended(end), rows,
+                    c.block_length if c.block_causal else 0)
 
     def _iteration_done(self, w: _Worker) -> None:
-        """In the worker's order: every request's step, then the reports (refreshes run, K/V
-        sent, blocks done) as the front reads them."""
+        """In the worker's order: every request's step, the outcomes applied, then the reports
+        (refreshes run, K/V sent, blocks done) as the front reads them."""
         now = self._now
         batch, w.batch = w.batch, None
-        reqs = batch.decodes + batch.prefills
-        tasks = [w.core.tasks[r.request_id] for r in reqs]
-        chunks = {r.request_id for r in batch.prefills if r.chunk_end is not None}
-        outcomes = [self._advance(t.payload, r.request_id in chunks) for r, t in zip(reqs, tasks)]
-        for req, task in zip(batch.prefills, tasks[len(batch.decodes):]):
-            if req.request_id in chunks:
-                continue  # the refresh is not done: the rest of the prompt waits
-            current = self.placement.current(req.request_id, task.attempt)
+        tasks = w.core.batch_tasks(batch)
+        outcomes = [self._advance(r, t.payload) for r, t in zip(batch.requests, tasks)]
+        out = w.core.complete(batch, tasks, outcomes, w.started, now)
+        for task, chunk in out.refreshed:
+            current = self.placement.current(task.request.request_id, task.attempt)
             if current is not None:
-                self.placement.refreshed(current, w.index, w.started, now)
-        for req, task, (block_done, finished, force) in zip(reqs, tasks, outcomes):
-            goes_on = w.core.continues(req, block_done, finished, force)
-            if task.kv_dest is not None and (not block_done or goes_on):
-                self._ship(task, w, block_done)
-        ended = []
-        for req, (block_done, finished, force) in zip(reqs, outcomes):
-            task, kept = w.core.step_done(req, now, block_done, finished, None, force)
-            if block_done:
-                ended.append((task, finished, kept, force))
-        for task, finished, kept, force in ended:
-            if kept is None:
-                self._block_continued(task)
-            else:
-                self._block_done(task, w, finished, kept, force)
+                self.placement.refreshed(current, w.index, w.started, now, chunk)
+        for ship in out.ships:
+            if not ship.drain:  # a drained refresh ships nothing
+                self._ship(ship, w)
+        for ev in out.ended:
+            if isinstance(ev, BlockEnded):
+                self._block_ended(ev, w)
 
     def block_commits(self, request_id: str, block: int, block_length: int) -> list[int]:
         """The tokens each forward of a request's block commits: a function of (seed, request,
@@ -317,74 +286,67 @@ class Simulator:
         rng = random.Random(f"{self.config.seed}:{request_id}:{block}")
         return self.steps.block_commits(rng, block_length)
 
-    def block_plan(self, live: _Live) -> list[int]:
-        """``block_commits`` of the request's current block (drawn once): over its masks (a
-        block-causal block 0 starts with the prompt's tail)."""
-        r = live.request
-        if live.plan[0] != r.block:
-            masks = r.block_length
-            if r.block_causal and r.block == 0:
-                masks -= r.prompt_len - r.block_origin
-            live.plan = (r.block, self.block_commits(r.request_id, r.block, masks))
+    def block_plan(self, live: _Live, cursor: BlockCursor) -> list[int]:
+        """``block_commits`` of the block ``cursor`` is at (drawn once per block): over its
+        masks (a block-causal block 0 starts with the prompt's tail)."""
+        if live.plan[0] != cursor.block:
+            masks = cursor.block_length
+            if cursor.block_causal and cursor.block == 0:
+                masks -= cursor.prompt_len - cursor.block_origin
+            live.plan = (cursor.block, self.block_commits(live.request.request_id,
+                                                          cursor.block, masks))
         return live.plan[1]
 
-    def _advance(self, progress: _Progress, chunk: bool = False) -> tuple[bool, bool, bool]:
-        """One forward of a request's block (``chunk``: a block-causal prefill chunk, which
-        commits nothing); returns (block done, request finished, next block refreshes fully
-        by the adaptive trigger)."""
-        live = progress.live
-        if chunk:
-            progress.forwards += 1
-            return False, False, False
-        progress.step += 1
+    def _advance(self, r: Request, progress: _Progress) -> StepOutcome:
+        """One forward of a request's block, as the step model commits it: moves the worker's
+        cursor (a prefill chunk commits nothing, and stores its K/V)."""
+        c, live = r.cursor, progress.live
         progress.forwards += 1
-        block_done = progress.step == len(self.block_plan(live))
-        finished = block_done and live.request.block + 1 == live.blocks_to_decode
-        return block_done, finished, block_done and not finished and self._triggered(live)
+        if r.chunk_admitted:
+            c.store_chunk()
+            return CONTINUES
+        block_done = c.step + 1 == len(self.block_plan(live, c))
+        finished = block_done and c.block + 1 == live.blocks_to_decode
+        force = block_done and not finished and self._triggered(live, c)
+        c.advance(block_done, finished, force)
+        return StepOutcome(block_done, finished)
 
-    def _triggered(self, live: _Live) -> bool:
+    def _triggered(self, live: _Live, c: BlockCursor) -> bool:
         """Whether the adaptive trigger refreshes the request's next block fully: drawn per
         (seed, request, block), so a block run again decides the same."""
-        r, rate = live.request, self.config.adaptive_refresh_rate
-        if not rate or r.block_refresh(r.block + 1) == FULL_REFRESH:
+        rate = self.config.adaptive_refresh_rate
+        if not rate or c.block_refresh(c.block + 1) == FULL_REFRESH:
             return False
-        return random.Random(f"{self.config.seed}:{r.request_id}:{r.block}:refresh").random() < rate
+        rid = live.request.request_id
+        return random.Random(f"{self.config.seed}:{rid}:{c.block}:refresh").random() < rate
 
-    def _block_done(self, task: Task, w: _Worker, finished: bool, kept: list[int],
-                    force: bool = False) -> None:
-        progress = task.payload
+    def _block_ended(self, ev: BlockEnded, w: _Worker) -> None:
+        """A block ended on ``w``: the front catches up with the worker's cursor, then the next
+        block runs on (``kept`` None) or is placed again, or the request is done."""
+        progress = ev.task.payload
         live = progress.live
-        current = self.placement.current(live.request.request_id, task.attempt)
+        current = self.placement.current(live.request.request_id, ev.task.attempt)
         if current is None:
             return
         live.forwards = progress.forwards
-        live.request.force_refresh = force  # placed as the full refresh it is
-        block = live.request.block + (0 if finished else 1)
+        c = ev.task.request.cursor
+        live.request.cursor.catch_up(c.block, c.step, c.force_refresh)
+        if ev.kept is None:
+            self.placement.block_continued(current, live.forwards, self._now)
+            return
         self._drop(live.request.request_id, self.placement.block_done(
-            current, w.index, finished, block, live.forwards, kept, self._now))
-        if finished:
+            current, w.index, ev.finished, live.forwards, ev.kept, self._now))
+        if ev.finished:
             self._finish(live)
 
-    def _block_continued(self, task: Task) -> None:
-        """The block ended and the next starts from cached K/V: it goes on here (or where this
-        refresh's K/V went) without being placed, as the front's ``block_continued``."""
-        progress = task.payload
-        live = progress.live
-        progress.step = 0
-        current = self.placement.current(live.request.request_id, task.attempt)
-        if current is None:
-            return
-        live.forwards = progress.forwards
-        self.placement.block_continued(current, live.request.block + 1, live.forwards,
-                                       self._now)
-
     # K/V transfers.
-    def _ship(self, task: Task, p: _Worker, block_done: bool = False) -> None:
-        """Send a refresh's K/V to ``task.kv_dest``, which takes it into its parked canvas or
+    def _ship(self, ship: Ship, p: _Worker) -> None:
+        """Send a refresh's K/V to its ``kv_dest``, which takes it into its parked canvas or
         fresh pages, or drains it when it has no room (the block is then placed again). A
-        refresh that ended its block (``block_done``) ships when the next block continues from
-        its K/V: the receiver starts that block."""
-        cfg, progress, now = self.config, task.payload, self._now
+        refresh that ended its block ships when the next block continues from its K/V: the
+        receiver starts that block."""
+        cfg, task, now = self.config, ship.task, self._now
+        progress = task.payload
         live = progress.live
         rid = live.request.request_id
         current = self.placement.current(rid, task.attempt)
@@ -392,14 +354,13 @@ class Simulator:
         d = self._workers[task.kv_dest]
         key = (p.index, next(self._transfer_ids))
         seat = None
-        if not drain:
-            view = self._view(live)
-            view.block += block_done
-            seat = Task(view, replace(progress, step=0 if block_done else progress.step),
-                        task.attempt, None, True, starts_block=block_done)
+        if not drain:  # the receiver's view catches up with the sender's (its cursor copied)
+            view = self._view(live.request, task.request.cursor)
+            seat = Task(view, _Progress(live, progress.forwards), task.attempt, None, True,
+                        starts_block=view.cursor.step == 0)
         d.core.expect_kv(key, rid, task.attempt, seat, live.placed.pages_needed)
         # Whole pages travel, as the engine sends them.
-        xfer = self.cost.kv_bytes(len(task.request.pages) * cfg.page_size) / self.link_bw
+        xfer = self.cost.kv_bytes(len(ship.pages) * cfg.page_size) / self.link_bw
         if self.config.layerwise_kv_streaming:
             layer_compute = (now - p.started) / self.geom.layers
             start = max(p.send_free, d.recv_free, p.started + layer_compute)

@@ -21,9 +21,7 @@ def make_engine(config: EngineConfig,
                 loaded: LoadedModel | None = None) -> Engine | MultiWorkerEngine:
     """The engine ``config`` asks for: in-process for one worker, else a front process with
     worker processes (the two share one interface)."""
-    from sangam.engine.multi.launcher import worker_roles
-
-    if config.is_multi_worker or len(worker_roles(config)) > 1:
+    if config.is_multi_worker:
         from sangam.engine.multi.front import MultiWorkerEngine
 
         return MultiWorkerEngine(config, loaded)

@@ -27,26 +27,21 @@ from __future__ import annotations
 
 import atexit
 import logging
-import random
 import subprocess
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import zmq
 
 from sangam.config import EngineConfig
-from sangam.decoding.detokenizer import IncrementalDetokenizer
-from sangam.decoding.state import DecodeState
-from sangam.engine.engine import EngineStats, RequestRejected, new_request, tokens_per_forward
+from sangam.engine import messages as msg
+from sangam.engine.front import Front
 from sangam.engine.loaded_model import LoadedModel, checkpoint_path
 from sangam.engine.multi import launcher
-from sangam.engine.multi import messages as msg
 from sangam.models import read_config, resolve_dtype
-from sangam.sampling_params import RequestOutput, SamplingParams
-from sangam.sched.placement import NeverFits, Placed, Placement
+from sangam.sampling_params import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -59,35 +54,6 @@ COMPUTING_CPU_SHARE = 0.1
 BUSY_SILENCE_FACTOR = 10.0
 _POLL_MS = 10  # step() waits this long for a worker report when there is nothing to return
 _SHUTDOWN_WAIT_S = 10.0
-
-@dataclass
-class _Entry:
-    placed: Placed  # where it is (Placement's)
-    state: DecodeState  # at the start of the next block to run (or finished)
-    prompt_ids: list[int]
-    kv_bytes: int = 0
-    kv_transfers: int = 0
-    # The worker that parked the canvas with a copy of ``state`` (it ended the last block
-    # there and has not been sent the request since): it is sent no state, only progress.
-    parked_on: int | None = None
-    text: IncrementalDetokenizer = field(init=False)  # the outputs' text
-
-    def __post_init__(self) -> None:
-        self.text = IncrementalDetokenizer(self.state.params.skip_special_tokens)
-
-
-@dataclass
-class TransferRecord:
-    request_id: str
-    src: int
-    dst: int
-    num_pages: int
-    bytes_sent: int
-    streamed_layers: int
-    drained: bool  # the receiver was told to discard it
-    bytes_received: int | None = None  # None until the receiver reports; then == bytes_sent
-    ok: bool | None = None
-
 
 @dataclass
 class _WorkerInfo:
@@ -118,21 +84,6 @@ class WorkerState:
     open_transfers: int
 
 
-@dataclass
-class Counters:
-    kv_transfers: int = 0
-    kv_bytes: int = 0
-    blocks: int = 0  # blocks completed
-    # The control plane, both ways (heartbeats aside): what moving requests between workers
-    # costs beyond their K/V.
-    control_messages: int = 0
-    control_bytes: int = 0
-
-    def count(self, data: bytes) -> None:
-        self.control_messages += 1
-        self.control_bytes += len(data)
-
-
 def _front_model(config: EngineConfig, loaded: LoadedModel | None,
                  device: str) -> LoadedModel:
     """Tokenizer, stop tokens and request validation without weights (``model=None``): the
@@ -144,7 +95,11 @@ def _front_model(config: EngineConfig, loaded: LoadedModel | None,
     return LoadedModel.around(config, path, None, read_config(path), torch.device(device), dtype)
 
 
-class MultiWorkerEngine:
+class MultiWorkerEngine(Front):
+    """The front over worker processes (one per device, on one node or several)."""
+
+    profilable = False  # the forwards run in the worker processes
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         if config.node_rank != 0:
             raise ValueError("the front runs on node 0; start other nodes with "
@@ -155,13 +110,6 @@ class MultiWorkerEngine:
         if self.loaded.config.block_causal:
             raise ValueError("a block-causal model (SDAR) is served by one worker process for "
                              "now: drop --num-workers / --mode / --nnodes")
-        self.requests: dict[str, _Entry] = {}
-        self.stats = EngineStats()
-        self.counters = Counters()
-        self.transfers: deque[TransferRecord] = deque(maxlen=100_000)
-        self._rng = random.Random(config.seed)
-        self._outputs: list[RequestOutput] = []
-        self._open_transfers: dict[tuple[int, int], TransferRecord] = {}
         self._closed = False
         self._zygote: subprocess.Popen | None = None
         self._procs: dict[int, launcher.ProcessHandle] = {}  # this node's workers
@@ -177,10 +125,8 @@ class MultiWorkerEngine:
         except BaseException:
             self.shutdown()
             raise
-        self.placement = Placement(
-            config.mode, self.roles, [self._workers[w].hello.num_pages
-                                      for w in range(len(self.roles))],
-            config.page_size, config.overflow_threshold, config.seed)
+        super().__init__(config, self.loaded, [self._workers[w].hello.num_pages
+                                               for w in range(len(self.roles))])
         atexit.register(self.shutdown)
 
     # Startup and shutdown.
@@ -278,38 +224,12 @@ class MultiWorkerEngine:
         self._ctx.term()
         self._store = None
 
-    # The Engine interface.
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None,
-                    suffix_token_ids: list[int] = ()) -> None:
-        """Validate and queue a request (with ``suffix_token_ids``: an infill between prompt
-        and suffix); raises (and changes nothing) if it cannot be served."""
-        req, state = new_request(self.requests, self.config, self.loaded, self._rng, request_id,
-                                 prompt_token_ids, params, arrival_time, suffix_token_ids)
-        try:
-            placed = self.placement.add(req)
-        except NeverFits as e:
-            raise RequestRejected(str(e)) from None
-        self.requests[request_id] = _Entry(placed, state, state.prompt_ids())
-
     @property
     def dead_workers(self) -> list[int]:
-        return self.placement.dead
+        # Before the workers came up (a failed startup shuts down), none has died.
+        return self.placement.dead if hasattr(self, "placement") else []
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        e = self.requests.pop(request_id, None)
-        if e is None:
-            return None
-        self._drop(request_id, self.placement.remove(request_id))
-        return self._output(e, finished=True, reason="abort")
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.requests)
-
+    # The Engine interface (the rest is the front's).
     def step(self) -> list[RequestOutput]:
         """Place waiting blocks, take in the workers' reports (waiting briefly for one when
         there is nothing else to do), and return an output per completed block."""
@@ -317,33 +237,7 @@ class MultiWorkerEngine:
         self._receive(0 if self._outputs or not self.requests else _POLL_MS)
         self._check_workers()
         self._place()
-        out, self._outputs = self._outputs, []
-        return out
-
-    # Placement's decisions, as messages.
-    def _place(self) -> None:
-        for d in self.placement.place():
-            e = self.requests[d.request_id]
-            r = e.placed.request
-            e.state.force_refresh = r.force_refresh  # taken back: its block refreshes fully
-            self._send(d.worker, msg.Prefill(d.request_id, d.attempt, self._state_for(e, d.worker),
-                                             r.arrival_time, r.seq, d.kv_dest, d.keep_pages))
-
-    @staticmethod
-    def _state_for(e: _Entry, w: int) -> DecodeState | None:
-        """What ``w`` is sent of the request's state: none if it parked a copy (which the
-        message then takes out of parking), else the snapshot."""
-        if e.parked_on == w:
-            e.parked_on = None
-            return None
-        return e.state
-
-    def _drop(self, request_id: str, workers: set[int]) -> None:
-        e = self.requests.get(request_id)
-        if e is not None and e.parked_on in workers:
-            e.parked_on = None
-        for w in workers:
-            self._send(w, msg.Drop(request_id))
+        return self._take_outputs()
 
     # Reports.
     def _send(self, w: int, message: object) -> None:
@@ -371,7 +265,7 @@ class MultiWorkerEngine:
             self._workers[w].last_heard = time.monotonic()
             if isinstance(m, msg.Report):
                 self.counters.count(data)
-                self._on_report(m)
+                self._on_worker_report(m)
             elif isinstance(m, msg.Heartbeat):
                 self._on_heartbeat(self._workers[w], m)
             elif isinstance(m, msg.WorkerFailed):
@@ -388,98 +282,32 @@ class MultiWorkerEngine:
                 info.computing_at = now
         info.loop_cpu = (now, beat.loop_cpu_s)
 
-    def _on_report(self, r: msg.Report) -> None:
-        w = r.worker
-        info = self._workers[w]
+    def _on_worker_report(self, r: msg.Report) -> None:
+        info = self._workers[r.worker]
         info.free_pages, info.open_transfers = r.free_pages, r.open_transfers
         owes = r.busy or r.handled < info.sent
         info.owes_progress_since = time.monotonic() if owes else None
-        self.stats.iterations.extend(r.iterations)
-        for ev in r.events:
-            e = self.requests.get(ev.request_id)
-            current = e is not None and ev.attempt == e.placed.attempt
-            if isinstance(ev, msg.KVReceived):
-                record = self._open_transfers.pop((ev.src, ev.transfer_id), None)
-                if record is not None:
-                    record.bytes_received, record.ok = ev.nbytes, ev.ok
-                    current = current and not record.drained
-            if isinstance(ev, msg.KVSent):
-                self._on_kv_sent(w, ev, e if current else None)
-            elif not current:
-                continue  # about work that was taken back or aborted
-            elif isinstance(ev, msg.RefreshRan):
-                self._on_refresh(w, ev, e)
-            elif isinstance(ev, msg.KVReceived):
-                self._on_kv_received(w, ev, e)
-            elif isinstance(ev, msg.BlockDone):
-                self._on_block_done(w, ev, e)
-            elif isinstance(ev, msg.RequestFailed):
-                self._on_request_failed(ev, e)
+        self._on_report(r.worker, r.events, r.iterations)
 
-    def _on_refresh(self, w: int, ev: msg.RefreshRan, e: _Entry) -> None:
-        now = time.monotonic()
-        self.placement.refreshed(e.placed, w, now - ev.seconds, now)
+    # What a caller may ask of any engine.
+    def _describe_workers(self) -> list[str]:
+        return [f"{self.config.mode} over {len(self.worker_states())} workers"]
 
-    def _on_kv_sent(self, w: int, ev: msg.KVSent, e: _Entry | None) -> None:
-        drain = self.placement.kv_sent(None if e is None else e.placed, w, ev.dest, ev.drain)
-        record = TransferRecord(ev.request_id, w, ev.dest, ev.num_pages, ev.nbytes,
-                                ev.streamed_layers, drain)
-        self.transfers.append(record)
-        if ev.dest in self.dead_workers:
-            return  # the sender abandons it (PeerDead); the request was taken back
-        self._open_transfers[(w, ev.transfer_id)] = record
-        arrival, seq = ((e.placed.request.arrival_time, e.placed.request.seq) if e is not None
-                        else (0.0, 0))
-        state, progress = (None, None) if drain else (self._state_for(e, ev.dest), ev.progress)
-        self._send(ev.dest, msg.ReceiveKV(ev.request_id, ev.attempt, w, ev.transfer_id,
-                                          ev.num_pages, state, progress, arrival, seq, drain))
-        if drain:
-            return
-        e.kv_bytes += ev.nbytes
-        e.kv_transfers += 1
-        self.counters.kv_transfers += 1
-        self.counters.kv_bytes += ev.nbytes
-
-    def _on_kv_received(self, w: int, ev: msg.KVReceived, e: _Entry) -> None:
-        if not ev.ok:
-            logger.info("request %s restarts block %d: K/V transfer %d -> %d failed",
-                        ev.request_id, e.state.block, ev.src, w)
-        self._drop(ev.request_id, self.placement.kv_received(e.placed, w, ev.ok, ev.pages))
-
-    def _on_block_done(self, w: int, ev: msg.BlockDone, e: _Entry) -> None:
-        e.state.catch_up(ev.progress)
-        st = e.state
-        rid = ev.request_id
-        if ev.continues:  # the next block runs on where the canvas is: nothing to place
-            self.placement.block_continued(e.placed, st.block, st.num_forwards,
-                                           time.monotonic())
-        else:
-            e.parked_on = w if ev.pages else None
-            e.placed.request.force_refresh = st.force_refresh  # placed as the full refresh it is
-            self._drop(rid, self.placement.block_done(e.placed, w, st.finished, st.block,
-                                                      st.num_forwards, list(ev.pages),
-                                                      time.monotonic()))
-        self.counters.blocks += 1
-        if st.finished:
-            del self.requests[rid]
-            self.stats.finished.append(e.placed.request.metrics)
-        self._outputs.append(self._output(e, st.finished, st.finish_reason))
-
-    def _on_request_failed(self, ev: msg.RequestFailed, e: _Entry) -> None:
-        rid = ev.request_id
-        logger.error("request %s failed and was ended: %s", rid, ev.error)
-        del self.requests[rid]
-        self._drop(rid, self.placement.remove(rid))
-        self._outputs.append(self._output(e, True, "error", ev.error))
-
-    def _output(self, e: _Entry, finished: bool, reason: str | None,
-                error: str | None = None) -> RequestOutput:
-        return self.loaded.output(e.placed.request_id, e.prompt_ids, e.state, finished, reason,
-                                  {"kv_bytes": e.kv_bytes, "kv_transfers": e.kv_transfers,
-                                   "restarts": e.placed.restarts,
-                                   "num_refreshes": len(e.placed.request.metrics.prefill_started),
-                                   "tokens_per_forward": tokens_per_forward(e.state)}, e.text,
-                                  error)
+    def gauges(self) -> list[tuple[str, str, float]]:
+        """(name, help, value) of every live gauge: the pools of the live workers, summed as
+        they last reported them."""
+        live = [w for w in self.worker_states() if w.alive]
+        pages = sum(w.num_pages for w in live)
+        used = pages - sum(w.free_pages for w in live)
+        return [
+            ("sangam_requests_in_flight", "Requests accepted and not finished",
+             self.num_requests),
+            ("sangam_kv_pool_usage_ratio", "Fraction of KV pages in use",
+             used / pages if pages else 0.0),
+            ("sangam_kv_pool_pages_used", "KV pages in use", used),
+            ("sangam_kv_pool_pages", "KV pages in the pool", pages),
+            ("sangam_workers_alive", "Worker processes alive", len(live)),
+        ]
 
     # Failures.
     def _check_workers(self) -> None:
@@ -516,18 +344,4 @@ class MultiWorkerEngine:
             p.kill()
         else:
             self._sock.send_multipart([f"h{w}".encode(), msg.dumps(msg.Kill())])
-        for key, record in list(self._open_transfers.items()):
-            if record.dst == w:  # its report will never come
-                record.ok = False
-                del self._open_transfers[key]
-        for e in self.requests.values():
-            if e.parked_on == w:
-                e.parked_on = None
-        taken = self.placement.worker_dead(w)  # raises when none is left
-        for other in self._workers:
-            if other not in self.dead_workers:
-                self._send(other, msg.PeerDead(w))
-        for placed, drops in taken:
-            logger.info("request %s restarts block %d: worker %d died", placed.request_id,
-                        placed.request.block, w)
-            self._drop(placed.request_id, drops)
+        self._take_back(w)  # raises when no worker is left

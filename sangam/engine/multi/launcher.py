@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sangam.config import EngineConfig
@@ -52,26 +52,13 @@ def signature(roles: tuple[str, ...], config: EngineConfig, model_config: ModelC
             model_config.num_kv_heads, model_config.head_dim, model_config.vocab_size)
 
 
-def device_list(config: EngineConfig) -> list[str]:
-    return [d.strip() for d in config.devices.split(",") if d.strip()] if config.devices else []
-
-
-def worker_roles(config: EngineConfig) -> list[str]:
-    if config.mode == "colocated":
-        n = config.num_workers
-        if n == 1 and config.nnodes == 1 and len(device_list(config)) > 1:
-            n = len(device_list(config))  # "--devices cuda:0,cuda:1" alone means two workers
-        return ["colocated"] * n
-    return ["prefill"] * config.prefill_workers + ["decode"] * config.decode_workers
-
-
 def node_workers(num_workers: int, nnodes: int, node_rank: int) -> range:
     k = math.ceil(num_workers / nnodes)
     return range(min(num_workers, node_rank * k), min(num_workers, (node_rank + 1) * k))
 
 
 def worker_device(config: EngineConfig, local_index: int) -> str:
-    devices = device_list(config)
+    devices = config.device_list
     if devices:
         return devices[local_index]
     device = config.device or default_device()
@@ -84,14 +71,12 @@ def needs_data_plane(config: EngineConfig) -> bool:
 
 
 def validate(config: EngineConfig) -> list[str]:
-    """The roles, after checking the layout; raises ValueError with what is wrong."""
-    roles = worker_roles(config)
-    if config.mode != "colocated" and config.policy == "fastdllm":
-        raise ValueError("the fastdllm policy (batch size 1) has no disaggregated form: use "
-                         "mode='colocated'")
+    """The roles, after checking that the nodes and devices can host them; raises ValueError
+    with what is wrong."""
+    roles = list(config.deployment.roles)
     if len(roles) < config.nnodes:
         raise ValueError(f"{len(roles)} workers cannot span {config.nnodes} nodes")
-    devices = device_list(config)
+    devices = config.device_list
     for r in range(config.nnodes):
         local = len(node_workers(len(roles), config.nnodes, r))
         if devices and len(devices) < local:
@@ -124,16 +109,10 @@ def make_specs(config: EngineConfig, roles: list[str], node_rank: int, front_add
             for i, w in enumerate(workers)]
 
 
-def warm_up() -> None:
-    """Import what a worker needs, once, in the process that forks the workers: torch, the
-    models and the engine. CUDA is not touched: the children may use it."""
-    import sangam.engine.multi.worker  # noqa: F401
-
-
-def fork_workers(specs: list[WorkerSpec]) -> list[int]:
-    """Fork one worker per spec from this (warmed-up) process; returns their pids."""
-    from sangam.engine.multi.worker import run_worker
-
+def fork_workers(specs: list[WorkerSpec], run_worker: Callable[[WorkerSpec, int], None]
+                 ) -> list[int]:
+    """Fork one worker per spec from this process, which imported what they need once; each
+    child runs ``run_worker(spec, parent pid)``, which never returns. Returns their pids."""
     parent = os.getpid()
     pids = []
     for spec in specs:

@@ -21,6 +21,7 @@ import sys
 
 from sangam.config import EngineConfig
 from sangam.engine.multi import launcher
+from sangam.engine.multi.worker import run_worker  # imported once, before forking
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     store = (host, port) if launcher.needs_data_plane(config) else None
     specs = launcher.make_specs(config, roles, config.node_rank, f"tcp://{host}:{port + 1}",
                                 store)
-    launcher.warm_up()
-    live = set(launcher.fork_workers(specs))
+    live = set(launcher.fork_workers(specs, run_worker))
     signal.signal(signal.SIGTERM, lambda signum, frame: launcher.kill_all(set(live)))
     signal.signal(signal.SIGINT, lambda signum, frame: launcher.kill_all(set(live)))
     return launcher.supervise(live)

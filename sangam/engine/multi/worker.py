@@ -1,14 +1,9 @@
-"""A worker process: one device's KV pool, batch builder and model runner, driven by the front.
+"""A worker process: the in-process ``Worker`` (sangam/engine/worker.py) with a K/V transport
+(``TransferWorker``), driven by the front over a control socket (``WorkerProcess``).
 
-The worker is the single-worker engine's pieces (``LoadedModel``, ``KVPool``, ``BatchBuilder``,
-``ModelRunner``) composed with a control socket and a K/V transport. It never routes: the
-front tells it what to run (``Prefill``), what to receive (``ReceiveKV``) and what to forget
-(``Drop``); it schedules that work locally under its own deficit budget and reports what
-happened (``Report``), one message per loop turn.
-
-What a worker keeps of each request (tasks, seats waiting for K/V, canvases parked between
-blocks) is ``WorkerCore``'s (``sangam/sched/worker_core.py``), shared with the simulator's
-workers; this class adds the model, the K/V transport and the reports.
+It never routes: the front tells it what to run (``Prefill``), what to receive (``ReceiveKV``)
+and what to forget (``Drop``); it schedules that work locally under its own deficit budget and
+reports what happened (``Report``), one message per loop turn.
 """
 
 from __future__ import annotations
@@ -29,21 +24,15 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from sangam.decoding.state import DecodeState
-from sangam.engine.engine import (
-    IterationStats,
-    build_worker_parts,
-    request_error,
-    scheduling_request,
-    start_blocks_at,
-)
+from sangam.engine import messages as msg
 from sangam.engine.loaded_model import LoadedModel
-from sangam.engine.model_runner import FATAL_ERRORS, ModelRunner, StepResult
-from sangam.engine.multi import messages as msg
-from sangam.engine.multi.kv_transfer import Done, KVTransport, LayerHook, layer_page_bytes
+from sangam.engine.model_runner import FATAL_ERRORS, ModelRunner
+from sangam.engine.multi.kv_transfer import KVTransport, LayerHook, layer_page_bytes
 from sangam.engine.multi.launcher import WorkerSpec, signature
-from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
-from sangam.sched.request import Request
-from sangam.sched.worker_core import Task, WorkerCore
+from sangam.engine.worker import Worker, build_worker_parts, scheduling_request
+from sangam.sched.batch_builder import BatchBuilder
+from sangam.sched.request import StepOutcome
+from sangam.sched.worker_core import Ship, Task
 
 HEARTBEAT_S = 0.5
 STORE_TIMEOUT_S = 300  # joining the process group: every worker of every node must come up
@@ -66,168 +55,65 @@ class _Stream:
     layers_sent: int = 0
 
 
-class Worker:
-    """The loop around one worker's parts. ``start_worker`` builds them from a spec; a test may
-    give stand-ins (a runner without a model, an in-process transport)."""
+class TransferWorker(Worker):
+    """A worker that also moves K/V (disaggregated and hybrid serving): it receives refreshes
+    for its canvases and ships its refreshes' K/V to their canvas holders. A test may give
+    stand-ins (a runner without a model, an in-process transport)."""
 
-    def __init__(self, index: int, sock: zmq.Socket, builder: BatchBuilder, runner: ModelRunner,
+    remote = True
+
+    def __init__(self, index: int, builder: BatchBuilder, runner: ModelRunner,
                  transport: KVTransport | None, loaded: LoadedModel | None = None,
                  streaming: bool = False):
-        self.index = index
-        self.sock = sock
-        self.builder = builder
-        self.runner = runner
+        super().__init__(index, builder, runner)
         self.transport = transport
         self.loaded = loaded  # its model takes layer-wise streaming's hook
         self.streaming = streaming
-        self.core = WorkerCore(builder)  # tasks, seats, parked canvases, receives
-        self.events: list[msg.Event] = []
-        self.iterations: list[IterationStats] = []
-        self._stalled = False  # the last schedule() found nothing, and nothing changed since
-        self._handled = 0  # control messages handled
-        self._reported = (-1, -1, -1, False)  # (free pages, open transfers, handled, busy)
-        self._reported_at = 0.0
+        self._streams: dict[str, _Stream] = {}  # this iteration's
 
-    def _send(self, message: object) -> None:
-        self.sock.send(msg.dumps(message))
-
-    # The loop.
-    def serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        while True:
-            if poller.poll(self._poll_timeout_ms()):
-                while True:
-                    try:
-                        data = self.sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    message = msg.loads(data)
-                    if isinstance(message, msg.Shutdown):
-                        return
-                    self._handle(message)
-                    self._handled += 1
-                    self._stalled = False
-            if self.transport is not None:
-                for done in self.transport.poll():
-                    self._transfer_done(done)
-                    self._stalled = False
-            self.core.seat_ready()
-            if self.builder.has_work:
-                self._iterate()
-            self._flush()
-
-    def _poll_timeout_ms(self) -> int:
-        if self.builder.has_work and not self._stalled:
-            return 0
-        if self.transport is not None and self.transport.num_open:
-            return 1  # completions arrive through a queue, not the socket
-        return _IDLE_POLL_MS
-
-    def _flush(self) -> None:
-        open_transfers = self.transport.num_open if self.transport is not None else 0
-        busy = self.core.busy or bool(open_transfers)
-        now = (self.builder.allocator.num_free, open_transfers, self._handled, busy)
-        t = time.monotonic()
-        if (self.events or self.iterations or now != self._reported
-                or (busy and t - self._reported_at >= _KEEPALIVE_S)):
-            self._send(msg.Report(self.index, self.events, self.iterations, *now))
-            self.events, self.iterations, self._reported = [], [], now
-            self._reported_at = t
-
-    # Control messages.
-    def _handle(self, m: object) -> None:
-        if isinstance(m, msg.Prefill):
-            self._on_prefill(m)
-        elif isinstance(m, msg.ReceiveKV):
+    def handle(self, m: object) -> None:
+        if isinstance(m, msg.ReceiveKV):
             self._on_receive(m)
-        elif isinstance(m, msg.Drop):
-            self._on_drop(m.request_id)
         elif isinstance(m, msg.PeerDead):
             if self.transport is not None:
                 self.transport.peer_dead(m.worker)
         else:
-            raise TypeError(f"worker {self.index}: unexpected message {m!r}")
-
-    def _on_prefill(self, m: msg.Prefill) -> None:
-        state = self.core.parked_payload(m.request_id) if m.state is None else m.state
-        self.core.take_block(Task(scheduling_request(m.request_id, m.arrival, state, m.seq),
-                                  state, m.attempt, m.kv_dest, m.keep_pages))
+            super().handle(m)
 
     def _on_receive(self, m: msg.ReceiveKV) -> None:
         task = None
         if not m.drain:
             state = self.core.parked_payload(m.request_id) if m.state is None else m.state
-            state.catch_up(m.progress)
+            msg.catch_up(state, m.progress)
             task = Task(scheduling_request(m.request_id, m.arrival, state, m.seq), state,
                         m.attempt, None, True, starts_block=state.step == 0)
         self.core.expect_kv((m.src, m.transfer_id), m.request_id, m.attempt, task, m.num_pages)
         self.transport.receive(m.src, m.transfer_id, m.num_pages)
 
-    def _on_drop(self, rid: str) -> None:
-        self.core.drop(rid)
+    def poll_transfers(self) -> bool:
+        """Take in the K/V transfers that ended; whether any did."""
+        if self.transport is None:
+            return False
+        done = self.transport.poll()
+        for d in done:
+            if d.is_send:
+                continue  # the buffer is released; a failed send is the front's business
+            key = (d.peer, d.transfer_id)
+            r = self.core.receiving[key]
+            if d.ok and r.pages is not None:
+                self.transport.scatter_into(d.buffer, torch.tensor(r.pages, dtype=torch.int64))
+            r, seated = self.core.kv_arrived(key, d.ok, time.monotonic())
+            self.events.append(msg.KVReceived(r.request_id, r.attempt, d.peer, d.transfer_id,
+                                              seated, d.nbytes, list(r.pages) if seated else []))
+        return bool(done)
 
-    def _transfer_done(self, done: Done) -> None:
-        if done.is_send:
-            return  # the buffer is released; a failed send is the front's business
-        key = (done.peer, done.transfer_id)
-        r = self.core.receiving[key]
-        if done.ok and r.pages is not None:
-            self.transport.scatter_into(done.buffer, torch.tensor(r.pages, dtype=torch.int64))
-        r, seated = self.core.kv_arrived(key, done.ok, time.monotonic())
-        self.events.append(msg.KVReceived(r.request_id, r.attempt, done.peer, done.transfer_id,
-                                          seated, done.nbytes, list(r.pages) if seated else []))
-
-    # One iteration.
-    def _iterate(self) -> None:
-        start = time.monotonic()
-        batch = self._schedule(start)
-        if batch is not None:
-            self._run(batch, start)
-
-    def _schedule(self, now: float) -> ScheduledBatch | None:
-        """This iteration's batch; None when there is nothing it can run now."""
-        batch = self.builder.schedule(now)
-        self._stalled = batch.is_empty
-        return None if batch.is_empty else batch
-
-    def _run(self, batch: ScheduledBatch, start: float) -> None:
-        """The batch's forward (scheduled at ``start``) and its reports."""
-        reqs = batch.decodes + batch.prefills
-        tasks = [self.core.tasks[r.request_id] for r in reqs]
-        nd = len(batch.decodes)
-        senders = [i for i in range(nd, len(reqs)) if tasks[i].kv_dest is not None]
-        streams = self._open_streams([tasks[i] for i in senders]) if self.streaming else {}
-        states = [t.payload for t in tasks]
-        if self.builder.num_load_adaptive:
-            start_blocks_at(self.builder.load, states)
-        pages = [r.pages for r in reqs]
-        if streams:
-            result = self._execute_streaming(states, pages, streams)
-        else:
-            result = self.runner.execute(states, pages)
-        end = time.monotonic()
-        for r, t in zip(batch.prefills, tasks[nd:]):
-            self.events.append(msg.RefreshRan(r.request_id, t.attempt, end - start))
-        for i in senders:
-            t = tasks[i]
-            done, st = result.block_done[i], t.payload
-            self._ship(t, done and not self.core.continues(t.request, done, st.finished,
-                                                           st.force_refresh),
-                       streams.get(t.request.request_id), failed=i in result.errors)
-        for i, (req, t, done) in enumerate(zip(reqs, tasks, result.block_done)):
-            if i in result.errors:
-                self._fail(req, result.errors[i])
-                continue
-            st, ran = t.payload, req.block  # step_done moves the block on
-            _, kept = self.core.step_done(req, end, done, st.finished, st.finish_reason,
-                                          st.force_refresh)
-            if done:
-                self.events.append(msg.BlockDone(req.request_id, t.attempt, st.progress(ran),
-                                                 list(kept or ()), continues=kept is None))
-        self.iterations.append(IterationStats(
-            batch.prefill_tokens, batch.decode_tokens, batch.deficit, len(reqs),
-            len(batch.prefills), end - start))
+    def _execute(self, tasks: list[Task], states: list[DecodeState],
+                 pages: list[list[int]]) -> list[StepOutcome]:
+        senders = [t for t in tasks if t.kv_dest is not None]
+        self._streams = self._open_streams(senders) if self.streaming and senders else {}
+        if not self._streams:
+            return self.runner.execute(states, pages)
+        return self._execute_streaming(states, pages)
 
     def _open_streams(self, senders: list[Task]) -> dict[str, _Stream]:
         """Layer-wise streaming: open a sender's transfer before the forward, the first one per
@@ -238,22 +124,23 @@ class Worker:
             if t.kv_dest not in dests:
                 dests.add(t.kv_dest)
                 streams[t.request.request_id] = _Stream(
-                    t.kv_dest, self.transport.open_send(t.kv_dest), self._page_ids(t.request))
+                    t.kv_dest, self.transport.open_send(t.kv_dest),
+                    self._page_ids(t.request.pages))
         return streams
 
-    def _page_ids(self, req: Request) -> torch.Tensor:
+    def _page_ids(self, pages: list[int]) -> torch.Tensor:
         """A request's pages on the device, once per transfer (not per layer, which would
         copy and sync each time)."""
-        return torch.tensor(req.pages, dtype=torch.int64).to(self.transport.device)
+        return torch.tensor(pages, dtype=torch.int64).to(self.transport.device)
 
-    def _execute_streaming(self, states: list[DecodeState], pages: list[list[int]],
-                           streams: dict[str, _Stream]) -> StepResult:
+    def _execute_streaming(self, states: list[DecodeState],
+                           pages: list[list[int]]) -> list[StepOutcome]:
         """The forward with each finished layer's K/V posted to its stream. If the batch fails,
         its requests run again alone (``ModelRunner.execute``) without streaming: the layers
         already posted stand (a request's K/V does not depend on its batch), ``_ship`` sends
         the rest."""
         def on_layer(layer: int) -> None:
-            for s in streams.values():
+            for s in self._streams.values():
                 self.transport.send_layers(s.dest, s.transfer_id, s.page_ids,
                                            range(layer, layer + 1))
                 s.layers_sent += 1
@@ -271,37 +158,89 @@ class Worker:
         finally:
             model.attention_backend = inner
 
-    def _ship(self, t: Task, block_done: bool, stream: _Stream | None, failed: bool) -> None:
+    def _ship(self, ship: Ship) -> None:
         """Send a refresh's K/V to the canvas holder (or finish the streamed send). A refresh
-        that failed, or completed its block (``block_done``: and the next block is placed
-        again), leaves nothing to decode: no send, or a streamed one (its last layers posted
-        now) that the receiver drains."""
-        req = t.request
-        n = len(req.pages)
+        to drain (it failed, or completed its block and the next is placed again) leaves
+        nothing to decode: no send, or a streamed one (its last layers posted now) that the
+        receiver drains."""
+        t = ship.task
+        dest = t.kv_dest
         layers = self.transport.num_layers
+        stream = self._streams.pop(t.request.request_id, None)
         if stream is None:
-            if block_done or failed:
+            if ship.drain:
                 return
-            tid = self.transport.open_send(t.kv_dest)
-            self.transport.send_layers(t.kv_dest, tid, self._page_ids(req), range(layers))
+            tid = self.transport.open_send(dest)
+            self.transport.send_layers(dest, tid, self._page_ids(ship.pages), range(layers))
             streamed = 0
         else:
             tid, streamed = stream.transfer_id, stream.layers_sent
             if streamed < layers:  # the streamed forward failed and the request ran again
-                self.transport.send_layers(t.kv_dest, tid, stream.page_ids,
-                                           range(streamed, layers))
-        nbytes = self.transport.close_send(t.kv_dest, tid)
-        self.events.append(msg.KVSent(req.request_id, t.attempt, t.kv_dest, tid, n, nbytes,
-                                      streamed, t.payload.progress(req.block),
-                                      block_done or failed))
+                self.transport.send_layers(dest, tid, stream.page_ids, range(streamed, layers))
+        nbytes = self.transport.close_send(dest, tid)
+        self.events.append(msg.KVSent(t.request.request_id, t.attempt, dest, tid,
+                                      len(ship.pages), nbytes, streamed,
+                                      msg.block_progress(t.payload, ship.block), ship.drain))
 
-    def _fail(self, req: Request, error: Exception) -> None:
-        """A request whose step failed: free all it holds here, and tell the front."""
-        attempt = self.core.tasks[req.request_id].attempt
-        self.core.drop(req.request_id)
-        self.events.append(msg.RequestFailed(req.request_id, attempt, request_error(error)))
 
-def start_worker(spec: WorkerSpec, sock: zmq.Socket) -> Worker:
+class WorkerProcess:
+    """A worker's loop in its own process: control messages in, iterations, reports out."""
+
+    def __init__(self, worker: Worker, sock: zmq.Socket):
+        self.worker = worker
+        self.sock = sock
+        self._stalled = False  # the last iteration found nothing, and nothing changed since
+        self._handled = 0  # control messages handled
+        self._reported = (-1, -1, -1, False)  # (free pages, open transfers, handled, busy)
+        self._reported_at = 0.0
+
+    def send(self, message: object) -> None:
+        self.sock.send(msg.dumps(message))
+
+    def serve(self) -> None:
+        w = self.worker
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while True:
+            if poller.poll(self._poll_timeout_ms()):
+                while True:
+                    try:
+                        data = self.sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    message = msg.loads(data)
+                    if isinstance(message, msg.Shutdown):
+                        return
+                    w.handle(message)
+                    self._handled += 1
+                    self._stalled = False
+            if w.poll_transfers():
+                self._stalled = False
+            self._stalled = not w.iterate()
+            self.flush()
+
+    def _poll_timeout_ms(self) -> int:
+        w = self.worker
+        if w.builder.has_work and not self._stalled:
+            return 0
+        if w.transport is not None and w.transport.num_open:
+            return 1  # completions arrive through a queue, not the socket
+        return _IDLE_POLL_MS
+
+    def flush(self) -> None:
+        """Report what happened since the last report (or, while busy, that the loop lives)."""
+        w = self.worker
+        open_transfers = w.transport.num_open if w.transport is not None else 0
+        busy = w.core.busy or bool(open_transfers)
+        now = (w.builder.allocator.num_free, open_transfers, self._handled, busy)
+        t = time.monotonic()
+        if (w.events or w.iterations or now != self._reported
+                or (busy and t - self._reported_at >= _KEEPALIVE_S)):
+            self.send(msg.Report(w.index, w.events, w.iterations, *now))
+            w.events, w.iterations, self._reported = [], [], now
+            self._reported_at = t
+
+def start_worker(spec: WorkerSpec, sock: zmq.Socket) -> WorkerProcess:
     """Load the model, build the worker's parts, join the data plane, and say Hello."""
     config = dataclasses.replace(spec.config, device=spec.device, devices=None)
     device = torch.device(spec.device)
@@ -322,12 +261,13 @@ def start_worker(spec: WorkerSpec, sock: zmq.Socket) -> Worker:
             device_id=device if device.type == "cuda" else None)
         transport = KVTransport(pool.kv.buffer)
         transport.connect(spec.worker, _ranks(spec.roles, "prefill"), _ranks(spec.roles, "decode"))
-    worker = Worker(spec.worker, sock, builder, runner, transport, loaded,
-                    config.layerwise_kv_streaming)
-    worker._send(msg.Hello(
+    worker = TransferWorker(spec.worker, builder, runner, transport, loaded,
+                            config.layerwise_kv_streaming)
+    process = WorkerProcess(worker, sock)
+    process.send(msg.Hello(
         spec.worker, os.getpid(), socket.gethostname(), spec.device, pool.num_pages,
         layer_page_bytes(pool.kv.buffer), signature(spec.roles, spec.config, loaded.config)))
-    return worker
+    return process
 
 
 def _ranks(roles: tuple[str, ...], role: str) -> list[int]:

@@ -11,14 +11,14 @@ import signal
 import sys
 
 from sangam.engine.multi import launcher
+from sangam.engine.multi.worker import run_worker  # imported once, before forking
 
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the front shuts the workers down
     front = os.getppid()
     specs = pickle.load(sys.stdin.buffer)
-    launcher.warm_up()
-    pids = launcher.fork_workers(specs)
+    pids = launcher.fork_workers(specs, run_worker)
     print(" ".join(map(str, pids)), flush=True)
     os.dup2(2, 1)
     return launcher.supervise(set(pids), front)

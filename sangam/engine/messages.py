@@ -1,4 +1,5 @@
-"""The control plane's message set: small dataclasses, pickled over ZeroMQ.
+"""The control plane's message set between a front and its workers: small dataclasses, handed
+over directly to an in-process worker, pickled over ZeroMQ to worker processes.
 
 Pickle is acceptable here because every peer is a process of this deployment on a trusted
 network (loopback on one host, the cluster's network across nodes), as with torch.distributed's
@@ -15,8 +16,66 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 
-from sangam.decoding.state import BlockProgress, DecodeState
-from sangam.engine.engine import IterationStats
+import numpy as np
+
+from sangam.decoding.detokenizer import IncrementalDetokenizer
+from sangam.decoding.state import DecodeState
+from sangam.sched.worker_core import IterationStats
+
+
+@dataclass
+class BlockProgress:
+    """What the forwards of one block changed in a request's state: that block's positions
+    and the counters. A front and its worker processes exchange this instead of the whole
+    state, whose prompt, suffix and other blocks the receiving side already has."""
+
+    start: int  # the block's first position
+    tokens: np.ndarray
+    confidence: np.ndarray
+    top_ids: np.ndarray | None
+    top_logprobs: np.ndarray | None
+    block: int
+    step: int
+    num_forwards: int
+    finish_reason: str | None  # None: not finished
+    stop_len: int | None
+    stop_string: str | None
+    stop_text: IncrementalDetokenizer | None
+    force_refresh: bool  # the next block refreshes fully (the adaptive trigger fired)
+    threshold: float  # the threshold the block used (load-adaptive)
+
+
+def block_progress(state: DecodeState, block: int) -> BlockProgress:
+    """What the forwards of ``block`` changed in ``state`` (positions are only ever committed
+    in the current block, so its positions and the counters are all of it)."""
+    b = state.params.block_length
+    s = state.block_origin + block * b
+    e = s + b
+    top = slice(max(0, s - state.prompt_len), e - state.prompt_len)
+    return BlockProgress(
+        s, state.tokens[s:e].copy(), state.confidence[s:e].copy(),
+        None if state.top_ids is None else state.top_ids[top].copy(),
+        None if state.top_logprobs is None else state.top_logprobs[top].copy(),
+        state.block, state.step, state.num_forwards, state.finish_reason, state.stop_len,
+        state.stop_string, state.stop_text, state.force_refresh,
+        float(state.block_thresholds[block]))
+
+
+def catch_up(state: DecodeState, p: BlockProgress) -> None:
+    """Take ``p`` (another process's ``block_progress`` of this request) into ``state``."""
+    e = p.start + len(p.tokens)
+    state.tokens[p.start:e] = p.tokens
+    state.confidence[p.start:e] = p.confidence
+    if p.top_ids is not None:
+        top = slice(max(0, p.start - state.prompt_len), e - state.prompt_len)
+        state.top_ids[top] = p.top_ids
+        state.top_logprobs[top] = p.top_logprobs
+    state.cursor.catch_up(p.block, p.step, p.force_refresh)
+    state.num_forwards = p.num_forwards
+    state.finish(p.finish_reason)
+    state.stop_len, state.stop_string, state.stop_text = p.stop_len, p.stop_string, p.stop_text
+    state.block_thresholds[(p.start - state.block_origin) // state.params.block_length] = \
+        p.threshold
 
 # Front -> worker.
 
@@ -28,8 +87,8 @@ class Prefill:
 
     ``kv_dest`` is None: this worker runs the whole block, refresh and cached steps. At the
     block's end it keeps the canvas pages and the state (``keep_pages``: it is the request's
-    canvas holder) or frees them. ``kv_dest`` is a worker: run the refresh only, send the K/V
-    there, free.
+    canvas holder) or frees them; with ``stays`` it runs every later block too. ``kv_dest`` is
+    a worker: run the refresh only, send the K/V there, free.
     """
 
     request_id: str
@@ -39,6 +98,7 @@ class Prefill:
     seq: int  # the request's place among equal arrivals (Request.seq)
     kv_dest: int | None
     keep_pages: bool
+    stays: bool
 
 
 @dataclass
@@ -121,11 +181,13 @@ class WorkerFailed:
 
 @dataclass
 class RefreshRan:
-    """A Prefill's refresh forward ended (its prefill tokens leave the router's load)."""
+    """A refresh forward ended (its prefill tokens leave the router's load), or a chunk of
+    one (``chunk``: the rest waits)."""
 
     request_id: str
     attempt: int
     seconds: float  # the forward's duration
+    chunk: bool = False
 
 
 @dataclass
@@ -161,14 +223,15 @@ class KVReceived:
 
 @dataclass
 class BlockDone:
-    """A block completed (or the request finished) here: its ``progress``; ``pages`` are the
-    canvas pages this worker keeps for the request, with its state (empty when it freed
-    them). With ``continues`` the next block starts from cached K/V: it runs on here, or on
-    the receiver of this refresh's K/V, without being placed again (no pages are parked)."""
+    """A block completed (or the request finished) here: its ``progress`` (None from an
+    in-process worker, whose state is the front's); ``pages`` are the canvas pages this worker
+    keeps for the request, with its state (empty when it freed them). With ``continues`` the
+    next block runs on without being placed again: here (the request stays, or starts it from
+    cached K/V), or on the receiver of this refresh's K/V (no pages are parked)."""
 
     request_id: str
     attempt: int
-    progress: BlockProgress
+    progress: BlockProgress | None
     pages: list[int]
     continues: bool = False
 

@@ -1,0 +1,150 @@
+"""A worker: one device's KV pool, batch builder and model runner, and the engine core's
+iteration over them (docs/design.md §1).
+
+The front tells it what to run (``Prefill``), what to receive (``ReceiveKV``) and what to forget
+(``Drop``) through ``handle``; ``iterate`` runs one iteration (``WorkerCore``: schedule, the
+forward, apply the outcomes) and collects what the front must hear (``events``, ``iterations``).
+The same class serves in process (``Engine``: the front calls it directly) and in a worker
+process (``engine/multi/worker.py`` wraps it with a control socket and a K/V transport).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from sangam.config import EngineConfig
+from sangam.decoding.state import DecodeState
+from sangam.engine import messages as msg
+from sangam.engine.cuda_graphs import DecodeGraphRunner
+from sangam.engine.kv_pool import KVPool, pool_num_pages
+from sangam.engine.loaded_model import LoadedModel, use_device
+from sangam.engine.model_runner import ModelRunner
+from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
+from sangam.sched.request import Request, StepOutcome
+from sangam.sched.worker_core import BlockEnded, IterationStats, Ship, Task, WorkerCore
+
+logger = logging.getLogger(__name__)
+
+
+def build_worker_parts(config: EngineConfig,
+                       loaded: LoadedModel) -> tuple[KVPool, BatchBuilder, ModelRunner]:
+    """What every worker owns: its KV pool, its scheduler over that pool, its model runner."""
+    use_device(loaded.device)  # the graphs are captured on this thread's current device
+    num_pages = pool_num_pages(loaded.config, config, loaded.dtype, loaded.device)
+    pool = KVPool(loaded.config, num_pages, config.page_size, loaded.dtype, loaded.device)
+    builder = BatchBuilder(pool.allocator, config.scheduler)
+    return pool, builder, ModelRunner(loaded, pool, graphs=decode_graphs(config, loaded, pool))
+
+
+def graph_block_lengths(config: EngineConfig, loaded: LoadedModel) -> tuple[int, ...]:
+    """The block lengths whose DualCache decode steps replay CUDA graphs: those of
+    ``--cuda-graph-block-lengths``, else the one requests get by default (``default_params``:
+    the checkpoint's, or ``--block-length``)."""
+    return config.graph_block_lengths() or (loaded.default_params().block_length,)
+
+
+def decode_graphs(config: EngineConfig, loaded: LoadedModel,
+                  pool: KVPool) -> list[DecodeGraphRunner]:
+    """CUDA graphs for decode steps at ``graph_block_lengths``, when they can run: on a GPU,
+    with the Triton backend (the reference backend reads host-side lengths), unless
+    ``enforce_eager``. Logs what was captured."""
+    model = loaded.model
+    if (config.enforce_eager or loaded.device.type != "cuda"
+            or model.attention_backend.name != "triton"):
+        return []
+    max_pages = -(-loaded.context_length // config.page_size)
+    runners = []
+    for span in graph_block_lengths(config, loaded):
+        try:
+            runners.append(DecodeGraphRunner(model, pool.kv, span, config.max_batch_size,
+                                             max_pages, loaded.device))
+        except Exception as e:  # eager steps compute the same tokens: serve, and say why
+            logger.warning("CUDA graph capture for block length %d failed, so its decode "
+                           "steps run eagerly (--enforce-eager skips the capture): %r", span, e)
+    logger.info("CUDA graphs for decode steps of block length %s (batch sizes up to %d)",
+                ", ".join(str(r.span) for r in runners) or "none", config.max_batch_size)
+    return runners
+
+
+def scheduling_request(request_id: str, arrival_time: float, state: DecodeState,
+                       seq: int | None = None) -> Request:
+    """The scheduler's view of a request whose canvas is ``state``: the same cursor (``seq``:
+    the front's request's, so that a worker orders equal arrivals as it does)."""
+    p = state.params
+    return Request(request_id, arrival_time, state.cursor, priority=p.priority, seq=seq,
+                   load_adaptive=p.min_threshold is not None)
+
+
+class Worker:
+    """The engine core's iteration around one worker's parts, in process: it runs whole blocks
+    (colocated) and moves no K/V; ``engine/multi/worker.py``'s ``TransferWorker`` adds the K/V
+    transport. A test may give a stand-in runner."""
+
+    remote = False  # a worker process's reports carry copies of its requests' progress
+
+    def __init__(self, index: int, builder: BatchBuilder, runner: ModelRunner):
+        self.index = index
+        self.builder = builder
+        self.runner = runner
+        self.core = WorkerCore(builder)  # tasks, seats, parked canvases, receives
+        self.events: list[msg.Event] = []
+        self.iterations: list[IterationStats] = []
+
+    # Control messages.
+    def handle(self, m: object) -> None:
+        if isinstance(m, msg.Prefill):
+            state = self.core.parked_payload(m.request_id) if m.state is None else m.state
+            self.core.take_block(Task(scheduling_request(m.request_id, m.arrival, state, m.seq),
+                                      state, m.attempt, m.kv_dest, m.keep_pages,
+                                      stays=m.stays))
+        elif isinstance(m, msg.Drop):
+            self.core.drop(m.request_id)
+        else:
+            raise TypeError(f"worker {self.index}: unexpected message {m!r}")
+
+    # One iteration.
+    def iterate(self) -> bool:
+        """Schedule and run one iteration; False when there was nothing to run now."""
+        start = time.monotonic()
+        batch = self.core.schedule(start)
+        if batch is None:
+            return False
+        self.run(batch, start)
+        return True
+
+    def run(self, batch: ScheduledBatch, start: float) -> None:
+        """The batch's forward (scheduled at ``start``), then its outcomes and reports."""
+        tasks = self.core.batch_tasks(batch)
+        states = [t.payload for t in tasks]
+        if self.builder.num_load_adaptive:  # those starting a block take the load's threshold
+            load = self.builder.load
+            for st in states:
+                if st.params.min_threshold is not None:
+                    st.set_load(load)
+        outcomes = self._execute(tasks, states, [r.pages for r in batch.requests])
+        end = time.monotonic()
+        out = self.core.complete(batch, tasks, outcomes, start, end)
+        for t, chunk in out.refreshed:
+            self.events.append(msg.RefreshRan(t.request.request_id, t.attempt, end - start,
+                                              chunk))
+        for ship in out.ships:
+            self._ship(ship)
+        for ev in out.ended:
+            rid, attempt = ev.task.request.request_id, ev.task.attempt
+            if isinstance(ev, BlockEnded):
+                progress = msg.block_progress(ev.task.payload, ev.block) if self.remote else None
+                self.events.append(msg.BlockDone(rid, attempt, progress, list(ev.kept or ()),
+                                                 continues=ev.kept is None))
+            else:
+                self.events.append(msg.RequestFailed(rid, attempt, ev.error))
+        self.iterations.append(out.stats)
+
+    def _execute(self, tasks: list[Task], states: list[DecodeState],
+                 pages: list[list[int]]) -> list[StepOutcome]:
+        """The forward (``TransferWorker`` streams refreshes' K/V out during it)."""
+        return self.runner.execute(states, pages)
+
+    def _ship(self, ship: Ship) -> None:
+        raise RuntimeError(f"worker {self.index} moves no K/V: it cannot ship "
+                           f"{ship.task.request.request_id!r}")

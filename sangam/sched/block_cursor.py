@@ -1,0 +1,270 @@
+"""A request's block geometry and its place in it: the one definition of which positions each
+forward covers (docs/design.md §2) and of what a block's first step is (the refresh cadence).
+
+Pure Python. One cursor per request per process: the scheduler's ``Request`` and the decoder's
+``DecodeState`` of a request hold the same object, so neither keeps a copy to synchronise.
+Who moves it: the decoder's commit (``advance``, ``store_chunk``: the step ran), the scheduler
+(``admit_chunk``: it admitted part of a prefill) and a front that takes a request back
+(``lose_cache``) or hears another process's progress (``catch_up``).
+
+Geometry (P prompt tokens, a canvas, S suffix tokens; T = P + canvas + S; blocks of B):
+- bidirectional models: block b covers [P + bB, P + (b+1)B). Its first step follows the
+  cadence: a full refresh spans [0, T), a response-only one [P, T), and a cached first step the
+  usual cached span, reaching back to s - 1 when row p - 1 predicts p (``shift``, Dream). Later
+  steps span [s, e) (``cache="dual"``) or [s, T) (``"prefix"``); with ``"none"`` every step is
+  a refresh over [0, T).
+- block-causal models (SDAR): blocks lie on the grid from position 0, block 0 at
+  floor(P/B)·B; the canvas ends on the grid. Block 0's first step (the request's refresh) spans
+  [prefilled, e): the prompt's K/V not stored yet and the block; a prefill chunk admitted by the
+  scheduler spans [prefilled, chunk_end) and scores nothing. A later block's first step spans
+  [s - B, e) (it stores the finished block's final K/V), other steps [s, e). Keys: up to the
+  span's end (nothing after it is visible, or written yet).
+
+The C++ host path (csrc/host_batch.cpp) reads the cursor's ``record`` (laid out as
+``CURSOR_FIELDS``, handed to it at import) and mirrors these rules; tests/test_host_batch.py
+drives both.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from sangam.sampling_params import CACHE_MODES, MAX_INT32
+
+# How a block's first step runs: a full refresh, a response-only refresh, or a cached step.
+FULL_REFRESH, RESPONSE_REFRESH, NO_REFRESH = "full", "response", "none"
+
+# The cursor's record: its geometry (fixed at construction) then its progress. chunk_end is -1
+# when no chunk is admitted; cache is the index into CACHE_MODES.
+CURSOR_FIELDS = (
+    "prompt_len", "canvas_end", "total_len", "block_length", "block_origin", "num_blocks",
+    "cache", "refresh_interval", "prompt_refresh_interval", "shift", "block_causal",
+    "block", "step", "force_refresh", "prefilled", "chunk_end",
+)
+_BLOCK, _STEP, _FORCE, _PREFILLED, _CHUNK_END = (
+    CURSOR_FIELDS.index(n) for n in ("block", "step", "force_refresh", "prefilled", "chunk_end"))
+
+
+def cadence(block: int, refresh_interval: int, prompt_refresh_interval: int) -> str:
+    """How block ``block`` of a bidirectional request starts: every ``refresh_interval``-th
+    block refreshes, and every ``prompt_refresh_interval``-th of those fully; block 0 always
+    fully."""
+    if block % (refresh_interval * prompt_refresh_interval) == 0:
+        return FULL_REFRESH
+    return RESPONSE_REFRESH if block % refresh_interval == 0 else NO_REFRESH
+
+
+class BlockCursor:
+    """Invariants: ``0 <= block < num_blocks``; ``step`` counts the current block's forwards
+    (0: the next is its first); ``prefilled`` (block-causal) is a multiple of B below block 0's
+    start; ``chunk_end`` is None or in (prefilled, block_origin]."""
+
+    __slots__ = ("prompt_len", "canvas_end", "total_len", "block_length", "block_origin",
+                 "num_blocks", "cache", "refresh_interval", "prompt_refresh_interval", "shift",
+                 "block_causal", "record")
+
+    def __init__(self, prompt_len: int, canvas_len: int, block_length: int, *,
+                 suffix_len: int = 0, cache: str = "dual", refresh_interval: int = 1,
+                 prompt_refresh_interval: int = 1, shift: int = 0, block_causal: bool = False):
+        if prompt_len < 1:
+            raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
+        if not 1 <= block_length <= MAX_INT32 or canvas_len < 1:
+            raise ValueError(f"block_length ({block_length}) and canvas_len ({canvas_len}) must "
+                             "be >= 1")
+        if block_causal and (suffix_len or shift or (prompt_len + canvas_len) % block_length):
+            raise ValueError(f"a block-causal canvas ({canvas_len}) must end the prompt "
+                             f"({prompt_len}) on the grid of block_length ({block_length}), "
+                             "with no suffix and no shifted logits")
+        if not block_causal and canvas_len % block_length:
+            raise ValueError(f"canvas_len ({canvas_len}) must be a multiple of block_length "
+                             f"({block_length})")
+        if suffix_len < 0 or shift not in (0, 1):
+            raise ValueError(f"suffix_len must be >= 0 and shift 0 or 1, got {suffix_len}, "
+                             f"{shift}")
+        if cache not in CACHE_MODES:
+            raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
+        if not (1 <= refresh_interval <= MAX_INT32 and 1 <= prompt_refresh_interval <= MAX_INT32):
+            raise ValueError(f"refresh intervals must be in [1, {MAX_INT32}], got "
+                             f"{refresh_interval}, {prompt_refresh_interval}")
+        self.prompt_len = prompt_len
+        self.canvas_end = prompt_len + canvas_len  # where the suffix begins
+        self.total_len = self.canvas_end + suffix_len
+        self.block_length = block_length
+        self.block_origin = prompt_len // block_length * block_length if block_causal \
+            else prompt_len
+        self.num_blocks = (self.canvas_end - self.block_origin) // block_length
+        self.cache = cache
+        self.refresh_interval = refresh_interval
+        self.prompt_refresh_interval = prompt_refresh_interval
+        self.shift = shift
+        self.block_causal = block_causal
+        self.record = array("q", (
+            prompt_len, self.canvas_end, self.total_len, block_length, self.block_origin,
+            self.num_blocks, CACHE_MODES.index(cache), refresh_interval, prompt_refresh_interval,
+            shift, int(block_causal), 0, 0, 0, 0, -1))
+
+    def __repr__(self) -> str:
+        return (f"BlockCursor(block={self.block}/{self.num_blocks}, step={self.step}, "
+                f"T={self.total_len}, cache={self.cache})")
+
+    def copy(self) -> BlockCursor:
+        """An independent cursor at the same place (another process's copy of it)."""
+        other = object.__new__(BlockCursor)
+        for name in BlockCursor.__slots__:
+            setattr(other, name, getattr(self, name))
+        other.record = array("q", self.record)
+        return other
+
+    # Progress, kept in the record (the C++ host path reads and writes it there).
+    @property
+    def block(self) -> int:
+        return self.record[_BLOCK]
+
+    @block.setter
+    def block(self, value: int) -> None:
+        self.record[_BLOCK] = value
+
+    @property
+    def step(self) -> int:
+        return self.record[_STEP]
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.record[_STEP] = value
+
+    @property
+    def force_refresh(self) -> bool:
+        """The current block starts with a full refresh whatever the cadence says: the adaptive
+        trigger fired when the block before it ended, or its cached K/V was lost."""
+        return bool(self.record[_FORCE])
+
+    @force_refresh.setter
+    def force_refresh(self, value: bool) -> None:
+        self.record[_FORCE] = int(value)
+
+    @property
+    def prefilled(self) -> int:
+        """Block-causal: prompt positions whose K/V is stored (whole blocks)."""
+        return self.record[_PREFILLED]
+
+    @prefilled.setter
+    def prefilled(self, value: int) -> None:
+        self.record[_PREFILLED] = value
+
+    @property
+    def chunk_end(self) -> int | None:
+        """The end of the prefill chunk admitted for the next forward; None: no chunk."""
+        end = self.record[_CHUNK_END]
+        return None if end < 0 else end
+
+    @chunk_end.setter
+    def chunk_end(self, value: int | None) -> None:
+        self.record[_CHUNK_END] = -1 if value is None else value
+
+    # Rules.
+    def block_bounds(self) -> tuple[int, int]:
+        """The current block's positions [s, e)."""
+        s = self.block_origin + self.record[_BLOCK] * self.block_length
+        return s, s + self.block_length
+
+    def block_refresh(self, block: int) -> str:
+        """How ``block`` starts by the cadence (a block-causal request refreshes block 0 only:
+        its finished blocks' K/V is exact)."""
+        if self.block_causal:
+            return FULL_REFRESH if block == 0 else NO_REFRESH
+        return cadence(block, self.refresh_interval, self.prompt_refresh_interval)
+
+    @property
+    def block_start(self) -> str:
+        """How the current block starts: as the cadence says, or fully if forced."""
+        return FULL_REFRESH if self.record[_FORCE] else self.block_refresh(self.record[_BLOCK])
+
+    def span(self, step: int | None = None) -> tuple[int, int]:
+        """The query positions [start, end) of the current block's forward number ``step``
+        (default: the next one), by the module docstring's rules."""
+        r = self.record
+        block, b = r[_BLOCK], self.block_length
+        step = r[_STEP] if step is None else step
+        s = self.block_origin + block * b
+        e = s + b
+        if self.block_causal:  # the cache is exact: nothing after a block ever attends to it
+            if step:
+                return s, e
+            if block == 0 or r[_FORCE]:  # the prompt's K/V (what is left of it) and the block
+                end = r[_CHUNK_END]
+                return r[_PREFILLED], e if end < 0 else end
+            return s - b, e
+        if self.cache == "none":
+            return 0, self.total_len
+        if step == 0:
+            start = FULL_REFRESH if r[_FORCE] else self.block_refresh(block)
+            if start == FULL_REFRESH:
+                return 0, self.total_len
+            if start == RESPONSE_REFRESH:
+                return self.prompt_len, self.total_len
+            s -= self.shift  # a cached first step: with shifted logits, row s - 1 predicts s
+        return (s, e) if self.cache == "dual" else (s, self.total_len)
+
+    @property
+    def span_len(self) -> int:
+        """The next forward's span length: its cost in tokens."""
+        start, end = self.span()
+        return end - start
+
+    @property
+    def decode_span(self) -> int:
+        """The span length of the current block's next cached step: the next forward's when
+        it is one, else (the block starts with a refresh) its second forward's."""
+        r = self.record
+        cached = r[_STEP] or self.block_start == NO_REFRESH
+        start, end = self.span(None if cached else 1)
+        return end - start
+
+    def keys_attended(self, span_end: int) -> int:
+        """Cached positions a forward ending at ``span_end`` attends over: all T, or for a
+        block-causal model those up to its span's end."""
+        return span_end if self.block_causal else self.total_len
+
+    def chunk_room(self, budget: int | float) -> int:
+        """The longest prefill chunk within ``budget`` tokens: whole blocks of the prompt not
+        stored yet (the block with the first masks is never split off); 0 if none fits."""
+        if not self.block_causal or self.block_start != FULL_REFRESH:
+            return 0
+        room = self.block_origin - self.record[_PREFILLED]
+        if budget < room:
+            room = int(budget) // self.block_length * self.block_length
+        return max(0, room)
+
+    # Moves.
+    def admit_chunk(self, tokens: int) -> None:
+        """The scheduler admitted ``tokens`` of the prompt's K/V (``chunk_room``) alone."""
+        self.record[_CHUNK_END] = self.record[_PREFILLED] + tokens
+
+    def store_chunk(self) -> None:
+        """The admitted chunk's forward ran: its K/V is stored."""
+        r = self.record
+        r[_PREFILLED], r[_CHUNK_END] = r[_CHUNK_END], -1
+
+    def advance(self, block_done: bool, finished: bool, force_next: bool = False) -> None:
+        """A step committed; with ``block_done`` (and not ``finished``) the next block begins,
+        with a full refresh if ``force_next`` (the adaptive trigger)."""
+        r = self.record
+        r[_STEP] += 1
+        r[_FORCE] = 0
+        if block_done and not finished:
+            if r[_BLOCK] + 1 >= self.num_blocks:
+                raise ValueError(f"{self!r}: the last block is done, so the request must finish")
+            r[_BLOCK] += 1
+            r[_STEP] = 0
+            r[_FORCE] = int(force_next)
+
+    def lose_cache(self) -> None:
+        """The K/V this request had is gone (its worker died, a transfer failed): its current
+        block starts over with a full refresh, from position 0."""
+        r = self.record
+        r[_STEP], r[_FORCE], r[_PREFILLED], r[_CHUNK_END] = 0, 1, 0, -1
+
+    def catch_up(self, block: int, step: int, force_refresh: bool) -> None:
+        """Take another process's progress of this request in."""
+        r = self.record
+        r[_BLOCK], r[_STEP], r[_FORCE] = block, step, int(force_refresh)
