@@ -10,7 +10,7 @@ from sangam.engine.async_engine import AsyncEngine
 
 
 async def stream(engine: AsyncEngine, task: str, params: SamplingParams) -> None:
-    ids = engine.engine.loaded.encode_chat([{"role": "user", "content": task}])
+    ids = engine.engine.loaded.text.encode_chat([{"role": "user", "content": task}])
     async for out in engine.generate(ids, params, request_id=task):
         probs = " ".join(f"{math.exp(lp):.2f}" for lp in out.logprobs)
         state = out.finish_reason if out.finished else "..."

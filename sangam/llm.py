@@ -1,4 +1,4 @@
-"""``LLM``: offline batched generation through the engine (DESIGN.md §3)."""
+"""``LLM``: offline batched generation through the engine (docs/design.md §3)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class LLM:
 
     @property
     def tokenizer(self):
-        return self.loaded.tokenizer
+        return self.loaded.text.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams gets: the checkpoint's generation_config.json
@@ -51,7 +51,7 @@ class LLM:
 
     def get_tokenizer(self):
         """The checkpoint's tokenizer (None without one): vLLM's name for ``tokenizer``."""
-        return self.loaded.tokenizer
+        return self.loaded.text.tokenizer
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes, if any (also done at interpreter exit)."""
@@ -121,7 +121,7 @@ class LLM:
         if not conversations:
             raise ValueError("no conversation given")
         template = load_chat_template(chat_template) if chat_template is not None else None
-        ids = [self.loaded.encode_chat(list(c), template, add_generation_prompt,
+        ids = [self.loaded.text.encode_chat(list(c), template, add_generation_prompt,
                                        continue_final_message, chat_template_kwargs, tools)
                for c in conversations]
         return self.generate(sampling_params=sampling_params, prompt_token_ids=ids,
@@ -139,15 +139,15 @@ class LLM:
 
     def _one_input(self, prompt: Prompt) -> tuple[list[int], list[int]]:
         if isinstance(prompt, str):
-            return self.loaded.encode(prompt), []
+            return self.loaded.text.encode(prompt), []
         if isinstance(prompt, Mapping) and set(prompt) <= _PROMPT_KEYS:
             head = _part(prompt, "prompt", "prompt_token_ids")
             tail = _part(prompt, "suffix", "suffix_token_ids")
             has_head = "prompt" in prompt or "prompt_token_ids" in prompt
             if has_head and head is not None and tail is not None:
                 # The suffix continues the text: no special tokens (BOS) of its own.
-                suffix = self.loaded.encode(tail, False) if isinstance(tail, str) else tail
-                return (self.loaded.encode(head) if isinstance(head, str) else head), suffix
+                suffix = self.loaded.text.encode(tail, False) if isinstance(tail, str) else tail
+                return (self.loaded.text.encode(head) if isinstance(head, str) else head), suffix
         raise ValueError(f"a prompt is a text, {{'prompt': text}} or "
                          f"{{'prompt_token_ids': ids}}, plus optionally 'suffix' (text) or "
                          f"'suffix_token_ids'; got {prompt!r:.80}")

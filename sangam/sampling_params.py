@@ -1,4 +1,4 @@
-"""User-facing request options and results (DESIGN.md §3)."""
+"""User-facing request options and results (docs/design.md §3)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ SEED_BITS = 63  # a seed is in [0, 2**SEED_BITS): a non-negative int64
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request is decoded. Validated on construction; see DESIGN.md §2."""
+    """How one request is decoded. Validated on construction; see docs/design.md §2."""
 
     max_tokens: int = 256
     block_length: int = 32
@@ -80,7 +80,7 @@ class SamplingParams:
     # seed is set) and returns them as one output's ``outputs``. A request is one sequence:
     # the engines take n = 1 only (the server's n makes n requests itself).
     n: int = 1
-    # Refresh cadence (DESIGN.md §2): block b > 0 starts with a refresh only when b is a
+    # Refresh cadence (docs/design.md §2): block b > 0 starts with a refresh only when b is a
     # multiple of refresh_interval (else with a cached step over its span), and of those
     # refreshes every prompt_refresh_interval-th is full, the others response-only. 1 and 1:
     # every block starts with a full refresh (Fast-dLLM's cache).

@@ -22,6 +22,7 @@ from sangam.engine.async_engine import AsyncEngine
 from sangam.engine.engine import Engine
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.reference_decoder import ReferenceDecoder
+from sangam.engine.validation import new_state
 
 # How a caller leaves: it does not (reads to the end), its task is cancelled (at a random
 # moment: before the engine saw the request, queued, mid-block, at a boundary...), it closes
@@ -46,7 +47,7 @@ def _reference(path: str, reqs) -> dict[str, list[int]]:
     out = {}
     for rid, prompt, params, plan, _ in reqs:
         if plan == "finish":
-            st = lm.new_state(prompt, params, random.Random(0))
+            st = new_state(lm, prompt, params, random.Random(0))
             ReferenceDecoder(lm.model).run(st)
             out[rid] = st.output_token_ids()
     return out

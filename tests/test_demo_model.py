@@ -222,7 +222,7 @@ def test_long_demo_answers_over_many_blocks(options):
     # `sangam-bench quality --model sangam-demo-long` measures the whole sweep; here 12 tasks.
     llm = LLM(model="sangam-demo-long", device="cpu", dtype="float32")
     tasks = eval_set(4, families=LONG_FAMILIES)
-    prompts = [llm.loaded.encode_chat([{"role": "user", "content": t.prompt}]) for t in tasks]
+    prompts = [llm.loaded.text.encode_chat([{"role": "user", "content": t.prompt}]) for t in tasks]
     params = llm.loaded.default_params()
     assert (params.max_tokens, params.block_length) == (160, 16)
     outs = llm.generate(prompt_token_ids=prompts,

@@ -354,7 +354,6 @@ def _citations(pattern: str) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(strict=False, reason="citations being moved")
 def test_code_cites_the_design_contract_in_docs():
     stale = [where for where, _ in _citations(r"DESIGN\.md")]
     assert not stale, f"{len(stale)} citations of DESIGN.md (now docs/design.md): {stale[:5]}"

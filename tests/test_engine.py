@@ -15,6 +15,7 @@ from sangam.engine.engine import Engine
 from sangam.engine.front import QueueFull, RequestRejected
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.reference_decoder import ReferenceDecoder
+from sangam.engine.validation import new_state
 from sangam.models import read_config
 from sangam.sampling_params import SamplingParams
 
@@ -71,7 +72,7 @@ def _reference(lm, reqs):
 def _decode_one_by_one(lm, reqs):
     out = {}
     for rid, prompt, params, _, suffix in reqs:
-        st = lm.new_state(prompt, params, random.Random(0), suffix)
+        st = new_state(lm, prompt, params, random.Random(0), suffix)
         ReferenceDecoder(lm.model).run(st)
         tokens = st.output_token_ids()
         logprobs = st.output_logprobs(len(tokens)) if params.logprobs is not None else None
@@ -158,7 +159,7 @@ def test_refresh_cadence_matches_reference(loaded, arch, policy, budget):
     # reference's spans, step by step).
     spans = {"full": 0, "response": 0, "forced": 0}
     for _, prompt, params, _, suffix in reqs:
-        st = lm.new_state(prompt, params, random.Random(0), suffix)
+        st = new_state(lm, prompt, params, random.Random(0), suffix)
         plan = st.plan
 
         def recording_plan(st=st, plan=plan, params=params):
@@ -190,7 +191,7 @@ def test_refresh_cadence_changes_tokens_and_forwards(loaded):
     for cadence in CADENCES[1:]:  # a random model's argmax moves rarely: its confidence does
         assert all(a != b for a, b in zip(outs[cadence], outs[1, 1])), cadence
     # Spans of the first step of each block, for one request of 9 prompt tokens, T = 33.
-    st = lm.new_state(prompts[0], dataclasses.replace(base, refresh_interval=3,
+    st = new_state(lm, prompts[0], dataclasses.replace(base, refresh_interval=3,
                                                       prompt_refresh_interval=2),
                       random.Random(0))
     firsts = []
@@ -200,7 +201,7 @@ def test_refresh_cadence_changes_tokens_and_forwards(loaded):
         plan = st.plan()
         st.apply(plan, np.full(len(plan.positions), 5), np.ones(len(plan.positions)))
     assert firsts == [(0, 33), (13, 17), (17, 21), (9, 33), (25, 29), (29, 33)]
-    st = lm.new_state(prompts[0], dataclasses.replace(base, refresh_interval=2),
+    st = new_state(lm, prompts[0], dataclasses.replace(base, refresh_interval=2),
                       random.Random(0))
     st.block, st.force_refresh = 1, True  # taken back after a failure: a full refresh
     assert st.span() == (0, 33) and st.force_refresh

@@ -67,7 +67,7 @@ def test_every_rule_and_cache_mode_is_deterministic(llms, arch, cache, rule):
 
 def _llada_reference_generate(model, prompt, gen_length, block_length, suffix=()):
     """LLaDA's reference generate(): steps == gen_length, low-confidence remasking, one token
-    per step, a full forward every step (mask token excluded per DESIGN.md §2); with a
+    per step, a full forward every step (mask token excluded per docs/design.md §2); with a
     ``suffix`` after the masks, its infilling. Returns the tokens and the probability each had
     when it was committed."""
     mask = model.config.mask_token_id

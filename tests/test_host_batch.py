@@ -131,7 +131,7 @@ def _assert_same_state(a: DecodeState, b: DecodeState) -> None:
 
 
 def _naive_pack(states, pages, page_size) -> PackedBatch:
-    """PackedBatch straight from DESIGN.md §2, one request at a time (checks from_plans)."""
+    """PackedBatch straight from docs/design.md §2, one request at a time (checks from_plans)."""
     plans = [st.plan() for st in states]
     width = max(len(pg) for pg in pages)
     cols = {name: [] for name in PackedBatch.__dataclass_fields__}

@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md §1, as the imports say: serve / bench -> engine -> (sched, models,
+"""The layers of docs/design.md §1, as the imports say: serve / bench -> engine -> (sched, models,
 decoding) -> kernels, each depending only on the ones below (never sideways between the three
 of the middle); every module of the package, top-level ones too, is in a unit of ALLOWED; no
 two modules import each other, however indirectly; and the policy core imports without

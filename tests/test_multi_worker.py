@@ -1,7 +1,7 @@
 """Multi-worker serving: worker processes, every mode, K/V transfer, failures, shutdown.
 
 Everything runs in float64 on CPU and must give exactly the single-request reference's tokens
-(DESIGN.md §2, batch invariance: not even the serving mode may change them).
+(docs/design.md §2, batch invariance: not even the serving mode may change them).
 """
 
 import dataclasses
@@ -20,10 +20,12 @@ from sangam import LLM
 from sangam.config import EngineConfig
 from sangam.engine.async_engine import AsyncEngine
 from sangam.engine.front import tokens_per_forward
+from sangam.engine.interface import SteppedEngine
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import make_engine
 from sangam.engine.multi.front import MultiWorkerEngine
 from sangam.engine.reference_decoder import ReferenceDecoder
+from sangam.engine.validation import new_state
 from sangam.sampling_params import SamplingParams
 from sangam.sched.batch_builder import BatchBuilder
 from sangam.sched.block_cursor import BlockCursor
@@ -114,7 +116,7 @@ def _reference(path, arch, workloads=WORKLOADS):
         lm = LoadedModel.load(EngineConfig(model=path, device="cpu", dtype="float64"))
         out = {}
         for rid, prompt, params, _, suffix in workloads[arch]:
-            st = lm.new_state(prompt, params, random.Random(0), suffix)
+            st = new_state(lm, prompt, params, random.Random(0), suffix)
             ReferenceDecoder(lm.model).run(st)
             tokens = st.output_token_ids()
             top = st.output_top_logprobs(len(tokens)) if params.logprobs else None
@@ -362,7 +364,7 @@ def test_modes_match_reference(paths, arch, layout):
         llm = LLM(**opts)
         pids = _descendants(os.getpid()) - before  # the workers and their launcher
         assert {s.pid for s in llm.engine.worker_states()} < pids and len(pids) == 4
-        assert isinstance(llm.engine, MultiWorkerEngine)
+        assert isinstance(llm.engine, MultiWorkerEngine) and isinstance(llm.engine, SteppedEngine)
         outs = llm.generate([_prompt(r) for r in reqs], [r[2] for r in reqs])
         got = {rid: _outcome(o) for (rid, *_), o in zip(reqs, outs)}
         by_worker = llm.engine.placement.counters.prefills_by_worker
@@ -427,7 +429,7 @@ def test_load_adaptive_thresholds_travel_with_their_blocks(paths):
             got = outs[rid].block_thresholds
             assert len(got) == 4 and all(0.2 <= t <= 0.9 for t in got)
             lowered += sum(t < 0.9 for t in got)
-            st = lm.new_state(prompt, params, random.Random(0))
+            st = new_state(lm, prompt, params, random.Random(0))
             st.block_thresholds[:] = got
             ReferenceDecoder(lm.model).run(st)
             assert outs[rid].token_ids == st.output_token_ids(), rid

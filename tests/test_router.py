@@ -1,4 +1,4 @@
-"""Router placement (DESIGN.md §4, Modes): by load, seeded ties, hybrid overflow, liveness."""
+"""Router placement (docs/design.md §4, Modes): by load, seeded ties, hybrid overflow, liveness."""
 
 from __future__ import annotations
 

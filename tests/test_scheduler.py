@@ -1,4 +1,4 @@
-"""Request state machine, page allocator and BatchBuilder: every rule of DESIGN.md §4.
+"""Request state machine, page allocator and BatchBuilder: every rule of docs/design.md §4.
 
 The builder is driven as the engine and the simulator drive it: ``schedule`` then one
 ``step_done`` per scheduled request. Costs are in tokens: a refresh costs T = P + G; a cached

@@ -20,6 +20,7 @@ from sangam.engine.async_engine import AsyncEngine
 from sangam.engine.engine import Engine
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.reference_decoder import ReferenceDecoder, UpstreamBlockDiffusion, fused_savings
+from sangam.engine.validation import new_state
 from sangam.models import CheckpointError, load_model, parse_config, read_config
 from sangam.testing import make_tiny_checkpoint, tiny_config
 
@@ -100,7 +101,7 @@ def _upstream(loaded, reqs):
     """Tokens and upstream forwards per request, and the forwards the engine should spend."""
     out = {}
     for rid, prompt, params in reqs:
-        st = loaded.new_state(prompt, params, random.Random(0))
+        st = new_state(loaded, prompt, params, random.Random(0))
         tokens, forwards = UpstreamBlockDiffusion(loaded.model).run(st)
         out[rid] = (tokens, forwards - fused_savings(st))
     return out
@@ -108,7 +109,7 @@ def _upstream(loaded, reqs):
 
 def test_canvas_lies_on_the_block_grid(loaded):
     params = SamplingParams(max_tokens=6, block_length=4, stop_at_eos=False)
-    st = loaded.new_state([5] * 7, params, random.Random(0))
+    st = new_state(loaded, [5] * 7, params, random.Random(0))
     # T = ceil((7 + 6) / 4) * 4 = 16; block 0 = [4, 8) holds the prompt's tail 4..6.
     assert (st.total_len, st.block_origin, st.num_blocks, st.block_bounds()) == (16, 4, 3, (4, 8))
     assert st.span() == (0, 8)  # the prompt's K/V and block 0's first step in one forward
@@ -118,9 +119,9 @@ def test_canvas_lies_on_the_block_grid(loaded):
     ReferenceDecoder(loaded.model).run(st)
     assert st.finished and len(st.output_token_ids()) == 6
     with pytest.raises(ValueError, match="block-causal"):
-        loaded.new_state([5], SamplingParams(cache="prefix"), random.Random(0))
+        new_state(loaded, [5], SamplingParams(cache="prefix"), random.Random(0))
     with pytest.raises(ValueError, match="refresh_interval"):
-        loaded.new_state([5], SamplingParams(refresh_interval=2), random.Random(0))
+        new_state(loaded, [5], SamplingParams(refresh_interval=2), random.Random(0))
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prompt", "chunked"])
@@ -183,9 +184,27 @@ def test_llm_and_async_engine_serve_sdar(sdar_path, loaded):
         assert lengths == sorted(lengths) and outs[-1].finished
 
 
-def test_multi_worker_modes_say_they_do_not_serve_it_yet(sdar_path):
-    with pytest.raises(ValueError, match="one worker process"):
-        LLM(sdar_path, device="cpu", num_workers=2)
+def test_colocated_workers_equal_the_upstream_loop(sdar_path, loaded):
+    """Worker processes serve it colocated, each request on one worker for all its blocks
+    (chunked prefill included); there is no prefill to disaggregate."""
+    rng = random.Random(4)
+    reqs = [_request(rng, i) for i in range(8)]
+    reqs += [("long", [rng.randrange(2, 150) for _ in range(90)],
+              SamplingParams(max_tokens=8, block_length=4, threshold=0.6, seed=1))]
+    want = _upstream(loaded, reqs)
+    llm = LLM(sdar_path, device="cpu", dtype="float64", num_workers=2, page_size=4,
+              num_pages=200, token_budget=64, enable_chunked_prefill=True)
+    try:
+        outs = llm.generate(prompt_token_ids=[p for _, p, _ in reqs],
+                            sampling_params=[s for _, _, s in reqs])
+        got = [(o.token_ids, o.num_forwards - (o.metrics["num_refreshes"] - 1)) for o in outs]
+        assert got == [want[r] for r, _, _ in reqs]
+        assert max(o.metrics["num_refreshes"] for o in outs) > 1  # the long prompt in chunks
+        assert len(llm.engine.placement.counters.prefills_by_worker) == 2  # both served
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="colocated"):
+        LLM(sdar_path, device="cpu", mode="disaggregated")
 
 
 def test_server_serves_sdar(tmp_path):

@@ -55,7 +55,7 @@ def _expected(llm, ref, stop, min_tokens=0, include=False):
     """Brute force: the response ends at the first token whose prefix's text holds a stop
     string ending beyond the text of the first ``min_tokens`` tokens; the text is cut before
     the earliest such string (after it, with ``include``)."""
-    decode = llm.engine.loaded.decode
+    decode = llm.engine.loaded.text.decode
     floor = len(decode(ref.token_ids[:min_tokens]))
     for n in range(1, len(ref.token_ids) + 1):
         text = decode(ref.token_ids[:n])
@@ -157,7 +157,7 @@ def test_skip_special_tokens(llm):
 def test_each_block_decodes_only_its_own_tokens(llm, monkeypatch):
     """The engine's stop-string search and the outputs' text decode each block once (with a
     few tokens of context), not the whole response at every block, and give the same text."""
-    tokenizer = llm.engine.loaded.tokenizer
+    tokenizer = llm.engine.loaded.text.tokenizer
     lengths = []
 
     def counting_decode(ids, **kw):
@@ -166,7 +166,7 @@ def test_each_block_decodes_only_its_own_tokens(llm, monkeypatch):
 
     monkeypatch.setattr(tokenizer, "decode", counting_decode)
     params = SamplingParams(**{**BASE, "max_tokens": 64}, stop="\u00e9")  # not in the vocab
-    llm.engine.add_request("blocks", llm.engine.loaded.encode(PROMPTS[2]), params)
+    llm.engine.add_request("blocks", llm.engine.loaded.text.encode(PROMPTS[2]), params)
     outs = []
     while llm.engine.has_unfinished_requests():
         outs += llm.engine.step()
@@ -187,23 +187,23 @@ def test_the_searched_text_travels_with_the_state(llm):
 
     def counting_decode(ids, skip):
         lengths.append(len(ids))
-        return loaded.decode(ids, skip)
+        return loaded.text.decode(ids, skip)
 
     text = "the quick brown fox jumps over the lazy dog; " * 3
     params = SamplingParams(max_tokens=128, block_length=8, stop="dog; the q")
-    state = DecodeState(loaded.encode("x"), params, loaded.config.mask_token_id, frozenset(),
+    state = DecodeState(loaded.text.encode("x"), params, loaded.config.mask_token_id, frozenset(),
                         False)
     found = []
     while not state.finished:
         state = pickle.loads(pickle.dumps(state))  # to another worker and back
         s, e = state.block_bounds()
-        state.tokens[s:e] = loaded.encode(text[s - state.prompt_len:e - state.prompt_len],
+        state.tokens[s:e] = loaded.text.encode(text[s - state.prompt_len:e - state.prompt_len],
                                           add_special_tokens=False)
         state.block += 1
         found.append(apply_stop_strings(state, counting_decode))
     end = text.index(params.stop[0]) + len(params.stop[0])  # 50, in the seventh block
     assert found == [False] * 6 + [True]
-    assert state.output_token_ids() == loaded.encode(text[:end], add_special_tokens=False)
+    assert state.output_token_ids() == loaded.text.encode(text[:end], add_special_tokens=False)
     assert sum(lengths) < 7 * (8 + 2 * CONTEXT_TOKENS) + 3 * 56  # blocks, and the bisection
 
 

@@ -14,7 +14,7 @@ traffic (a roofline per part), plus host overheads:
   mask: every query sees every cached position of its request);
 - K/V bytes: each span reads its request's whole cache (KV length x KV bytes per token) and
   writes its own fresh K/V;
-- LM head: only the rows that predict masked positions of the current block (DESIGN.md §2).
+- LM head: only the rows that predict masked positions of the current block (docs/design.md §2).
 
 The rates default to a GPU's peak times efficiency factors (:data:`DEFAULT_EFFICIENCY`);
 ``sangam-bench calibrate`` measures forwards and fits all five coefficients instead
@@ -40,7 +40,7 @@ BF16_BYTES = 2
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """Shapes that set a model's cost (DESIGN.md §6): the simulator's view of a model (its
+    """Shapes that set a model's cost (docs/design.md §6): the simulator's view of a model (its
     fields are what calibration files record)."""
 
     name: str
@@ -118,7 +118,7 @@ GPUS = {
 # Link bandwidths for K/V transfer between workers, bytes/s.
 LINKS = {"nvlink": 450e9, "pcie": 50e9, "network": 25e9}
 
-# Fractions of peak reached by real kernels: ~0.8 for a large square bf16 matmul (DESIGN.md §5
+# Fractions of peak reached by real kernels: ~0.8 for a large square bf16 matmul (docs/design.md §5
 # measures 790 of 989 TFLOP/s), less for a model's thinner shapes; attention kernels reach about
 # half of peak; streaming reads reach ~80% of HBM bandwidth.
 DEFAULT_EFFICIENCY = {"matmul": 0.7, "attention": 0.5, "bandwidth": 0.8}

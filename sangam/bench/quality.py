@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     max_tokens = args.max_tokens or defaults.max_tokens
     block_length = args.block_length or defaults.block_length
     # As the model was trained: one user turn plus the assistant header.
-    prompt_ids = [llm.loaded.encode_chat([{"role": "user", "content": t.prompt}])
+    prompt_ids = [llm.loaded.text.encode_chat([{"role": "user", "content": t.prompt}])
                   for t in tasks]
     modes = sweep(tuple(parse_float_list(args.thresholds)), tuple(parse_float_list(args.factors)),
                   parse_cadences(args.cadences),

@@ -356,9 +356,9 @@ class Bench:
             count = None
             if cfg is not None and self.args.length_scale == 1:
                 loaded = self.factory.loaded(cfg)
-                if loaded.tokenizer is not None:
+                if loaded.text.tokenizer is not None:
                     def count(text: str) -> int:
-                        return len(loaded.encode(text))
+                        return len(loaded.text.encode(text))
             self._lengths = _lengths(self.args, count)
         return self._lengths
 
@@ -376,7 +376,7 @@ class Bench:
             loaded = self.factory.loaded(cfg)
             mc = loaded.config
             reqs = prepare(trace, args, mc.vocab_size, mc.mask_token_id, loaded.context_length,
-                           loaded.encode if loaded.tokenizer is not None else None)
+                           loaded.text.encode if loaded.text.tokenizer is not None else None)
             # The configuration's request defaults (a --compare spec's cache, refresh cadence,
             # ...) and its request overrides (min_threshold, ...) apply to its requests; the
             # trace keeps their lengths.

@@ -1,4 +1,4 @@
-"""Request traces for the serving benchmarks and the simulator (DESIGN.md §7).
+"""Request traces for the serving benchmarks and the simulator (docs/design.md §7).
 
 A trace is a list of :class:`TraceRequest`: arrival time (seconds from the start), prompt
 length, output length, and optionally the prompt itself (text, or token ids). Lengths come from

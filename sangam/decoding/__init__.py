@@ -1,4 +1,4 @@
-"""Decoding semantics of DESIGN.md §2: unmasking rules, sampling, per-request progress."""
+"""Decoding semantics of docs/design.md §2: unmasking rules, sampling, per-request progress."""
 
 from sangam.decoding.confidence import score_logits
 from sangam.decoding.noise import gumbel_noise, noise_key, row_key

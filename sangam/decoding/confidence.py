@@ -1,4 +1,4 @@
-"""From LM-head logits to (token, confidence) per candidate row (DESIGN.md §2)."""
+"""From LM-head logits to (token, confidence) per candidate row (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Edits of a request's logits before they are scored: logit_bias, penalties, min_tokens.
 
 These options change a request's logits, and so its choice, its sampling and its confidence
-(DESIGN.md §2 scores the edited logits):
+(docs/design.md §2 scores the edited logits):
 - ``logit_bias`` (OpenAI): a fixed value added to the given tokens.
 - Penalties on the tokens the response already holds: its committed tokens before the first
   stop id, within ``max_tokens`` (what the output would return; still-masked positions hold no

@@ -1,6 +1,6 @@
 """Counter-based Gumbel noise: a pure function of (seed, block, step, position, token).
 
-Sampling must not depend on batching (DESIGN.md §2), so noise comes from a stateless 32-bit
+Sampling must not depend on batching (docs/design.md §2), so noise comes from a stateless 32-bit
 hash rather than a generator's stream. The Triton unmasking kernel computes the same hash with
 uint32 arithmetic, so kernel and reference draw identical noise.
 """

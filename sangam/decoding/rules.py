@@ -1,4 +1,4 @@
-"""Unmasking rules: which candidates of a step to commit (DESIGN.md §2)."""
+"""Unmasking rules: which candidates of a step to commit (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``AsyncEngine``: the engine for other servers (DESIGN.md §3).
+"""``AsyncEngine``: the engine for other servers (docs/design.md §3).
 
 The Engine runs in one background thread, which alone touches the model and the scheduler;
 callers on an asyncio loop hand it requests and aborts through a queue and receive one
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from sangam.config import EngineConfig
 from sangam.engine.front import check_queue
+from sangam.engine.interface import Gauge, SteppedEngine
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import make_engine
 from sangam.engine.profiler import MAX_PROFILED_STEPS, EngineProfiler
@@ -60,7 +61,9 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  **engine_options):
         self.config = config or EngineConfig.from_options(**engine_options)
-        self.engine = make_engine(self.config, loaded)
+        self.engine: SteppedEngine = make_engine(self.config, loaded)
+        self.loaded = self.engine.loaded
+        self.profilable = self.engine.profilable
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
@@ -78,13 +81,13 @@ class AsyncEngine:
 
     @property
     def tokenizer(self):
-        return self.engine.loaded.tokenizer
+        return self.engine.loaded.text.tokenizer
 
     def describe(self) -> str:
         """One line on what serves (the engine's ``describe``)."""
         return self.engine.describe()
 
-    def gauges(self) -> list[tuple[str, str, float]]:
+    def gauges(self) -> list[Gauge]:
         """The engine's live gauges (read from any thread: plain attribute reads)."""
         return self.engine.gauges()
 
@@ -94,7 +97,7 @@ class AsyncEngine:
 
     async def get_tokenizer(self):
         """The checkpoint's tokenizer (None without one), as vLLM's ``AsyncLLM``."""
-        return self.engine.loaded.tokenizer
+        return self.engine.loaded.text.tokenizer
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None,
@@ -114,10 +117,10 @@ class AsyncEngine:
         finished = False
         try:
             loaded = self.engine.loaded
-            ids = (await asyncio.to_thread(loaded.encode, prompt) if isinstance(prompt, str)
+            ids = (await asyncio.to_thread(loaded.text.encode, prompt) if isinstance(prompt, str)
                    else list(prompt))
             # The suffix continues the text: no special tokens (BOS) of its own.
-            tail = (await asyncio.to_thread(loaded.encode, suffix, False)
+            tail = (await asyncio.to_thread(loaded.text.encode, suffix, False)
                     if isinstance(suffix, str) else list(suffix or ()))
             stream = _Stream(asyncio.get_running_loop())
             accepted = concurrent.futures.Future()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from sangam.config import EngineConfig
 from sangam.engine.front import Front
+from sangam.engine.interface import Gauge
 from sangam.engine.loaded_model import LoadedModel, use_device
 from sangam.engine.model_runner import ModelRunner
 from sangam.engine.worker import Worker, build_worker_parts
@@ -62,7 +63,7 @@ class Engine(Front):
                 f"{self.loaded.model.attention_backend.name} attention, CUDA graphs "
                 f"{f'for block length {spans}' if spans else 'off'}"]
 
-    def gauges(self) -> list[tuple[str, str, float]]:
+    def gauges(self) -> list[Gauge]:
         """(name, help, value) of every live gauge: the scheduler's queue and the KV pool."""
         b, alloc = self.builder, self.pool.allocator
         return [

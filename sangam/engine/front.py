@@ -23,6 +23,8 @@ from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.state import DecodeState
 from sangam.engine import messages as msg
 from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.outputs import request_output
+from sangam.engine.validation import new_state
 from sangam.engine.worker import scheduling_request
 from sangam.sampling_params import RequestOutput, SamplingParams
 from sangam.sched.placement import NeverFits, Placed, Placement
@@ -151,7 +153,7 @@ class Front:
             raise ValueError(f"n={params.n}: a request is one sequence; submit n requests (as "
                              "LLM.generate and the server do)")
         check_queue(len(self.requests), self.config.max_queue_len)
-        state = self.loaded.new_state(prompt_token_ids, params, self._rng, suffix_token_ids)
+        state = new_state(self.loaded, prompt_token_ids, params, self._rng, suffix_token_ids)
         now = time.monotonic() if arrival_time is None else arrival_time
         try:
             placed = self.placement.add(scheduling_request(request_id, now, state))
@@ -300,8 +302,8 @@ class Front:
     # Outputs.
     def _output(self, e: _Entry, finished: bool, reason: str | None,
                 error: str | None = None) -> RequestOutput:
-        return self.loaded.output(e.placed.request_id, e.prompt_ids, e.state, finished, reason,
-                                  self._metrics(e), e.text, error)
+        return request_output(self.loaded.text, e.placed.request_id, e.prompt_ids, e.state,
+                              finished, reason, self._metrics(e), e.text, error)
 
     @staticmethod
     def _metrics(e: _Entry) -> dict:

@@ -1,22 +1,16 @@
-"""A model ready to serve: weights, tokenizer, stop tokens, and request validation."""
+"""A model ready to serve: its weights on their device, its text codec (``text.py``), the ids
+that end a response, the request defaults it suggests, and its context."""
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
-import random
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from sangam.config import EngineConfig
-from sangam.decoding.detokenizer import IncrementalDetokenizer
-from sangam.decoding.state import DecodeState
-from sangam.engine.stop_strings import response_text
+from sangam.engine.text import TextCodec
 from sangam.models import (
     AttentionBackend,
     DiffusionLM,
@@ -26,7 +20,7 @@ from sangam.models import (
     load_tokenizer,
     stop_token_ids,
 )
-from sangam.sampling_params import RequestOutput, SamplingParams
+from sangam.sampling_params import SamplingParams
 
 
 def default_device() -> str:
@@ -67,7 +61,7 @@ def context_limit(cfg: EngineConfig, model_config: ModelConfig) -> int | None:
 
 
 def make_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """``None`` picks triton on GPU and the PyTorch reference on CPU (DESIGN.md §5)."""
+    """``None`` picks triton on GPU and the PyTorch reference on CPU (docs/design.md §5)."""
     name = name or ("triton" if device.type == "cuda" else "torch")
     if name == "torch":
         return TorchAttentionBackend()
@@ -100,7 +94,7 @@ class LoadedModel:
     path: str
     model: DiffusionLM | None  # None in a multi-worker front, which never runs the model
     config: ModelConfig
-    tokenizer: object | None
+    text: TextCodec  # the tokenizer (which may be absent)
     stop_ids: frozenset[int]
     device: torch.device
     dtype: torch.dtype
@@ -128,7 +122,7 @@ class LoadedModel:
         # A block-causal model's requests default to the block size it was trained with.
         trained = ({"block_length": model_config.causal_block_size}
                    if model_config.block_causal else {})
-        return cls(str(path), model, model_config, tokenizer,
+        return cls(str(path), model, model_config, TextCodec(tokenizer),
                    stop_token_ids(model_config.eos_token_id, tokenizer), device, dtype,
                    {**trained, **read_generation_defaults(path), **cfg.request_defaults()},
                    context_limit(cfg, model_config))
@@ -143,117 +137,3 @@ class LoadedModel:
     def context_length(self) -> int:
         """The longest prompt + canvas a request may have: the model's, or --max-model-len."""
         return self.max_model_len or self.config.max_position
-
-    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer: pass prompt_token_ids instead "
-                             "of text prompts")
-        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
-
-    def encode_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: Mapping[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of a conversation through the tokenizer's chat template (or
-        ``chat_template``, a Jinja template's text). As in vLLM: ``add_generation_prompt`` opens
-        the assistant's turn; ``continue_final_message`` leaves the last message open, for the
-        model to continue; ``chat_template_kwargs`` are extra variables of the template;
-        ``tools`` (OpenAI's function definitions) are the template's ``tools``. A missing
-        tokenizer or template, or a conversation the template rejects, is a ValueError."""
-        if self.tokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer, so it cannot chat: pass "
-                             "prompt_token_ids instead")
-        if not messages:
-            raise ValueError("the conversation (messages) is empty")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be "
-                             "true: a reply either opens a new turn or continues the last one")
-        extra = dict(chat_template_kwargs or {})
-        # The template's variables only: never the tokenizer call's own options.
-        reserved = set(inspect.signature(self.tokenizer.apply_chat_template).parameters)
-        clash = sorted(k for k in extra if k in reserved or not k.isidentifier())
-        if clash:
-            raise ValueError(f"chat_template_kwargs cannot set {clash}")
-        if continue_final_message:  # only then: transformers < 4.45 does not know the option
-            extra["continue_final_message"] = True
-        import jinja2  # transformers renders chat templates with it; only chat needs it
-
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                tools=tools, tokenize=False, **extra)
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise ValueError(f"cannot apply the chat template: {e}") from None
-        # The template already wrote the special tokens (BOS...): do not add them again.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-    def new_state(self, prompt_ids: list[int], params: SamplingParams, rng: random.Random,
-                  suffix_ids: list[int] = ()) -> DecodeState:
-        """Validate one request and build its canvas (its prompt truncated as the params ask;
-        with ``suffix_ids``, an infill before them); errors say what is wrong."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
-        if len(prompt_ids) == 0:
-            raise ValueError("the prompt is empty")
-        suffix_ids = list(suffix_ids)
-        if self.config.block_causal:
-            params.check_block_causal(len(suffix_ids))
-        keep = params.truncate_prompt_tokens
-        if keep == -1:
-            # A block-causal canvas may reach B - 1 positions past the plain one.
-            slack = params.block_length - 1 if self.config.block_causal else 0
-            keep = max(1, self.context_length - params.canvas_length - slack - len(suffix_ids))
-        if keep is not None:
-            prompt_ids = prompt_ids[-keep:]
-        vocab = self.config.vocab_size
-        for name, ids in (("prompt", prompt_ids), ("suffix", suffix_ids)):
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name} token ids must be integers in [0, {vocab}); got "
-                                 f"{bad[:5]}")
-        canvas = params.canvas_after(len(prompt_ids), self.config.block_causal)
-        total = len(prompt_ids) + canvas + len(suffix_ids)
-        if total > self.context_length:
-            suffix = f" plus suffix ({len(suffix_ids)} tokens)" if suffix_ids else ""
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) plus response canvas "
-                f"({canvas} tokens){suffix} is {total} tokens, beyond the model's "
-                f"context of {self.context_length}")
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                          ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name}: token ids must be in [0, {vocab}); got {bad[:5]}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer and this checkpoint has none: use "
-                             "stop_token_ids")
-        seed = params.seed if params.seed is not None else rng.getrandbits(63)
-        return DecodeState(list(prompt_ids), params, self.config.mask_token_id, self.stop_ids,
-                           self.config.shift_logits, seed, suffix_ids, self.config.block_causal)
-
-    def output(self, request_id: str, prompt_ids: list[int], state: DecodeState,
-               finished: bool, reason: str | None, metrics: dict,
-               text: IncrementalDetokenizer | None = None,
-               error: str | None = None) -> RequestOutput:
-        """What the caller sees of a request now: its tokens, their text (which, while the
-        request runs, holds back what could still become a stop string), their logprobs when
-        asked for. ``text``, the request's own, makes reading its outputs in order decode each
-        block once."""
-        tokens = state.output_token_ids()
-        decode = self.decode if text is None else functools.partial(text, self.decode)
-        return RequestOutput(
-            request_id=request_id, prompt_token_ids=prompt_ids, token_ids=tokens,
-            make_text=functools.partial(response_text, tokens, state.params, finished, decode),
-            num_forwards=state.num_forwards,
-            logprobs=(state.output_logprobs(len(tokens))
-                      if state.params.logprobs is not None else None),
-            top_logprobs=(state.output_top_logprobs(len(tokens))
-                          if state.params.logprobs else None),
-            finished=finished, finish_reason=reason if finished else None,
-            stop_reason=state.stop_reason() if finished and reason == "stop" else None,
-            block_thresholds=state.output_block_thresholds(), metrics=metrics, error=error)

@@ -2,7 +2,7 @@
 
 Refresh spans (a whole sequence) and cached spans (a block, or block + suffix) of many requests
 are concatenated into one varlen batch; the LM head runs only on rows that predict a masked
-position of a request's current block (DESIGN.md §2). The host work around the forward
+position of a request's current block (docs/design.md §2). The host work around the forward
 (planning, packing, committing) is the HostBatcher's: C++ when built, else Python; the packed
 arrays reach the device in one copy (``device_batch.py``), the inputs of rows scored again
 (``Rescore``) included. Decode
@@ -133,7 +133,7 @@ class ModelRunner:
         for r, (st, done) in enumerate(zip(states, block_done)):
             if done and r not in errors:
                 try:
-                    apply_stop_strings(st, self.loaded.decode)
+                    apply_stop_strings(st, self.loaded.text.decode)
                 except Exception as e:
                     errors[r] = e
         return [_failed(errors[r]) if r in errors else step_outcome(st, done)

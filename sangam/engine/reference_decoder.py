@@ -1,6 +1,6 @@
 """The single-request reference decoder: one request, one forward at a time, its own pages.
 
-This is the oracle the batched engine must reproduce token for token (DESIGN.md §2, batch
+This is the oracle the batched engine must reproduce token for token (docs/design.md §2, batch
 invariance); it is deliberately plain.
 """
 
@@ -60,7 +60,7 @@ class ReferenceDecoder:
 def score_rows(model: DiffusionLM, state: DecodeState, logits: torch.Tensor,
                positions: np.ndarray, keys: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
-    """One request's rows scored as DESIGN.md §2 says (its sampling, logit edits and
+    """One request's rows scored as docs/design.md §2 says (its sampling, logit edits and
     alternatives): tokens, float64 confidences and, with logprobs, the top alternatives."""
     n, p = len(positions), state.params
     edits = pack_edits([request_edits(state, positions)], [n])
@@ -84,7 +84,7 @@ class UpstreamBlockDiffusion:
     mask is left: one denoising forward over the block against the cache, committing by the
     rule; then one more forward over the finished block that stores its K/V; stop after a block
     that holds a stop id. Forwards are counted as upstream spends them. Committing follows
-    DESIGN.md §2 (the mask token is never committed; the threshold rule, which with one token
+    docs/design.md §2 (the mask token is never committed; the threshold rule, which with one token
     per step is upstream's ``low_confidence_dynamic`` up to ties at exactly the threshold).
     The oracle of the engine's block-causal path, which fuses each store forward into the next
     block's first step: it spends ``fused_savings`` fewer forwards and commits the same tokens.

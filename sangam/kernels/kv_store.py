@@ -1,4 +1,4 @@
-"""KV store: write a span's fresh K/V rows into their page slots (DESIGN.md §5.2).
+"""KV store: write a span's fresh K/V rows into their page slots (docs/design.md §5.2).
 
 ``store_kv`` takes K with RoPE applied; ``store_kv_rope`` takes K before RoPE and rotates it on
 the way (rotate-half / NeoX convention, as ``sangam.models.transformer.RotaryEmbedding``), saving

@@ -1,4 +1,4 @@
-"""Page gather/scatter for KV transfer (DESIGN.md §4, §5.4).
+"""Page gather/scatter for KV transfer (docs/design.md §4, §5.4).
 
 The pool is one tensor ``kv_buffer [num_layers, 2, num_pages, page_size, Hkv, D]``; a page of one
 layer's K (or V) is ``page_size * Hkv * D`` contiguous elements. One launch moves the chosen pages

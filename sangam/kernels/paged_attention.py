@@ -1,4 +1,4 @@
-"""Paged bidirectional attention over packed variable-length spans (DESIGN.md §5.1).
+"""Paged bidirectional attention over packed variable-length spans (docs/design.md §5.1).
 
 Request r's query rows ``cu_seqlens_q[r]:cu_seqlens_q[r+1]`` attend, with no causal mask, over
 its first ``kv_lens[r]`` cached positions, which live in pages ``block_tables[r]``.

@@ -1,4 +1,4 @@
-"""Fused confidence scoring (DESIGN.md §2, §5.3): each logits row's token and confidence.
+"""Fused confidence scoring (docs/design.md §2, §5.3): each logits row's token and confidence.
 
 One pass over each row's logits in vocabulary chunks: an online softmax (running max and sum
 of exponentials) together with the running argmax of the logits (temperature 0) or of

@@ -1,7 +1,7 @@
 """Attention over a paged K/V cache: the metadata of a packed batch and the backend interface.
 
 Every forward — a refresh of the whole sequence or a cached step over one block — is the same
-operation (DESIGN.md §2): write the span's fresh K/V into its page slots, then let each query
+operation (docs/design.md §2): write the span's fresh K/V into its page slots, then let each query
 attend, without a causal mask, over every cached position of its request.
 """
 

@@ -1,4 +1,4 @@
-"""Architecture-neutral view of a checkpoint's ``config.json`` (DESIGN.md §6)."""
+"""Architecture-neutral view of a checkpoint's ``config.json`` (docs/design.md §6)."""
 
 from __future__ import annotations
 

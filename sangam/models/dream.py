@@ -1,4 +1,4 @@
-"""Dream (``DreamModel``): Qwen2 geometry and tensor names (DESIGN.md §6).
+"""Dream (``DreamModel``): Qwen2 geometry and tensor names (docs/design.md §6).
 
 The module tree is Qwen's, which SDAR (Qwen3) shares with two additions read from the config:
 q/k RMSNorms (``qk_norm``) and an LM head tied to the embedding (``tie_word_embeddings``).

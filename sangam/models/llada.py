@@ -1,4 +1,4 @@
-"""LLaDA (``LLaDAModelLM``): tensor names as in the public checkpoints (DESIGN.md §6)."""
+"""LLaDA (``LLaDAModelLM``): tensor names as in the public checkpoints (docs/design.md §6)."""
 
 from __future__ import annotations
 

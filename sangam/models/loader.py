@@ -35,7 +35,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
-    """``None``/"auto" -> bfloat16 on GPU, float32 on CPU (DESIGN.md §3)."""
+    """``None``/"auto" -> bfloat16 on GPU, float32 on CPU (docs/design.md §3)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; use one of {sorted(DTYPES)}")

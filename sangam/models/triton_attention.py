@@ -1,4 +1,4 @@
-"""The Triton attention backend: the KV-store and paged-attention kernels (DESIGN.md §5)."""
+"""The Triton attention backend: the KV-store and paged-attention kernels (docs/design.md §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The policy core: everything that decides, and nothing that computes (DESIGN.md §1, §4).
+"""The policy core: everything that decides, and nothing that computes (docs/design.md §1, §4).
 
 The request state machine (``request``), page allocation (``page_allocator``), the deficit
 ``BatchBuilder`` (``batch_builder``), the ``Router`` (``router``) and ``Placement``

@@ -245,7 +245,7 @@ class BatchBuilder:
 
     # Policies.
     def _schedule_budget(self, now: float) -> ScheduledBatch:
-        """DESIGN.md §4's deficit token budget; ``tau = inf`` gives prefill-first."""
+        """docs/design.md §4's deficit token budget; ``tau = inf`` gives prefill-first."""
         decodes = list(self._seated.values())
         decode_tokens = sum(r.cursor.decode_span for r in decodes)
         prefills: list[Request] = []

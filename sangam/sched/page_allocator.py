@@ -1,4 +1,4 @@
-"""KV page allocator: which of a pool's ``num_pages`` pages are in use (DESIGN.md §4).
+"""KV page allocator: which of a pool's ``num_pages`` pages are in use (docs/design.md §4).
 
 Pure bookkeeping, no tensors: page ``i`` names slots ``[i * page_size, (i + 1) * page_size)``
 of the KV pool, which lives elsewhere. Every operation is O(pages moved).

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over an ``AsyncEngine`` (DESIGN.md §3).
+"""The OpenAI-compatible HTTP API over an ``AsyncEngine`` (docs/design.md §3).
 
 ``build_app(engine, config)`` returns the FastAPI app: ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``POST /v1/responses``, ``GET /v1/models``, ``GET /health``,

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from sangam.engine.async_engine import AsyncEngine
+from sangam.engine.interface import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class _EngineGauges:
     """Read at scrape time, so the values are current: whatever the engine reports (the
     in-process engine its scheduler and pool, a multi-worker front its workers' pools)."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: EngineClient):
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:

@@ -24,10 +24,10 @@ class Prompts:
 
     def tokenizer(self, what: str) -> Any:
         """The tokenizer, which ``what`` needs: a 400 without one."""
-        if self.loaded.tokenizer is None:
+        if self.loaded.text.tokenizer is None:
             raise ApiError(400, f"this model has no tokenizer, so {what} cannot be served; "
                            "send /v1/completions a prompt of token ids")
-        return self.loaded.tokenizer
+        return self.loaded.text.tokenizer
 
     def completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]]
                            ) -> list[str | list[int]]:
@@ -44,7 +44,7 @@ class Prompts:
 
     async def ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
-            return await self.offload.run(self.loaded.encode, prompt, add_special_tokens)
+            return await self.offload.run(self.loaded.text.encode, prompt, add_special_tokens)
         return prompt
 
     async def suffix_ids(self, suffix: str | None) -> list[int]:
@@ -52,14 +52,14 @@ class Prompts:
         if not suffix:
             return []
         self.tokenizer("a suffix")
-        return await self.offload.run(self.loaded.encode, suffix, False)
+        return await self.offload.run(self.loaded.text.encode, suffix, False)
 
     async def text(self, prompt: str | list[int]) -> str:
         """A prompt's text, for echo: as given, or its token ids decoded."""
         if isinstance(prompt, str):
             return prompt
         self.tokenizer("echo of token prompts")
-        return await self.offload.run(self.loaded.decode, prompt) or ""
+        return await self.offload.run(self.loaded.text.decode, prompt) or ""
 
     async def chat_ids(self, messages: list[ChatMessage], options: ChatTemplateOptions
                        ) -> list[int]:
@@ -70,7 +70,7 @@ class Prompts:
     def _render_chat(self, messages: list[ChatMessage], options: ChatTemplateOptions
                      ) -> list[int]:
         try:
-            return self.loaded.encode_chat(
+            return self.loaded.text.encode_chat(
                 [m.for_template() for m in messages], self.chat_template,
                 options.add_generation_prompt, options.continue_final_message,
                 options.chat_template_kwargs, options.tool_dicts())
@@ -92,7 +92,7 @@ class Prompts:
 
     def token_pieces(self, token_ids: list[int]) -> list[str]:
         """Each token's own text (``token_id:N`` without a tokenizer, as vLLM)."""
-        tokenizer = self.loaded.tokenizer
+        tokenizer = self.loaded.text.tokenizer
         if tokenizer is None:
             return [f"token_id:{t}" for t in token_ids]
         return [tokenizer.decode([t]) for t in token_ids]

@@ -101,7 +101,7 @@ class _GenerationRequest(RequestBody):
     stream_options: StreamOptions | None = None
     user: str | None = None
     request_id: str | None = None  # vLLM's: the response id's base (X-Request-Id wins)
-    # Sangam's diffusion options (DESIGN.md §2), as extra body fields.
+    # Sangam's diffusion options (docs/design.md §2), as extra body fields.
     block_length: Length | None = None
     unmasking: Literal[UNMASKING_RULES] | None = None
     threshold: Probability | None = None

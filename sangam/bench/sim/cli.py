@@ -38,7 +38,7 @@ from sangam.sampling_params import CACHE_MODES
 from sangam.sched.config import MODES, POLICIES
 
 _HELP = {
-    "model": "model geometry (DESIGN.md §6): llada = LLaDA-8B, dream = Dream-7B, sdar = "
+    "model": "model geometry (docs/design.md §6): llada = LLaDA-8B, dream = Dream-7B, sdar = "
              "SDAR-8B, sdar-4b, sdar-1.7b (block-causal: one prefill per request, colocated), "
              "calibrated = the model a --calibration file was measured on (e.g. a "
              "CPU-calibrated small one)",

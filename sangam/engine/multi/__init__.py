@@ -7,20 +7,15 @@ kernel checks, on machines without pyzmq) needs nothing beyond the model's own d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from sangam.config import EngineConfig
 from sangam.engine.engine import Engine
+from sangam.engine.interface import SteppedEngine
 from sangam.engine.loaded_model import LoadedModel
 
-if TYPE_CHECKING:
-    from sangam.engine.multi.front import MultiWorkerEngine
 
-
-def make_engine(config: EngineConfig,
-                loaded: LoadedModel | None = None) -> Engine | MultiWorkerEngine:
-    """The engine ``config`` asks for: in-process for one worker, else a front process with
-    worker processes (the two share one interface)."""
+def make_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> SteppedEngine:
+    """The engine ``config`` asks for: in-process for one worker, else a front over worker
+    processes (both a ``SteppedEngine``)."""
     if config.is_multi_worker:
         from sangam.engine.multi.front import MultiWorkerEngine
 

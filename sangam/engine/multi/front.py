@@ -1,4 +1,4 @@
-"""``MultiWorkerEngine``: the front process of multi-worker serving (DESIGN.md §4, Modes).
+"""``MultiWorkerEngine``: the front process of multi-worker serving (docs/design.md §4, Modes).
 
 It has the single-worker ``Engine``'s interface (``add_request`` / ``abort_request`` /
 ``step`` / ``has_unfinished_requests`` / ``requests`` / ``stats``), so ``LLM`` and
@@ -38,6 +38,7 @@ import zmq
 from sangam.config import EngineConfig
 from sangam.engine import messages as msg
 from sangam.engine.front import Front
+from sangam.engine.interface import Gauge
 from sangam.engine.loaded_model import LoadedModel, checkpoint_path
 from sangam.engine.multi import launcher
 from sangam.models import read_config, resolve_dtype
@@ -108,8 +109,7 @@ class MultiWorkerEngine(Front):
         self.roles = launcher.validate(config)
         self.loaded = _front_model(config, loaded, launcher.worker_device(config, 0))
         if self.loaded.config.block_causal:
-            raise ValueError("a block-causal model (SDAR) is served by one worker process for "
-                             "now: drop --num-workers / --mode / --nnodes")
+            config.deployment.check_block_causal()
         self._closed = False
         self._zygote: subprocess.Popen | None = None
         self._procs: dict[int, launcher.ProcessHandle] = {}  # this node's workers
@@ -293,7 +293,7 @@ class MultiWorkerEngine(Front):
     def _describe_workers(self) -> list[str]:
         return [f"{self.config.mode} over {len(self.worker_states())} workers"]
 
-    def gauges(self) -> list[tuple[str, str, float]]:
+    def gauges(self) -> list[Gauge]:
         """(name, help, value) of every live gauge: the pools of the live workers, summed as
         they last reported them."""
         live = [w for w in self.worker_states() if w.alive]

@@ -1,4 +1,4 @@
-"""K/V transfer between workers: torch.distributed point-to-point (DESIGN.md §4, KV transfer).
+"""K/V transfer between workers: torch.distributed point-to-point (docs/design.md §4, KV transfer).
 
 One transfer moves one request's pages, every layer, K and V. Per layer ``l`` the sender gathers
 layer ``l`` of the request's pages into a contiguous buffer ``[2, n, page_size, Hkv, D]`` (the

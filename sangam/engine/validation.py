@@ -1,0 +1,55 @@
+"""A request's admission check: every value it brings is bounded before it reaches
+arithmetic, an index or an array (docs/design.md §8), and its canvas is built."""
+
+from __future__ import annotations
+
+import random
+
+from sangam.decoding.state import DecodeState
+from sangam.engine.loaded_model import LoadedModel
+from sangam.sampling_params import SamplingParams
+
+
+def new_state(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams,
+              rng: random.Random, suffix_ids: list[int] = ()) -> DecodeState:
+    """Validate one request and build its canvas (its prompt truncated as the params ask;
+    with ``suffix_ids``, an infill before them); errors say what is wrong."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt is empty")
+    suffix_ids = list(suffix_ids)
+    if loaded.config.block_causal:
+        params.check_block_causal(len(suffix_ids))
+    keep = params.truncate_prompt_tokens
+    if keep == -1:
+        # A block-causal canvas may reach B - 1 positions past the plain one.
+        slack = params.block_length - 1 if loaded.config.block_causal else 0
+        keep = max(1, loaded.context_length - params.canvas_length - slack - len(suffix_ids))
+    if keep is not None:
+        prompt_ids = prompt_ids[-keep:]
+    vocab = loaded.config.vocab_size
+    for name, ids in (("prompt", prompt_ids), ("suffix", suffix_ids)):
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name} token ids must be integers in [0, {vocab}); got "
+                             f"{bad[:5]}")
+    canvas = params.canvas_after(len(prompt_ids), loaded.config.block_causal)
+    total = len(prompt_ids) + canvas + len(suffix_ids)
+    if total > loaded.context_length:
+        suffix = f" plus suffix ({len(suffix_ids)} tokens)" if suffix_ids else ""
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) plus response canvas "
+            f"({canvas} tokens){suffix} is {total} tokens, beyond the model's "
+            f"context of {loaded.context_length}")
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                      ("stop_token_ids", params.stop_token_ids)):
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise ValueError(f"{name}: token ids must be in [0, {vocab}); got {bad[:5]}")
+    if params.stop and loaded.text.tokenizer is None:
+        raise ValueError("stop strings need a tokenizer and this checkpoint has none: use "
+                         "stop_token_ids")
+    seed = params.seed if params.seed is not None else rng.getrandbits(63)
+    return DecodeState(list(prompt_ids), params, loaded.config.mask_token_id, loaded.stop_ids,
+                       loaded.config.shift_logits, seed, suffix_ids, loaded.config.block_causal)
