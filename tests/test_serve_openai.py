@@ -949,7 +949,7 @@ def script_text(patch: pytest.MonkeyPatch, skips: list[bool] | None = None) -> N
             skips.append(params.skip_special_tokens)
         return SCRIPTED[:len(SCRIPTED) * len(tokens) // 16]
 
-    patch.setattr("sangam.engine.loaded_model.response_text", scripted)
+    patch.setattr("sangam.engine.outputs.response_text", scripted)
 
 
 @pytest.fixture(scope="module")

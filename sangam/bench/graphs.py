@@ -28,6 +28,7 @@ from sangam.bench.report import parse_int_list
 from sangam.config import EngineConfig
 from sangam.engine.engine import Engine
 from sangam.engine.loaded_model import LoadedModel, make_attention_backend
+from sangam.engine.text import TextCodec
 from sangam.sampling_params import SamplingParams
 
 CPU_PROMPT, CPU_BLOCK, CPU_MAX_BATCH = 16, 8, 16  # the demo model's scale
@@ -63,8 +64,9 @@ def _random_loaded(geometry: str, device: torch.device, block_length: int) -> Lo
     model, cfg = random_model(geometry, device, torch.bfloat16)
     model.attention_backend = make_attention_backend("triton", device)
     # The default block length is the span the decode graphs are captured for.
-    return LoadedModel(f"random {geometry}", model, cfg, None, frozenset({cfg.eos_token_id}),
-                       device, torch.bfloat16, {"block_length": block_length})
+    return LoadedModel(f"random {geometry}", model, cfg, TextCodec(None),
+                       frozenset({cfg.eos_token_id}), device, torch.bfloat16,
+                       {"block_length": block_length})
 
 
 def _engine(loaded: LoadedModel, args: argparse.Namespace, eager: bool) -> Engine:

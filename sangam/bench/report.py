@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from sangam.sched.config import SchedulerConfig
+
 RECORD_FIELDS = ("id", "arrival", "finish", "latency", "ttfb", "queueing", "decode", "transfer",
                  "forwards", "prompt_len", "gen_len", "canvas_tokens")
 
@@ -176,7 +178,7 @@ def policy_label(policy: str, token_budget: float | str) -> str:
     tau = float(token_budget)
     if policy == "fastdllm":
         return "fastdllm"
-    if policy == "prefill_first" or math.isinf(tau):
+    if math.isinf(SchedulerConfig(policy=policy, token_budget=tau).budget):
         return "prefill-first"
     if policy == "adaptive":
         return f"adaptive tau>={tau:g}"

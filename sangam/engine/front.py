@@ -41,9 +41,10 @@ class QueueFull(RequestRejected):
     """Overload: more requests in flight than ``max_queue_len``; retry later."""
 
 
-def check_queue(in_flight: int, max_queue_len: int) -> None:
-    """Refuse a request when ``in_flight`` requests already fill ``max_queue_len``."""
-    if in_flight >= max_queue_len:
+def check_queue(in_flight: int, max_queue_len: int, adding: int = 1) -> None:
+    """Refuse ``adding`` more requests when, beside the ``in_flight`` ones, they would pass
+    ``max_queue_len`` (the engine, ``AsyncEngine`` and the server all ask this)."""
+    if in_flight + adding > max_queue_len:
         raise QueueFull(f"{in_flight} requests in flight (max_queue_len {max_queue_len})")
 
 

@@ -44,7 +44,7 @@ class ModelRunner:
         self.uploader = BatchUploader(self.device)
         # With the Triton backend, scoring is the fused online-softmax kernel (no [rows, vocab]
         # fp32 copy); the host then commits by the rules, as on the reference path (rows
-        # scored again included), so the kernel's own rule pass is not launched.
+        # scored again included).
         self.fused_scoring = loaded.model.attention_backend.name == "triton"
         if self.fused_scoring:  # imported here: the CPU reference path never loads Triton
             from sangam.kernels.unmask import fused_score

@@ -1,8 +1,10 @@
 """The policy core: everything that decides, and nothing that computes (docs/design.md §1, §4).
 
-The request state machine (``request``), page allocation (``page_allocator``), the deficit
-``BatchBuilder`` (``batch_builder``), the ``Router`` (``router``) and ``Placement``
-(``placement``: where each block runs and when K/V moves, in every mode, failures included).
-Pure Python: no tensors, no clock (time is an argument), no I/O. The engine's multi-worker
-front and the simulator (``sangam-bench sim``) drive the same objects.
+A request's block geometry and position (``block_cursor``), its state machine and timeline
+(``request``), the scheduling and deployment configurations (``config``), page allocation
+(``page_allocator``), the deficit ``BatchBuilder`` (``batch_builder``), one worker's requests
+and iteration (``worker_core``), the ``Router`` (``router``) and ``Placement`` (``placement``:
+where each block runs and when K/V moves, in every mode, failures included). Pure Python: no
+tensors, no clock (time is an argument), no I/O. The engine (in process and over worker
+processes) and the simulator (``sangam-bench sim``) drive the same objects.
 """

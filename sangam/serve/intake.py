@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from fastapi import Request
 
 from sangam.engine.async_engine import AsyncEngine
+from sangam.engine.front import QueueFull, check_queue
 from sangam.sampling_params import SamplingParams
 from sangam.serve.errors import ApiError
 from sangam.serve.metrics import ServerMetrics
@@ -138,10 +139,11 @@ class Admission:
             raise ApiError(400, f"this request makes {num_requests} engine requests (prompts "
                            f"x n), more than the server ever holds (--max-queue-len {limit})",
                            param="n")
-        busy = self.preparing + self.engine.open_requests
-        if busy + num_requests > limit:
+        try:
+            check_queue(self.preparing + self.engine.open_requests, limit, num_requests)
+        except QueueFull as e:
             self.metrics.requests_rejected.labels("queue_full").inc()
-            raise overloaded(f"{busy} requests in flight (max_queue_len {limit})")
+            raise overloaded(str(e)) from None
         self.preparing += num_requests
         try:
             yield

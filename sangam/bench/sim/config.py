@@ -89,7 +89,7 @@ class SimConfig:
             core = "fastdllm"
         elif self.policy == "adaptive":
             core = f"adaptive tau>={int(self.token_budget)}/{self.drain_iterations}"
-        elif self.policy == "prefill_first" or math.isinf(self.token_budget):
+        elif math.isinf(self.deployment.scheduler.budget):
             core = "prefill-first"
         else:
             core = f"tau={int(self.token_budget)}"

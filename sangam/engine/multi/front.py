@@ -1,15 +1,11 @@
-"""``MultiWorkerEngine``: the front process of multi-worker serving (docs/design.md §4, Modes).
+"""``MultiWorkerEngine``: the front (``engine/front.py``) over worker processes
+(docs/design.md §4, Modes): it starts them, sends them the front's messages over ZeroMQ, reads
+their reports, and watches them.
 
-It has the single-worker ``Engine``'s interface (``add_request`` / ``abort_request`` /
-``step`` / ``has_unfinished_requests`` / ``requests`` / ``stats``), so ``LLM`` and
-``AsyncEngine`` drive either. It holds the Router and the request table and never touches the
-model: per request it keeps the ``DecodeState`` as of the start of the block to run next (a
-token array), which is all that recovery needs, because a block's refresh recomputes every
-layer's K/V of every position from the tokens alone.
-
-Where each block runs, when K/V moves and what a failure takes back is ``Placement``'s
-(``sangam/sched/placement.py``), which the simulator drives too: this process turns its
-decisions into messages to the workers and the workers' reports into its events.
+It is a ``SteppedEngine`` as the in-process ``Engine`` is, so ``LLM`` and ``AsyncEngine`` drive
+either. Per request the front keeps the ``DecodeState`` as of the start of the block to run
+next (caught up from each block's report), which is all that recovery needs, because a block's
+refresh recomputes every layer's K/V of every position from the tokens alone.
 
 Failures: a worker found dead (its process exited, it reported a failure, its heartbeats
 stopped, or it had work and its loop reported nothing for ``watchdog_timeout`` seconds while
