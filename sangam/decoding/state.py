@@ -30,7 +30,7 @@ from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.noise import noise_key, row_keys
 from sangam.decoding.rules import RULE_IDS, select_commits
 from sangam.sampling_params import SamplingParams
-from sangam.sched.block_cursor import FULL_REFRESH, BlockCursor
+from sangam.sched.block_cursor import CURSOR_FIELDS, FULL_REFRESH, BlockCursor
 
 # The decoder's record (beside its cursor's): the request's fixed integer parameters, then its
 # counters. finish_reason is an index into FINISH_REASONS; seed is its low 64 bits.
@@ -43,6 +43,7 @@ HOST_BUFFERS = ("cursor", "record", "floats", "tokens", "confidence", "block_thr
                 "stop_ids")
 _FORWARDS, _CHUNKS, _FINISHED, _REASON = (
     DECODE_FIELDS.index(n) for n in ("num_forwards", "num_chunks", "finished", "finish_reason"))
+_BLOCK, _STEP = CURSOR_FIELDS.index("block"), CURSOR_FIELDS.index("step")
 
 
 @dataclass
@@ -116,7 +117,7 @@ class DecodeState:
     # The cursor's position and the counters (kept in records the C++ host path shares).
     @property
     def block(self) -> int:
-        return self.cursor.block
+        return self.cursor.record[_BLOCK]  # (BlockCursor.block, without a second call)
 
     @block.setter
     def block(self, value: int) -> None:
@@ -125,7 +126,7 @@ class DecodeState:
     @property
     def step(self) -> int:
         """Steps taken in the current block; 0: the next is the block's first."""
-        return self.cursor.step
+        return self.cursor.record[_STEP]
 
     @step.setter
     def step(self, value: int) -> None:

@@ -188,7 +188,8 @@ def stage_batch(host: HostBatcher, uploader: BatchUploader, states: list[DecodeS
     if fused_scoring:  # the scoring kernel's inputs beyond the logits, per row
         arrays.update(temperatures=batch.temperatures, row_keys=batch.row_keys)
     # Read for every request of every iteration: one attribute and one cached property.
-    full = [i for i, st in enumerate(states) if st.block < st.params.full_scoring_blocks]
+    full = [i for i, st in enumerate(states)
+            if st.params.full_scoring_blocks and st.block < st.params.full_scoring_blocks]
     rescore = Rescore.build(batch, states, full) if full else None
     if rescore is not None:
         arrays.update(rescore.arrays)

@@ -61,7 +61,7 @@ class BlockCursor:
 
     __slots__ = ("prompt_len", "canvas_end", "total_len", "block_length", "block_origin",
                  "num_blocks", "cache", "refresh_interval", "prompt_refresh_interval", "shift",
-                 "block_causal", "record")
+                 "block_causal", "record", "_later_len")
 
     def __init__(self, prompt_len: int, canvas_len: int, block_length: int, *,
                  suffix_len: int = 0, cache: str = "dual", refresh_interval: int = 1,
@@ -102,6 +102,12 @@ class BlockCursor:
             prompt_len, self.canvas_end, self.total_len, block_length, self.block_origin,
             self.num_blocks, CACHE_MODES.index(cache), refresh_interval, prompt_refresh_interval,
             shift, int(block_causal), 0, 0, 0, 0, -1))
+        # A later step's span length, read for every seated request at every iteration: from
+        # span() itself, when the first and the last block agree on it (every cache mode but
+        # "prefix", whose span shrinks block by block); None: computed each time.
+        first, last = self.span(1, 0), self.span(1, self.num_blocks - 1)
+        self._later_len = first[1] - first[0] if first[1] - first[0] == last[1] - last[0] \
+            else None
 
     def __repr__(self) -> str:
         return (f"BlockCursor(block={self.block}/{self.num_blocks}, step={self.step}, "
@@ -111,7 +117,7 @@ class BlockCursor:
         """An independent cursor at the same place (another process's copy of it)."""
         other = object.__new__(BlockCursor)
         for name in BlockCursor.__slots__:
-            setattr(other, name, getattr(self, name))
+            setattr(other, name, getattr(self, name))  # the geometry: fixed
         other.record = array("q", self.record)
         return other
 
@@ -179,12 +185,13 @@ class BlockCursor:
         """How the current block starts: as the cadence says, or fully if forced."""
         return FULL_REFRESH if self.record[_FORCE] else self.block_refresh(self.record[_BLOCK])
 
-    def span(self, step: int | None = None) -> tuple[int, int]:
-        """The query positions [start, end) of the current block's forward number ``step``
-        (default: the next one), by the module docstring's rules."""
+    def span(self, step: int | None = None, block: int | None = None) -> tuple[int, int]:
+        """The query positions [start, end) of forward number ``step`` (default: the next one)
+        of block ``block`` (default: the current one), by the module docstring's rules."""
         r = self.record
-        block, b = r[_BLOCK], self.block_length
+        b = self.block_length
         step = r[_STEP] if step is None else step
+        block = r[_BLOCK] if block is None else block
         s = self.block_origin + block * b
         e = s + b
         if self.block_causal:  # the cache is exact: nothing after a block ever attends to it
@@ -216,6 +223,8 @@ class BlockCursor:
         """The span length of the current block's next cached step: the next forward's when
         it is one, else (the block starts with a refresh) its second forward's."""
         r = self.record
+        if r[_STEP] and self._later_len is not None:
+            return self._later_len
         cached = r[_STEP] or self.block_start == NO_REFRESH
         start, end = self.span(None if cached else 1)
         return end - start
@@ -249,11 +258,11 @@ class BlockCursor:
         """A step committed; with ``block_done`` (and not ``finished``) the next block begins,
         with a full refresh if ``force_next`` (the adaptive trigger)."""
         r = self.record
+        if block_done and not finished and r[_BLOCK] + 1 >= self.num_blocks:
+            raise ValueError(f"{self!r}: the last block is done, so the request must finish")
         r[_STEP] += 1
         r[_FORCE] = 0
         if block_done and not finished:
-            if r[_BLOCK] + 1 >= self.num_blocks:
-                raise ValueError(f"{self!r}: the last block is done, so the request must finish")
             r[_BLOCK] += 1
             r[_STEP] = 0
             r[_FORCE] = int(force_next)

@@ -30,8 +30,8 @@ worker).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
 from sangam.sched.block_cursor import FULL_REFRESH, NO_REFRESH
@@ -105,15 +105,14 @@ class Failed:
     error: str
 
 
-@dataclass
-class IterationEvents:
+class IterationEvents(NamedTuple):
     """What an iteration leaves the driver to report or do, in this order."""
 
     # Their refresh forward ran (or, with True, a chunk of it: the rest waits).
-    refreshed: list[tuple[Task, bool]] = field(default_factory=list)
-    ships: list[Ship] = field(default_factory=list)
-    ended: list[BlockEnded | Failed] = field(default_factory=list)  # in batch order
-    stats: IterationStats | None = None
+    refreshed: list[tuple[Task, bool]]
+    ships: list[Ship]
+    ended: list[BlockEnded | Failed]  # in batch order
+    stats: IterationStats
 
 
 class WorkerCore:
@@ -214,19 +213,21 @@ class WorkerCore:
         builder (seated, waiting for its next refresh, or done) or leaves; returns what to
         report and do."""
         reqs = batch.requests
-        out = IterationEvents()
+        refreshed: list[tuple[Task, bool]] = []
+        ships: list[Ship] = []
+        ended: list[BlockEnded | Failed] = []
         for i in range(len(batch.decodes), len(reqs)):  # the refreshes
             req, t, o = reqs[i], tasks[i], outcomes[i]
             if o.error is None:
-                out.refreshed.append((t, req.chunk_admitted))
+                refreshed.append((t, req.chunk_admitted))
             if t.kv_dest is not None:
                 ends = o.block_done and not self._continues(t, o)
-                out.ships.append(Ship(t, _ran(req, o), list(req.pages),
-                                      drain=ends or o.error is not None))
+                ships.append(Ship(t, _ran(req, o), list(req.pages),
+                                  drain=ends or o.error is not None))
         for req, t, o in zip(reqs, tasks, outcomes):
             if o.error is not None:
                 self.drop(req.request_id)
-                out.ended.append(Failed(t, o.error))
+                ended.append(Failed(t, o.error))
             elif not o.block_done:
                 self.builder.step_done(req, end, o)
                 if t.kv_dest is not None:  # a refresh for another worker: pages were temporary
@@ -234,11 +235,10 @@ class WorkerCore:
                     del self.tasks[req.request_id]
             else:
                 block = _ran(req, o)
-                out.ended.append(BlockEnded(t, block, o.finished, self._block_done(req, t, o,
-                                                                                  end)))
-        out.stats = IterationStats(batch.prefill_tokens, batch.decode_tokens, batch.deficit,
-                                   len(reqs), len(batch.prefills), end - start)
-        return out
+                ended.append(BlockEnded(t, block, o.finished, self._block_done(req, t, o, end)))
+        return IterationEvents(refreshed, ships, ended, IterationStats(
+            batch.prefill_tokens, batch.decode_tokens, batch.deficit, len(reqs),
+            len(batch.prefills), end - start))
 
     def seat_ready(self) -> None:
         """Seat landed requests while the builder has room."""

@@ -1,0 +1,79 @@
+"""BlockCursor: the one definition of a request's spans and refresh cadence (docs/design.md
+§1.2, §2), checked against the rules as the design states them."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+
+import pytest
+
+from sangam.sched.block_cursor import FULL_REFRESH, NO_REFRESH, RESPONSE_REFRESH, BlockCursor
+
+
+def test_spans_follow_the_design():
+    # P = 10, canvas 24 (3 blocks of 8), suffix 2: T = 36; block b at [10 + 8b, 18 + 8b).
+    dual = BlockCursor(10, 24, 8, suffix_len=2)
+    assert (dual.total_len, dual.num_blocks, dual.block_bounds()) == (36, 3, (10, 18))
+    assert dual.span() == (0, 36) and dual.span(1) == (10, 18)  # refresh, then the block
+    prefix = BlockCursor(10, 24, 8, suffix_len=2, cache="prefix")
+    assert prefix.span(1) == (10, 36) and prefix.span(1, 2) == (26, 36)  # block + the rest
+    none = BlockCursor(10, 24, 8, cache="none")
+    assert none.span(3, 1) == (0, 34)  # every step a refresh
+    # Cadence 2 x 2: blocks start full, cached, response-only, cached.
+    cadence = BlockCursor(10, 32, 8, refresh_interval=2, prompt_refresh_interval=2, shift=1)
+    assert [cadence.block_refresh(b) for b in range(4)] == [
+        FULL_REFRESH, NO_REFRESH, RESPONSE_REFRESH, NO_REFRESH]
+    assert cadence.span(0, 2) == (10, 42)  # response-only: [P, T)
+    assert cadence.span(0, 1) == (17, 26)  # cached first step: row s - 1 predicts s
+    cadence.block, cadence.force_refresh = 1, True
+    assert cadence.block_start == FULL_REFRESH and cadence.span() == (0, 42)
+    # Block-causal: blocks on the grid from 0 (P = 10, B = 4: block 0 is [8, 12)).
+    causal = BlockCursor(10, 6, 4, block_causal=True)
+    assert (causal.block_origin, causal.num_blocks, causal.span()) == (8, 2, (0, 12))
+    assert causal.chunk_room(5) == 4 and causal.chunk_room(100) == 8
+    causal.admit_chunk(4)
+    assert causal.span() == (0, 4) and causal.keys_attended(4) == 4
+    causal.store_chunk()
+    assert (causal.prefilled, causal.chunk_end, causal.span()) == (4, None, (4, 12))
+    causal.advance(block_done=True, finished=False)
+    assert causal.span() == (8, 16) and causal.decode_span == 8  # stores block 0, steps 1
+    causal.lose_cache()
+    assert causal.span() == (0, 16) and causal.prefilled == 0
+
+
+@pytest.mark.parametrize("cache,cadence,shift,causal", [
+    (cache, cadence, shift, False) for cache, cadence, shift in itertools.product(
+        ["dual", "prefix", "none"], [(1, 1), (2, 1), (2, 3)], [0, 1])
+    if cache != "none" or cadence == (1, 1)] + [("dual", (1, 1), 0, True)])
+def test_decode_span_is_the_next_cached_steps_span(cache, cadence, shift, causal):
+    """``decode_span`` (read for every seated request at every iteration, with a fast path) is
+    the length of the current block's next cached step, by ``span`` itself."""
+    c = BlockCursor(13, 43 if causal else 40, 8, cache=cache, refresh_interval=cadence[0],
+                    prompt_refresh_interval=cadence[1], shift=shift, block_causal=causal)
+    for block, step, force in itertools.product(range(c.num_blocks), range(3), [False, True]):
+        c.block, c.step, c.force_refresh = block, step, force
+        cached = step or c.block_start == NO_REFRESH
+        start, end = c.span(None if cached else 1)
+        assert c.decode_span == end - start, (block, step, force)
+
+
+def test_moves_and_copies():
+    c = BlockCursor(4, 8, 4)
+    c.advance(block_done=False, finished=False)
+    assert (c.block, c.step) == (0, 1)
+    c.advance(block_done=True, finished=False, force_next=True)
+    assert (c.block, c.step, c.force_refresh) == (1, 0, True)
+    with pytest.raises(ValueError, match="must finish"):
+        c.advance(block_done=True, finished=False)  # the last block ended
+    twin = c.copy()
+    twin.catch_up(0, 2, False)
+    assert (c.block, c.step, twin.block, twin.step) == (1, 0, 0, 2)  # independent positions
+    back = pickle.loads(pickle.dumps(c))
+    assert back.record == c.record and back.total_len == c.total_len
+    for bad in (dict(prompt_len=0, canvas_len=4, block_length=4),
+                dict(prompt_len=3, canvas_len=6, block_length=4),
+                dict(prompt_len=3, canvas_len=6, block_length=4, block_causal=True),
+                dict(prompt_len=3, canvas_len=4, block_length=4, cache="paged")):
+        with pytest.raises(ValueError):
+            BlockCursor(**bad)
