@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The prepared GPU run, in one script: the kernel and CUDA-graph tests in bf16 on CUDA,
-# `sangam-bench kernels` and `graphs`, `sangam-bench calibrate` (the simulator's coefficients),
-# an end-to-end `sangam-bench serve` on a random-weight model of LLaDA-8B's shape (deficit
-# tau=1024 against fastdllm on a short ShareGPT-shaped trace at two QPS), and `sangam-bench sim`
-# on the same trace with that calibration and the serve run's step profile, against the
-# measured latencies.
+# The prepared GPU run, in one script: the kernel and CUDA-graph tests in bf16 on CUDA (the
+# mixture-of-experts kernels' among them), `sangam-bench kernels` (with its MoE rows) and
+# `graphs`, `sangam-bench calibrate` (the simulator's coefficients), an end-to-end
+# `sangam-bench serve` on a random-weight model of LLaDA-8B's shape (deficit tau=1024 against
+# fastdllm on a short ShareGPT-shaped trace at two QPS), and `sangam-bench sim` on the same
+# trace with that calibration and the serve run's step profile, against the measured
+# latencies.
 #
 # Usage: microbench/gpu_check.sh [--dry-run] [OUTDIR]   (default OUTDIR ./gpu-results)
-# On the GPU it takes at most 8.5 minutes: each step is cut by `timeout`, 505 s in all.
+# On the GPU it takes at most 9 minutes: each step is cut by `timeout`, 540 s in all.
 # --dry-run runs every step on the CPU at tiny shapes (the Triton interpreter; the tests
 # collected, not run) with the serving extras the GPU machine lacks made unimportable: what
 # would fail there for a reason a CPU can show fails here. tests/test_gpu_check.py runs it in CI.
@@ -84,7 +85,7 @@ step() {
   SUMMARY+=("$name rc=$rc")
 }
 
-step tests 120 "$PY" -m pytest -q -p no:cacheprovider "${TESTS_MODE[@]}" tests/test_kernel_*.py \
+step tests 135 "$PY" -m pytest -q -p no:cacheprovider "${TESTS_MODE[@]}" tests/test_kernel_*.py \
   tests/test_triton_backend.py tests/test_device_batch.py \
   "tests/test_engine.py::test_cuda_graphs_match_eager" \
   "tests/test_engine.py::test_block_length_flag_replays_graphs" \
@@ -92,7 +93,8 @@ step tests 120 "$PY" -m pytest -q -p no:cacheprovider "${TESTS_MODE[@]}" tests/t
   --junitxml="$OUT/tests.xml"
 
 # Each benchmark rewrites its JSON after each suite or run, so a cut one keeps what it measured.
-step kernels 90 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
+# The kernels' suites include moe: LLaDA2.0-mini's and -flash's experts (--moe-models).
+step kernels 110 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
 step graphs 50 "${BENCH[@]}" graphs --json "$OUT/graphs.json"
 step model 20 "$PY" -m sangam.testing "$OUT/model" "${SHAPE[@]}"
 step calibrate 45 "${BENCH[@]}" calibrate --model "$OUT/model" --load-format dummy \

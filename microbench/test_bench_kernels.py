@@ -17,8 +17,15 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("kernel timings need a CUDA GPU (and TRITON_INTERPRET unset)",
                 allow_module_level=True)
 
-from sangam.bench.kernels import MODELS, PAGE, VOCAB, _paged_batch  # noqa: E402
-from sangam.kernels import fused_score, gather_pages, paged_attention, store_kv  # noqa: E402
+from sangam.bench.kernels import MODELS, MOE_MODELS, PAGE, VOCAB, _paged_batch  # noqa: E402
+from sangam.kernels import (  # noqa: E402
+    fused_moe,
+    fused_score,
+    gather_pages,
+    moe_route,
+    paged_attention,
+    store_kv,
+)
 
 
 def _timed(benchmark, fn):
@@ -70,3 +77,27 @@ def test_gather_pages(benchmark, model, requests):
     pool = torch.randn(layers, 2, n + 16, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
     ids = torch.randperm(n + 16, device="cuda")[:n]
     _timed(benchmark, lambda: gather_pages(pool, ids))
+
+
+def _route(tokens, moe):
+    logits = torch.randn(tokens, moe.experts, device="cuda")
+    bias = 0.1 * torch.randn(moe.experts, device="cuda")
+    return lambda: moe_route(logits, top_k=moe.top_k, score="sigmoid", bias=bias,
+                             n_group=moe.n_group, topk_group=moe.topk_group, scale=moe.scale)
+
+
+@pytest.mark.parametrize("tokens", [64, 2048])
+def test_moe_route(benchmark, tokens):
+    _timed(benchmark, _route(tokens, MOE_MODELS["llada2-mini"]))
+
+
+@pytest.mark.parametrize("model", list(MOE_MODELS))
+@pytest.mark.parametrize("tokens", [64, 2048], ids=["decode-2x32", "prefill-2048"])
+def test_fused_moe(benchmark, model, tokens):
+    moe = MOE_MODELS[model]
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(moe.experts, 2 * moe.inter, moe.hidden, **bf16) * moe.hidden ** -0.5
+    w2 = torch.randn(moe.experts, moe.hidden, moe.inter, **bf16) * moe.inter ** -0.5
+    x = torch.randn(tokens, moe.hidden, **bf16)
+    weights, ids = _route(tokens, moe)()
+    _timed(benchmark, lambda: fused_moe(x, w13, w2, weights, ids))

@@ -18,7 +18,8 @@ from sangam.kernels.cross_compile import H200, TARGETS
 
 MEMORY_BOUND = {"_attn_kernel", "_store_kv_kernel", "_page_copy_kernel", "_score_kernel"}
 KERNELS = {"_attn_kernel", "_merge_splits_kernel", "_store_kv_kernel", "_page_copy_kernel",
-           "_score_kernel", "_merge_kernel"}
+           "_score_kernel", "_merge_kernel", "_route_kernel", "_gate_up_kernel", "_down_kernel",
+           "_combine_kernel"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU path times instead")
@@ -44,6 +45,9 @@ def test_serving_launches_compile_for_h200_without_spills(tmp_path):
     # Refresh tiles (compute-bound) run on Hopper's asynchronous tensor-core instructions.
     assert {b["mma"] for b in builds
             if b["kernel"] == "_attn_kernel" and b["constants"]["BLOCK_M"] == "128"} == {"wgmma"}
+    # LLaDA2's experts: 16-row tiles for decode steps, 64-row ones for a 2048-token step.
+    assert {b["constants"]["BLOCK_M"] for b in builds
+            if b["kernel"] in ("_gate_up_kernel", "_down_kernel")} == {"16", "64"}
     for b in builds:
         assert b["spill_bytes"] == 0, b["text"]
         assert b["shared_bytes"] <= H200.max_shared_bytes, b["text"]

@@ -50,36 +50,86 @@ class ModelGeometry:
     kv_heads: int
     intermediate: int
     vocab: int
-    block_causal: bool = False  # SDAR: a query sees its block and the blocks before
+    block_causal: bool = False  # SDAR, LLaDA2: a query sees its block and the blocks before
     head_size: int = 0  # 0: hidden // heads (Qwen3 and SDAR name theirs: 128)
     tied_head: bool = False  # the LM head is the embedding table (SDAR-1.7B and 4B)
+    # Mixture of experts (0 experts: dense): layers [0, dense_layers) have the dense MLP of
+    # width intermediate, the others a router, experts_per_token routed experts of width
+    # expert_intermediate chosen among experts, and always-on shared experts.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    dense_layers: int = 0
 
     @classmethod
     def of(cls, name: str, config: ModelConfig | ModelShape) -> ModelGeometry:
         """The cost view of a parsed config.json or of a registry shape (the same names)."""
+        moe = config.moe
+        experts = {} if moe is None else dict(
+            experts=moe.num_experts, experts_per_token=moe.top_k,
+            expert_intermediate=moe.intermediate_size,
+            shared_intermediate=moe.shared_intermediate_size,
+            dense_layers=moe.first_dense_layers)
         return cls(name, config.hidden_size, config.num_layers, config.num_heads,
                    config.num_kv_heads, config.intermediate_size, config.vocab_size,
-                   config.block_causal, config.head_dim, config.tie_word_embeddings)
+                   config.block_causal, config.head_dim, config.tie_word_embeddings,
+                   **experts)
 
     @property
     def head_dim(self) -> int:
         return self.head_size or self.hidden // self.heads
 
     @property
-    def layer_params(self) -> int:
-        """Weights of one block: q and o (hidden x heads x head_dim each), k and v (GQA),
-        SwiGLU gate/up/down."""
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+    @property
+    def attention_params(self) -> int:
+        """q and o (hidden x heads x head_dim each), k and v (GQA), per layer."""
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return 2 * h * q + 2 * h * kv + 3 * h * self.intermediate
+        return 2 * h * q + 2 * h * kv
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one dense block: attention and the SwiGLU gate/up/down."""
+        return self.attention_params + 3 * self.hidden * self.intermediate
+
+    def _moe_params(self, routed: float) -> float:
+        """One MoE block's weights with ``routed`` routed experts: attention, router, shared
+        and routed experts."""
+        h = self.hidden
+        return (self.attention_params + h * self.experts
+                + 3 * h * (self.shared_intermediate + routed * self.expert_intermediate))
+
+    @property
+    def active_params(self) -> float:
+        """The linear weights one token multiplies by, over all layers (MoE: its experts')."""
+        dense = self.layers - self.moe_layers
+        return dense * self.layer_params + self.moe_layers * self._moe_params(
+            self.experts_per_token)
+
+    def weights_read(self, tokens: int) -> float:
+        """The linear weights a forward over ``tokens`` tokens reads: all the dense ones, and
+        of each MoE layer the experts its tokens pick (the expected number under uniform
+        routing: E (1 - (1 - k/E)^tokens))."""
+        dense = self.layers - self.moe_layers
+        if not self.moe_layers:
+            return float(dense * self.layer_params)
+        picked = self.experts * (1.0 - (1.0 - self.experts_per_token / self.experts) ** tokens)
+        return dense * self.layer_params + self.moe_layers * self._moe_params(picked)
 
     @property
     def head_params(self) -> int:
         return self.hidden * self.vocab
 
     def weight_bytes(self, dtype_bytes: int = BF16_BYTES) -> int:
-        """Resident weights: the layers, the LM head and the embedding table (once if tied)."""
+        """Resident weights: the layers (every expert), the LM head and the embedding table
+        (once if tied)."""
         tables = 1 if self.tied_head else 2
-        return (self.layers * self.layer_params + tables * self.head_params) * dtype_bytes
+        dense = self.layers - self.moe_layers
+        layers = dense * self.layer_params + self.moe_layers * self._moe_params(self.experts)
+        return int(layers + tables * self.head_params) * dtype_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int = BF16_BYTES) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
@@ -190,8 +240,8 @@ def batch_features(geom: ModelGeometry, spans: Sequence[Span], dtype_bytes: int 
     attn_pairs = sum(s.attention_pairs for s in spans)
     kv_tokens = sum(s.kv_len + s.q_len for s in spans)
     return np.array([
-        2.0 * tokens * geom.layers * geom.layer_params,
-        float(geom.layers * geom.layer_params * dtype_bytes),
+        2.0 * tokens * geom.active_params,
+        geom.weights_read(tokens) * dtype_bytes,
         4.0 * attn_pairs * geom.heads * geom.head_dim * geom.layers,
         float(kv_tokens * geom.kv_bytes_per_token(dtype_bytes)),
         2.0 * rows * geom.head_params,

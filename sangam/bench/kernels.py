@@ -12,18 +12,25 @@ Models: LLaDA-8B (32 query heads / 32 KV heads, head_dim 128), Dream-7B (28 / 4,
              of logits read)
   gather     KV-transfer page gather of 1-16 requests of 1024 tokens, all layers (GB/s read +
              written)
+  moe        the routed experts of LLaDA2.0-mini (H 2048, I 512) and LLaDA2.0-flash (H 4096,
+             I 1024), 256 experts, 8 per token, sigmoid-routed in 8 groups of which 4 are kept:
+             fused_moe (sort by expert, gate+up with SwiGLU, down, top-k combine) over the
+             tokens of a decode step, 32 per request x 1, 2, 4, 16, 64 requests (TFLOP/s of
+             2 T K 3 H I flops; routing not included); --moe-models picks the shapes
 
 Each row: kernel time (median, triton.testing.do_bench), achieved GB/s or TFLOP/s and the
 fraction of the H200's peak (4.8 TB/s HBM, 989 TFLOP/s dense bf16), the PyTorch reference's
-time (attention: page gather + SDPA; unmasking: score_logits; gather: advanced indexing) and
-the speedup over it, and FlashInfer's paged attention where it is importable. Results print as
-a table; --json FILE writes them with the device and versions.
+time (attention: page gather + SDPA; unmasking: score_logits; gather: advanced indexing;
+moe: fused_moe_ref, one expert at a time) and the speedup over it, and FlashInfer's paged
+attention where it is importable. Results print as a table; --json FILE writes them with the
+device and versions.
 
 Without a GPU, timings are meaningless: the command says so, runs a correctness pass of every
 kernel at tiny shapes under the Triton interpreter, then compiles every launch of the suites
-above (and the engine's K/V store at the same shapes) for the GPU named by --gpu (default H200)
-with Triton's own ptxas, printing each build's registers per thread, spilled bytes, shared
-memory, 16-byte vs narrower global loads and tensor-core instructions, and exits 0.
+above (and the engine's K/V store, and the MoE router, at the same shapes) for the GPU named by
+--gpu (default H200) with Triton's own ptxas, printing each build's registers per thread,
+spilled bytes, shared memory, 16-byte vs narrower global loads and tensor-core instructions, and
+exits 0.
 """
 
 from __future__ import annotations
@@ -43,8 +50,10 @@ from dataclasses import dataclass
 import torch
 
 from sangam.models.config import SDAR_BLOCK_SIZE
-from sangam.models.registry import MODEL_SHAPES
+from sangam.models.registry import MODEL_SHAPES, ModelShape
 
+# The H200 SXM's peaks, from NVIDIA's H200 datasheet: 4.8 TB/s of HBM3e bandwidth, and 1,979
+# TFLOP/s of bf16 tensor-core math with 2:4 sparsity, so 989 TFLOP/s dense.
 PEAK_BYTES_PER_S = 4.8e12
 PEAK_FLOPS = 989e12
 # The models timed, of sangam.models.registry: name -> (query heads, KV heads, head_dim, layers)
@@ -55,7 +64,31 @@ MODELS = {key: (MODEL_SHAPES[key].num_heads, MODEL_SHAPES[key].num_kv_heads,
 CAUSAL_BLOCK = {key: SDAR_BLOCK_SIZE for key in MODELS if MODEL_SHAPES[key].block_causal}
 VOCAB = MODEL_SHAPES["llada"].vocab_size
 PAGE = 16
-SUITES = ("attention", "refresh", "unmask", "gather")
+SUITES = ("attention", "refresh", "unmask", "gather", "moe")
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A mixture-of-experts layer's routed experts and router, read off a registry shape
+    (sigmoid scores with a selection bias, as LLaDA2's)."""
+
+    name: str
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    n_group: int
+    topk_group: int
+    scale: float
+
+    @classmethod
+    def of(cls, shape: ModelShape) -> MoeShape:
+        m = shape.moe
+        return cls(shape.name, shape.hidden_size, m.intermediate_size, m.num_experts, m.top_k,
+                   m.n_group, m.topk_group, m.routed_scaling_factor)
+
+
+MOE_MODELS = {key: MoeShape.of(MODEL_SHAPES[key]) for key in ("llada2-mini", "llada2-flash")}
 DEVICE = "cuda"
 
 
@@ -243,7 +276,36 @@ def _gather_rows(model, request_counts, tokens_per_req, args) -> list[dict]:
     return rows
 
 
-_HEADER = (f"{'suite':<9} {'model':<6} {'shape':<26} {'ms':>8} {'rate':>16} {'%peak':>6} "
+def _moe_rows(model: str, token_counts, args) -> list[dict]:
+    from sangam.kernels import fused_moe, fused_moe_ref, moe_route
+
+    m = MOE_MODELS[model]
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    w13 = torch.randn(m.experts, 2 * m.inter, m.hidden, device=DEVICE, dtype=torch.bfloat16,
+                      generator=g) * m.hidden ** -0.5
+    w2 = torch.randn(m.experts, m.hidden, m.inter, device=DEVICE, dtype=torch.bfloat16,
+                     generator=g) * m.inter ** -0.5
+    bias = 0.1 * torch.randn(m.experts, device=DEVICE, generator=g)
+    rows = []
+    for t in token_counts:
+        x = torch.randn(t, m.hidden, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        logits = torch.randn(t, m.experts, device=DEVICE, generator=g)
+        weights, ids = moe_route(logits, top_k=m.top_k, score="sigmoid", bias=bias,
+                                 n_group=m.n_group, topk_group=m.topk_group, scale=m.scale)
+        run = lambda x=x, w=weights, i=ids: fused_moe(x, w13, w2, w, i)  # noqa: E731
+        ref = lambda x=x, w=weights, i=ids: fused_moe_ref(x, w13, w2, w, i)  # noqa: E731
+        err = (run().float() - ref().float()).abs().max().item()
+        ms = _bench(run, args.warmup, args.rep)
+        ref_ms = _bench(ref, args.warmup, args.rep)
+        flops = 2 * t * m.top_k * 3 * m.hidden * m.inter
+        row = _row("moe", model, f"T={t} E={m.experts} k={m.top_k}", ms, flops, "TFLOP/s",
+                   ref_ms, err=err)
+        rows.append(row)
+        _print_row(row)
+    return rows
+
+
+_HEADER = (f"{'suite':<9} {'model':<12} {'shape':<26} {'ms':>8} {'rate':>16} {'%peak':>6} "
            f"{'ref ms':>8} {'x ref':>6} {'fi ms':>8} {'x fi':>6} {'err':>8}")
 
 
@@ -252,7 +314,7 @@ def _fmt(x, spec):
 
 
 def _print_row(row: dict) -> None:
-    print(f"{row['suite']:<9} {row['model']:<6} {row['shape']:<26} {row['ms']:>8.4f} "
+    print(f"{row['suite']:<9} {row['model']:<12} {row['shape']:<26} {row['ms']:>8.4f} "
           f"{row['rate']:>8.1f} {row['unit']:<7} {100 * row['frac_peak']:>6.1f} "
           f"{_fmt(row['ref_ms'], '8.4f'):>8} {_fmt(row['speedup_ref'], '6.2f'):>6} "
           f"{_fmt(row['flashinfer_ms'], '8.4f'):>8} {_fmt(row['speedup_flashinfer'], '6.2f'):>6}"
@@ -275,6 +337,12 @@ class Shapes:
             return cls((1, 16, 64), (512, 4096), (512, 4096), (1, 4, 16), (32, 2048))
         return cls((1, 4, 16, 64), (512, 1024, 2048, 4096), (512, 1024, 2048, 4096),
                    (1, 2, 4, 8, 16), (32, 256, 2048))
+
+    @property
+    def moe_tokens(self) -> tuple[int, ...]:
+        """The MoE suite's token counts: decode steps of the cached-step batches, and of 2
+        requests (the engine's smallest shared step)."""
+        return tuple(STEP_QUERIES * r for r in sorted({2, *self.batches}))
 
 
 STEP_QUERIES = 32
@@ -301,17 +369,30 @@ def run_gpu(args: argparse.Namespace, save: Callable[[list[dict]], None]) -> lis
     if "unmask" in suites:
         rows += _score_rows(shapes.unmask, args)
         save(rows)
+    if "moe" in suites:
+        for model in args.moe_models.split(","):
+            rows += _moe_rows(model, shapes.moe_tokens, args)
+            save(rows)
     return rows
 
 
 # ----------------------------------------------------------------------------- cross-compile
 
 def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream,sdar",
-                         quick: bool = False) -> list[dict]:
+                         quick: bool = False,
+                         moe_models: str = ",".join(MOE_MODELS)) -> list[dict]:
     """Compile, for ``gpu`` (a name in ``cross_compile.TARGETS``), every launch the suites and
     the engine's Triton backend make at the serving shapes, on meta tensors. Needs compiled
     kernels (no ``TRITON_INTERPRET``); no GPU. Returns one dict per distinct build."""
-    from sangam.kernels import fused_score, gather_pages, paged_attention, scatter_pages, store_kv
+    from sangam.kernels import (
+        fused_moe,
+        fused_score,
+        gather_pages,
+        moe_route,
+        paged_attention,
+        scatter_pages,
+        store_kv,
+    )
     from sangam.kernels.cross_compile import TARGETS, cross_compiling
 
     if gpu not in TARGETS:
@@ -349,6 +430,16 @@ def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream,sdar",
         for m in shapes.unmask:
             fused_score(empty(m, VOCAB), VOCAB - 128, empty(m, dtype=torch.float64),
                         empty(m, dtype=i64))
+        for model in filter(None, moe_models.split(",")):
+            moe = MOE_MODELS[model]
+            for t in shapes.moe_tokens:
+                weights, ids = moe_route(empty(t, moe.experts), top_k=moe.top_k,
+                                         score="sigmoid",
+                                         bias=empty(moe.experts, dtype=torch.float32),
+                                         n_group=moe.n_group, topk_group=moe.topk_group,
+                                         scale=moe.scale)
+                fused_moe(empty(t, moe.hidden), empty(moe.experts, 2 * moe.inter, moe.hidden),
+                          empty(moe.experts, moe.hidden, moe.inter), weights, ids)
     return [dataclasses.asdict(b) | {"constants": {k: str(v) for k, v in b.constants.items()},
                                      "text": b.describe()} for b in builds]
 
@@ -359,9 +450,13 @@ def cpu_selfcheck() -> list[dict]:
     """Every kernel against its reference at tiny shapes (interpreter). Returns result rows."""
     from sangam.decoding import score_logits
     from sangam.kernels import (
+        fused_moe,
+        fused_moe_ref,
         fused_score,
         gather_pages,
         gather_pages_ref,
+        moe_route,
+        moe_route_ref,
         paged_attention,
         paged_attention_ref,
         scatter_pages,
@@ -414,6 +509,24 @@ def cpu_selfcheck() -> list[dict]:
     scatter_pages(buf, a, torch.tensor([1, 2, 3]), slice(1, 3))
     scatter_pages_ref(buf, b, torch.tensor([1, 2, 3]), slice(1, 3))
     record("scatter_pages", torch.equal(a, b))
+
+    # MoE: LLaDA2's grouped sigmoid router and OLMoE's softmax one over 16 experts, then the
+    # experts (H 64, I 48) for 37 tokens x 4: runs that end mid-tile, experts with no token.
+    logits = torch.randn(37, 16, generator=g)
+    routers = {"sigmoid": dict(bias=0.1 * torch.randn(16, generator=g), n_group=4,
+                               topk_group=2, scale=2.5), "softmax": {}}
+    for score, kw in routers.items():
+        got, want = (fn(logits, top_k=4, score=score, **kw) for fn in (moe_route, moe_route_ref))
+        record(f"moe_route {score}", torch.equal(got[1], want[1])
+               and torch.allclose(got[0], want[0], atol=1e-6))
+    w13 = torch.randn(16, 96, 64, generator=g) / 8
+    w2 = torch.randn(16, 64, 48, generator=g) / 7
+    x = torch.randn(37, 64, generator=g)
+    weights, ids = moe_route_ref(logits - 9 * (torch.arange(16) % 3 == 0), top_k=4,
+                                 score="sigmoid", **routers["sigmoid"])
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    err = (fused_moe(x, w13, w2, weights, ids) - ref).abs().max().item()
+    record("fused_moe", err < 1e-4, f"max err {err:.1e}")
     return results
 
 
@@ -447,7 +560,7 @@ def _run_cpu(args: argparse.Namespace) -> int:
     print("all kernels match their references" if ok else "SOME KERNELS DISAGREE")
     print(f"\nCompiling for the {args.gpu} (no GPU needed; Triton's ptxas):")
     builds = _isolated("cross_compile_builds", interpret=False, gpu=args.gpu,
-                       models=args.models, quick=args.quick)
+                       models=args.models, quick=args.quick, moe_models=args.moe_models)
     if builds is None:
         print("CROSS-COMPILE FAILED (see the error above)")
     else:
@@ -498,6 +611,8 @@ def register(sub) -> None:
                    help=f"comma-separated subset of {','.join(SUITES)}")
     p.add_argument("--models", default="llada,dream,sdar", help="comma-separated subset of "
                    f"{','.join(MODELS)}")
+    p.add_argument("--moe-models", default=",".join(MOE_MODELS), help="the moe suite's "
+                   f"expert shapes: comma-separated subset of {','.join(MOE_MODELS)}")
     p.add_argument("--quick", action="store_true", help="fewer shapes (about a minute)")
     p.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=50, help="do_bench measuring time, ms")

@@ -108,3 +108,103 @@ def scatter_pages_ref(buffer: torch.Tensor, kv_buffer: torch.Tensor, page_ids: t
     pages = page_ids.to(kv_buffer.device).long()
     for j, layer in enumerate(layer_indices(kv_buffer.shape[0], layers)):
         kv_buffer[layer, :, pages] = buffer[j].to(kv_buffer.dtype)
+
+
+ROUTER_SCORES = ("sigmoid", "softmax")
+
+
+def check_route_args(num_experts: int, *, top_k: int, score: str, bias: torch.Tensor | None,
+                     n_group: int, topk_group: int) -> None:
+    """Raise ValueError unless the router arguments describe a valid grouped top-k over
+    ``num_experts`` experts (shared by :func:`moe_route_ref` and the Triton router)."""
+    if score not in ROUTER_SCORES:
+        raise ValueError(f"score must be one of {ROUTER_SCORES}, got {score!r}")
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group must divide the {num_experts} experts, got {n_group}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+    kept = topk_group * (num_experts // n_group)
+    if not 1 <= top_k <= kept:
+        raise ValueError(f"top_k must be in [1, {kept}] (the experts of the {topk_group} kept "
+                         f"groups), got {top_k}")
+    if score == "softmax" and (bias is not None or n_group != 1 or topk_group != 1):
+        raise ValueError("softmax routing takes no bias and no expert groups")
+    if bias is not None and tuple(bias.shape) != (num_experts,):
+        raise ValueError(f"bias must have shape ({num_experts},), got {tuple(bias.shape)}")
+
+
+def moe_route_ref(logits: torch.Tensor, *, top_k: int, score: str,
+                  bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+                  renormalize: bool = True,
+                  scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: logits ``[T, E]`` -> (weights ``[T, top_k]`` in the compute dtype (fp64 for fp64
+    logits, else fp32), ids ``[T, top_k]`` int32).
+
+    ``sigmoid`` (LLaDA2 / DeepSeek-V3): s = sigmoid(logits), chosen by c = s + bias within the
+    ``topk_group`` best of ``n_group`` contiguous expert groups (a group's score: the sum of its
+    two best c, its one c if it holds a single expert); the weights are the unbiased s.
+    ``softmax`` (OLMoE / LLaDA-MoE): s = softmax(logits), top_k by s. The weights are
+    renormalised to sum 1 when ``renormalize``, then times ``scale``. Ties go to the lower index
+    (stable sorts), for groups and experts alike, so the choice is deterministic."""
+    num_tokens, num_experts = logits.shape
+    check_route_args(num_experts, top_k=top_k, score=score, bias=bias, n_group=n_group,
+                     topk_group=topk_group)
+    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.to(cdt)
+    if score == "sigmoid":
+        s = torch.sigmoid(x)
+        c = s if bias is None else s + bias.to(device=x.device, dtype=cdt)
+    else:
+        s = c = torch.softmax(x, dim=-1)
+    if topk_group < n_group:
+        groups = c.view(num_tokens, n_group, num_experts // n_group)
+        best = torch.sort(groups, dim=-1, descending=True, stable=True).values
+        group_score = best[..., :2].sum(-1)  # one value when a group holds one expert
+        kept = torch.sort(group_score, dim=-1, descending=True, stable=True).indices
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, kept[:, :topk_group], True)
+        c = groups.masked_fill(~keep[..., None], float("-inf")).view(num_tokens, num_experts)
+    ids = torch.sort(c, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = s.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * scale, ids.to(torch.int32)
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """x ``[T, H]``; w13 ``[E, 2I, H]`` (rows 0..I-1: gate_proj, rows I..2I-1: up_proj); w2
+    ``[E, H, I]`` (down_proj); topk_weights, topk_ids ``[T, K]`` -> ``[T, H]`` = sum_k w[t,k] *
+    w2[e] @ (silu(w13[e,:I] @ x[t]) * (w13[e,I:] @ x[t])), e = ids[t,k]. Output in x's dtype;
+    accumulates in fp32 (fp64 for fp64 x).
+
+    Experts run one at a time on the rows routed to them (one host sync reads how many each
+    got); each (token, k) result lands in its own row of a ``[T, K, H]`` buffer, summed over k.
+    A token routed twice to one expert is an error (the routers never do it), checked except
+    while a CUDA graph is being captured (the check reads the device)."""
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    k = topk_ids.shape[1]
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if k > 1 and not capturing:
+        ordered = torch.sort(topk_ids, dim=1).values
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+            raise ValueError("a token is routed to the same expert twice")
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(cdt)
+    flat = topk_ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    per_pair = torch.zeros(num_tokens * k, hidden, dtype=cdt, device=x.device)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        gate_up = xf[pairs // k] @ w13[e].to(cdt).T
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        per_pair[pairs] = (act @ w2[e].to(cdt).T) * topk_weights.reshape(-1)[pairs, None].to(cdt)
+    return per_pair.view(num_tokens, k, hidden).sum(1).to(x.dtype)

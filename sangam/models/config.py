@@ -12,8 +12,46 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: the router's rule and the experts' shape (every MoE layer of a
+    model shares it)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each routed expert's SwiGLU width
+    shared_intermediate_size: int  # the always-on shared experts' width together; 0: none
+    score: str  # "sigmoid" (LLaDA2: grouped, with an expert bias) | "softmax" (LLaDA-MoE)
+    n_group: int = 1  # experts in this many contiguous groups, of which...
+    topk_group: int = 1  # ...the best this many are eligible
+    renormalize: bool = True  # the chosen experts' weights sum to 1 (before scale)
+    scale: float = 1.0  # routed_scaling_factor
+    expert_bias: bool = False  # a per-expert bias added to the scores for the choice only
+    first_dense_layers: int = 0  # layers [0, this) have a dense SwiGLU MLP instead
+
+    def __post_init__(self) -> None:
+        if self.score not in ("sigmoid", "softmax"):
+            raise CheckpointError(f"config.json: unknown router score {self.score!r}")
+        if not (0 < self.top_k <= self.num_experts and self.intermediate_size > 0
+                and self.shared_intermediate_size >= 0 and self.first_dense_layers >= 0):
+            raise CheckpointError(
+                f"config.json: {self.top_k} experts per token of {self.num_experts}, expert "
+                f"width {self.intermediate_size}: not a valid mixture of experts")
+        if (self.n_group < 1 or self.num_experts % self.n_group
+                or not 1 <= self.topk_group <= self.n_group
+                or self.top_k > self.topk_group * (self.num_experts // self.n_group)):
+            raise CheckpointError(
+                f"config.json: {self.num_experts} experts in n_group {self.n_group} groups with "
+                f"topk_group {self.topk_group} cannot supply {self.top_k} experts per token")
+        if self.score == "softmax" and (self.expert_bias or self.n_group != 1):
+            raise CheckpointError("config.json: a softmax router has no expert bias or groups")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_dense_layers
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "LLaDAModelLM" | "DreamModel" | "SDARForCausalLM"
+    architecture: str  # one of sangam.models.loader.ARCHITECTURES
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -34,6 +72,11 @@ class ModelConfig:
     # positions from position 0 and causal across blocks; requests default to it. 0: fully
     # bidirectional (LLaDA, Dream).
     causal_block_size: int = 0
+    rotary_dim: int = 0  # RoPE rotates the first this many dims of a head; 0: all (head_dim)
+    moe: MoeConfig | None = None  # None: every layer's MLP is dense
+    # SamplingParams defaults of the model's own generate (LLaDA2: threshold 0.95), as
+    # (field, value) pairs; the checkpoint's generation_config.json and the flags override them.
+    request_defaults: tuple[tuple[str, Any], ...] = ()
 
     @property
     def block_causal(self) -> bool:
@@ -49,6 +92,11 @@ class ModelConfig:
                     f"config.json: hidden size {self.hidden_size} is not a multiple of "
                     f"{self.num_heads} attention heads")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise CheckpointError(f"config.json: rotary dims {self.rotary_dim} must be even and "
+                                  f"within head_dim {self.head_dim}")
         if self.head_dim < 1 or self.causal_block_size < 0:
             raise CheckpointError(f"config.json: head_dim {self.head_dim} must be positive and "
                                   f"the block size {self.causal_block_size} not negative")
@@ -119,9 +167,127 @@ def parse_config(cfg: dict[str, Any], source: str | None = None) -> ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             causal_block_size=int(g("block_size", g("block_length", sdar_block_size(cfg, source)))),
         )
+    if arch == "LLaDA2MoeModelLM":
+        return _llada2_config(cfg, arch, source)
+    if arch in LLADA_MOE_ARCHITECTURES:
+        return _llada_moe_config(cfg, arch)
     raise CheckpointError(
-        f"config.json: unknown architecture {arch!r}; "
-        "Sangam serves 'LLaDAModelLM', 'DreamModel' and 'SDARForCausalLM'")
+        f"config.json: unknown architecture {arch!r}; Sangam serves 'LLaDAModelLM', "
+        "'DreamModel', 'SDARForCausalLM', 'LLaDA2MoeModelLM' and 'LLaDAMoEModelLM'")
+
+
+LLADA2_MASK_TOKEN_ID = 156895  # <|mask|>
+LLADA2_EOS_TOKEN_ID = 156892  # <|endoftext|>
+LLADA2_BLOCK_SIZE = 32  # the block its generate() decodes and its training used
+# Request defaults of the upstream generate: LLaDA2.0's threshold; LLaDA2.1's quality mode
+# (the S-mode, threshold 0.5 and edit_threshold 0.0, is the faster one, per request).
+LLADA2_DEFAULTS = (("threshold", 0.95),)
+LLADA21_DEFAULTS = (("threshold", 0.7), ("edit_threshold", 0.5), ("max_post_steps", 16))
+
+
+def _llada2_config(cfg: dict[str, Any], arch: str, source: str | None) -> ModelConfig:
+    """LLaDA2.x (inclusionAI's Bailing-MoE-V2 tree): block-causal over blocks of 32, fused QKV,
+    q/k norms, RoPE on part of each head, a dense first layer, then grouped sigmoid routing
+    with an expert bias and a shared expert. ``norm_topk_prob``, ``score_function``,
+    ``router_dtype`` and ``rotary_dim`` appear in the configs but the upstream code never reads
+    them: it always renormalises, scores by sigmoid in fp32 and rotates by
+    ``partial_rotary_factor``; so does this. LLaDA2.1 shares 2.0's config.json; its name
+    (``_name_or_path``, or the directory) turns token editing on by default."""
+    def g(k, d=...):
+        return _get(cfg, k, arch, d)
+
+    qwen = _qwen_fields(cfg, arch, mask_token_id=LLADA2_MASK_TOKEN_ID,
+                        eos_token_id=LLADA2_EOS_TOKEN_ID)
+    head_dim = int(g("head_dim", qwen["hidden_size"] // qwen["num_heads"]))
+    experts = int(g("num_experts"))
+    width = int(g("moe_intermediate_size"))
+    return ModelConfig(
+        **{**qwen, "rope_theta": float(g("rope_theta", 600000.0))},
+        qkv_bias=bool(cfg.get("use_qkv_bias", False)),
+        shift_logits=False,
+        head_dim=head_dim,
+        qk_norm=bool(g("use_qk_norm", True)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        causal_block_size=int(g("block_size", LLADA2_BLOCK_SIZE)),
+        rotary_dim=int(head_dim * float(g("partial_rotary_factor", 1.0))),
+        moe=MoeConfig(
+            num_experts=experts, top_k=int(g("num_experts_per_tok")),
+            intermediate_size=width,
+            shared_intermediate_size=int(g("num_shared_experts", 0)) * width,
+            score="sigmoid", n_group=int(g("n_group", 1)), topk_group=int(g("topk_group", 1)),
+            renormalize=True, scale=float(g("routed_scaling_factor", 1.0)),
+            expert_bias=bool(g("moe_router_enable_expert_bias", True)),
+            first_dense_layers=int(g("first_k_dense_replace", 0))),
+        request_defaults=(LLADA21_DEFAULTS if any(
+            re.search(r"LLaDA2\.1", str(name or ""), re.IGNORECASE)
+            for name in (cfg.get("_name_or_path"), source)) else LLADA2_DEFAULTS),
+    )
+
+
+# LLaDA-MoE's remote code names its class LLaDAMoEModelLM (what its config.json lists);
+# llama.cpp's converter also accepts LLaDAMoEModel.
+LLADA_MOE_ARCHITECTURES = ("LLaDAMoEModelLM", "LLaDAMoEModel")
+LLADA_MOE_MASK_TOKEN_ID = 156895  # <|mask|>, LLaDA2's tokenizer and vocabulary
+LLADA_MOE_EOS_TOKEN_ID = 156892  # <|endoftext|>
+
+
+def _llada_moe_config(cfg: dict[str, Any], arch: str) -> ModelConfig:
+    """LLaDA-MoE-7B-A1B (inclusionAI's modeling_lladamoe.py, OLMoE's tree): bidirectional,
+    separate q/k/v/o, per-head q/k norms (``qk_layernorm``), full RoPE unless
+    ``partial_rotary_factor`` says otherwise, head_dim = hidden / heads (no head_dim key), and
+    softmax routing in fp32 whose top-k probabilities weight the experts as they are: the
+    upstream block hard-codes ``norm_topk_prob = False`` and never reads
+    ``routed_scaling_factor``, ``moe_router_score_function`` or the router group keys; neither
+    does this. Layers with ``moe_layer_freq`` 0 are dense (``dense_intermediate_size``); a
+    positive ``shared_expert_intermediate_size`` adds a shared expert to every MoE layer.
+    Upstream features the released checkpoints leave off are refused, not approximated: an
+    expert bias (upstream adds it to the softmax probabilities, weights included), q/k/v
+    clipping and RoPE scaling."""
+    def g(k, d=...):
+        return _get(cfg, k, arch, d)
+
+    for key in ("moe_router_enable_expert_bias", "clip_qkv", "rope_scaling"):
+        if cfg.get(key):
+            raise CheckpointError(f"config.json ({arch}): {key} = {cfg[key]!r} is not supported")
+    if g("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json ({arch}): hidden_act {cfg['hidden_act']!r} is not "
+                              "supported (SwiGLU experts: silu)")
+    n_heads = int(g("num_attention_heads"))
+    hidden = int(g("hidden_size"))
+    layers = int(g("num_hidden_layers"))
+    experts, top_k = int(g("num_experts")), int(g("num_experts_per_tok"))
+    width = int(g("expert_intermediate_size"))
+    freq = [int(f) for f in g("moe_layer_freq", [1] * layers)][:layers]
+    dense = next((i for i, f in enumerate(freq) if f != 0), len(freq))
+    if len(freq) < layers or any(f == 0 for f in freq[dense:]):
+        raise CheckpointError(
+            f"config.json ({arch}): moe_layer_freq {freq} must give each of the {layers} layers "
+            "a flag, dense layers (0) only before the mixture-of-experts ones")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return ModelConfig(
+        architecture=arch,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=n_heads,
+        num_kv_heads=int(g("num_key_value_heads", n_heads)),
+        # The dense layers' width; with none (the released models) it is unused, and equals
+        # top_k x the expert width: the MLP FLOPs per token (what the cost model reads).
+        intermediate_size=int(g("dense_intermediate_size", top_k * width)),
+        vocab_size=int(g("vocab_size")),
+        mask_token_id=int(g("mask_token_id", LLADA_MOE_MASK_TOKEN_ID)),
+        eos_token_id=_first(g("eos_token_id", LLADA_MOE_EOS_TOKEN_ID)),
+        rope_theta=float(g("rope_theta", 50000.0)),
+        rms_norm_eps=float(g("rms_norm_eps", 1e-5)),
+        max_position=int(g("max_position_embeddings", 8192)),
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        shift_logits=False,
+        qk_norm=bool(g("qk_layernorm", True)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rotary_dim=int(hidden // n_heads * float(g("partial_rotary_factor", 1.0))),
+        moe=MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=width,
+                      shared_intermediate_size=max(shared, 0), score="softmax",
+                      renormalize=False, scale=1.0, first_dense_layers=dense),
+    )
 
 
 def _qwen_fields(cfg: dict[str, Any], arch: str, mask_token_id: int,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from sangam.models.config import ModelConfig
-from sangam.models.transformer import DiffusionLM, RMSNorm
+from sangam.models.transformer import DiffusionLM, LayerParts, RMSNorm, SplitQKV, SwiGLU
 
 
 class DreamAttention(nn.Module):
@@ -56,17 +56,13 @@ class DreamModel(DiffusionLM):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 
-    def layer_parts(self, i: int) -> tuple[nn.Module, ...]:
+    def layer_parts(self, i: int) -> LayerParts:
         layer = self.model.layers[i]
         a, m = layer.self_attn, layer.mlp
-        return (layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
-                layer.post_attention_layernorm, m.gate_proj, m.up_proj, m.down_proj)
-
-    def qk_norms(self, i: int) -> tuple[nn.Module, nn.Module] | None:
-        if not self.config.qk_norm:
-            return None
-        a = self.model.layers[i].self_attn
-        return a.q_norm, a.k_norm
+        return LayerParts(layer.input_layernorm, SplitQKV(a.q_proj, a.k_proj, a.v_proj),
+                          (a.q_norm, a.k_norm) if self.config.qk_norm else None, a.o_proj,
+                          layer.post_attention_layernorm,
+                          SwiGLU(m.gate_proj, m.up_proj, m.down_proj))
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.norm(h)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from sangam.models.config import ModelConfig
-from sangam.models.transformer import DiffusionLM, RMSNorm
+from sangam.models.transformer import DiffusionLM, LayerParts, RMSNorm, SplitQKV, SwiGLU
 
 
 class LLaDABlock(nn.Module):
@@ -38,10 +38,10 @@ class LLaDAModel(DiffusionLM):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.transformer.wte(ids)
 
-    def layer_parts(self, i: int) -> tuple[nn.Module, ...]:
+    def layer_parts(self, i: int) -> LayerParts:
         b = self.model.transformer.blocks[i]
-        return (b.attn_norm, b.q_proj, b.k_proj, b.v_proj, b.attn_out,
-                b.ff_norm, b.ff_proj, b.up_proj, b.ff_out)
+        return LayerParts(b.attn_norm, SplitQKV(b.q_proj, b.k_proj, b.v_proj), None, b.attn_out,
+                          b.ff_norm, SwiGLU(b.ff_proj, b.up_proj, b.ff_out))
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.transformer.ln_f(h)

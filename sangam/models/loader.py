@@ -14,7 +14,9 @@ from torch.overrides import TorchFunctionMode
 from sangam.models.config import CheckpointError, ModelConfig, parse_config
 from sangam.models.dream import DreamModel
 from sangam.models.llada import LLaDAModel
-from sangam.models.transformer import DiffusionLM
+from sangam.models.llada2 import LLaDA2Model
+from sangam.models.llada_moe import LLaDAMoeModel
+from sangam.models.transformer import DiffusionLM, compute_dtype
 
 ARCHITECTURES: dict[str, type[DiffusionLM]] = {
     "LLaDAModelLM": LLaDAModel,
@@ -22,6 +24,10 @@ ARCHITECTURES: dict[str, type[DiffusionLM]] = {
     # Qwen3's tree, Dream's plus q/k norms and a tied head, both read from the config; the
     # block-causal mask is the attention backend's (ModelConfig.causal_block_size).
     "SDARForCausalLM": DreamModel,
+    "LLaDA2MoeModelLM": LLaDA2Model,
+    # OLMoE's tree, bidirectional like LLaDA; LLaDAMoEModel: the name llama.cpp also accepts.
+    "LLaDAMoEModelLM": LLaDAMoeModel,
+    "LLaDAMoEModel": LLaDAMoeModel,
 }
 
 DTYPES = {
@@ -111,6 +117,7 @@ def dummy_model(config: ModelConfig, device: str | torch.device,
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+    model.prepare()
     return model.eval().requires_grad_(False)
 
 
@@ -145,8 +152,11 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                     raise CheckpointError(
                         f"tensor {name} in {f.name} has shape {list(shape)}, but config.json "
                         f"implies {list(expected[name])}")
-                state[name] = h.get_tensor(name).to(torch_dtype)
+                exact = name.endswith(model.full_precision_tensors)
+                state[name] = h.get_tensor(name).to(
+                    compute_dtype(torch_dtype) if exact else torch_dtype)
     model.load_state_dict(state, strict=True, assign=True)
+    model.prepare()
     return model.eval().requires_grad_(False)
 
 

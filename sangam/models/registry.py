@@ -12,7 +12,53 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The config.json layouts (key names and architecture) that sangam.testing writes.
-LAYOUTS = ("llada", "dream", "sdar")
+LAYOUTS = ("llada", "dream", "sdar", "llada2", "llada_moe")
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A mixture-of-experts model's expert shape (LLaDA2's config.json key names)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    first_k_dense_replace: int  # leading layers with a dense MLP (intermediate_size wide)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    def config_keys(self, layout: str = "llada2", num_layers: int = 0) -> dict:
+        """The config.json keys of ``layout``: LLaDA2's names (the fields), or LLaDA-MoE's
+        (``llada_moe``: expert and shared-expert widths, a dense/MoE flag per layer)."""
+        if layout == "llada_moe":
+            if (self.n_group, self.topk_group) != (1, 1):
+                raise ValueError("LLaDA-MoE's router has no expert groups")
+            dense = self.first_k_dense_replace
+            return {"num_experts": self.num_experts,
+                    "num_experts_per_tok": self.num_experts_per_tok,
+                    "expert_intermediate_size": self.moe_intermediate_size,
+                    "shared_expert_intermediate_size":
+                        self.num_shared_experts * self.moe_intermediate_size or None,
+                    "moe_layer_freq": [0] * dense + [1] * (num_layers - dense)}
+        return dict(self.__dict__)
+
+    # MoeConfig's names (the cost model reads a shape and a parsed config alike).
+    @property
+    def top_k(self) -> int:
+        return self.num_experts_per_tok
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.moe_intermediate_size
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.num_shared_experts * self.moe_intermediate_size
+
+    @property
+    def first_dense_layers(self) -> int:
+        return self.first_k_dense_replace
 
 
 @dataclass(frozen=True)
@@ -29,6 +75,7 @@ class ModelShape:
     vocab_size: int  # rows of the embedding / LM head
     head_dim: int
     tie_word_embeddings: bool = False  # the LM head is the embedding table
+    moe: MoeShape | None = None  # None: dense
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -37,8 +84,9 @@ class ModelShape:
 
     @property
     def block_causal(self) -> bool:
-        """SDAR's attention: bidirectional within a block, causal across blocks."""
-        return self.layout == "sdar"
+        """SDAR's and LLaDA2's attention: bidirectional within a block, causal across
+        blocks."""
+        return self.layout in ("sdar", "llada2")
 
 
 MODEL_SHAPES = {
@@ -49,4 +97,14 @@ MODEL_SHAPES = {
                           tie_word_embeddings=True),
     "sdar-1.7b": ModelShape("SDAR-1.7B", "sdar", 2048, 28, 16, 8, 6144, 151936, 128,
                             tie_word_embeddings=True),
+    "llada2-mini": ModelShape("LLaDA2.0-mini", "llada2", 2048, 20, 16, 4, 5120, 157184, 128,
+                              moe=MoeShape(256, 8, 512, 1, 1, n_group=8, topk_group=4,
+                                           routed_scaling_factor=2.5)),
+    "llada2-flash": ModelShape("LLaDA2.0-flash", "llada2", 4096, 32, 32, 4, 9216, 157184, 128,
+                               moe=MoeShape(256, 8, 1024, 1, 1, n_group=8, topk_group=4,
+                                            routed_scaling_factor=2.5)),
+    # Every layer MoE, no shared expert; intermediate_size: dense_intermediate_size (8192 =
+    # 8 experts x 1024, the active MLP width).
+    "llada-moe": ModelShape("LLaDA-MoE-7B-A1B", "llada_moe", 2048, 16, 16, 16, 8192, 157184,
+                            128, moe=MoeShape(64, 8, 1024, 0, 0)),
 }

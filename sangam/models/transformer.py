@@ -1,15 +1,17 @@
 """The transformer every architecture shares: pre-norm blocks, RMSNorm, RoPE, SwiGLU.
 
-LLaDA, Dream and SDAR differ only in tensor names, q/k/v biases, SDAR's q/k norms and explicit
-head_dim, Dream's one-position logit shift and SDAR's block-causal mask (an attention matter),
-so each subclass mirrors its Hugging Face module tree (state_dict keys are the real tensor
-names) and hands its layers to the shared code here.
+LLaDA, Dream, SDAR and LLaDA2 differ in tensor names, q/k/v biases and fusion, q/k norms,
+head_dim, partial RoPE, Dream's one-position logit shift, the block-causal mask (an attention
+matter) and LLaDA2's mixture-of-experts MLPs; so each subclass mirrors its Hugging Face module
+tree (state_dict keys are the real tensor names) and hands its layers' parts to the shared code
+here (:class:`LayerParts`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,20 +44,23 @@ class RotaryEmbedding:
     device sync, so CUDA graphs can capture them). Callers keep positions below
     ``max_positions``; the engine rejects longer requests at submission."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int):
+    def __init__(self, head_dim: int, theta: float, max_positions: int,
+                 rotary_dim: int | None = None):
         self.head_dim = head_dim
+        # Partial RoPE (LLaDA2): only a head's first rotary_dim dims turn; the rest pass.
+        self.rotary_dim = rotary_dim or head_dim
         self.theta = theta
         self.max_positions = max_positions
-        self._table: torch.Tensor | None = None  # [2, max_positions, head_dim] cos | sin
+        self._table: torch.Tensor | None = None  # [2, max_positions, rotary_dim] cos | sin
 
     def table(self, dtype: torch.dtype,
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cos and sin tables ``[max_positions, head_dim]`` (what the fused RoPE store
+        """The cos and sin tables ``[max_positions, rotary_dim]`` (what the fused RoPE store
         kernel reads)."""
         t = self._table
         if t is None or t.dtype != dtype or t.device != device:
-            inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64)
-                                        / self.head_dim))
+            rd = self.rotary_dim
+            inv = 1.0 / (self.theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
             freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float64), inv)
             emb = torch.cat([freqs, freqs], dim=-1)
             t = torch.stack([emb.cos(), emb.sin()]).to(dtype=dtype, device=device)
@@ -64,7 +69,7 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[..., 1, head_dim]`` for positions ``[...]``, ready to broadcast over
+        """cos and sin ``[..., 1, rotary_dim]`` for positions ``[...]``, ready to broadcast over
         heads in :meth:`apply`."""
         cos, sin = self.table(dtype, positions.device)
         return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
@@ -72,21 +77,64 @@ class RotaryEmbedding:
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x ``[..., H, D]`` by :meth:`cos_sin` of its positions, in their dtype."""
         xf = x.to(cos.dtype)
-        half = self.head_dim // 2
-        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * cos + rotated * sin).to(x.dtype)
+        rd = self.rotary_dim
+        xr = xf[..., :rd] if rd < self.head_dim else xf
+        half = rd // 2
+        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+        out = xr * cos + rotated * sin
+        if rd < self.head_dim:
+            out = torch.cat([out, xf[..., rd:]], dim=-1)
+        return out.to(x.dtype)
 
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class LayerParts(NamedTuple):
+    """What the shared layer code needs of one transformer layer."""
+
+    attn_norm: nn.Module
+    qkv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # flat
+    qk_norms: tuple[nn.Module, nn.Module] | None  # per-head RMSNorms on q and k, before RoPE
+    o: nn.Module
+    mlp_norm: nn.Module
+    # x -> MLP(x); ``triton``: use the Triton kernels where the MLP has some (MoE).
+    mlp: Callable[..., torch.Tensor]
+
+
+class SplitQKV:
+    """Separate q, k and v projections as one ``qkv`` callable."""
+
+    def __init__(self, q: nn.Module, k: nn.Module, v: nn.Module):
+        self.q, self.k, self.v = q, k, v
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q(x), self.k(x), self.v(x)
+
+
+class SwiGLU:
+    """A dense SwiGLU MLP, down(silu(gate(x)) * up(x)), over three projections."""
+
+    def __init__(self, gate: nn.Module, up: nn.Module, down: nn.Module):
+        self.gate, self.up, self.down = gate, up, down
+
+    def __call__(self, x: torch.Tensor, triton: bool = False) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
 class DiffusionLM(nn.Module):
-    """Base of LLaDA and Dream. Subclasses build the module tree and implement the accessors."""
+    """Base of every architecture. Subclasses build the module tree and implement the
+    accessors."""
+
+    # Tensors (by name suffix) the loader keeps in the compute dtype whatever the model's: the
+    # ones a low-precision copy would change the results of (LLaDA2's expert bias).
+    full_precision_tensors: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position,
+                                    config.rotary_dim)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.attention_backend: AttentionBackend | None = None
 
@@ -94,8 +142,8 @@ class DiffusionLM(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def layer_parts(self, i: int) -> tuple[nn.Module, ...]:
-        """(attn_norm, q, k, v, o, mlp_norm, gate, up, down) of layer i."""
+    def layer_parts(self, i: int) -> LayerParts:
+        """Layer i's parts."""
         raise NotImplementedError
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
@@ -106,29 +154,35 @@ class DiffusionLM(nn.Module):
         ``[vocab, hidden]`` matrix)."""
         raise NotImplementedError
 
-    def qk_norms(self, i: int) -> tuple[nn.Module, nn.Module] | None:
-        """(q_norm, k_norm) of layer i, RMSNorms over head_dim applied before RoPE; None for
-        architectures without them."""
-        return None
+    def parts(self) -> list[LayerParts]:
+        """Every layer's parts, made once (they name modules, not tensors, so they stay valid
+        when weights are loaded or moved)."""
+        made = self.__dict__.get("_parts")
+        if made is None:
+            made = self.__dict__["_parts"] = [self.layer_parts(i)
+                                              for i in range(self.config.num_layers)]
+        return made
+
+    def prepare(self) -> None:
+        """Lay the weights out for inference once they are loaded (MoE models stack their
+        experts); the loader calls it."""
 
     # Shared computation.
-    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                triton: bool = False) -> torch.Tensor:
         cfg = self.config
         lead = h.shape[:-1]
         cos, sin = self.rope.cos_sin(positions, compute_dtype(h.dtype))  # once, for all layers
-        for i in range(cfg.num_layers):
-            attn_norm, q_p, k_p, v_p, o_p, mlp_norm, gate, up, down = self.layer_parts(i)
-            x = attn_norm(h)
-            q = q_p(x).view(*lead, cfg.num_heads, cfg.head_dim)
-            k = k_p(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
-            norms = self.qk_norms(i)
-            if norms is not None:
-                q, k = norms[0](q), norms[1](k)
+        for i, part in enumerate(self.parts()):
+            q, k, v = part.qkv(part.attn_norm(h))
+            q = q.view(*lead, cfg.num_heads, cfg.head_dim)
+            k = k.view(*lead, cfg.num_kv_heads, cfg.head_dim)
+            if part.qk_norms is not None:
+                q, k = part.qk_norms[0](q), part.qk_norms[1](k)
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-            v = v_p(x).view(*lead, cfg.num_kv_heads, cfg.head_dim)
-            h = h + o_p(attend(i, q, k, v).reshape(*lead, cfg.num_heads * cfg.head_dim))
-            x = mlp_norm(h)
-            h = h + down(F.silu(gate(x)) * up(x))
+            v = v.view(*lead, cfg.num_kv_heads, cfg.head_dim)
+            h = h + part.o(attend(i, q, k, v).reshape(*lead, cfg.num_heads * cfg.head_dim))
+            h = h + part.mlp(part.mlp_norm(h), triton)
         return self.final_norm(h)
 
     @torch.inference_mode()
@@ -153,7 +207,8 @@ class DiffusionLM(nn.Module):
         def attend(i, q, k, v):
             return backend.forward(q, k, v, kv.k[i], kv.v[i], meta, self.scale)
 
-        return self._layers(self.embed(input_ids), positions, attend)
+        return self._layers(self.embed(input_ids), positions, attend,
+                            triton=backend.name == "triton")
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

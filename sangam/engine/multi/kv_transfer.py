@@ -56,12 +56,12 @@ def _page_ops(device: torch.device):
 
 
 class LayerHook(AttentionBackend):
-    """An attention backend that calls ``on_layer(i)`` after layer ``i``'s attention."""
-
-    name = "layer-hook"
+    """An attention backend that calls ``on_layer(i)`` after layer ``i``'s attention. It bears
+    the inner backend's name: the model picks its other kernels (MoE) by it."""
 
     def __init__(self, inner: AttentionBackend, on_layer: Callable[[int], None]):
         self.inner = inner
+        self.name = inner.name
         self.on_layer = on_layer
         self.layer = 0
 

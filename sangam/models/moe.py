@@ -1,0 +1,104 @@
+"""A mixture-of-experts MLP layer: the router, the routed SwiGLU experts and the shared ones.
+
+The module tree keeps the checkpoints' tensor names (``gate.weight``, ``gate.expert_bias``,
+``experts.E.{gate,up,down}_proj``, ``shared_experts.*``), one Linear per expert. The kernels
+want each projection of all experts as one tensor, so :meth:`SparseMoe.stacked` copies them
+once into ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]`` and re-points every
+expert's weights at views of those: no second copy stays in memory, and the state dict still
+reads under the real names.
+
+Routing and the experts run through ``sangam.kernels``: the Triton kernels (``moe_route``,
+``fused_moe``) when the model's attention runs on Triton, else their PyTorch references.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sangam.kernels import reference
+from sangam.models.config import MoeConfig
+from sangam.models.transformer import compute_dtype
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, triton: bool = False) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """The gate: logits = x W^T in fp32 (fp64 for fp64 models), and the expert bias that
+    steers the choice (kept in that precision by the loader)."""
+
+    def __init__(self, hidden: int, moe: MoeConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
+        if moe.expert_bias:
+            self.expert_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, hidden: int, moe: MoeConfig):
+        super().__init__()
+        self.moe = moe
+        self.gate = Router(hidden, moe)
+        self.experts = nn.ModuleList(Expert(hidden, moe.intermediate_size)
+                                     for _ in range(moe.num_experts))
+        if moe.shared_intermediate_size:
+            self.shared_experts = Expert(hidden, moe.shared_intermediate_size)
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) of all experts, stacked once: later calls find expert 0's weight a view
+        of w13 and return the same tensors; after weights were replaced or moved they stack
+        anew."""
+        made = self.__dict__.get("_stacked")
+        if made is not None and self.experts[0].gate_proj.weight.data_ptr() == made[0].data_ptr():
+            return made
+        width = self.moe.intermediate_size
+        # Plain tensors even when first called inside a forward's inference mode: they become
+        # the parameters' storage.
+        with torch.inference_mode(False), torch.no_grad():
+            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
+                               for e in self.experts])
+            w2 = torch.stack([e.down_proj.weight for e in self.experts])
+            for j, e in enumerate(self.experts):
+                e.gate_proj.weight = nn.Parameter(w13[j, :width], requires_grad=False)
+                e.up_proj.weight = nn.Parameter(w13[j, width:], requires_grad=False)
+                e.down_proj.weight = nn.Parameter(w2[j], requires_grad=False)
+        self.__dict__["_stacked"] = (w13, w2)
+        return w13, w2
+
+    def route(self, x: torch.Tensor, triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[N, H]`` -> (combine weights ``[N, top_k]``, expert ids ``[N, top_k]``)."""
+        m, cd = self.moe, compute_dtype(x.dtype)
+        logits = F.linear(x.to(cd), self.gate.weight.to(cd))
+        bias = self.gate.expert_bias.to(cd) if m.expert_bias else None
+        if triton:
+            from sangam.kernels.fused_moe import moe_route
+        else:
+            moe_route = reference.moe_route_ref
+        return moe_route(logits, top_k=m.top_k, score=m.score, bias=bias, n_group=m.n_group,
+                         topk_group=m.topk_group, renormalize=m.renormalize, scale=m.scale)
+
+    def forward(self, x: torch.Tensor, triton: bool = False) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.route(flat, triton)
+        w13, w2 = self.stacked()
+        if triton:
+            from sangam.kernels.fused_moe import fused_moe
+        else:
+            fused_moe = reference.fused_moe_ref
+        out = fused_moe(flat, w13, w2, weights, ids)
+        if self.moe.shared_intermediate_size:
+            out = out + self.shared_experts(flat)
+        return out.view(*lead, x.shape[-1])
