@@ -25,6 +25,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -121,11 +122,11 @@ struct CursorLayout {
       force_refresh, prefilled, chunk_end;
 };
 struct DecodeLayout {
-  int64_t mask_token_id, seed, rule, tokens_per_step, max_tokens, num_forwards, num_chunks,
-      finished, finish_reason;
+  int64_t mask_token_id, seed, rule, tokens_per_step, max_tokens, max_post_steps, num_forwards,
+      num_chunks, finished, finish_reason, post_steps;
 };
 struct FloatLayout {
-  int64_t temperature, factor, refresh_confidence;
+  int64_t temperature, factor, refresh_confidence, edit_threshold;
 };
 struct Buffers {  // positions in DecodeState.host_buffers
   int64_t cursor, record, floats, tokens, confidence, thresholds, stop_ids, count;
@@ -199,6 +200,8 @@ PyObject* configure(PyObject*, PyObject* arg) {
       index_of(decode, "rule", &d.rule) &&
       index_of(decode, "tokens_per_step", &d.tokens_per_step) &&
       index_of(decode, "max_tokens", &d.max_tokens) &&
+      index_of(decode, "max_post_steps", &d.max_post_steps) &&
+      index_of(decode, "post_steps", &d.post_steps) &&
       index_of(decode, "num_forwards", &d.num_forwards) &&
       index_of(decode, "num_chunks", &d.num_chunks) &&
       index_of(decode, "finished", &d.finished) &&
@@ -206,6 +209,7 @@ PyObject* configure(PyObject*, PyObject* arg) {
       index_of(floats, "temperature", &l.f.temperature) &&
       index_of(floats, "factor", &l.f.factor) &&
       index_of(floats, "refresh_confidence", &l.f.refresh_confidence) &&
+      index_of(floats, "edit_threshold", &l.f.edit_threshold) &&
       index_of(buffers, "cursor", &l.b.cursor) && index_of(buffers, "record", &l.b.record) &&
       index_of(buffers, "floats", &l.b.floats) && index_of(buffers, "tokens", &l.b.tokens) &&
       index_of(buffers, "confidence", &l.b.confidence) &&
@@ -283,7 +287,8 @@ struct Plan {
   int64_t kv_len = 0;          // keys attended: T (block-causal: the span's end)
   bool chunk = false;          // a block-causal prefill chunk: it stores K/V, scores no row
   int64_t num_forced = 0;      // Dream's refresh commits position s regardless of the rule
-  int64_t num_rows = 0;        // forced rows + rule candidates
+  int64_t num_editable = 0;    // token editing: the block's filled response positions
+  int64_t num_rows = 0;        // forced rows + rule candidates + editable positions
   double temperature = 0.0;
   uint32_t key = 0;            // the step's noise key (only drawn when temperature > 0)
 };
@@ -364,7 +369,12 @@ bool read_plan(PyObject* buffers, PyObject* page_list, Plan* p) {
   p->num_forced = (p->shift && first && tok[p->s] == p->mask) ? 1 : 0;
   int64_t masked = 0;
   for (int64_t i = p->s + p->shift; i < p->e && !p->chunk; ++i) masked += tok[i] == p->mask;
-  p->num_rows = p->chunk ? 0 : p->num_forced + masked;
+  if (std::isfinite(q.floats[layout.f.edit_threshold]) && !p->chunk) {  // token editing
+    for (int64_t i = std::max(p->s, q.at(c.prompt_len)); i < p->e; ++i) {
+      p->num_editable += tok[i] != p->mask;
+    }
+  }
+  p->num_rows = p->chunk ? 0 : p->num_forced + masked + p->num_editable;
   if (p->temperature > 0) {  // greedy steps draw no noise
     const uint64_t seed = static_cast<uint64_t>(q.record[layout.d.seed]);
     p->key = sangam::noise_key(seed, static_cast<uint64_t>(q.at(c.block)),
@@ -386,11 +396,12 @@ struct Arena {
   Array<double> temperatures;                         // [num_rows]
   Array<int64_t> cand_positions;                      // [num_rows]
   Array<int64_t> num_forced;                          // [n]
-  static constexpr Py_ssize_t kCount = 12;
+  Array<int64_t> num_editable;                        // [n]
+  static constexpr Py_ssize_t kCount = 13;
 
   bool acquire(PyObject* arrays) {
     if (!PyTuple_Check(arrays) || PyTuple_GET_SIZE(arrays) != kCount) {
-      PyErr_SetString(PyExc_TypeError, "arena: expected a tuple of 12 arrays");
+      PyErr_SetString(PyExc_TypeError, "arena: expected a tuple of 13 arrays");
       return false;
     }
     PyObject* const* a = &PyTuple_GET_ITEM(arrays, 0);
@@ -404,7 +415,8 @@ struct Arena {
            cu_rows.acquire(a[7], "cu_rows", true) && row_keys.acquire(a[8], "row_keys", true) &&
            temperatures.acquire(a[9], "temperatures", true) &&
            cand_positions.acquire(a[10], "cand_positions", true) &&
-           num_forced.acquire(a[11], "num_forced", true);
+           num_forced.acquire(a[11], "num_forced", true) &&
+           num_editable.acquire(a[12], "num_editable", true);
   }
 
   bool fits(int64_t n, int64_t num_tokens, int64_t num_rows, int64_t width) const {
@@ -413,7 +425,8 @@ struct Arena {
            cu_seqlens_q.size() >= n + 1 && kv_lens.size() >= n &&
            logits_indices.size() >= num_rows && cu_rows.size() >= n + 1 &&
            row_keys.size() >= num_rows && temperatures.size() >= num_rows &&
-           cand_positions.size() >= num_rows && num_forced.size() >= n;
+           cand_positions.size() >= num_rows && num_forced.size() >= n &&
+           num_editable.size() >= n;
   }
 };
 
@@ -457,7 +470,8 @@ bool pack_one(const Plan& p, int64_t r, int64_t width, int64_t page_size, int64_
   out.cu_seqlens_q[r + 1] = static_cast<int32_t>(tok_off + p.end - p.start);
   out.kv_lens[r] = static_cast<int32_t>(p.kv_len);
 
-  // Rows: the forced position first, then the rule's candidates in position order.
+  // Rows: the forced position first, then the rule's candidates in position order, then the
+  // editable positions in position order.
   int64_t i = row_off;
   const auto add_row = [&](int64_t pos) {
     out.cand_positions[i] = pos;
@@ -470,8 +484,14 @@ bool pack_one(const Plan& p, int64_t r, int64_t width, int64_t page_size, int64_
   for (int64_t pos = p.s + p.shift; pos < p.e && !p.chunk; ++pos) {
     if (tok[pos] == p.mask) add_row(pos);
   }
+  if (p.num_editable) {
+    for (int64_t pos = std::max(p.s, p.req.at(layout.c.prompt_len)); pos < p.e; ++pos) {
+      if (tok[pos] != p.mask) add_row(pos);
+    }
+  }
   out.cu_rows[r + 1] = i;
   out.num_forced[r] = p.num_forced;
+  out.num_editable[r] = p.num_editable;
   return true;
 }
 
@@ -535,8 +555,8 @@ PyObject* build(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // the rest into the canvas, moves the cursor (BlockCursor.advance / store_chunk), and sets
 // *block_done.
 bool commit_one(PyObject* buffers, const int64_t* cand, const int64_t* tok, const double* conf,
-                int64_t num_rows, int64_t num_forced, std::vector<int64_t>& order,
-                std::vector<uint8_t>& chosen, bool* block_done) {
+                int64_t num_rows, int64_t num_forced, int64_t num_editable,
+                std::vector<int64_t>& order, std::vector<uint8_t>& chosen, bool* block_done) {
   *block_done = false;
   Request q;
   if (!q.acquire(buffers, true)) return false;
@@ -560,7 +580,7 @@ bool commit_one(PyObject* buffers, const int64_t* cand, const int64_t* tok, cons
     PyErr_SetString(PyExc_ValueError, "BlockCursor: block outside the request's blocks");
     return false;
   }
-  const int64_t num_cands = num_rows - num_forced;
+  const int64_t num_cands = num_rows - num_forced - num_editable;
   if (rule == sangam::Rule::kUnknown && num_cands > 0) {  // select_commits raises only then
     PyErr_Format(PyExc_ValueError, "unknown unmasking rule %lld",
                  static_cast<long long>(rule_id));
@@ -576,6 +596,20 @@ bool commit_one(PyObject* buffers, const int64_t* cand, const int64_t* tok, cons
   if (q.confidence.size() != T) {
     PyErr_SetString(PyExc_ValueError, "DecodeState.confidence must be as long as its tokens");
     return false;
+  }
+  // Token editing: a filled position takes its row's token when that differs from it and is
+  // sure beyond edit_threshold (strictly, as LLaDA2.1 edits).
+  const double edit_threshold = q.floats[layout.f.edit_threshold];
+  bool edited = false;
+  for (int64_t i = num_rows - num_editable; i < num_rows; ++i) {
+    if (cand[i] < 0 || cand[i] >= T) {
+      PyErr_Format(PyExc_IndexError, "candidate position %lld is outside a canvas of %lld",
+                   static_cast<long long>(cand[i]), static_cast<long long>(T));
+      return false;
+    }
+    const bool edit = conf[i] > edit_threshold && tok[i] != q.tokens[cand[i]];
+    chosen[static_cast<size_t>(i)] = edit;
+    edited = edited || edit;
   }
   for (int64_t i = 0; i < num_rows; ++i) {
     if (!chosen[static_cast<size_t>(i)]) continue;
@@ -593,9 +627,16 @@ bool commit_one(PyObject* buffers, const int64_t* cand, const int64_t* tok, cons
   const int64_t e = std::clamp<int64_t>(s + block_length, 0, T);
   bool done = true;
   for (int64_t i = s; i < e && done; ++i) done = q.tokens[i] != mask;
+  if (done && std::isfinite(edit_threshold)) {  // DecodeState._edits_go_on
+    int64_t& post = q.record[d.post_steps];
+    const bool had_masks = num_rows > num_editable;
+    if (!had_masks) ++post;
+    done = !((had_masks || edited) && post < q.record[d.max_post_steps]);
+  }
   q.at(c.step) += 1;  // BlockCursor.advance
   q.at(c.force_refresh) = 0;
   if (!done) return true;
+  q.record[d.post_steps] = 0;
   *block_done = true;
   // A stop id beyond max_tokens (the last block's padding) is no stop; stop_ids already
   // reflects stop_at_eos (and holds the request's stop_token_ids).
@@ -630,24 +671,26 @@ bool commit_one(PyObject* buffers, const int64_t* cand, const int64_t* tok, cons
 }
 
 PyObject* apply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 6) {
-    PyErr_SetString(PyExc_TypeError,
-                    "apply(requests, tokens, conf, cand_positions, cu_rows, num_forced)");
+  if (nargs != 7) {
+    PyErr_SetString(PyExc_TypeError, "apply(requests, tokens, conf, cand_positions, cu_rows, "
+                                     "num_forced, num_editable)");
     return nullptr;
   }
   Ref requests(PySequence_Fast(args[0], "requests must be a sequence"));
   if (!requests) return nullptr;
-  Array<int64_t> tokens, cand, cu_rows, num_forced;
+  Array<int64_t> tokens, cand, cu_rows, num_forced, num_editable;
   Array<double> conf;
   if (!tokens.acquire(args[1], "tokens", false) || !conf.acquire(args[2], "conf", false) ||
       !cand.acquire(args[3], "cand_positions", false) ||
       !cu_rows.acquire(args[4], "cu_rows", false) ||
-      !num_forced.acquire(args[5], "num_forced", false)) {
+      !num_forced.acquire(args[5], "num_forced", false) ||
+      !num_editable.acquire(args[6], "num_editable", false)) {
     return nullptr;
   }
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(requests.get());
-  if (cu_rows.size() < n + 1 || num_forced.size() < n) {
-    PyErr_SetString(PyExc_ValueError, "apply: cu_rows / num_forced are shorter than the batch");
+  if (cu_rows.size() < n + 1 || num_forced.size() < n || num_editable.size() < n) {
+    PyErr_SetString(PyExc_ValueError,
+                    "apply: cu_rows / num_forced / num_editable are shorter than the batch");
     return nullptr;
   }
   const int64_t num_rows = cu_rows[n];
@@ -660,14 +703,15 @@ PyObject* apply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::vector<int64_t> order;
   std::vector<uint8_t> chosen;
   for (Py_ssize_t r = 0; r < n; ++r) {
-    const int64_t a = cu_rows[r], b = cu_rows[r + 1], k = num_forced[r];
-    if (a < 0 || b < a || b > num_rows || k < 0 || k > b - a) {
-      PyErr_SetString(PyExc_ValueError, "apply: inconsistent cu_rows / num_forced");
+    const int64_t a = cu_rows[r], b = cu_rows[r + 1], k = num_forced[r], ed = num_editable[r];
+    if (a < 0 || b < a || b > num_rows || k < 0 || ed < 0 || k + ed > b - a) {
+      PyErr_SetString(PyExc_ValueError, "apply: inconsistent cu_rows / num_forced / num_editable");
       return nullptr;
     }
     bool block_done = false;
     if (!commit_one(PySequence_Fast_GET_ITEM(requests.get(), r), cand.data() + a,
-                    tokens.data() + a, conf.data() + a, b - a, k, order, chosen, &block_done)) {
+                    tokens.data() + a, conf.data() + a, b - a, k, ed, order, chosen,
+                    &block_done)) {
       return nullptr;
     }
     PyObject* flag = block_done ? Py_True : Py_False;
@@ -687,7 +731,8 @@ PyMethodDef methods[] = {
      "Plan each request's next step and pack the batch into the arena's arrays; when they\n"
      "are too small nothing is written and fits is False."},
     {"apply", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(apply)), METH_FASTCALL,
-     "apply(requests, tokens, conf, cand_positions, cu_rows, num_forced) -> list[bool]\n\n"
+     "apply(requests, tokens, conf, cand_positions, cu_rows, num_forced, num_editable)\n"
+     "-> list[bool]\n\n"
      "Commit each request's scored rows in place; returns whether each completed its block."},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -28,6 +28,7 @@ MAX_STOP_TOKEN_IDS = 1024
 # bounded here, so no request can overflow either downstream.
 MAX_INT32 = 2**31 - 1
 SEED_BITS = 63  # a seed is in [0, 2**SEED_BITS): a non-negative int64
+MAX_POST_STEPS = 1024  # editing-only forwards per block (LLaDA2.1's default is 16)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,13 @@ class SamplingParams:
     # toward min_threshold as it fills up (threshold_under). The one option whose tokens depend
     # on load: RequestOutput.block_thresholds reports each block's.
     min_threshold: float | None = None
+    # Token editing (LLaDA2.1's T2T), block-causal models only, opt-in: besides filling masks,
+    # each step replaces a filled response position of the current block whose most likely
+    # token differs from it with probability above edit_threshold (None: no editing); once the
+    # block has no masks left, editing-only steps follow until one changes nothing or
+    # max_post_steps of them have run.
+    edit_threshold: float | None = None
+    max_post_steps: int = 16
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -123,6 +131,17 @@ class SamplingParams:
              f"{self.min_threshold!r}")
         if self.min_threshold is not None:
             object.__setattr__(self, "min_threshold", float(self.min_threshold))
+        need(self.edit_threshold is None or (_is_num(self.edit_threshold)
+                                             and 0.0 <= self.edit_threshold <= 1.0),
+             f"edit_threshold must be None or in [0, 1], got {self.edit_threshold!r}")
+        if self.edit_threshold is not None:
+            object.__setattr__(self, "edit_threshold", float(self.edit_threshold))
+        need(_is_int(self.max_post_steps) and 0 <= self.max_post_steps <= MAX_POST_STEPS,
+             f"max_post_steps must be an integer in [0, {MAX_POST_STEPS}], got "
+             f"{self.max_post_steps!r}")
+        need(self.edit_threshold is None or self.logprobs is None,
+             "logprobs cannot be combined with edit_threshold: an edited position was "
+             "committed by more than one step")
         need(_is_num(self.refresh_confidence) and 0.0 <= self.refresh_confidence <= 1.0,
              f"refresh_confidence must be in [0, 1], got {self.refresh_confidence!r}")
         object.__setattr__(self, "refresh_confidence", float(self.refresh_confidence))

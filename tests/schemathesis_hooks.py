@@ -29,6 +29,8 @@ CONSTRAINTS_BEYOND_THE_SCHEMA = [
     ("needs tools", "tool_choice relates to tools"),
     ("min_tokens must be", "min_tokens <= max_tokens"),
     ("min_threshold must be", "min_threshold <= threshold, under the threshold rule"),
+    ("needs a block-causal model", "token editing depends on the served model's attention"),
+    ("logprobs cannot be combined with edit_threshold", "logprobs relates to edit_threshold"),
     ("need a cache", "refresh intervals other than 1 relate to cache"),
     ("top_logprobs needs logprobs", "top_logprobs relates to logprobs"),
     ("contradict each other", "ignore_eos is the inverse of stop_at_eos"),

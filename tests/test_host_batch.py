@@ -82,6 +82,9 @@ def _random_state(rng: random.Random) -> DecodeState:
     if rng.random() < 0.25:  # block-causal (SDAR): grid-aligned blocks, no cadence or suffix
         params = dataclasses.replace(params, cache="dual", refresh_interval=1,
                                      prompt_refresh_interval=1, refresh_confidence=0.0)
+        if rng.random() < 0.5:  # token editing (LLaDA2.1)
+            params = dataclasses.replace(params, edit_threshold=rng.choice([0.0, 0.5, 0.9]),
+                                         max_post_steps=rng.choice([0, 1, 3]))
         return DecodeState(prompt, params, MASK, stop_ids, False, seed, block_causal=True)
     return DecodeState(prompt, params, MASK, stop_ids, rng.random() < 0.5, seed, suffix)
 
@@ -124,6 +127,7 @@ def _assert_same_batch(a: PackedBatch, b: PackedBatch) -> None:
 def _assert_same_state(a: DecodeState, b: DecodeState) -> None:
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.confidence, b.confidence)
+    assert a.record == b.record  # the counters, post_steps among them
     for name in ("block", "step", "num_forwards", "finished", "finish_reason", "force_refresh",
                  "prefilled", "chunk_end", "num_chunks"):
         x, y = getattr(a, name), getattr(b, name)
@@ -148,6 +152,7 @@ def _naive_pack(states, pages, page_size) -> PackedBatch:
         cols["temperatures"] += [st.params.temperature] * len(plan.rows)
         cols["cand_positions"] += list(plan.positions)
         cols["num_forced"].append(plan.num_forced)
+        cols["num_editable"].append(plan.num_editable)
         cu_q.append(cu_q[-1] + len(span))
         cu_rows.append(cu_rows[-1] + len(plan.rows))
     dtypes = {"block_tables": np.int32, "cu_seqlens_q": np.int32, "kv_lens": np.int32,

@@ -22,6 +22,7 @@ from sangam.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_PENALTY,
+    MAX_POST_STEPS,
     MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -123,6 +124,9 @@ PROBES: dict[str, list[tuple[Any, bool]]] = {
     "prompt_refresh_interval": _lengths(),
     "refresh_confidence": _fractions(),
     "min_threshold": _fractions(),
+    "edit_threshold": _fractions(),
+    "max_post_steps": [(0, True), (-1, False), (MAX_POST_STEPS, True),
+                       (MAX_POST_STEPS + 1, False)],
 }
 CONTEXT: dict[str, dict[str, Any]] = {
     "min_tokens": {"max_tokens": MAX_INT32},  # min_tokens <= max_tokens

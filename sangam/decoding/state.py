@@ -21,6 +21,7 @@ its arrays, and mirrors ``plan`` and ``commit``.
 from __future__ import annotations
 
 import functools
+import math
 from array import array
 from dataclasses import dataclass
 
@@ -35,14 +36,17 @@ from sangam.sched.block_cursor import CURSOR_FIELDS, FULL_REFRESH, BlockCursor
 # The decoder's record (beside its cursor's): the request's fixed integer parameters, then its
 # counters. finish_reason is an index into FINISH_REASONS; seed is its low 64 bits.
 DECODE_FIELDS = ("mask_token_id", "seed", "rule", "tokens_per_step", "max_tokens",
-                 "num_forwards", "num_chunks", "finished", "finish_reason")
-DECODE_FLOAT_FIELDS = ("temperature", "factor", "refresh_confidence")
+                 "max_post_steps", "num_forwards", "num_chunks", "finished", "finish_reason",
+                 "post_steps")
+# edit_threshold is +inf without editing (no probability exceeds it).
+DECODE_FLOAT_FIELDS = ("temperature", "factor", "refresh_confidence", "edit_threshold")
 FINISH_REASONS = (None, "stop", "length")
 # What the C++ host path reads of a request, in ``DecodeState.host_buffers`` order.
 HOST_BUFFERS = ("cursor", "record", "floats", "tokens", "confidence", "block_thresholds",
                 "stop_ids")
-_FORWARDS, _CHUNKS, _FINISHED, _REASON = (
-    DECODE_FIELDS.index(n) for n in ("num_forwards", "num_chunks", "finished", "finish_reason"))
+_FORWARDS, _CHUNKS, _FINISHED, _REASON, _POST = (
+    DECODE_FIELDS.index(n) for n in ("num_forwards", "num_chunks", "finished", "finish_reason",
+                                     "post_steps"))
 _BLOCK, _STEP = CURSOR_FIELDS.index("block"), CURSOR_FIELDS.index("step")
 
 
@@ -52,10 +56,13 @@ class StepPlan:
 
     span_start: int
     span_end: int
-    positions: np.ndarray  # candidate positions: forced ones first, then rule candidates
+    # Candidate positions: forced ones first, then the rule's (masked), then with token editing
+    # the block's filled response positions (the last num_editable).
+    positions: np.ndarray
     num_forced: int  # Dream's refresh commits its block's first position regardless
     rows: np.ndarray  # hidden-state row (within the span) whose logits predict each position
     row_keys: np.ndarray  # uint32 noise key per row (used when temperature > 0)
+    num_editable: int = 0
 
     @property
     def span_len(self) -> int:
@@ -103,8 +110,10 @@ class DecodeState:
         low = seed & (2**64 - 1)  # the noise key reads the seed's low 64 bits
         self.record = array("q", (mask_token_id, low - 2**64 if low >= 2**63 else low,
                                   RULE_IDS[params.unmasking], params.tokens_per_step,
-                                  params.max_tokens, 0, 0, 0, 0))
-        self.floats = array("d", (params.temperature, params.factor, params.refresh_confidence))
+                                  params.max_tokens, params.max_post_steps, 0, 0, 0, 0, 0))
+        edit = math.inf if params.edit_threshold is None else params.edit_threshold
+        self.floats = array("d", (params.temperature, params.factor, params.refresh_confidence,
+                                  edit))
         self.host_buffers = (self.cursor.record, self.record, self.floats, self.tokens,
                              self.confidence, self.block_thresholds, self.stop_array)
         self.stop_len: int | None = None  # response tokens kept when a stop string ended it
@@ -235,7 +244,14 @@ class DecodeState:
         if end <= s:  # a prefill chunk: it stores K/V and predicts nothing
             empty = np.zeros(0, dtype=np.int64)
             return StepPlan(start, end, empty, 0, empty, empty)
-        offsets = (self.tokens[s:e] == self.mask_token_id).nonzero()[0]  # masked, in-block
+        block = self.tokens[s:e]
+        offsets = (block == self.mask_token_id).nonzero()[0]  # masked, in-block
+        num_editable = 0
+        if self.params.edit_threshold is not None:  # and the filled response positions
+            filled = (block != self.mask_token_id).nonzero()[0]
+            filled = filled[filled >= self.prompt_len - s]
+            num_editable = len(filled)
+            offsets = np.concatenate([offsets, filled])
         num_forced = 0
         shift = 1 if self.shift else 0
         if shift and offsets.size and offsets[0] == 0:
@@ -252,32 +268,43 @@ class DecodeState:
             keys = row_keys(noise_key(self.seed, self.block, self.step), offsets)
         else:  # greedy: no noise is drawn
             keys = np.zeros(len(positions), dtype=np.int64)
-        return StepPlan(start, end, positions, num_forced, rows, keys)
+        return StepPlan(start, end, positions, num_forced, rows, keys, num_editable)
 
     def apply(self, plan: StepPlan, tokens: np.ndarray, conf: np.ndarray) -> bool:
         """Commit this step's tokens (aligned with ``plan.positions``); True if a block ended."""
-        return self.commit(plan.positions, plan.num_forced, tokens, conf)
+        return self.commit(plan.positions, plan.num_forced, tokens, conf, plan.num_editable)
 
     def commit(self, positions: np.ndarray, num_forced: int, tokens: np.ndarray,
-               conf: np.ndarray) -> bool:
+               conf: np.ndarray, num_editable: int = 0) -> bool:
         """``apply`` on a plan's parts: the first ``num_forced`` positions are committed
-        regardless, the rule picks among the rest; moves the cursor; True if a block ended."""
+        regardless, the rule picks among the rest but the last ``num_editable`` (filled
+        positions, edited where their token is sure and different); moves the cursor; True if
+        a block ended."""
         p, c, r = self.params, self.cursor, self.record
         r[_FORWARDS] += 1
         if c.chunk_end is not None:  # the forward was a prefill chunk (no rows)
             c.store_chunk()
             r[_CHUNKS] += 1
             return False
-        k = num_forced
-        chosen = select_commits(conf[k:].tolist(), p.unmasking, self.threshold, p.factor,
+        k, m = num_forced, len(positions) - num_editable
+        chosen = select_commits(conf[k:m].tolist(), p.unmasking, self.threshold, p.factor,
                                 p.tokens_per_step)
         commit = list(range(k)) + [k + i for i in chosen]
+        if num_editable:  # strictly above edit_threshold, as LLaDA2.1 edits
+            at = positions[m:]
+            edit = (conf[m:] > p.edit_threshold) & (tokens[m:] != self.tokens[at])
+            commit += (m + edit.nonzero()[0]).tolist()
         self.tokens[positions[commit]] = tokens[commit]
         self.confidence[positions[commit]] = conf[commit]
         s, e = c.block_bounds()
         if self.mask_token_id in self.tokens[s:e]:
             c.advance(block_done=False, finished=False)
             return False
+        if p.edit_threshold is not None and self._edits_go_on(had_masks=m > 0,
+                                                              edited=len(commit) > 0):
+            c.advance(block_done=False, finished=False)
+            return False
+        r[_POST] = 0
         # A stop id beyond max_tokens (the last block's padding) is no stop: the response
         # reached its length first.
         response = self.tokens[self.prompt_len:min(e, self.prompt_len + p.max_tokens)]
@@ -291,6 +318,17 @@ class DecodeState:
                  and self.confidence[s:e].min() < p.refresh_confidence)
         c.advance(block_done=True, finished=self.finished, force_next=force)
         return True
+
+    def _edits_go_on(self, had_masks: bool, edited: bool) -> bool:
+        """Whether the block, whose masks are all filled, takes another editing-only step: after
+        the step that filled its last mask, if max_post_steps allows one; after an
+        editing-only step, if it changed something and the allowance is not spent."""
+        r = self.record
+        if not had_masks:
+            r[_POST] += 1
+            if not edited:
+                return False
+        return r[_POST] < self.params.max_post_steps
 
     def stop_index(self, response: np.ndarray) -> int:
         """Where ``response`` (response tokens) holds its first stop id; its length if none."""

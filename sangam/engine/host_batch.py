@@ -81,6 +81,7 @@ class PackedBatch:
     temperatures: np.ndarray  # float64 [M]
     cand_positions: np.ndarray  # int64 [M]
     num_forced: np.ndarray  # int64 [n]
+    num_editable: np.ndarray  # int64 [n]: its last rows are filled positions it may edit
 
     @classmethod
     def from_plans(cls, states: list[DecodeState], plans: list[StepPlan],
@@ -121,7 +122,8 @@ class PackedBatch:
             temperatures=np.repeat(
                 np.array([st.params.temperature for st in states], dtype=np.float64), num_rows),
             cand_positions=np.concatenate([p.positions for p in plans]),
-            num_forced=np.array([p.num_forced for p in plans], dtype=np.int64))
+            num_forced=np.array([p.num_forced for p in plans], dtype=np.int64),
+            num_editable=np.array([p.num_editable for p in plans], dtype=np.int64))
 
     @property
     def num_rows(self) -> int:
@@ -164,8 +166,9 @@ class PythonHostBatcher:
         request; returns, per request, whether its current block was completed."""
         cu = batch.cu_rows.tolist()
         return [st.commit(batch.cand_positions[cu[r]:cu[r + 1]], k, tokens[cu[r]:cu[r + 1]],
-                          conf[cu[r]:cu[r + 1]])
-                for r, (st, k) in enumerate(zip(states, batch.num_forced.tolist()))]
+                          conf[cu[r]:cu[r + 1]], ed)
+                for r, (st, k, ed) in enumerate(zip(states, batch.num_forced.tolist(),
+                                                    batch.num_editable.tolist()))]
 
 
 # The arena's arrays in the order sangam._host.build takes them: (name, dtype, sized by).
@@ -182,6 +185,7 @@ _FIELDS = (
     ("temperatures", np.float64, "rows"),
     ("cand_positions", np.int64, "rows"),
     ("num_forced", np.int64, "requests"),
+    ("num_editable", np.int64, "requests"),
 )
 assert [f[0] for f in _FIELDS] == [f.name for f in fields(PackedBatch)]
 
@@ -220,12 +224,13 @@ class CHostBatcher:
                 break
             self._grow(num_tokens, num_rows, n, n * width)
         (input_ids, positions, slot_mapping, block_tables, cu_seqlens_q, kv_lens, logits_indices,
-         cu_rows, row_keys, temperatures, cand_positions, num_forced) = self._arena
+         cu_rows, row_keys, temperatures, cand_positions, num_forced, num_editable) = self._arena
         return PackedBatch(
             input_ids[:num_tokens], positions[:num_tokens], slot_mapping[:num_tokens],
             block_tables[:n * width].reshape(n, width), cu_seqlens_q[:n + 1], kv_lens[:n],
             logits_indices[:num_rows], cu_rows[:n + 1], row_keys[:num_rows],
-            temperatures[:num_rows], cand_positions[:num_rows], num_forced[:n])
+            temperatures[:num_rows], cand_positions[:num_rows], num_forced[:n],
+            num_editable[:n])
 
     def apply(self, states: list[DecodeState], batch: PackedBatch, tokens: np.ndarray,
               conf: np.ndarray) -> list[bool]:
@@ -233,7 +238,7 @@ class CHostBatcher:
         return _host.apply([st.host_buffers for st in states],
                            np.ascontiguousarray(tokens, dtype=np.int64),
                            np.ascontiguousarray(conf, dtype=np.float64), batch.cand_positions,
-                           batch.cu_rows, batch.num_forced)
+                           batch.cu_rows, batch.num_forced, batch.num_editable)
 
 
 HostBatcher = PythonHostBatcher | CHostBatcher

@@ -119,9 +119,11 @@ class LoadedModel:
         """``model`` (None on a front whose workers hold the weights) with the checkpoint's
         tokenizer (or ``cfg.tokenizer``'s), stop ids, request defaults and context limit."""
         tokenizer = load_tokenizer(cfg.tokenizer or path, required=cfg.tokenizer is not None)
-        # A block-causal model's requests default to the block size it was trained with.
+        # A block-causal model's requests default to the block size it was trained with, and
+        # every model's to its own generate's defaults.
         trained = ({"block_length": model_config.causal_block_size}
                    if model_config.block_causal else {})
+        trained.update(model_config.request_defaults)
         return cls(str(path), model, model_config, TextCodec(tokenizer),
                    stop_token_ids(model_config.eos_token_id, tokenizer), device, dtype,
                    {**trained, **read_generation_defaults(path), **cfg.request_defaults()},

@@ -168,7 +168,7 @@ def _commit_alone(st: DecodeState, forwards: int, batch: PackedBatch, r: int,
     a, b = int(batch.cu_rows[r]), int(batch.cu_rows[r + 1])
     try:
         return st.commit(batch.cand_positions[a:b], int(batch.num_forced[r]), tokens[a:b],
-                         conf[a:b])
+                         conf[a:b], int(batch.num_editable[r]))
     except Exception as e:
         errors[r] = e
         return False

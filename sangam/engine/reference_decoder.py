@@ -123,3 +123,75 @@ def fused_savings(state: DecodeState) -> int:
     block's store forward (fused into the next block's first step; the last one's is never
     needed)."""
     return int(state.block_origin > 0) + state.block + 1
+
+
+class UpstreamLLaDA2:
+    """LLaDA2.x's upstream ``generate`` loop (inclusionAI's modeling code: 2.0's threshold
+    decoding, 2.1's JointThreshold editing) for one request, step for step, with a dense
+    block-causal forward over the sequence so far in place of its cache; written apart from
+    ``DecodeState.commit``, which the engine runs, so that the two are checked against each
+    other.
+
+    Per block from the one holding the prompt's tail: while a mask is left, one forward over
+    the block commits every masked position above ``threshold`` (at or above: Sangam's rule),
+    else the single most confident (M2T), and with ``edit_threshold`` replaces each filled
+    response position of the block whose most likely token differs from it and is sure
+    strictly beyond ``edit_threshold`` (T2T); with editing, once no mask is left, editing-only
+    forwards follow until one changes nothing or ``max_post_steps`` have run; then one forward
+    stores the block's K/V. Stop after a block that holds a stop id. Sampling and the mask
+    token's exclusion are Sangam's (docs/decoding.md lists how upstream differs).
+    """
+
+    def __init__(self, model: DiffusionLM):
+        self.model = model
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def run(self, state: DecodeState) -> tuple[list[int], int, int]:
+        """Decode a fresh block-causal request (threshold rule); returns its output tokens
+        (cut before the first stop id), the forwards upstream spends on it, and how many of
+        those the engine fuses into others (``fused_savings``: the prompt's store and each
+        block's). ``state`` only supplies the canvas, geometry and scoring; its own progress
+        is left alone."""
+        p = state.params
+        if not state.block_causal or p.unmasking != "threshold":
+            raise ValueError("needs a block-causal request with the threshold rule")
+        x, mask, b = state.tokens.copy(), state.mask_token_id, p.block_length
+        prompt, edit = state.prompt_len, p.edit_threshold
+        forwards = int(state.block_origin > 0)  # the prompt's whole blocks, stored
+        for block in range(state.num_blocks):
+            s = state.block_origin + block * b
+            e, step, post = s + b, 0, 0
+            while True:
+                masked = [i for i in range(s, e) if x[i] == mask]
+                if not masked:
+                    post += 1
+                    if edit is None or post > p.max_post_steps:
+                        break
+                editable = ([i for i in range(max(s, prompt), e) if x[i] != mask]
+                            if edit is not None else [])
+                cand = np.array(masked + editable, dtype=np.int64)
+                ids = torch.from_numpy(x[:e]).to(self.device)[None]
+                logits = self.model.forward_dense(ids, block_size=b)[0, cand]
+                keys = (row_keys(noise_key(state.seed, block, step), cand - s)
+                        if p.temperature > 0 else np.zeros(len(cand), dtype=np.int64))
+                tokens, conf, _ = score_rows(self.model, state, logits, cand, keys)
+                forwards += 1
+                step += 1
+                n = len(masked)
+                fill = [j for j in range(n) if conf[j] >= p.threshold]
+                if n and not fill:
+                    fill = [max(range(n), key=lambda j: (conf[j], -j))]
+                edits = [j for j in range(n, len(cand))
+                         if conf[j] > edit and tokens[j] != x[cand[j]]]
+                for j in fill + edits:
+                    x[cand[j]] = tokens[j]
+                if not masked and not edits:
+                    break
+            forwards += 1  # the finished block's store forward
+            fused = int(state.block_origin > 0) + block + 1
+            response = x[prompt:min(e, prompt + p.max_tokens)]
+            stops = [i for i, t in enumerate(response.tolist()) if t in state.stop_ids]
+            if stops:
+                return response[:stops[0]].tolist(), forwards, fused
+        return x[prompt:prompt + p.max_tokens].tolist(), forwards, fused

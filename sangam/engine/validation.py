@@ -21,6 +21,9 @@ def new_state(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams
     suffix_ids = list(suffix_ids)
     if loaded.config.block_causal:
         params.check_block_causal(len(suffix_ids))
+    elif params.edit_threshold is not None:
+        raise ValueError("edit_threshold (token editing) needs a block-causal model (LLaDA2.x): "
+                         "only there is the current block's K/V recomputed at every step")
     keep = params.truncate_prompt_tokens
     if keep == -1:
         # A block-causal canvas may reach B - 1 positions past the plain one.

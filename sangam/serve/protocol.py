@@ -23,6 +23,7 @@ from sangam.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_PENALTY,
+    MAX_POST_STEPS,
     MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -112,6 +113,8 @@ class _GenerationRequest(RequestBody):
     prompt_refresh_interval: Length | None = None
     refresh_confidence: Probability | None = None
     min_threshold: Probability | None = None  # opt-in: load-adaptive
+    edit_threshold: Probability | None = None  # opt-in: token editing (LLaDA2.1)
+    max_post_steps: int | None = Field(default=None, ge=0, le=MAX_POST_STEPS)
     stop_at_eos: bool | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None \
         = None
