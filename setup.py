@@ -39,10 +39,11 @@ setup(
         "pyzmq",
         "matplotlib",
         "tqdm",
+        "llguidance>=1.9",  # structured output: grammars, JSON schemas and token masks
     ],
     extras_require={
         "dev": ["pytest", "pytest-benchmark", "ruff", "hypothesis", "openai", "httpx",
-                "schemathesis"],
+                "schemathesis", "jsonschema"],
     },
     entry_points={
         "console_scripts": [

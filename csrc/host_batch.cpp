@@ -122,8 +122,8 @@ struct CursorLayout {
       force_refresh, prefilled, chunk_end;
 };
 struct DecodeLayout {
-  int64_t mask_token_id, seed, rule, tokens_per_step, max_tokens, max_post_steps, num_forwards,
-      num_chunks, finished, finish_reason, post_steps;
+  int64_t mask_token_id, seed, rule, tokens_per_step, max_tokens, max_post_steps, constrained,
+      num_forwards, num_chunks, finished, finish_reason, post_steps;
 };
 struct FloatLayout {
   int64_t temperature, factor, refresh_confidence, edit_threshold;
@@ -202,6 +202,7 @@ PyObject* configure(PyObject*, PyObject* arg) {
       index_of(decode, "max_tokens", &d.max_tokens) &&
       index_of(decode, "max_post_steps", &d.max_post_steps) &&
       index_of(decode, "post_steps", &d.post_steps) &&
+      index_of(decode, "constrained", &d.constrained) &&
       index_of(decode, "num_forwards", &d.num_forwards) &&
       index_of(decode, "num_chunks", &d.num_chunks) &&
       index_of(decode, "finished", &d.finished) &&
@@ -563,6 +564,9 @@ bool commit_one(PyObject* buffers, const int64_t* cand, const int64_t* tok, cons
   const CursorLayout& c = layout.c;
   const DecodeLayout& d = layout.d;
   const Codes& code = layout.code;
+  // Structured output commits by the frontier rule over its rows' logits, in Python
+  // (sangam/decoding/constrained.py): this request is left as it is.
+  if (q.record[d.constrained]) return true;
   q.record[d.num_forwards] += 1;
   if (q.at(c.chunk_end) >= 0) {  // the forward was a block-causal prefill chunk (no rows)
     q.at(c.prefilled) = q.at(c.chunk_end);

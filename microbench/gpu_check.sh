@@ -26,7 +26,7 @@ BENCH=("$PY" -m sangam.bench.cli)
 
 # What the GPU machine's python lacks (it has torch, triton, transformers and pytest).
 GPU_MACHINE_LACKS="zmq fastapi uvicorn prometheus_client httpx hypothesis matplotlib openai
-pytest_benchmark"
+pytest_benchmark llguidance jsonschema"
 
 if [ "$DRY" = 1 ]; then
   export TRITON_INTERPRET=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json as _json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -29,6 +30,59 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_INT32 = 2**31 - 1
 SEED_BITS = 63  # a seed is in [0, 2**SEED_BITS): a non-negative int64
 MAX_POST_STEPS = 1024  # editing-only forwards per block (LLaDA2.1's default is 16)
+
+
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's names
+MAX_CHOICES = 1024  # a choice constraint's options
+MAX_CONSTRAINT_CHARS = 100_000  # a schema's JSON, a regex or a grammar
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured-output request: exactly one of a JSON schema (a dict or its JSON
+    text), a regex, a list of choices, a grammar (Lark or GBNF), or any JSON object."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"structured_outputs: {msg}")
+
+        given = [n for n in CONSTRAINT_KINDS if getattr(self, n) not in (None, False)]
+        need(len(given) == 1, f"give exactly one of json, regex, choice, grammar, json_object; "
+             f"got {given or 'none'}")
+        if isinstance(self.json, dict):  # text (the compile cache key), in the schema's order
+            try:
+                object.__setattr__(self, "json", _json.dumps(self.json))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs: json is not a JSON schema: {e}") from None
+        if self.json is not None:
+            try:
+                need(isinstance(_json.loads(self.json), (dict, bool)),
+                     "json must be a JSON schema (an object)")
+            except (TypeError, ValueError):
+                need(False, "json must be a JSON schema (an object)")
+        if self.choice is not None:
+            choice = self.choice
+            need(isinstance(choice, (list, tuple)) and 0 < len(choice) <= MAX_CHOICES
+                 and all(isinstance(c, str) for c in choice),
+                 f"choice must be a list of 1 to {MAX_CHOICES} strings")
+            object.__setattr__(self, "choice", tuple(choice))
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, str) and len(value) <= MAX_CONSTRAINT_CHARS),
+                 f"{name} must be a string of at most {MAX_CONSTRAINT_CHARS} characters")
+        need(self.json_object is None or isinstance(self.json_object, bool),
+             "json_object must be a bool")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in CONSTRAINT_KINDS if getattr(self, n) not in (None, False))
 
 
 @dataclass(frozen=True)
@@ -104,6 +158,9 @@ class SamplingParams:
     # max_post_steps of them have run.
     edit_threshold: float | None = None
     max_post_steps: int = 16
+    # Structured output: the response must match this constraint (docs/decoding.md); a step
+    # then commits left to right from the block's first masked position.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -142,6 +199,12 @@ class SamplingParams:
         need(self.edit_threshold is None or self.logprobs is None,
              "logprobs cannot be combined with edit_threshold: an edited position was "
              "committed by more than one step")
+        need(self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be a StructuredOutputsParams")
+        need(self.structured_outputs is None or self.edit_threshold is None,
+             "structured_outputs cannot be combined with edit_threshold: an edit could break "
+             "the grammar behind it")
         need(_is_num(self.refresh_confidence) and 0.0 <= self.refresh_confidence <= 1.0,
              f"refresh_confidence must be in [0, 1], got {self.refresh_confidence!r}")
         object.__setattr__(self, "refresh_confidence", float(self.refresh_confidence))

@@ -21,9 +21,24 @@ CONSTRAINTS_BEYOND_THE_SCHEMA = [
      "the text/ids union is resolved"),
     ("logit_bias: token ids must be in", "logit_bias keys are JSON strings: the vocabulary "
      "bound cannot be put on them"),
-    ("unsupported parameter", "OpenAI's request shape is kept whole; values that need "
-     "constrained decoding (best_of, response_format, a named tool_choice, Responses' n) are "
-     "refused by name"),
+    ("unsupported parameter", "OpenAI's request shape is kept whole; values Sangam does not "
+     "implement (best_of, Responses' n) are refused by name"),
+    ("structured_outputs: ", "a structured-output constraint gives exactly one of its forms, "
+     "and a JSON schema given as an object is bounded by its JSON text's length"),
+    ("at most one output constraint", "response_format (text.format), structured_outputs, "
+     "guided_* and a forcing tool_choice exclude each other"),
+    ("does not compile", "whether a JSON schema, regex or grammar compiles is the grammar "
+     "compiler's to say"),
+    ("a constraint is a string of at most", "a choice list is bounded by its JSON text's "
+     "length too"),
+    ("structured output needs a tokenizer", "a constraint compiles for the model's tokenizer"),
+    ("structured_outputs cannot be combined with edit_threshold", "structured output relates "
+     "to edit_threshold"),
+    ("not among the tools", "a named tool_choice relates to tools"),
+    ("must be an object's JSON schema", "a forced tool call's arguments are an object: a tool's "
+     "parameters schema must allow one"),
+    ("too long to constrain the output", "the grammar of forced tool calls is bounded like any "
+     "grammar"),
     ("needs stored responses", "previous_response_id depends on --responses-store-size"),
     ("--enable-auto-tool-choice", "calling tools depends on a server flag"),
     ("needs tools", "tool_choice relates to tools"),

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ValidationError
 from sangam.sampling_params import (
     CACHE_MODES,
     MAX_BIAS,
+    MAX_CHOICES,
+    MAX_CONSTRAINT_CHARS,
     MAX_INT32,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -32,6 +34,7 @@ from sangam.sampling_params import (
     SEED_BITS,
     UNMASKING_RULES,
     SamplingParams,
+    StructuredOutputsParams,
 )
 from sangam.serve.protocol import BIAS_KEY_DIGITS, ChatCompletionRequest, CompletionRequest
 from sangam.serve.responses import ResponsesRequest
@@ -52,6 +55,10 @@ ALIASES = {(ChatCompletionRequest, "max_tokens"): ("max_completion_tokens", {}),
            (ResponsesRequest, "max_tokens"): ("max_output_tokens", {})}
 # Fields a body leaves out, and why.
 ABSENT = {(ResponsesRequest, "logprobs"): "Sangam's Responses output carries no logprobs"}
+# Fields whose SamplingParams value is built from the body's JSON value (the probes give the
+# JSON value). structured_outputs' other forms (response_format, guided_*, tool_choice) are
+# tests/test_serve_structured.py's.
+BUILT = {"structured_outputs": lambda value: StructuredOutputsParams(**value)}
 
 
 def _below(x: float) -> float:
@@ -72,6 +79,31 @@ def _fractions() -> list[tuple[Any, bool]]:
 
 def _flags() -> list[tuple[Any, bool]]:
     return [(True, True), (False, True), ("yes", False)]
+
+
+def _json_text(length: int) -> str:
+    """A JSON schema's text of exactly ``length`` characters."""
+    head = '{"description": "'
+    return head + "x" * (length - len(head) - 2) + '"}'
+
+
+def _constraints() -> list[tuple[Any, bool]]:
+    out: list[tuple[Any, bool]] = [({}, False), ({"regex": "a", "grammar": "b"}, False),
+                                   ({"json_object": True}, True),
+                                   ({"json": {"type": "object"}}, True),
+                                   ({"json": "not JSON"}, False), ({"json": [1]}, False),
+                                   ({"choice": []}, False), ({"choice": [1]}, False),
+                                   ({"choice": ["a"] * MAX_CHOICES}, True),
+                                   ({"choice": ["a"] * (MAX_CHOICES + 1)}, False),
+                                   ({"json": _json_text(MAX_CONSTRAINT_CHARS)}, True),
+                                   ({"json": _json_text(MAX_CONSTRAINT_CHARS + 1)}, False),
+                                   ({"json": json.loads(_json_text(MAX_CONSTRAINT_CHARS))}, True),
+                                   ({"json": json.loads(_json_text(MAX_CONSTRAINT_CHARS + 1))},
+                                    False)]
+    for kind in ("regex", "grammar"):
+        out += [({kind: "x" * MAX_CONSTRAINT_CHARS}, True),
+                ({kind: "x" * (MAX_CONSTRAINT_CHARS + 1)}, False)]
+    return out
 
 
 def _choices(allowed: tuple[str, ...]) -> list[tuple[Any, bool]]:
@@ -127,6 +159,7 @@ PROBES: dict[str, list[tuple[Any, bool]]] = {
     "edit_threshold": _fractions(),
     "max_post_steps": [(0, True), (-1, False), (MAX_POST_STEPS, True),
                        (MAX_POST_STEPS + 1, False)],
+    "structured_outputs": _constraints(),
 }
 CONTEXT: dict[str, dict[str, Any]] = {
     "min_tokens": {"max_tokens": MAX_INT32},  # min_tokens <= max_tokens
@@ -136,8 +169,8 @@ CONTEXT: dict[str, dict[str, Any]] = {
 
 def _params(**fields: Any) -> SamplingParams | None:
     try:
-        return SamplingParams(**fields)
-    except ValueError:
+        return SamplingParams(**{k: BUILT[k](v) if k in BUILT else v for k, v in fields.items()})
+    except (ValueError, TypeError):
         return None
 
 

@@ -141,8 +141,10 @@ def test_a_conversation_with_function_calls(client, llm):
 
 @pytest.mark.parametrize("body,match", [
     (dict(previous_response_id="resp_1"), "previous_response_id"),
-    (dict(text={"format": {"type": "json_object"}}), "text"),
-    (dict(tools=[WEATHER_TOOL], tool_choice="required"), "tool_choice"),
+    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}),
+     "text.format: the output constraint does not compile"),
+    (dict(tools=[WEATHER_TOOL], tool_choice={"type": "function", "name": "nope"}),
+     "not among the tools"),
     (dict(tool_choice="auto"), "needs tools"),
     (dict(extra_body={"n": 2}), "n"),
     (dict(input=[{"type": "function_call_output", "output": "x"}]), "call_id"),

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sangam.decoding.detokenizer import IncrementalDetokenizer
+from sangam.decoding.grammar import GrammarState
 from sangam.decoding.noise import noise_key, row_keys
 from sangam.decoding.rules import RULE_IDS, select_commits
 from sangam.sampling_params import SamplingParams
@@ -36,8 +37,8 @@ from sangam.sched.block_cursor import CURSOR_FIELDS, FULL_REFRESH, BlockCursor
 # The decoder's record (beside its cursor's): the request's fixed integer parameters, then its
 # counters. finish_reason is an index into FINISH_REASONS; seed is its low 64 bits.
 DECODE_FIELDS = ("mask_token_id", "seed", "rule", "tokens_per_step", "max_tokens",
-                 "max_post_steps", "num_forwards", "num_chunks", "finished", "finish_reason",
-                 "post_steps")
+                 "max_post_steps", "constrained", "num_forwards", "num_chunks", "finished",
+                 "finish_reason", "post_steps")
 # edit_threshold is +inf without editing (no probability exceeds it).
 DECODE_FLOAT_FIELDS = ("temperature", "factor", "refresh_confidence", "edit_threshold")
 FINISH_REASONS = (None, "stop", "length")
@@ -72,12 +73,16 @@ class StepPlan:
 class DecodeState:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, mask_token_id: int,
                  stop_ids: frozenset[int], shift_logits: bool, seed: int = 0,
-                 suffix_ids: list[int] | tuple[int, ...] = (), block_causal: bool = False):
+                 suffix_ids: list[int] | tuple[int, ...] = (), block_causal: bool = False,
+                 grammar: GrammarState | None = None):
         if not prompt_ids:
             raise ValueError("the prompt is empty: a request needs at least one prompt token")
         if block_causal and (suffix_ids or shift_logits):
             raise ValueError("a block-causal model has no infilling and no shifted logits")
         self.params = params
+        # Structured output: the request's matcher; its steps commit by the frontier rule
+        # (sangam/decoding/constrained.py), which the C++ host path leaves to Python.
+        self.grammar = grammar
         self.mask_token_id = mask_token_id
         # The ids that end the response: EOS (given) under stop_at_eos, and the request's own.
         self.stop_ids = ((stop_ids if params.stop_at_eos else frozenset())
@@ -110,7 +115,8 @@ class DecodeState:
         low = seed & (2**64 - 1)  # the noise key reads the seed's low 64 bits
         self.record = array("q", (mask_token_id, low - 2**64 if low >= 2**63 else low,
                                   RULE_IDS[params.unmasking], params.tokens_per_step,
-                                  params.max_tokens, params.max_post_steps, 0, 0, 0, 0, 0))
+                                  params.max_tokens, params.max_post_steps,
+                                  int(grammar is not None), 0, 0, 0, 0, 0))
         edit = math.inf if params.edit_threshold is None else params.edit_threshold
         self.floats = array("d", (params.temperature, params.factor, params.refresh_confidence,
                                   edit))
@@ -280,11 +286,8 @@ class DecodeState:
         regardless, the rule picks among the rest but the last ``num_editable`` (filled
         positions, edited where their token is sure and different); moves the cursor; True if
         a block ended."""
-        p, c, r = self.params, self.cursor, self.record
-        r[_FORWARDS] += 1
-        if c.chunk_end is not None:  # the forward was a prefill chunk (no rows)
-            c.store_chunk()
-            r[_CHUNKS] += 1
+        p = self.params
+        if self.begin_step():
             return False
         k, m = num_forced, len(positions) - num_editable
         chosen = select_commits(conf[k:m].tolist(), p.unmasking, self.threshold, p.factor,
@@ -296,12 +299,29 @@ class DecodeState:
             commit += (m + edit.nonzero()[0]).tolist()
         self.tokens[positions[commit]] = tokens[commit]
         self.confidence[positions[commit]] = conf[commit]
+        return self.end_step(had_masks=m > 0, changed=len(commit) > 0)
+
+    def begin_step(self) -> bool:
+        """Count a forward; if it was a prefill chunk (it stored K/V and scored nothing), move
+        past the chunk and return True."""
+        c, r = self.cursor, self.record
+        r[_FORWARDS] += 1
+        if c.chunk_end is None:
+            return False
+        c.store_chunk()
+        r[_CHUNKS] += 1
+        return True
+
+    def end_step(self, had_masks: bool, changed: bool) -> bool:
+        """After a step's tokens are written: end the block (and the request, at a stop id or
+        the canvas's end) or take another step; moves the cursor; True if a block ended.
+        ``had_masks``: the step began with masks; ``changed``: it wrote some token."""
+        p, c, r = self.params, self.cursor, self.record
         s, e = c.block_bounds()
         if self.mask_token_id in self.tokens[s:e]:
             c.advance(block_done=False, finished=False)
             return False
-        if p.edit_threshold is not None and self._edits_go_on(had_masks=m > 0,
-                                                              edited=len(commit) > 0):
+        if p.edit_threshold is not None and self._edits_go_on(had_masks, edited=changed):
             c.advance(block_done=False, finished=False)
             return False
         r[_POST] = 0

@@ -163,10 +163,12 @@ class PythonHostBatcher:
     def apply(self, states: list[DecodeState], batch: PackedBatch, tokens: np.ndarray,
               conf: np.ndarray) -> list[bool]:
         """Commit the scored rows (``tokens`` int64 and ``conf`` float64, ``[M]``) into each
-        request; returns, per request, whether its current block was completed."""
+        request; returns, per request, whether its current block was completed. Requests with
+        structured output are left alone (False): ``commit_constrained`` commits them."""
         cu = batch.cu_rows.tolist()
-        return [st.commit(batch.cand_positions[cu[r]:cu[r + 1]], k, tokens[cu[r]:cu[r + 1]],
-                          conf[cu[r]:cu[r + 1]], ed)
+        return [st.grammar is None and st.commit(
+                    batch.cand_positions[cu[r]:cu[r + 1]], k, tokens[cu[r]:cu[r + 1]],
+                    conf[cu[r]:cu[r + 1]], ed)
                 for r, (st, k, ed) in enumerate(zip(states, batch.num_forced.tolist(),
                                                     batch.num_editable.tolist()))]
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from sangam.config import EngineConfig
+from sangam.decoding.grammar import GrammarCompiler, compiler_for, register_tokenizer
 from sangam.engine.text import TextCodec
 from sangam.models import (
     AttentionBackend,
@@ -101,6 +102,7 @@ class LoadedModel:
     # Request defaults: the checkpoint's generation_config.json, then EngineConfig's.
     request_defaults: dict = field(default_factory=dict)
     max_model_len: int | None = None  # EngineConfig.max_model_len, checked by context_limit
+    tokenizer_path: str | None = None  # where the tokenizer was read (checkpoint, --tokenizer)
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> LoadedModel:
@@ -119,6 +121,8 @@ class LoadedModel:
         """``model`` (None on a front whose workers hold the weights) with the checkpoint's
         tokenizer (or ``cfg.tokenizer``'s), stop ids, request defaults and context limit."""
         tokenizer = load_tokenizer(cfg.tokenizer or path, required=cfg.tokenizer is not None)
+        if tokenizer is not None:  # for structured output, in this process
+            register_tokenizer(str(cfg.tokenizer or path), tokenizer)
         # A block-causal model's requests default to the block size it was trained with, and
         # every model's to its own generate's defaults.
         trained = ({"block_length": model_config.causal_block_size}
@@ -127,7 +131,16 @@ class LoadedModel:
         return cls(str(path), model, model_config, TextCodec(tokenizer),
                    stop_token_ids(model_config.eos_token_id, tokenizer), device, dtype,
                    {**trained, **read_generation_defaults(path), **cfg.request_defaults()},
-                   context_limit(cfg, model_config))
+                   context_limit(cfg, model_config),
+                   None if tokenizer is None else str(cfg.tokenizer or path))
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler over this model's tokenizer (one per process and
+        tokenizer; compiled constraints are cached in it)."""
+        if self.tokenizer_path is None:
+            raise ValueError("structured output needs a tokenizer and this checkpoint has none")
+        return compiler_for(self.tokenizer_path, self.config.vocab_size,
+                            self.config.eos_token_id)
 
     def default_params(self, **overrides) -> SamplingParams:
         """A request's SamplingParams: the one place its defaults merge. The checkpoint's

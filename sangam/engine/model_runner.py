@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from sangam.decoding.confidence import score_logits
+from sangam.decoding.constrained import commit_constrained
 from sangam.decoding.logit_edits import LogitEdits, batch_edits
 from sangam.decoding.state import DecodeState
 from sangam.engine.cuda_graphs import DecodeGraphRunner
@@ -83,8 +84,10 @@ class ModelRunner:
         return self._commit(states, *scored)
 
     def _score(self, states: list[DecodeState], pages: list[list[int]], allow_graphs: bool
-               ) -> tuple[PackedBatch, np.ndarray, np.ndarray, Rescore | None, tuple | None]:
-        """The forward and the scoring, read back to the host; changes no request."""
+               ) -> tuple[PackedBatch, np.ndarray, np.ndarray, Rescore | None, tuple | None,
+                          dict[int, torch.Tensor]]:
+        """The forward and the scoring, read back to the host; changes no request. The rows
+        of requests with structured output come back whole (their rule reads the logits)."""
         batch, dev, rescore = stage_batch(self.host, self.uploader, states, pages,
                                           self.fused_scoring)
         model = self.loaded.model
@@ -92,7 +95,7 @@ class ModelRunner:
             model.hidden_states(dev["input_ids"], dev["positions"], batch.metadata(dev),
                                 self.pool.kv)
             empty = np.zeros(0, dtype=np.int64)
-            return batch, empty, empty.astype(np.float64), None, None
+            return batch, empty, empty.astype(np.float64), None, None, {}
         graphs = next((g for g in self.graphs if g.can_run(batch)), None) if allow_graphs \
             else None
         if graphs is not None:
@@ -114,11 +117,11 @@ class ModelRunner:
             if top is not None:
                 top = tuple(t.cpu().numpy() for t in top)
         return (batch, tokens.cpu().numpy(), conf.cpu().numpy().astype(np.float64), rescore,
-                top)
+                top, constrained_rows(states, batch, logits))
 
     def _commit(self, states: list[DecodeState], batch: PackedBatch, tokens: np.ndarray,
-                conf: np.ndarray, rescore: Rescore | None, top: tuple | None
-                ) -> list[StepOutcome]:
+                conf: np.ndarray, rescore: Rescore | None, top: tuple | None,
+                rows: dict[int, torch.Tensor]) -> list[StepOutcome]:
         """Commit the scored rows into each request, then its alternatives and stop strings;
         an error there ends only its request."""
         errors: dict[int, Exception] = {}
@@ -128,6 +131,15 @@ class ModelRunner:
         except Exception:  # per request: those committed before the error keep their step
             block_done = [_commit_alone(st, forwards[r], batch, r, tokens, conf, errors)
                           for r, st in enumerate(states)]
+        for r, st in enumerate(states):
+            if st.grammar is not None and r not in errors:
+                a, b = int(batch.cu_rows[r]), int(batch.cu_rows[r + 1])
+                try:
+                    block_done[r] = commit_constrained(
+                        st, batch.cand_positions[a:b], rows.get(r, _NO_ROWS),
+                        batch.row_keys[a:b])
+                except Exception as e:
+                    errors[r] = e
         if top is not None:
             rescore.record_top(batch, *top, errors)
         for r, (st, done) in enumerate(zip(states, block_done)):
@@ -138,6 +150,26 @@ class ModelRunner:
                     errors[r] = e
         return [_failed(errors[r]) if r in errors else step_outcome(st, done)
                 for r, (st, done) in enumerate(zip(states, block_done))]
+
+
+_NO_ROWS = torch.zeros(0, 0)
+
+
+def constrained_rows(states: list[DecodeState], batch: PackedBatch, logits: torch.Tensor
+                     ) -> dict[int, torch.Tensor]:
+    """The logits rows of each request with structured output, on the host (one copy for
+    all), by request index."""
+    which = [r for r, st in enumerate(states) if st.grammar is not None]
+    if not which:
+        return {}
+    spans = [(int(batch.cu_rows[r]), int(batch.cu_rows[r + 1])) for r in which]
+    index = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans]))
+    host = logits[index.to(logits.device)].cpu()
+    out, at = {}, 0
+    for r, (a, b) in zip(which, spans, strict=True):
+        out[r] = host[at:at + b - a]
+        at += b - a
+    return out
 
 
 def step_outcome(state: DecodeState, block_done: bool) -> StepOutcome:
@@ -163,7 +195,7 @@ def _commit_alone(st: DecodeState, forwards: int, batch: PackedBatch, r: int,
     """Request ``r``'s commit after a batched commit failed: done already if its forward count
     moved (then its block ended iff it finished or a new block began), else the reference
     commit of its rows (identical to the batched one), its error recorded."""
-    if st.num_forwards != forwards:
+    if st.num_forwards != forwards or st.grammar is not None:
         return st.finished or st.step == 0
     a, b = int(batch.cu_rows[r]), int(batch.cu_rows[r + 1])
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+from sangam.decoding.grammar import Constraint, GrammarState
 from sangam.decoding.state import DecodeState
 from sangam.engine.loaded_model import LoadedModel
 from sangam.sampling_params import SamplingParams
@@ -53,6 +54,17 @@ def new_state(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams
     if params.stop and loaded.text.tokenizer is None:
         raise ValueError("stop strings need a tokenizer and this checkpoint has none: use "
                          "stop_token_ids")
+    grammar = None
+    if params.structured_outputs is not None:
+        if suffix_ids:
+            raise ValueError("structured_outputs cannot be combined with a suffix (infilling): "
+                             "the grammar would end before the suffix begins")
+        constraint = Constraint.of(params.structured_outputs)
+        compiler = loaded.grammar_compiler()
+        compiler.compile(constraint)  # cached: the server compiled it off its event loop
+        grammar = GrammarState(constraint, loaded.tokenizer_path, compiler.vocab_size,
+                               compiler.eos_token_id)
     seed = params.seed if params.seed is not None else rng.getrandbits(63)
     return DecodeState(list(prompt_ids), params, loaded.config.mask_token_id, loaded.stop_ids,
-                       loaded.config.shift_logits, seed, suffix_ids, loaded.config.block_causal)
+                       loaded.config.shift_logits, seed, suffix_ids, loaded.config.block_causal,
+                       grammar)

@@ -102,7 +102,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                        "tools (as Qwen2.5's and Dream's do)")
     request_ids = RequestIds(server_config.enable_request_id_headers)
     intake = Intake(served_model,
-                    RequestValidator(served_model, loaded.default_params, tool_parser),
+                    RequestValidator(served_model, loaded.default_params, tool_parser,
+                                     loaded.grammar_compiler),
                     request_ids, Admission(engine, server_metrics))
     requests = EngineRequests(engine, server_metrics, server_config.enable_log_requests)
     responder = ChoiceResponder(served_model.name, prompts.token_pieces, request_ids)

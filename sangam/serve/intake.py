@@ -1,9 +1,10 @@
 """A generation request's way in, before any work is done for it: the model it names, its
-parameters and tools checked (400s), its id, and its places in the server (a 503 when full).
-Shared by completions, chat and responses (``Intake``)."""
+parameters, output constraint and tools checked (400s), its id, and its places in the server
+(a 503 when full). Shared by completions, chat and responses (``Intake``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import uuid
@@ -11,9 +12,10 @@ from collections.abc import Callable, Iterator
 
 from fastapi import Request
 
+from sangam.decoding.grammar import Constraint, ConstraintError, GrammarCompiler
 from sangam.engine.async_engine import AsyncEngine
 from sangam.engine.front import QueueFull, check_queue
-from sangam.sampling_params import SamplingParams
+from sangam.sampling_params import SamplingParams, StructuredOutputsParams
 from sangam.serve.errors import ApiError
 from sangam.serve.metrics import ServerMetrics
 from sangam.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard
@@ -43,35 +45,55 @@ class ServedModel:
 
 
 class RequestValidator:
-    """A generation body's SamplingParams (request defaults merged in) and the parser of the
-    tool calls in its responses, or the 400 (404: another model) that refuses it."""
+    """A generation body's SamplingParams (request defaults merged in, its output constraint
+    compiled) and the parser of the tool calls in its responses, or the 400 (404: another
+    model) that refuses it."""
 
     def __init__(self, model: ServedModel, default_params: Callable[..., SamplingParams],
-                 tool_parser: HermesToolParser | None):
+                 tool_parser: HermesToolParser | None,
+                 grammar_compiler: Callable[[], GrammarCompiler]):
         self.model = model
         self.default_params = default_params  # LoadedModel.default_params
         self.tool_parser = tool_parser  # None: no --enable-auto-tool-choice
+        self.grammar_compiler = grammar_compiler  # LoadedModel.grammar_compiler
 
-    def params(self, body: GenerationRequest) -> SamplingParams:
+    async def params(self, body: GenerationRequest) -> SamplingParams:
         self.model.check(body.model)
         unsupported = body.unsupported_fields()
         if unsupported:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
-                           "does not implement best_of, response_format (or text.format), "
-                           "n > 1 in /v1/responses, or a tool_choice other than auto and none "
-                           "(they need constrained decoding)",
+                           "does not implement best_of or n > 1 in /v1/responses",
                            param=unsupported[0], code="unsupported_parameter")
         try:
-            return self.default_params(**body.sampling_overrides())
+            params = self.default_params(**body.sampling_overrides())
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        if params.structured_outputs is not None:
+            await self._compile(next(iter(body.output_constraints()), "structured_outputs"),
+                                params.structured_outputs)
+        return params
 
-    def params_and_tools(self, body: ChatCompletionRequest | ResponsesRequest
-                         ) -> tuple[SamplingParams, HermesToolParser | None]:
+    async def _compile(self, field: str, structured: StructuredOutputsParams) -> None:
+        """Compile the output constraint that ``field`` gave, on a thread (a schema can take
+        a while; the compiler caches it for the engine): a 400 with the compiler's message
+        when it does not compile, or when the model has no tokenizer to compile it for."""
+        def compile_() -> None:
+            self.grammar_compiler().compile(Constraint.of(structured))
+
+        try:
+            await asyncio.to_thread(compile_)
+        except ConstraintError as e:
+            raise ApiError(400, f"{field}: the output constraint does not compile: {e}",
+                           param=field, code="invalid_constraint") from None
+        except ValueError as e:  # no tokenizer; a constraint beyond the compiler's bounds
+            raise ApiError(400, f"{field}: {e}", param=field) from None
+
+    async def params_and_tools(self, body: ChatCompletionRequest | ResponsesRequest
+                               ) -> tuple[SamplingParams, HermesToolParser | None]:
         """``params``, plus the parser of the tool calls in the responses (None: no tools to
         call). As in vLLM, a request whose calls are parsed keeps special tokens in its text
         unless it says otherwise: the tags a parser reads may be special tokens."""
-        params = self.params(body)
+        params = await self.params(body)
         tools = self._tool_parser_for(body)
         if tools is not None and body.skip_special_tokens is None:
             params = dataclasses.replace(params, skip_special_tokens=False)
@@ -85,10 +107,12 @@ class RequestValidator:
             raise ApiError(400, str(e), param="tool_choice") from None
         if not calls_tools:
             return None
+        if body.forces_calls():  # constrained to the hermes format, whatever the flags say
+            return HermesToolParser()
         if self.tool_parser is None:
             raise ApiError(400, 'tool_choice "auto" (the default with tools) needs the server '
                            "started with --enable-auto-tool-choice and --tool-call-parser; or "
-                           'send tool_choice "none"', param="tool_choice")
+                           'send tool_choice "none" or "required"', param="tool_choice")
         return self.tool_parser
 
 

@@ -4,13 +4,20 @@ Requests validate strictly (``"3"`` is not an integer, ``NaN`` is not a number) 
 the wrong type is a 400, never a surprise deep in the engine. Unknown fields are ignored, as the
 OpenAI API does. OpenAI fields Sangam cannot honour are accepted only at their neutral value;
 ``unsupported_fields`` names the others so the server can refuse them with a 400.
+
+A request constrains its output (structured output) in one of vLLM's ways: ``response_format``
+(``text.format`` in the Responses API), ``structured_outputs``, the older ``guided_*`` fields,
+or a ``tool_choice`` that forces a tool call; ``output_constraint`` gives the one it names as
+``StructuredOutputsParams`` (two at once are a 400).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
@@ -18,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from sangam.sampling_params import (
     CACHE_MODES,
     MAX_BIAS,
+    MAX_CHOICES,
+    MAX_CONSTRAINT_CHARS,
     MAX_INT32,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -33,7 +42,9 @@ from sangam.sampling_params import (
     SEED_BITS,
     UNMASKING_RULES,
     SamplingParams,
+    StructuredOutputsParams,
 )
+from sangam.serve.tool_calls import tool_call_grammar
 
 MAX_MESSAGES = 4096  # messages (or Responses input items) per conversation
 
@@ -87,6 +98,71 @@ Bias = Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
+# Structured output (docs/api.md, "Structured output"). A JSON schema given as an object is
+# bounded by its JSON text's length, which StructuredOutputsParams checks.
+ConstraintText = Annotated[str, Field(max_length=MAX_CONSTRAINT_CHARS)]
+Choices = Annotated[list[ConstraintText], Field(min_length=1, max_length=MAX_CHOICES)]
+JsonSchema = dict[str, Any]
+# A constraint: what makes the request's StructuredOutputsParams (raises ValueError).
+MakeConstraint = Callable[[], StructuredOutputsParams]
+
+
+class StructuredOutputsBody(RequestBody):
+    """vLLM's ``structured_outputs``: exactly one of a JSON schema, a regex, choices, a grammar
+    (Lark or GBNF) or ``json_object: true``."""
+
+    json_: JsonSchema | ConstraintText | None = Field(default=None, alias="json")
+    regex: ConstraintText | None = None
+    choice: Choices | None = None
+    grammar: ConstraintText | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsBody:
+        self.params()
+        return self
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice,
+                                       grammar=self.grammar, json_object=self.json_object)
+
+
+class JsonSchemaSpec(RequestBody):
+    """OpenAI's ``json_schema`` of a response format; no ``schema``: any JSON object."""
+
+    name: str
+    description: str | None = None
+    schema_: JsonSchema | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.schema_) if self.schema_ is not None else \
+            StructuredOutputsParams(json_object=True)
+
+
+class TextFormat(RequestBody):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(RequestBody):
+    type: Literal["json_object"]
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json_object=True)
+
+
+class JsonSchemaFormat(RequestBody):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+    def params(self) -> StructuredOutputsParams:
+        return self.json_schema.params()
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
+                           Field(discriminator="type")]
+
+
 class _GenerationRequest(RequestBody):
     """Fields shared by completions, chat completions and responses. Unset means the server's
     default."""
@@ -136,10 +212,48 @@ class _GenerationRequest(RequestBody):
     # vLLM's extra field: the prompt's last k tokens, or -1: as many as fit
     truncate_prompt_tokens: Length | Literal[-1] | None = None
     priority: int | None = Field(default=None, ge=-MAX_INT32, le=MAX_INT32)  # vLLM's
+    # Structured output: vLLM's field, and its older extra fields.
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: JsonSchema | ConstraintText | None = None
+    guided_regex: ConstraintText | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: ConstraintText | None = None
+
+    def output_constraints(self) -> dict[str, MakeConstraint]:
+        """The fields that constrain the output, each with what makes its constraint."""
+        found: dict[str, MakeConstraint] = {}
+        if self.structured_outputs is not None:
+            found["structured_outputs"] = self.structured_outputs.params
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found[f"guided_{kind}"] = functools.partial(StructuredOutputsParams,
+                                                            **{kind: value})
+        return found
+
+    def output_constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The field that constrains the output and its constraint (None: none does); a
+        ValueError for two of them, or for one that is not a constraint."""
+        found = self.output_constraints()
+        if len(found) > 1:
+            raise ValueError(f"give at most one output constraint (structured output); got "
+                             f"{', '.join(found)}")
+        if not found:
+            return None
+        (name, make), = found.items()
+        try:
+            return name, make()
+        except ValueError as e:
+            message = str(e)
+            raise ValueError(message if message.startswith(name) else f"{name}: {message}"
+                             ) from None
 
     def sampling_overrides(self) -> dict[str, object]:
         """The SamplingParams fields this request sets explicitly."""
         out = {k: getattr(self, k) for k in _AS_GIVEN if getattr(self, k) is not None}
+        constraint = self.output_constraint()
+        if constraint is not None:
+            out["structured_outputs"] = constraint[1]
         if self.seed is not None:  # any integer is a seed, as OpenAI's; the engine's are int63
             out["seed"] = self.seed % 2**SEED_BITS
         if self.ignore_eos is not None:
@@ -152,9 +266,9 @@ class _GenerationRequest(RequestBody):
 
 
 # The SamplingParams fields a request sets under their own names, as given: all of them but
-# those whose value is converted (seed, logit_bias) or means something else in each API
-# (logprobs: a count in completions, a flag in chat).
-_CONVERTED = frozenset({"seed", "logit_bias", "logprobs"})
+# those whose value is converted (seed, logit_bias, structured_outputs) or means something else
+# in each API (logprobs: a count in completions, a flag in chat).
+_CONVERTED = frozenset({"seed", "logit_bias", "logprobs", "structured_outputs"})
 _AS_GIVEN = tuple(f.name for f in dataclasses.fields(SamplingParams)
                   if f.name in _GenerationRequest.model_fields and f.name not in _CONVERTED)
 
@@ -174,10 +288,15 @@ class CompletionRequest(_GenerationRequest):
     # vLLM's: the tokenizer's special tokens (BOS...) around text prompts; false for a prompt
     # that already holds them (a chat template applied by the client)
     add_special_tokens: bool = True
+    response_format: ResponseFormat | None = None  # vLLM's, as chat's
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
         return ["best_of"] if self.best_of not in (None, 1) else []
+
+    def output_constraints(self) -> dict[str, MakeConstraint]:
+        return _with_format(super().output_constraints(), "response_format",
+                            self.response_format)
 
     def sampling_overrides(self) -> dict[str, object]:
         overrides = super().sampling_overrides()
@@ -265,22 +384,79 @@ class ChatTemplateOptions(RequestBody):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
+class NamedFunction(RequestBody):
+    name: str
+
+
+class NamedToolChoice(RequestBody):
+    """Chat's named tool choice: ``{"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+    @property
+    def function_name(self) -> str:
+        return self.function.name
+
+
+ToolChoiceMode = Literal["none", "auto", "required"]
+
+
 class ToolChoice(RequestBody):
     """How a request with ``tools`` (a field of the class this mixes into) lets them be
     called: ``tool_choice`` None is "auto" with tools (OpenAI's default), else "none";
-    "required" and a named function need constrained decoding, which Sangam does not have."""
+    "required" and a named function constrain the output to calls (of any of the tools, or
+    of that function) in the format the hermes parser reads, so they always parse."""
 
-    tool_choice: str | dict | None = None
+    tool_choice: ToolChoiceMode | NamedToolChoice | None = None
     parallel_tool_calls: bool = True  # false: the first call only
 
-    def tool_choice_supported(self) -> bool:
-        return self.tool_choice in (None, "none", "auto")
+    def tool_functions(self) -> list[FunctionDefinition]:
+        """The functions of ``tools`` (each body has its own shape of tool)."""
+        raise NotImplementedError
+
+    def forces_calls(self) -> bool:
+        """Whether the response must be tool calls ("required", or a named function)."""
+        return self.tool_choice not in (None, "none", "auto")
+
+    def _needs_tools(self) -> ValueError:
+        choice = self.tool_choice
+        named = repr(choice) if isinstance(choice, str) else \
+            f"naming the function {choice.function_name!r}"
+        return ValueError(f"tool_choice {named} needs tools")
 
     def calls_tools(self) -> bool:
         """Whether the response is to be parsed for tool calls."""
         if self.tool_choice not in (None, "none") and not self.tools:
-            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+            raise self._needs_tools()
         return bool(self.tools) and self.tool_choice != "none"
+
+    def with_tool_constraint(self, found: dict[str, MakeConstraint]
+                             ) -> dict[str, MakeConstraint]:
+        """``found`` (output constraints), and the calls ``tool_choice`` forces if it does."""
+        if self.forces_calls():
+            found["tool_choice"] = self._tool_call_constraint
+        return found
+
+    def _tool_call_constraint(self) -> StructuredOutputsParams:
+        """The grammar of the calls the response must be: one or more (one without
+        ``parallel_tool_calls``) of any of the tools, or one of the named function."""
+        functions = self.tool_functions()
+        if not functions:
+            raise self._needs_tools()
+        many = self.parallel_tool_calls
+        if isinstance(self.tool_choice, BaseModel):
+            name, many = self.tool_choice.function_name, False
+            functions = [f for f in functions if f.name == name]
+            if not functions:
+                raise ValueError(f"tool_choice names the function {name!r}, which is not "
+                                 "among the tools")
+        grammar = tool_call_grammar([(f.name, f.parameters) for f in functions], many)
+        if len(grammar) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"the tools' parameter schemas are too long to constrain the "
+                             f"output to their calls ({len(grammar)} characters of grammar, at "
+                             f"most {MAX_CONSTRAINT_CHARS})")
+        return StructuredOutputsParams(grammar=grammar)
 
 
 Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
@@ -291,14 +467,18 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions, ToolChoice)
     max_completion_tokens: Length | None = None  # the newer OpenAI name of max_tokens
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
 
     def unsupported_fields(self) -> list[str]:
-        """Fields set to a value whose behaviour Sangam does not implement."""
-        return [name for name, is_bad in (
-            ("tool_choice", not self.tool_choice_supported()),
-            ("response_format", self.response_format not in (None, {"type": "text"})))
-            if is_bad]
+        """Fields set to a value whose behaviour Sangam does not implement: none."""
+        return []
+
+    def tool_functions(self) -> list[FunctionDefinition]:
+        return [t.function for t in self.tools or ()]
+
+    def output_constraints(self) -> dict[str, MakeConstraint]:
+        return self.with_tool_constraint(_with_format(
+            super().output_constraints(), "response_format", self.response_format))
 
     def sampling_overrides(self) -> dict[str, object]:
         overrides = super().sampling_overrides()
@@ -309,6 +489,15 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions, ToolChoice)
         if self.logprobs:
             overrides["logprobs"] = self.top_logprobs or 0
         return overrides
+
+
+def _with_format(found: dict[str, MakeConstraint], name: str,
+                 text_format: BaseModel | None) -> dict[str, MakeConstraint]:
+    """``found`` (output constraints), and a response format's (field ``name``) unless it is
+    plain text."""
+    if text_format is not None and not isinstance(text_format, TextFormat):
+        found[name] = text_format.params
+    return found
 
 
 # Responses.

@@ -33,11 +33,17 @@ from sangam.serve.protocol import (
     ChatTool,
     FunctionCall,
     FunctionDefinition,
+    JsonObjectFormat,
+    JsonSchemaSpec,
     Length,
+    MakeConstraint,
     RequestBody,
+    TextFormat,
     ToolCall,
     ToolChoice,
+    ToolChoiceMode,
     _GenerationRequest,
+    _with_format,
 )
 from sangam.serve.tool_calls import HermesToolParser, ParsedCall, ToolCallStream
 
@@ -84,6 +90,30 @@ class FunctionTool(RequestBody):
     strict: bool | None = None
 
 
+class NamedFunctionChoice(RequestBody):
+    """The Responses API's named tool choice: ``{"type": "function", "name": ...}``."""
+
+    type: Literal["function"]
+    name: str
+
+    @property
+    def function_name(self) -> str:
+        return self.name
+
+
+class JsonSchemaTextFormat(JsonSchemaSpec):
+    """The Responses API's JSON schema format: chat's ``json_schema``, flattened."""
+
+    type: Literal["json_schema"]
+
+
+class TextConfig(RequestBody):
+    """A response's ``text``: its ``format`` (plain text unless given)."""
+
+    format: Annotated[TextFormat | JsonObjectFormat | JsonSchemaTextFormat,
+                      Field(discriminator="type")] | None = None
+
+
 def _item_type(item: Any) -> str:
     """An input item's kind; a message may leave its type out."""
     return ((item.get("type") or "message") if isinstance(item, dict)  # null: unset
@@ -103,17 +133,27 @@ class ResponsesRequest(_GenerationRequest, ToolChoice):
     instructions: str | None = None
     max_output_tokens: Length | None = None
     tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoiceMode | NamedFunctionChoice | None = None
     store: bool = True  # kept with --responses-store-size (OpenAI's default: true)
     previous_response_id: str | None = None  # a stored response this one continues
-    text: dict | None = None  # {"format": {"type": "text"}} only
+    text: TextConfig | None = None
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
-        text_format = (self.text or {}).get("format", {"type": "text"})
-        return [name for name, is_bad in (
-            ("text", text_format != {"type": "text"}),
-            ("tool_choice", not self.tool_choice_supported()),
-            ("n", self.n not in (None, 1))) if is_bad]
+        return ["n"] if self.n not in (None, 1) else []
+
+    def tool_functions(self) -> list[FunctionDefinition]:
+        return [FunctionDefinition(name=t.name, description=t.description,
+                                   parameters=t.parameters) for t in self.tools or ()]
+
+    def text_format(self) -> TextFormat | JsonObjectFormat | JsonSchemaTextFormat:
+        if self.text is None or self.text.format is None:
+            return TextFormat(type="text")
+        return self.text.format
+
+    def output_constraints(self) -> dict[str, MakeConstraint]:
+        return self.with_tool_constraint(_with_format(
+            super().output_constraints(), "text.format", self.text_format()))
 
     def sampling_overrides(self) -> dict[str, object]:
         overrides = super().sampling_overrides()
@@ -256,7 +296,9 @@ class ResponseBuilder:
             id=self.id, created_at=self.created_at, model=self.model, status=status,
             incomplete_details=incomplete, instructions=body.instructions, output=output,
             parallel_tool_calls=body.parallel_tool_calls,
-            tool_choice=body.tool_choice or ("auto" if body.tools else "none"),
+            tool_choice=(body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel)
+                         else body.tool_choice or ("auto" if body.tools else "none")),
+            text={"format": body.text_format().model_dump(by_alias=True, exclude_none=True)},
             tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
             temperature=body.temperature, top_p=body.top_p,
             max_output_tokens=body.max_output_tokens, usage=usage,

@@ -40,7 +40,7 @@ class ServingChat:
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         intake = self.intake
-        params, tools = intake.validator.params_and_tools(body)
+        params, tools = await intake.validator.params_and_tools(body)
         request_id = intake.ids.of(request, body, "chatcmpl-")
         with intake.admission.admitting(params.n):
             prompt = await self.prompts.chat_ids(body.messages, body)

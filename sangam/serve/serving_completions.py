@@ -27,7 +27,7 @@ class ServingCompletions:
 
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         intake, prompts = self.intake, self.prompts
-        params = intake.validator.params(body)
+        params = await intake.validator.params(body)
         texts_or_ids = prompts.completion_prompts(body.prompt)
         request_id = intake.ids.of(request, body, "cmpl-")
         n = params.n

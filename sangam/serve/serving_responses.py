@@ -35,7 +35,7 @@ class ServingResponses:
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
         intake = self.intake
-        params, tools = intake.validator.params_and_tools(body)
+        params, tools = await intake.validator.params_and_tools(body)
         history = self._history(body)
         response_id = intake.ids.of(request, body, "resp_")
         with intake.admission.admitting(1):

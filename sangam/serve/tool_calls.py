@@ -10,6 +10,10 @@ The model writes a call as text; a parser turns that text into OpenAI's ``tool_c
 The response's content is then the text before the first call (None if there is none). As in
 vLLM, a response whose calls do not all parse is plain content with no calls, and the last call
 may lack its closing tag (the model stopped right after its JSON).
+
+``tool_call_grammar`` is the grammar of exactly that format for given functions: what
+``tool_choice: "required"`` or a named function constrains a response to, so that its calls
+always parse and their arguments match the functions' parameter schemas.
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from sangam.decoding.grammar import JSON_OPTIONS
+
 TOOL_CALL_PARSERS = ("hermes",)
+# A function without parameters (OpenAI: an empty parameter list) takes an empty object.
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(frozen=True)
@@ -111,3 +119,33 @@ class ToolCallStream:
         delta = content[self.sent:]
         self.sent = len(content)
         return delta, self.calls if finished else ()
+
+
+def tool_call_grammar(functions: list[tuple[str, dict | None]], many: bool) -> str:
+    """The grammar (llguidance's Lark) of a response that is only calls in the hermes format,
+    each of one of ``functions`` ((name, parameters schema) pairs) with arguments that match
+    its schema: one call, or with ``many`` one or more, a newline apart. Raises ValueError for
+    a parameters schema that is not an object's."""
+    start, newline, end = (json.dumps(text) for text in (
+        HermesToolParser.START + "\n", "\n", "\n" + HermesToolParser.END))
+    names = [f"fn_{i}" for i in range(len(functions))]
+    more = f" ({newline} call)*" if many else ""
+    rules = [f"start: call{more}", f"call: {start} ({' | '.join(names)}) {end}"]
+    rules += [f"{rule}: %json {json.dumps(_call_schema(name, parameters))}"
+              for rule, (name, parameters) in zip(names, functions)]
+    return "\n".join(rules) + "\n"
+
+
+def _call_schema(name: str, parameters: dict | None) -> dict:
+    """The JSON schema of one call's object: ``{"name": NAME, "arguments": {...}}``, laid out
+    as every constrained JSON is (``JSON_OPTIONS``: no free whitespace, which a model could
+    otherwise fill its whole canvas with; a %json rule takes no compiler defaults). The
+    parameters' definitions ($defs) move to the root, where their references point."""
+    arguments = dict(parameters) if parameters else dict(NO_PARAMETERS)
+    if arguments.setdefault("type", "object") != "object":
+        raise ValueError(f"the parameters of tool {name!r} must be an object's JSON schema, "
+                         f"got type {arguments['type']!r}")
+    definitions = {k: arguments.pop(k) for k in ("$defs", "definitions") if k in arguments}
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+            "required": ["name", "arguments"], "additionalProperties": False,
+            "x-guidance": JSON_OPTIONS, **definitions}

@@ -1,0 +1,233 @@
+"""Structured output: a request's constraint compiled to a grammar, and the matcher that says
+which tokens may come next (docs/decoding.md, "Structured output").
+
+The backend is llguidance (JSON schema, regex, choice lists and Lark grammars over any
+tokenizer, with incremental token masks). A constraint compiles once per (tokenizer,
+constraint) and is cached; compiling never needs the model. A request's matcher state is a
+function of its committed response tokens, so a request moved between workers or processes
+rebuilds it by replaying them (:meth:`GrammarState.__setstate__`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from sangam.sampling_params import CONSTRAINT_KINDS, MAX_CONSTRAINT_CHARS
+
+# The JSON compiler's defaults (a schema's "x-guidance" overrides them): fixed separators, no
+# free whitespace, which a model could otherwise pad a response with forever.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_COMPILED = 256  # compiled grammars kept per tokenizer (LRU)
+
+
+class ConstraintError(ValueError):
+    """A constraint that does not compile; the message is the compiler's."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One request's output constraint: ``kind`` (CONSTRAINT_KINDS) and its text (a JSON
+    schema or a choice list as canonical JSON; a regex; a Lark/GBNF grammar)."""
+
+    kind: str
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"a constraint's kind must be one of {CONSTRAINT_KINDS}, got "
+                             f"{self.kind!r}")
+        if not isinstance(self.text, str) or len(self.text) > 2 * MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"a constraint is a string of at most {MAX_CONSTRAINT_CHARS} "
+                             "characters")
+
+    @classmethod
+    def of(cls, params) -> Constraint:
+        """The constraint of a ``StructuredOutputsParams``."""
+        kind = params.kind
+        if kind == "choice":
+            return cls(kind, json.dumps(list(params.choice)))
+        return cls(kind, "" if kind == "json_object" else getattr(params, kind))
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar of this constraint (raises ConstraintError)."""
+        import llguidance
+
+        kind, text = self.kind, self.text
+        if kind == "json_object":
+            kind, text = "json", json.dumps({"type": "object"})
+        try:
+            if kind == "json":  # compact JSON: no whitespace between tokens, as vLLM's
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    text, defaults=JSON_OPTIONS)
+            return llguidance.grammar_from(kind, text)
+        except (ValueError, TypeError) as e:
+            raise ConstraintError(f"{self.kind}: {e}") from None
+
+
+class TokenBytes:
+    """A tokenizer as llguidance's TokenizerWrapper reads it: each id's bytes (special tokens
+    empty, flagged special), EOS, and encoding. Works for any tokenizer whose tokens decode
+    one by one (llguidance's own loader cannot read every tokenizer.json, the demo model's
+    among them)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int):
+        special = set(tokenizer.all_special_ids)
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        size = len(tokenizer)
+        self.tokens = [b"" if i in special or i >= size else
+                       _token_bytes(tokenizer, i) for i in range(vocab_size)]
+        self.special_token_ids = sorted(t for t in special if t < vocab_size)
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+def _token_bytes(tokenizer, token_id: int) -> bytes:
+    """One token's bytes: byte-level BPE pieces map back through GPT-2's byte table,
+    SentencePiece byte pieces (<0xAB>) to their byte, others through decode."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        table = _byte_decoder()
+        if piece and all(c in table for c in piece) and any(c in "ĠĊ" for c in piece):
+            return bytes(table[c] for c in piece)
+    return tokenizer.decode([token_id], clean_up_tokenization_spaces=False).encode("utf-8")
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: printable stand-ins for the 256 bytes."""
+    keep = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+            + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer, cached (thread-safe: the server compiles on a
+    worker thread while the engine thread reads the cache; two threads compiling the same new
+    constraint at once both compile it, and neither waits on the other)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int):
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.llg = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(TokenBytes(tokenizer, vocab_size, eos_token_id)),
+            n_vocab=vocab_size)
+        self._compile = functools.lru_cache(maxsize=MAX_COMPILED)(self._compile_uncached)
+
+    def _compile_uncached(self, constraint: Constraint) -> str:
+        import llguidance
+
+        grammar = constraint.grammar_text()
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.llg)
+        if error:
+            raise ConstraintError(f"{constraint.kind}: {error}")
+        return grammar
+
+    def compile(self, constraint: Constraint) -> str:
+        """The checked grammar of ``constraint`` (raises ConstraintError with the compiler's
+        message); cached."""
+        return self._compile(constraint)
+
+    def matcher(self, constraint: Constraint):
+        """A fresh llguidance matcher at the start of ``constraint``."""
+        import llguidance
+
+        return llguidance.LLMatcher(self.llg, self.compile(constraint), log_level=0)
+
+
+_TOKENIZERS: dict[str, object] = {}  # the process's tokenizers, by their directory
+_COMPILERS: dict[str, GrammarCompiler] = {}
+_COMPILERS_LOCK = threading.Lock()
+
+
+def register_tokenizer(tokenizer_path: str, tokenizer) -> None:
+    """Make the tokenizer read from ``tokenizer_path`` known to this process (every loaded
+    model does, so that a request moved here from another process finds its compiler)."""
+    _TOKENIZERS[os.path.abspath(tokenizer_path)] = tokenizer
+
+
+def compiler_for(tokenizer_path: str, vocab_size: int, eos_token_id: int) -> GrammarCompiler:
+    """The process's compiler for the registered tokenizer of ``tokenizer_path`` (built on
+    first use: about a second for a large vocabulary)."""
+    key = os.path.abspath(tokenizer_path)
+    with _COMPILERS_LOCK:
+        found = _COMPILERS.get(key)
+        if found is None:
+            if key not in _TOKENIZERS:
+                raise ConstraintError(f"no tokenizer from {tokenizer_path!r} in this process")
+            found = _COMPILERS[key] = GrammarCompiler(_TOKENIZERS[key], vocab_size,
+                                                      eos_token_id)
+        return found
+
+
+class GrammarState:
+    """A request's matcher, kept a function of the request's committed response tokens: before
+    each use it consumes those it has not seen (however they arrived: committed here, or
+    copied in from another worker's progress). Pickles as its constraint and where to find
+    the tokenizer; unpickled, it rebuilds by replaying."""
+
+    def __init__(self, constraint: Constraint, tokenizer_path: str, vocab_size: int,
+                 eos_token_id: int):
+        self.constraint = constraint
+        self.where = (tokenizer_path, vocab_size, eos_token_id)
+        self._matcher = compiler_for(*self.where).matcher(constraint)
+        self.consumed = 0  # response tokens the matcher has consumed
+
+    def __getstate__(self) -> dict:
+        return {"constraint": self.constraint, "where": self.where}
+
+    def __setstate__(self, state: dict) -> None:
+        self.constraint, self.where = state["constraint"], state["where"]
+        self._matcher, self.consumed = None, 0
+
+    def sync(self, response: np.ndarray, mask_token_id: int):
+        """The matcher after the committed prefix of ``response`` (the tokens before its first
+        mask)."""
+        masked = (response == mask_token_id).nonzero()[0]
+        committed = int(masked[0]) if masked.size else len(response)
+        if self._matcher is None or self.consumed > committed:
+            self._matcher, self.consumed = compiler_for(*self.where).matcher(self.constraint), 0
+        for t in response[self.consumed:committed].tolist():
+            self.consume(t)
+        return self._matcher
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        """Which tokens may come next, as a bool array over the vocabulary; once the grammar
+        is complete, only EOS (the canvas pads with it; the output is cut there)."""
+        m = self._matcher
+        if m.is_stopped():
+            out = np.zeros(vocab_size, dtype=bool)
+            out[self.where[2]] = True
+            return out
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8),
+                             bitorder="little")
+        out = np.zeros(vocab_size, dtype=bool)
+        n = min(vocab_size, len(bits))
+        out[:n] = bits[:n].astype(bool)
+        return out
+
+    def consume(self, token: int) -> None:
+        m = self._matcher
+        if not m.is_stopped() and not m.consume_token(int(token)):
+            raise ConstraintError(f"the grammar rejected token {token}: {m.get_error()}")
+        self.consumed += 1
