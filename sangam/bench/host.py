@@ -79,7 +79,7 @@ def measure(batch: int, iters: int, impl: str = "python", gen_len: int = 256,
         conf = rng.random(m)
         clock["assemble"] += t1 - t0
         clock["scores"] += time.perf_counter() - t1  # not host work of the engine
-        return packed, tokens, conf, None, None
+        return packed, tokens, conf, None, None, {}  # no request with structured output
 
     runner._score = forward_stub
     builder.schedule = timed("schedule", builder.schedule)
