@@ -1,6 +1,8 @@
-"""``sangam-bench quality``: the sweep's metrics on the short demo model, and block agreement."""
+"""``sangam-bench quality``: the sweep's metrics on the short demo model, block agreement, and
+``--structured``: the demo tasks with and without their answer format as a constraint."""
 
 import json
+import re
 
 import pytest
 
@@ -13,6 +15,7 @@ from sangam.bench.quality import (
     trained_families,
 )
 from sangam.demo import demo_model_path
+from sangam.demo.tasks import ANSWER_FORMATS, FAMILIES, generate
 
 
 def test_block_agreement_counts_blocks_up_to_where_either_response_ends():
@@ -77,3 +80,33 @@ def test_quality_reports_agreement_confidence_and_a_plot(tmp_path, capsys):
     assert fast["tokens_per_forward"] >= careful["tokens_per_forward"] > 1
     assert fast["confidence"] <= careful["confidence"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_family_has_an_answer_format_its_answers_match():
+    assert set(ANSWER_FORMATS) == set(FAMILIES)
+    for family in FAMILIES:
+        for task in generate(family, 50, seed=7, split="train") + generate(family, 50, seed=7):
+            assert re.fullmatch(ANSWER_FORMATS[family], task.answer), (family, task.answer)
+    assert not re.fullmatch(ANSWER_FORMATS["reverse"], "ab")  # the generators' real bounds
+    assert not re.fullmatch(ANSWER_FORMATS["count"], "7")
+
+
+def test_structured_compares_with_and_without_the_answer_regex(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["quality", "--structured", "--num-instances", "4", "--thresholds", "0.9",
+                 "--repeats", "1", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "valid %" in table and "without / with" in table
+    report = json.loads(out.read_text())
+    assert report["families"] == ["reverse", "copy", "sort", "count"]
+    entry = report["thresholds"]["0.9"]
+    without, with_ = entry["without"], entry["with"]
+    assert set(with_) == {"all", "reverse", "copy", "sort", "count"}
+    assert with_["all"]["valid"] == 1.0  # what the constraint guarantees
+    for row in entry["outputs"]:
+        assert re.fullmatch(report["answer_formats"][row["family"]], row["with"])
+    for side in (without, with_):
+        m = side["all"]
+        assert m["n"] == 4 and 0 <= m["exact"] <= 1 and m["tokens_per_forward"] > 0
+        assert m["forwards_per_request"] >= 1 and m["batch_ms_per_request"] > 0
+        assert m["alone_ms"] > 0 and m["identical_outputs"] == 1.0  # batch invariance

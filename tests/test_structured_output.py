@@ -279,3 +279,29 @@ def test_the_grammar_state_pickles_and_replays(demo):
     assert moved.grammar.sync(moved.tokens[moved.prompt_len:], moved.mask_token_id).is_stopped()
     assert moved.grammar.consumed == state.grammar.consumed
     assert np.array_equal(moved.tokens, state.tokens)
+
+
+def test_every_stop_id_may_end_a_complete_response(demo):
+    """A chat model ends its turn with its end-of-turn token, not the tokenizer's EOS: where the
+    grammar is complete, each of the request's stop ids is allowed and taken as EOS."""
+    from sangam.decoding.grammar import GrammarState
+    from sangam.demo.tokenizer import EOS_ID, EOT_ID
+
+    compiler = demo.grammar_compiler()
+    constraint = Constraint.of(SO(choice=["ab", "abc"]))
+    grammar = GrammarState(constraint, demo.tokenizer_path, compiler.vocab_size,
+                           compiler.eos_token_id, ends=frozenset({EOS_ID, EOT_ID}))
+    codec = demo.text.tokenizer
+    response = np.array(codec.encode("ab", add_special_tokens=False), dtype=np.int64)
+    grammar.sync(response, demo.config.mask_token_id)
+    allowed = grammar.allowed(compiler.vocab_size)
+    assert allowed[EOS_ID] and allowed[EOT_ID] and allowed[codec.encode(
+        "c", add_special_tokens=False)[0]]
+    grammar.consume(EOT_ID)
+    assert grammar._matcher.is_stopped()
+    # End to end: the demo's answers end with <|eot_id|>; constrained, they end there too.
+    params = SamplingParams(max_tokens=24, block_length=8, structured_outputs=SO(
+        regex="[a-z]{3,8}"))
+    prompt = demo.text.encode_chat([{"role": "user", "content": "Reverse: sangam"}])
+    out = ReferenceDecoder(demo.model).run(new_state(demo, prompt, params, random.Random(0)))
+    assert demo.text.decode(out.output_token_ids()) == "magnas"

@@ -25,6 +25,9 @@ demo models' training script writes), else the short demo's; ``max_tokens`` and
 ``block_length`` default to the model's own (``generation_config.json``). ``--json`` writes
 everything, ``--plot`` a PNG of exact match against tokens per forward, one line per cache and
 rule, vanilla as a point.
+
+``--structured`` runs another comparison instead of the sweep: each instance without and with
+its family's answer format as structured output (:mod:`sangam.bench.structured`).
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sangam.bench import structured
 from sangam.bench.report import parse_float_list
-from sangam.demo.tasks import DEMO_FAMILIES, EVAL_SEED, FAMILIES, Task, eval_set
-from sangam.sampling_params import RequestOutput, SamplingParams
+from sangam.bench.structured import tokens_decoded
+from sangam.demo.tasks import ANSWER_FORMATS, DEMO_FAMILIES, EVAL_SEED, FAMILIES, Task, eval_set
+from sangam.sampling_params import SamplingParams
 
 DEFAULT_THRESHOLDS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0)  # 0.3: deliberately too low
 DEFAULT_FACTORS = (0.5, 1.0, 2.0)
@@ -99,14 +104,6 @@ def parse_cadences(text: str) -> tuple[tuple[int, int], ...]:
         raise ValueError(f"expected comma-separated RxM cadences of positive integers, got "
                          f"{text!r}")
     return out
-
-
-def tokens_decoded(out: RequestOutput, params: SamplingParams) -> int:
-    """Canvas tokens committed for ``out``: every block up to the one holding the first stop."""
-    if out.finish_reason == "stop":
-        blocks = len(out.token_ids) // params.block_length + 1
-        return min(blocks * params.block_length, params.canvas_length)
-    return params.canvas_length
 
 
 def block_agreement(tokens: list[int], reference: list[int], block_length: int) -> tuple[int, int]:
@@ -237,7 +234,34 @@ def run(args: argparse.Namespace) -> int:
     # As the model was trained: one user turn plus the assistant header.
     prompt_ids = [llm.loaded.text.encode_chat([{"role": "user", "content": t.prompt}])
                   for t in tasks]
-    modes = sweep(tuple(parse_float_list(args.thresholds)), tuple(parse_float_list(args.factors)),
+    model = args.model or "sangam-demo"
+    header = (f"{model}: {len(tasks)} held-out instances ({per_family} per family of "
+              f"{','.join(families)}, seed {args.seed}), max_tokens {max_tokens}, block_length "
+              f"{block_length}")
+    if args.structured:
+        if args.modes or args.plot:
+            raise SystemExit("--modes and --plot belong to the sweep, not --structured")
+        thresholds = (tuple(parse_float_list(args.thresholds)) if args.thresholds
+                      else structured.DEFAULT_THRESHOLDS)
+        results = structured.compare(llm, tasks, prompt_ids, thresholds, max_tokens,
+                                     block_length, args.cache, args.repeats,
+                                     log=(lambda m: print(m, file=sys.stderr, flush=True))
+                                     if args.verbose else None)
+        print(f"{header}, cache {args.cache}, greedy; each cell without / with the family's "
+              "regex")
+        print(structured.format_table(results, markdown=args.markdown))
+        if args.json:
+            report = {"model": model, "families": families, "num_instances": len(tasks),
+                      "seed": args.seed, "max_tokens": max_tokens, "block_length": block_length,
+                      "cache": args.cache, "repeats": args.repeats,
+                      "answer_formats": {f: ANSWER_FORMATS[f] for f in families},
+                      "thresholds": results}
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+        return 0
+    modes = sweep(tuple(parse_float_list(args.thresholds or
+                                         ",".join(f"{v:g}" for v in DEFAULT_THRESHOLDS))),
+                  tuple(parse_float_list(args.factors)),
                   parse_cadences(args.cadences),
                   tuple(parse_float_list(args.refresh_confidences)),
                   tuple(parse_float_list(args.cadence_thresholds)))
@@ -256,10 +280,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{mode.name}: exact {r['accuracy']:.3f}, blocks {r['block_agreement']:.3f}, "
                   f"{r['tokens_per_forward']:.2f} tokens/forward, {r['seconds']:.1f}s",
                   file=sys.stderr, flush=True)
-    model = args.model or "sangam-demo"
-    print(f"{model}: {len(tasks)} held-out instances ({per_family} per family of "
-          f"{','.join(families)}, seed {args.seed}), max_tokens {max_tokens}, block_length "
-          f"{block_length}")
+    print(header)
     print(format_table(results))
     if args.json:
         report = {"model": model, "families": families, "num_instances": len(tasks),
@@ -289,8 +310,10 @@ def register(subparsers) -> None:
                    help=f"comma-separated subset of {','.join(FAMILIES)} (default: those the "
                         "model was trained on, from its training.json, else "
                         f"{','.join(DEMO_FAMILIES)})")
-    p.add_argument("--thresholds", default=",".join(f"{v:g}" for v in DEFAULT_THRESHOLDS),
-                   help="threshold rule values of the sweep (0.3 is there to be too low)")
+    p.add_argument("--thresholds", default=None,
+                   help="threshold rule values of the sweep (default "
+                        f"{','.join(f'{v:g}' for v in DEFAULT_THRESHOLDS)}: 0.3 is there to be "
+                        "too low) or of --structured")
     p.add_argument("--factors", default=",".join(f"{v:g}" for v in DEFAULT_FACTORS),
                    help="factor rule values of the sweep")
     p.add_argument("--cadences", default=",".join(f"{r}x{m}" for r, m in DEFAULT_CADENCES),
@@ -312,4 +335,5 @@ def register(subparsers) -> None:
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="write the accuracy/speed PNG here")
     p.add_argument("--verbose", action="store_true", help="print each mode as it finishes")
+    structured.add_args(p)
     p.set_defaults(func=run)

@@ -187,17 +187,20 @@ class GrammarState:
     the tokenizer; unpickled, it rebuilds by replaying."""
 
     def __init__(self, constraint: Constraint, tokenizer_path: str, vocab_size: int,
-                 eos_token_id: int):
+                 eos_token_id: int, ends: frozenset[int] = frozenset()):
         self.constraint = constraint
         self.where = (tokenizer_path, vocab_size, eos_token_id)
+        # The request's stop ids: each may end the response wherever the grammar allows EOS
+        # (a chat model ends its turn with its end-of-turn token, not the tokenizer's EOS).
+        self.ends = np.array(sorted(ends), dtype=np.int64)
         self._matcher = compiler_for(*self.where).matcher(constraint)
         self.consumed = 0  # response tokens the matcher has consumed
 
     def __getstate__(self) -> dict:
-        return {"constraint": self.constraint, "where": self.where}
+        return {"constraint": self.constraint, "where": self.where, "ends": self.ends}
 
     def __setstate__(self, state: dict) -> None:
-        self.constraint, self.where = state["constraint"], state["where"]
+        self.constraint, self.where, self.ends = state["constraint"], state["where"], state["ends"]
         self._matcher, self.consumed = None, 0
 
     def sync(self, response: np.ndarray, mask_token_id: int):
@@ -224,10 +227,14 @@ class GrammarState:
         out = np.zeros(vocab_size, dtype=bool)
         n = min(vocab_size, len(bits))
         out[:n] = bits[:n].astype(bool)
+        if out[self.where[2]]:
+            out[self.ends[self.ends < vocab_size]] = True
         return out
 
     def consume(self, token: int) -> None:
         m = self._matcher
+        if token in self.ends:  # a stop id where EOS was allowed: the grammar's EOS
+            token = self.where[2]
         if not m.is_stopped() and not m.consume_token(int(token)):
             raise ConstraintError(f"the grammar rejected token {token}: {m.get_error()}")
         self.consumed += 1

@@ -51,6 +51,12 @@ _FORWARDS, _CHUNKS, _FINISHED, _REASON, _POST = (
 _BLOCK, _STEP = CURSOR_FIELDS.index("block"), CURSOR_FIELDS.index("step")
 
 
+def stop_ids_of(params: SamplingParams, eos_ids: frozenset[int]) -> frozenset[int]:
+    """The ids that end a request's response: the model's EOS ids under stop_at_eos, and the
+    request's own stop_token_ids."""
+    return (eos_ids if params.stop_at_eos else frozenset()) | frozenset(params.stop_token_ids)
+
+
 @dataclass
 class StepPlan:
     """What the next forward of one request computes."""
@@ -84,9 +90,7 @@ class DecodeState:
         # (sangam/decoding/constrained.py), which the C++ host path leaves to Python.
         self.grammar = grammar
         self.mask_token_id = mask_token_id
-        # The ids that end the response: EOS (given) under stop_at_eos, and the request's own.
-        self.stop_ids = ((stop_ids if params.stop_at_eos else frozenset())
-                         | frozenset(params.stop_token_ids))
+        self.stop_ids = stop_ids_of(params, stop_ids)
         self.stop_array = np.array(sorted(self.stop_ids), dtype=np.int64)  # the same, for numpy
         self.shift = int(shift_logits)  # 1: row p - 1 predicts position p (Dream)
         self.seed = seed

@@ -48,6 +48,23 @@ COUNT_LETTERS = "abc"  # a small alphabet, so letters repeat and counts are not 
 COUNT_LENGTH = 6
 
 
+# Each family's answer format as a regex (the whole answer, as ``re.fullmatch`` reads it and as
+# structured output's ``regex`` constrains it), from the generators' bounds: sums 20-99,
+# differences 10-89, short strings of their lengths, a count of 0 to COUNT_LENGTH, long answers
+# of LONG_ANSWER characters (a tally's digits). `sangam-bench quality --structured` uses them.
+ANSWER_FORMATS = {
+    "add": "[2-9][0-9]",
+    "sub": "[1-8][0-9]",
+    "reverse": "[a-z]{3,8}",
+    "sort": "[a-z]{3,6}",
+    "copy": "[a-z]{3,8}",
+    "count": f"[0-{COUNT_LENGTH}]",
+    "copy_long": f"[a-z]{{{LONG_ANSWER[0]},{LONG_ANSWER[1]}}}",
+    "shift": f"[a-z]{{{LONG_ANSWER[0]},{LONG_ANSWER[1]}}}",
+    "tally": f"[0-9]{{{LONG_ANSWER[0]},{LONG_ANSWER[1]}}}",
+}
+
+
 @dataclass(frozen=True)
 class Task:
     family: str

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from sangam.decoding.grammar import Constraint, GrammarState
-from sangam.decoding.state import DecodeState
+from sangam.decoding.state import DecodeState, stop_ids_of
 from sangam.engine.loaded_model import LoadedModel
 from sangam.sampling_params import SamplingParams
 
@@ -63,7 +63,7 @@ def new_state(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams
         compiler = loaded.grammar_compiler()
         compiler.compile(constraint)  # cached: the server compiled it off its event loop
         grammar = GrammarState(constraint, loaded.tokenizer_path, compiler.vocab_size,
-                               compiler.eos_token_id)
+                               compiler.eos_token_id, ends=stop_ids_of(params, loaded.stop_ids))
     seed = params.seed if params.seed is not None else rng.getrandbits(63)
     return DecodeState(list(prompt_ids), params, loaded.config.mask_token_id, loaded.stop_ids,
                        loaded.config.shift_logits, seed, suffix_ids, loaded.config.block_causal,
