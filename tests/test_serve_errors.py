@@ -146,6 +146,11 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "seed": -1}, 400, "seed"),
     (CMPL, {"prompt": "hi", "seed": 1.5}, 400, "seed"),
     (CMPL, b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", 400, "malformed JSON"),
+    # Nesting deeper than the parser recurses (and than validation would): a 400, not a 500.
+    (CMPL, b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nests"),
+    (CMPL, b'{"prompt": "hi", "x": ' + b"[" * 990 + b"]" * 990 + b"}", 400, "nests"),
+    (CHAT, b'{"messages": [{"role": "user", "content": ' + b"[" * 990 + b"]" * 990 + b"}]}",
+     400, "nests"),
     (CMPL, {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     (CMPL, {"prompt": "hi", "stop_at_eos": "no"}, 400, "stop_at_eos"),
     (CMPL, {"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),

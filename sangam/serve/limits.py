@@ -82,6 +82,24 @@ class JSONRoute(APIRoute):
 
 
 _MALFORMED = object()  # left for FastAPI to report, with the position of the error
+# Far beyond any real request (a JSON schema or tool parameters nest a few dozen levels), far
+# within Python's recursion limit, which validation and the handlers share.
+MAX_JSON_DEPTH = 256
+_TOO_DEEP = f"the request body nests deeper than {MAX_JSON_DEPTH} levels"
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in a parsed JSON value (iteratively: no recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in node)
+    return deepest
 
 
 def _parse(body: bytes) -> Any:
@@ -91,8 +109,12 @@ def _parse(body: bytes) -> Any:
         raise ApiError(400, "the request body is not valid UTF-8") from None
     except json.JSONDecodeError:
         return _MALFORMED
+    except RecursionError:  # deeper than the parser recurses
+        raise ApiError(400, _TOO_DEEP) from None
     except ValueError as e:  # e.g. an integer of more digits than Python converts
         raise ApiError(400, f"malformed JSON body: {e}") from None
+    if _depth(value) > MAX_JSON_DEPTH:  # validation and the handlers recurse too
+        raise ApiError(400, _TOO_DEEP)
     if _SURROGATE_ESCAPE.search(body):
         where = _lone_surrogate(value, [])
         if where is not None:
