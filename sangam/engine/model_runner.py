@@ -95,7 +95,8 @@ class ModelRunner:
             model.hidden_states(dev["input_ids"], dev["positions"], batch.metadata(dev),
                                 self.pool.kv)
             empty = np.zeros(0, dtype=np.int64)
-            return batch, empty, empty.astype(np.float64), None, None, {}
+            return (batch, empty, empty.astype(np.float64), None, None,
+                    {r: _NO_ROWS for r, st in enumerate(states) if st.grammar is not None})
         graphs = next((g for g in self.graphs if g.can_run(batch)), None) if allow_graphs \
             else None
         if graphs is not None:
@@ -131,13 +132,12 @@ class ModelRunner:
         except Exception:  # per request: those committed before the error keep their step
             block_done = [_commit_alone(st, forwards[r], batch, r, tokens, conf, errors)
                           for r, st in enumerate(states)]
-        for r, st in enumerate(states):
-            if st.grammar is not None and r not in errors:
+        for r, logits in rows.items():  # the requests with structured output, by index
+            if r not in errors:
                 a, b = int(batch.cu_rows[r]), int(batch.cu_rows[r + 1])
                 try:
-                    block_done[r] = commit_constrained(
-                        st, batch.cand_positions[a:b], rows.get(r, _NO_ROWS),
-                        batch.row_keys[a:b])
+                    block_done[r] = commit_constrained(states[r], batch.cand_positions[a:b],
+                                                       logits, batch.row_keys[a:b])
                 except Exception as e:
                     errors[r] = e
         if top is not None:
@@ -158,7 +158,7 @@ _NO_ROWS = torch.zeros(0, 0)
 def constrained_rows(states: list[DecodeState], batch: PackedBatch, logits: torch.Tensor
                      ) -> dict[int, torch.Tensor]:
     """The logits rows of each request with structured output, on the host (one copy for
-    all), by request index."""
+    all), by request index: every such request has an entry (its commit runs from it)."""
     which = [r for r, st in enumerate(states) if st.grammar is not None]
     if not which:
         return {}

@@ -48,21 +48,29 @@ class DreamModel(DiffusionLM):
         super().__init__(cfg)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DreamLayer(cfg) for _ in range(cfg.num_layers))
+        self.model.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def make_layer(self, cfg: ModelConfig, i: int) -> nn.Module:
+        """Layer i (models on the same tree, LLaDA-MoE, build their own)."""
+        return DreamLayer(cfg)
+
+    def layer_mlp(self, layer: nn.Module):
+        """A layer's MLP as ``LayerParts.mlp``."""
+        m = layer.mlp
+        return SwiGLU(m.gate_proj, m.up_proj, m.down_proj)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 
     def layer_parts(self, i: int) -> LayerParts:
         layer = self.model.layers[i]
-        a, m = layer.self_attn, layer.mlp
+        a = layer.self_attn
         return LayerParts(layer.input_layernorm, SplitQKV(a.q_proj, a.k_proj, a.v_proj),
                           (a.q_norm, a.k_norm) if self.config.qk_norm else None, a.o_proj,
-                          layer.post_attention_layernorm,
-                          SwiGLU(m.gate_proj, m.up_proj, m.down_proj))
+                          layer.post_attention_layernorm, self.layer_mlp(layer))
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.norm(h)

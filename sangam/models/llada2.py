@@ -73,11 +73,6 @@ class LLaDA2Model(DiffusionLM):
                           (a.query_layernorm, a.key_layernorm) if self.config.qk_norm else None,
                           a.dense, layer.post_attention_layernorm, layer.mlp)
 
-    def prepare(self) -> None:
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, SparseMoe):
-                layer.mlp.stacked()
-
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.norm(h)
 

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from sangam.models.config import ModelConfig
+from sangam.models.dream import DreamModel
 from sangam.models.moe import Expert, SparseMoe
-from sangam.models.transformer import DiffusionLM, LayerParts, RMSNorm, SplitQKV
+from sangam.models.transformer import RMSNorm
 
 
 class LLaDAMoeAttention(nn.Module):
@@ -66,36 +67,14 @@ class LLaDAMoeLayer(nn.Module):
             self.mlp = Expert(cfg.hidden_size, cfg.intermediate_size)
 
 
-class LLaDAMoeModel(DiffusionLM):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(LLaDAMoeLayer(cfg, i) for i in range(cfg.num_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+class LLaDAMoeModel(DreamModel):
+    """Qwen's top-level tree (``model.embed_tokens``, ``model.layers``, ``model.norm``,
+    ``lm_head``), shared with Dream; its own layers."""
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(ids)
+    def make_layer(self, cfg: ModelConfig, i: int) -> nn.Module:
+        return LLaDAMoeLayer(cfg, i)
 
-    def layer_parts(self, i: int) -> LayerParts:
-        layer = self.model.layers[i]
-        a = layer.self_attn
-        mlp = layer.mlp
+    def layer_mlp(self, layer: nn.Module):
         if hasattr(layer, "shared_expert"):
-            mlp = RoutedPlusShared(layer.mlp, layer.shared_expert)
-        return LayerParts(layer.input_layernorm, SplitQKV(a.q_proj, a.k_proj, a.v_proj),
-                          (a.q_norm, a.k_norm) if self.config.qk_norm else None, a.o_proj,
-                          layer.post_attention_layernorm, mlp)
-
-    def prepare(self) -> None:
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, SparseMoe):
-                layer.mlp.stacked()
-
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(h)
-
-    def output_head(self) -> nn.Module:
-        return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+            return RoutedPlusShared(layer.mlp, layer.shared_expert)
+        return layer.mlp

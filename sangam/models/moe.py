@@ -56,6 +56,10 @@ class SparseMoe(nn.Module):
         if moe.shared_intermediate_size:
             self.shared_experts = Expert(hidden, moe.shared_intermediate_size)
 
+    def prepare_for_inference(self) -> None:
+        """Stack the experts now (``DiffusionLM.prepare``), not in the first forward."""
+        self.stacked()
+
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) of all experts, stacked once: later calls find expert 0's weight a view
         of w13 and return the same tensors; after weights were replaced or moved they stack

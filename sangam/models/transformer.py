@@ -164,8 +164,12 @@ class DiffusionLM(nn.Module):
         return made
 
     def prepare(self) -> None:
-        """Lay the weights out for inference once they are loaded (MoE models stack their
-        experts); the loader calls it."""
+        """Lay the weights out for inference once they are loaded: each submodule with a
+        ``prepare_for_inference`` (MoE layers stack their experts); the loader calls it."""
+        for module in self.modules():
+            prepare = getattr(module, "prepare_for_inference", None)
+            if prepare is not None:
+                prepare()
 
     # Shared computation.
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
