@@ -21,8 +21,6 @@ CONSTRAINTS_BEYOND_THE_SCHEMA = [
      "the text/ids union is resolved"),
     ("logit_bias: token ids must be in", "logit_bias keys are JSON strings: the vocabulary "
      "bound cannot be put on them"),
-    ("unsupported parameter", "OpenAI's request shape is kept whole; values Sangam does not "
-     "implement (best_of, Responses' n) are refused by name"),
     ("structured_outputs: ", "a structured-output constraint gives exactly one of its forms, "
      "and a JSON schema given as an object is bounded by its JSON text's length"),
     ("at most one output constraint", "response_format (text.format), structured_outputs, "
@@ -39,7 +37,6 @@ CONSTRAINTS_BEYOND_THE_SCHEMA = [
      "parameters schema must allow one"),
     ("too long to constrain the output", "the grammar of forced tool calls is bounded like any "
      "grammar"),
-    ("needs stored responses", "previous_response_id depends on --responses-store-size"),
     ("--enable-auto-tool-choice", "calling tools depends on a server flag"),
     ("needs tools", "tool_choice relates to tools"),
     ("min_tokens must be", "min_tokens <= max_tokens"),

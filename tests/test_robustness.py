@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import jsonschema
 import pytest
 from faults import POISON, patched
 from test_cancellation import _metric
@@ -273,6 +274,36 @@ def test_openapi_schema_says_what_the_server_does(http):
     body = schema["components"]["schemas"]["CompletionRequest"]["properties"]
     assert body["top_k"]["anyOf"][0]["maximum"] == 2**31 - 1
     assert {"type": "null"} in body["stream"]["anyOf"]  # null accepted, as the server does
+
+
+def _accepts(schema: dict, field: str, value: object) -> bool:
+    """Whether ``value`` of a request body's ``field`` validates against the served schema."""
+    document = {"$ref": "#/components/schemas/X", "components": {"schemas": {
+        **schema["components"]["schemas"],
+        "X": {"type": "object", "properties": {
+            field: schema["components"]["schemas"][_body_of(field)]["properties"][field]}}}}}
+    try:
+        jsonschema.validate({field: value}, document)
+    except jsonschema.ValidationError:
+        return False
+    return True
+
+
+def _body_of(field: str) -> str:
+    return {"best_of": "CompletionRequest", "response_format": "ChatCompletionRequest",
+            "n": "ResponsesRequest", "previous_response_id": "ResponsesRequest"}[field]
+
+
+@pytest.mark.parametrize("field, value, served", [
+    ("best_of", 1, True), ("best_of", None, True), ("best_of", 3, False),
+    ("n", 1, True), ("n", 2, False),  # the Responses API's
+    ("response_format", {"type": "json_object"}, True), ("response_format", {}, False),
+    ("previous_response_id", None, True),
+    ("previous_response_id", "resp_1", False),  # no --responses-store-size here
+])
+def test_openapi_schema_allows_only_what_is_served(http, field, value, served):
+    """A value the server always refuses is not schema-valid (issue #36's schema defects)."""
+    assert _accepts(http.get("/openapi.json").json(), field, value) == served
 
 
 def test_a_request_that_fails_in_the_engine_ends_alone(chat_ckpt, monkeypatch):

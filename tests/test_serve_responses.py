@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 from test_serve_openai import (
@@ -159,6 +160,12 @@ def store_url(chat_ckpt) -> Iterator[str]:  # noqa: F811
     with serve_in_thread(chat_ckpt, chat_template=TOOL_TEMPLATE, enable_auto_tool_choice=True,
                          tool_call_parser="hermes", responses_store_size=3) as url:
         yield url
+
+
+def test_schema_allows_previous_response_id_with_a_store(store_url):
+    props = httpx.get(f"{store_url}/openapi.json").json()["components"]["schemas"][
+        "ResponsesRequest"]["properties"]
+    assert {"type": "string"} in props["previous_response_id"]["anyOf"]
 
 
 def test_stored_responses_continue_conversations(store_url, llm):

@@ -136,7 +136,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                            allow_methods=["*"], allow_headers=["*"])
     install_error_handlers(app)
     install_schema(app, api_key=server_config.api_key is not None,
-                   vocab_size=prompts.vocab_size, events=(ChatCompletionChunk,))
+                   vocab_size=prompts.vocab_size, responses_store=store is not None,
+                   events=(ChatCompletionChunk,))
     body_errors = errors(400, 404, 413, 500)  # a route with a body that names a model
     generation_errors = errors(400, 404, 413, 500, 503)
 

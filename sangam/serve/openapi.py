@@ -1,9 +1,9 @@
 """The OpenAPI schema (``GET /openapi.json``) as the server behaves: each route's statuses with
 their bodies, a generation's two response types (JSON, or server-sent events when streamed),
 the request constraints the server enforces (declared on the request models; a token id's
-bound is the served model's vocabulary), and, with
-``--api-key``, the bearer scheme on every route but ``OPEN_PATHS``. FastAPI's default 422 is
-dropped: validation errors are 400s, in OpenAI's error format.
+bound is the served model's vocabulary; a field that needs a server flag is null-only without
+it), and, with ``--api-key``, the bearer scheme on every route but ``OPEN_PATHS``. FastAPI's
+default 422 is dropped: validation errors are 400s, in OpenAI's error format.
 """
 
 from __future__ import annotations
@@ -52,10 +52,12 @@ def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def install_schema(app: FastAPI, api_key: bool, vocab_size: int,
+def install_schema(app: FastAPI, api_key: bool, vocab_size: int, responses_store: bool,
                    events: tuple[type[BaseModel], ...] = ()) -> None:
     """Make ``app.openapi()`` return the schema described above; ``events`` are the models
-    streamed events hold (``json_or_events``), which no route returns whole."""
+    streamed events hold (``json_or_events``), which no route returns whole. Without a
+    responses store (``responses_store``) no ``previous_response_id`` can be served: the
+    schema allows only null there."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -81,6 +83,10 @@ def install_schema(app: FastAPI, api_key: bool, vocab_size: int,
         if api_key:
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         _bound_token_ids(schema, vocab_size)
+        if not responses_store:
+            schemas["ResponsesRequest"]["properties"]["previous_response_id"] = {
+                "type": "null", "default": None,
+                "description": "Needs stored responses (--responses-store-size)"}
         app.openapi_schema = schema
         return schema
 

@@ -37,6 +37,7 @@ from sangam.serve.protocol import (
     JsonSchemaSpec,
     Length,
     MakeConstraint,
+    OnlyOne,
     RequestBody,
     TextFormat,
     ToolCall,
@@ -137,6 +138,7 @@ class ResponsesRequest(_GenerationRequest, ToolChoice):
     store: bool = True  # kept with --responses-store-size (OpenAI's default: true)
     previous_response_id: str | None = None  # a stored response this one continues
     text: TextConfig | None = None
+    n: OnlyOne | None = None  # OpenAI's Responses API has no n
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
