@@ -14,6 +14,7 @@ from faults import POISON, SLOW, worker_env
 from test_multi_worker import WORKLOADS, _options, _reference, _run, _settle, _tokens
 
 from sangam.config import EngineConfig
+from sangam.engine.async_engine import AsyncEngine
 from sangam.engine.multi import make_engine
 from sangam.sampling_params import SamplingParams
 
@@ -110,6 +111,36 @@ def test_a_failing_request_is_ended_alone_on_workers(paths, tmp_path, monkeypatc
         assert _tokens(outs) == want
         assert engine.dead_workers == []
         _settle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_deaths_are_noticed_while_idle(paths, caplog):
+    """With nothing in flight, workers killed are declared dead within a poll (logged, the
+    gauge drops), not at the next request; the last one's death fails the engine, so /health
+    answers 503 (issue #36)."""
+    engine = AsyncEngine(EngineConfig(**_options(paths["llada"], num_workers=3)))
+
+    def alive() -> float:
+        return dict((name, value) for name, _, value in engine.gauges())["sangam_workers_alive"]
+
+    def soon(cond) -> bool:
+        deadline = time.monotonic() + 5  # well within a heartbeat timeout
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return cond()
+
+    try:
+        assert alive() == 3
+        pids = [w.pid for w in engine.engine.worker_states()]
+        for pid in pids[:2]:
+            os.kill(pid, signal.SIGKILL)
+        assert soon(lambda: alive() == 1)
+        assert sum("is dead" in r.getMessage() for r in caplog.records) == 2
+        assert engine.dead is None
+        os.kill(pids[2], signal.SIGKILL)
+        assert soon(lambda: engine.dead is not None)
+        assert "every worker is dead" in str(engine.dead)
     finally:
         engine.shutdown()
 

@@ -257,7 +257,8 @@ class AsyncEngine:
                     while True:
                         self._handle(self._inbox.get_nowait())
                 except queue.Empty:
-                    pass
+                    if block:  # idle: a worker that dies now is noticed now
+                        self.engine.watch()
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
                     if self._profiler is not None and (path := self._profiler.step()):

@@ -49,6 +49,9 @@ class Engine(Front):
             self._on_report(0, events, iterations)
         return self._take_outputs()
 
+    def watch(self) -> None:
+        """Nothing to watch: the one worker is this process."""
+
     def shutdown(self) -> None:
         """Nothing to stop in process (the multi-worker engine stops its workers here)."""
 

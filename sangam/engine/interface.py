@@ -53,4 +53,8 @@ class SteppedEngine(EngineClient, Protocol):
 
     def step(self) -> list[RequestOutput]: ...
 
+    def watch(self) -> None:
+        """While nothing is in flight (no ``step``): notice what happened to the workers now,
+        not at the next request. Raises as ``step`` does when none can serve."""
+
     def has_unfinished_requests(self) -> bool: ...

@@ -235,6 +235,12 @@ class MultiWorkerEngine(Front):
         self._place()
         return self._take_outputs()
 
+    def watch(self) -> None:
+        """Take in the workers' heartbeats and check on them: a worker that dies while the
+        engine is idle is declared dead (logged, gauges, failover) within a poll."""
+        self._receive(0)
+        self._check_workers()
+
     # Reports.
     def _send(self, w: int, message: object) -> None:
         data = msg.dumps(message)
