@@ -8,7 +8,8 @@
 # latencies.
 #
 # Usage: microbench/gpu_check.sh [--dry-run] [OUTDIR]   (default OUTDIR ./gpu-results)
-# On the GPU it takes at most 9 minutes: each step is cut by `timeout`, 540 s in all.
+# On the GPU it takes at most 9 minutes: each step is cut by `timeout`, 480 s in all, and
+# building the C++ extension 30 s.
 # --dry-run runs every step on the CPU at tiny shapes (the Triton interpreter; the tests
 # collected, not run) with the serving extras the GPU machine lacks made unimportable: what
 # would fail there for a reason a CPU can show fails here. tests/test_gpu_check.py runs it in CI.
@@ -74,32 +75,56 @@ cext_available())"
 cat "$OUT/env.txt"
 
 # Each step: a name, its time limit in seconds, the command; its output is kept in NAME.log
-# and its exit status in summary.txt (124: cut by the time limit).
+# and its exit status in summary.txt (124: cut by the time limit). The limit strikes with
+# SIGINT, which Python steps take as KeyboardInterrupt: pytest still writes its report, and
+# every benchmark has written its JSON after each point it measured.
 SUMMARY=()
 step() {
   local name=$1 limit=$2
   shift 2
   echo "== $name"
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  timeout -s INT -k 15 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
   SUMMARY+=("$name rc=$rc")
 }
 
-step tests 135 "$PY" -m pytest -q -p no:cacheprovider "${TESTS_MODE[@]}" tests/test_kernel_*.py \
-  tests/test_triton_backend.py tests/test_device_batch.py \
+# The tests, in shards run side by side: on an empty Triton cache most of their time is
+# compiling kernel variants, one CPU core per process, and the machine has 16. Each shard
+# prints every test's outcome as it ends (-v) and writes its own report.
+shard() {
+  local name=$1
+  shift
+  timeout -s INT -k 15 135 "$PY" -m pytest -v -p no:cacheprovider "${TESTS_MODE[@]}" "$@" \
+    --junitxml="$OUT/$name.xml" >"$OUT/$name.log" 2>&1
+  echo $? >"$OUT/$name.rc"
+}
+OTHER_KERNEL_TESTS=()
+for f in tests/test_kernel_*.py; do
+  case $f in tests/test_kernel_attention.py|tests/test_kernel_moe.py) ;;
+    *) OTHER_KERNEL_TESTS+=("$f") ;; esac
+done
+echo "== tests (4 shards side by side)"
+shard tests-attention tests/test_kernel_attention.py &
+shard tests-moe tests/test_kernel_moe.py &
+shard tests-kernels "${OTHER_KERNEL_TESTS[@]}" &
+shard tests-engine tests/test_triton_backend.py tests/test_device_batch.py \
   "tests/test_engine.py::test_cuda_graphs_match_eager" \
   "tests/test_engine.py::test_block_length_flag_replays_graphs" \
-  "tests/test_rules.py::test_scoring_with_known_sampled_rows_needs_no_sync" \
-  --junitxml="$OUT/tests.xml"
+  "tests/test_rules.py::test_scoring_with_known_sampled_rows_needs_no_sync" &
+wait
+for name in tests-attention tests-moe tests-kernels tests-engine; do
+  tail -n 5 "$OUT/$name.log"
+  SUMMARY+=("$name rc=$(cat "$OUT/$name.rc")")
+done
 
 # Each benchmark rewrites its JSON after each suite or run, so a cut one keeps what it measured.
 # The kernels' suites include moe: LLaDA2.0-mini's and -flash's experts (--moe-models).
-step kernels 110 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
-step graphs 50 "${BENCH[@]}" graphs --json "$OUT/graphs.json"
+step kernels 100 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
+step graphs 45 "${BENCH[@]}" graphs --json "$OUT/graphs.json"
 step model 20 "$PY" -m sangam.testing "$OUT/model" "${SHAPE[@]}"
-step calibrate 45 "${BENCH[@]}" calibrate --model "$OUT/model" --load-format dummy \
+step calibrate 40 "${BENCH[@]}" calibrate --model "$OUT/model" --load-format dummy \
   "${CALIBRATE[@]}" --out "$OUT/calibration.json"
-step serve 120 "${BENCH[@]}" serve --model "$OUT/model" --load-format dummy "${ENGINE[@]}" \
+step serve 110 "${BENCH[@]}" serve --model "$OUT/model" --load-format dummy "${ENGINE[@]}" \
   --policies deficit,fastdllm --unmasking topk --tokens-per-step 3 --cache dual \
   "${TRACE[@]}" --out "$OUT/serve"
 step sim 30 "${BENCH[@]}" sim --gpu h200 --model calibrated "${SIM_ENGINE[@]}" \

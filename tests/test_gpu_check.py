@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("tests", "kernels", "graphs", "model", "calibrate", "serve", "sim")
+TEST_SHARDS = ("tests-attention", "tests-moe", "tests-kernels", "tests-engine")
+STEPS = (*TEST_SHARDS, "kernels", "graphs", "model", "calibrate", "serve", "sim")
 
 
 def test_gpu_check_dry_run_runs_every_step(tmp_path):
@@ -21,12 +22,20 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert (out / "summary.txt").read_text().split("\n")[:-1] == [f"{s} rc=0" for s in STEPS]
     # The GPU machine's missing packages were missing here too: the plots were skipped.
     assert "matplotlib is not installed" in (out / "serve.log").read_text()
-    # The test list names tests that exist (a renamed test would be 'not found' on the GPU).
-    assert "no tests ran" not in (out / "tests.log").read_text()
-    assert " collected" in (out / "tests.log").read_text()
+    # The test lists name tests that exist (a renamed test would be 'not found' on the GPU),
+    # and every kernel test file is in one shard.
+    logs = {name: (out / f"{name}.log").read_text() for name in TEST_SHARDS}
+    for name, log in logs.items():
+        assert "no tests ran" not in log and " collected" in log, name
+        assert (out / f"{name}.xml").exists(), name
+    kernel_files = {f for f in os.listdir(os.path.join(ROOT, "tests"))
+                    if f.startswith("test_kernel_")}
+    assert {f for f in kernel_files if any(f in log for log in logs.values())} \
+        == kernel_files
 
     calibration = json.loads((out / "calibration.json").read_text())
     assert calibration["geometry"]["layers"] == 2 and calibration["dtype_bytes"] == 4
+    assert calibration["complete"] is True
     host, fwd, total = (calibration[k] for k in ("host", "forward_coefficients", "coefficients"))
     assert host["iteration_s"] > 0 and host["per_sequence_s"] >= 0
     assert total["iteration_overhead_s"] == fwd["iteration_overhead_s"] + host["iteration_s"]

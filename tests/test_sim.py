@@ -395,6 +395,30 @@ def test_sim_against_a_measured_run_pairs_policies_and_checks_the_requests(tmp_p
         main([*common, "--against", str(tmp_path / "sim")])
 
 
+def test_calibrate_cut_short_keeps_a_usable_calibration(tmp_path, monkeypatch):
+    """A calibration cut by a time limit (the prepared GPU run's) keeps the points it measured,
+    fitted, so the simulator step after it still runs (issue #36)."""
+    from sangam.bench import calibrate
+
+    measured = []
+    real = calibrate._Timer.seconds
+
+    def seconds(self, spans, reps):
+        if len(measured) == 4:
+            raise KeyboardInterrupt  # the time limit strikes
+        measured.append(spans)
+        return real(self, spans, reps)
+
+    monkeypatch.setattr(calibrate._Timer, "seconds", seconds)
+    out = tmp_path / "calibration.json"
+    with pytest.raises(KeyboardInterrupt):
+        main(["calibrate", "--device", "cpu", "--max-len", "128", "--block-length", "8",
+              "--reps", "1", "--torch-threads", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["complete"] is False and len(data["points"]) == 4
+    assert Coefficients.load(out).iteration_overhead_s >= 0
+
+
 # Block-causal models (SDAR).
 def test_block_causal_request_prefills_once_and_steps_its_blocks():
     # P=10, 12 tokens, B=4: the grid puts block 0 at [8, 12) (2 masks), blocks to position 24:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,6 +30,7 @@ import numpy as np
 
 from sangam.bench.cost_model import (
     GPUS,
+    MIN_FIT_POINTS,
     MODELS,
     Coefficients,
     CostModel,
@@ -174,45 +176,63 @@ def run(args: argparse.Namespace) -> int:
         comps = [c for c in comps if sum(s.kv_len for s in c) <= cap]
     timer = _Timer(model, cfg, device, dtype, args.page_size,
                    max(sum(s.kv_len for s in c) for c in comps))
-    points = []
-    for spans in comps:
-        t = timer.seconds(spans, args.reps)
-        points.append((spans, t))
-        print(f"  {_describe(spans):<34} {t * 1e3:9.3f} ms", file=sys.stderr, flush=True)
     if device.type == "cuda":
         gpu = next((g for k, g in GPUS.items() if k in torch.cuda.get_device_name().lower()),
                    GPUS["h100"])
         start = Coefficients.defaults(gpu)
     else:
         start = CPU_START
-    coeffs, err = fit_coefficients(geom, points, start, dtype_bytes)
-    cm = CostModel(geom, coeffs, dtype_bytes)
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    about = {"device": device_name, "model": name, "geometry": dataclasses.asdict(geom),
+             "dtype": str(dtype).removeprefix("torch."), "dtype_bytes": dtype_bytes}
+    points = []
+    for spans in comps:
+        t = timer.seconds(spans, args.reps)
+        points.append((spans, t))
+        print(f"  {_describe(spans):<34} {t * 1e3:9.3f} ms", file=sys.stderr, flush=True)
+        if len(points) >= MIN_FIT_POINTS and len(points) < len(comps):
+            # A run cut short (the prepared GPU run's time limit) keeps a usable calibration
+            # of the points it measured.
+            _write(args.out, _report(about, geom, points, start, dtype_bytes, None, False)[0])
+    host = host_overhead(args.block_length, args.page_size) if args.host else None
+    report, cm = _report(about, geom, points, start, dtype_bytes, host, True)
     print(f"{'batch':<34} {'measured ms':>12} {'fitted ms':>10}")
     for spans, t in points:
         print(f"{_describe(spans):<34} {t * 1e3:12.3f} {cm.iteration_time(spans) * 1e3:10.3f}")
-    print(f"rms relative error {err:.3f}")
-    forward = coeffs
-    host = host_overhead(args.block_length, args.page_size) if args.host else None
+    print(f"rms relative error {report['rms_relative_error']:.3f}")
     if host is not None:
-        coeffs = dataclasses.replace(
-            coeffs, iteration_overhead_s=coeffs.iteration_overhead_s + host["iteration_s"],
-            per_sequence_s=coeffs.per_sequence_s + host["per_sequence_s"])
         print(f"host path ({host['impl']}): {host['iteration_s'] * 1e6:.0f} us per iteration "
               f"+ {host['per_sequence_s'] * 1e6:.1f} us per request")
-    for k, v in coeffs.to_dict().items():
+    for k, v in report["coefficients"].items():
         print(f"  {k:<22} {v:.4g}")
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    report = {"device": device_name, "model": name, "geometry": dataclasses.asdict(geom),
-              "dtype": str(dtype).removeprefix("torch."), "dtype_bytes": dtype_bytes,
-              "coefficients": coeffs.to_dict(), "forward_coefficients": forward.to_dict(),
-              "host": host, "rms_relative_error": err,
-              "points": [{"spans": [[s.q_len, s.kv_len, s.lm_rows] for s in spans],
-                          "seconds": t, "fitted": cm.iteration_time(spans)}
-                         for spans, t in points]}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    _write(args.out, report)
     print(f"wrote {args.out}")
     return 0
+
+
+def _report(about: dict, geom: ModelGeometry, points: list, start: Coefficients,
+            dtype_bytes: int, host: dict | None, complete: bool) -> tuple[dict, CostModel]:
+    """The calibration JSON of ``points`` (``complete``: every composition was measured), and
+    the fitted cost model."""
+    forward, err = fit_coefficients(geom, points, start, dtype_bytes)
+    coeffs = forward if host is None else dataclasses.replace(
+        forward, iteration_overhead_s=forward.iteration_overhead_s + host["iteration_s"],
+        per_sequence_s=forward.per_sequence_s + host["per_sequence_s"])
+    cm = CostModel(geom, forward, dtype_bytes)
+    return {**about, "complete": complete, "coefficients": coeffs.to_dict(),
+            "forward_coefficients": forward.to_dict(), "host": host,
+            "rms_relative_error": err,
+            "points": [{"spans": [[s.q_len, s.kv_len, s.lm_rows] for s in spans],
+                        "seconds": t, "fitted": cm.iteration_time(spans)}
+                       for spans, t in points]}, cm
+
+
+def _write(path: str, report: dict) -> None:
+    """Whole or not at all: a reader never sees half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(tmp, path)
 
 
 HOST_BATCHES = (1, 16)

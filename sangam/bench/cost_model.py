@@ -312,6 +312,9 @@ def _nonneg_affine(resid: np.ndarray, n: np.ndarray, w: np.ndarray) -> tuple[flo
     return best
 
 
+MIN_FIT_POINTS = 3  # measured forwards the fit needs
+
+
 def fit_coefficients(geom: ModelGeometry, points: Sequence[tuple[Sequence[Span], float]],
                      initial: Coefficients, dtype_bytes: int = BF16_BYTES, rounds: int = 14
                      ) -> tuple[Coefficients, float]:
@@ -323,8 +326,8 @@ def fit_coefficients(geom: ModelGeometry, points: Sequence[tuple[Sequence[Span],
     non-negative linear fit of what the roofline leaves unexplained. Relative error is
     minimized, so short forwards count as much as long ones.
     """
-    if len(points) < 3:
-        raise ValueError("need at least 3 measured forwards to fit")
+    if len(points) < MIN_FIT_POINTS:
+        raise ValueError(f"need at least {MIN_FIT_POINTS} measured forwards to fit")
     feats = np.stack([batch_features(geom, spans, dtype_bytes) for spans, _ in points])
     y = np.array([t for _, t in points], dtype=float)
     w = 1.0 / y
