@@ -135,7 +135,7 @@ def moe_route(logits: torch.Tensor, *, top_k: int, score: str, bias: torch.Tenso
 # ----------------------------------------------------------------------------- experts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # per batch: no variant per token count
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, pairs_ptr, tile_expert_ptr,
     num_pairs, num_experts, hidden, inter, top_k,
@@ -183,7 +183,7 @@ def _gate_up_kernel(
         tl.store(out, h.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, pairs_ptr, tile_expert_ptr, topk_w_ptr,
     num_pairs, num_experts, hidden, inter,

@@ -14,7 +14,7 @@ import triton.language as tl
 from sangam.kernels.platform import compiled
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # per batch: no variant per token count
 def _store_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr,
     num_rows, s_k_n, s_k_h, s_v_n, s_v_h,

@@ -21,7 +21,7 @@ _GPU_BLOCK = 4096
 _CPU_BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer_start", "layer_step"])  # per transfer
 def _page_copy_kernel(
     pool_ptr, buf_ptr, page_ids_ptr,
     layer_start, layer_step,

@@ -16,6 +16,18 @@ two (Dream: 7) waste no padding. Tiles of all requests are numbered consecutivel
 sync. One kernel serves refreshes (long spans) and cached steps (32-query spans); when a batch
 has too few tiles to fill the GPU, the KV range is split across programs that write partial
 results (normalized output + log-sum-exp) and a reduce kernel merges them (flash-decoding).
+
+The split count (:func:`kv_splits`) follows the batch's real shape: its query rows and its
+longest KV length (a host int), never the block table's width, so a CUDA graph's wide static
+table plans exactly as the eager batch does. It is a power of two (1 to 32), so a graph runner
+captures a few graphs per batch size and the merge kernel has few variants. Each request's
+split ranges come from its own ``kv_lens`` on the device.
+
+No recompilation per batch: Triton specialises integer arguments on "== 1" and "divisible by
+16", so the ones that vary with the batch (request count, search steps, split count, table
+stride) are ``do_not_specialize``, and the split buffers are padded so their split strides are
+always multiples of 16 (kept specialised: the partials' loads and stores stay 16 bytes wide).
+Variants are then set by the constexprs (tiles, SPLIT, BLOCK_S...) alone.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from sangam.kernels.platform import compiled, max_shared_bytes, num_sms
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_requests", "search_steps", "num_splits", "s_bt"])
 def _attn_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, lse_ptr,
     cu_q_ptr, cu_tiles_ptr, bt_ptr, kv_lens_ptr, pos_ptr, cblk_ptr,
@@ -130,7 +142,7 @@ def _attn_kernel(
             tl.store(lse_ptr + lse_off, lse.to(lse_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits, head_dim,
     s_p_split, s_p_n, s_p_h, s_lse_split, s_lse_n, s_o_n, s_o_h,
@@ -146,8 +158,8 @@ def _merge_splits_kernel(
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     total = tl.sum(w, 0)
-    # Only splits that saw keys wrote a partial: graphs size the splits for the longest
-    # context, so most are empty on short KV, and their reads are skipped.
+    # Only splits that saw keys wrote a partial (a short request's last splits, or a
+    # block-causal row's later ones, may see none): the others' reads are skipped.
     mask = (s_ok & (lse > float("-inf")))[:, None] & (offs_d[None, :] < head_dim)
     part = tl.load(part_ptr + sp[:, None] * s_p_split + n * s_p_n + h * s_p_h + offs_d[None, :],
                    mask=mask, other=0.0).to(ACC_DTYPE)
@@ -199,14 +211,52 @@ def _fit_shared(block_m: int, block_n: int, head_dim: int, num_stages: int, elem
     return block_m, block_n, num_stages
 
 
-def _auto_splits(programs: int, max_kv: int, device: torch.device) -> int:
-    """Split the KV loop only when the tiles alone leave most SMs idle (flash-decoding)."""
+_MAX_SPLITS = 32
+
+
+def _split_count(programs: int, max_kv_len: int, device: torch.device) -> int:
+    """Split the KV loop only when the tiles alone leave most SMs idle (flash-decoding); rounded
+    down to a power of two, so CUDA graphs and merge variants cover every count with a few."""
     if not compiled(device):
         return 1
     sms = num_sms(device)
-    if programs >= sms or max_kv < 512:
+    if programs >= sms or max_kv_len < 512:
         return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), max_kv // 256, 32))
+    want = min(triton.cdiv(2 * sms, programs), max_kv_len // 256, _MAX_SPLITS)
+    return 1 << (want.bit_length() - 1)
+
+
+def _tiles(max_query_len: int, group: int, head_dim: int, elem_bytes: int,
+           device: torch.device, block_m: int | None = None,
+           block_n: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a batch whose longest span has
+    ``max_query_len`` queries (``block_m``/``block_n`` force the tiles)."""
+    on_gpu = compiled(device)
+    bm, bn = _tile_config(max_query_len * group, head_dim, on_gpu)
+    bm = block_m or bm
+    bn = block_n or bn
+    num_warps, num_stages = _launch_config(bm, head_dim, on_gpu)
+    if on_gpu and block_m is None and block_n is None:
+        bm, bn, num_stages = _fit_shared(bm, bn, head_dim, num_stages, elem_bytes,
+                                         max_shared_bytes(device))
+    return bm, bn, num_warps, num_stages
+
+
+def _programs(num_tokens: int, group: int, num_kv_heads: int, block_m: int) -> int:
+    """Query tiles of a batch times KV heads: the programs of an unsplit launch (about)."""
+    return triton.cdiv(num_tokens * group, block_m) * num_kv_heads
+
+
+def kv_splits(num_tokens: int, max_query_len: int, max_kv_len: int, num_heads: int,
+              num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The KV split count :func:`plan_attention` chooses (tiles not forced) for a batch of
+    ``num_tokens`` queries in spans of at most ``max_query_len``, whose longest KV length is
+    ``max_kv_len``: a power of two from 1 to 32 (1 off-GPU). Nondecreasing in ``max_kv_len``,
+    through every power of two up to its value at the longest context; nonincreasing in
+    ``num_tokens``."""
+    group = num_heads // num_kv_heads
+    bm = _tiles(max_query_len, group, head_dim, dtype.itemsize, device)[0]
+    return _split_count(_programs(num_tokens, group, num_kv_heads, bm), max_kv_len, device)
 
 
 @dataclass(frozen=True)
@@ -226,31 +276,31 @@ class AttentionPlan:
     cu_q: torch.Tensor  # int32 [R + 1]
     cu_tiles: torch.Tensor  # int32 [R + 1]: first query tile of each request
     grid: tuple[int, int, int]
-    part: torch.Tensor | None  # [splits, N, Hq, D] partial outputs (split-KV only)
+    # [splits, N, Hq, D] partial outputs (split-KV only; views of row-padded buffers)
+    part: torch.Tensor | None
     lse: torch.Tensor | None  # [splits, N, Hq] their log-sum-exps
 
 
 def plan_attention(q: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                   block_tables: torch.Tensor, *, max_query_len: int | None = None,
-                   num_splits: int | None = None, block_m: int | None = None,
-                   block_n: int | None = None) -> AttentionPlan:
-    """The launch plan of :func:`paged_attention` for a batch (arguments as there)."""
+                   block_tables: torch.Tensor, *, max_kv_len: int | None = None,
+                   max_query_len: int | None = None, num_splits: int | None = None,
+                   block_m: int | None = None, block_n: int | None = None) -> AttentionPlan:
+    """The launch plan of :func:`paged_attention` for a batch (arguments as there).
+    ``max_kv_len`` (host int): the batch's longest KV length, which sets the split count
+    (:func:`kv_splits`); default: the tables' capacity, an upper bound that splits as if every
+    request filled its table, so callers that know the lengths pass it."""
     n_tok, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     num_requests = cu_seqlens_q.numel() - 1
     on_gpu = compiled(q.device)
-    rows = (max_query_len if max_query_len is not None else n_tok) * group
-    bm, bn = _tile_config(rows, d, on_gpu)
-    bm = block_m or bm
-    bn = block_n or bn
-    num_warps, num_stages = _launch_config(bm, d, on_gpu)
-    if on_gpu and block_m is None and block_n is None:
-        bm, bn, num_stages = _fit_shared(bm, bn, d, num_stages, q.element_size(),
-                                         max_shared_bytes(q.device))
+    bm, bn, num_warps, num_stages = _tiles(
+        max_query_len if max_query_len is not None else n_tok, group, d, q.element_size(),
+        q.device, block_m, block_n)
     if num_splits is None:
-        est_programs = triton.cdiv(n_tok * group, bm) * hkv
-        num_splits = _auto_splits(est_programs, block_tables.shape[1] * page_size, q.device)
+        if max_kv_len is None:
+            max_kv_len = block_tables.shape[1] * page_size
+        num_splits = _split_count(_programs(n_tok, group, hkv, bm), max_kv_len, q.device)
     num_splits = max(1, int(num_splits))
 
     acc_dtype = tl.float64 if q.dtype == torch.float64 else tl.float32
@@ -269,8 +319,12 @@ def plan_attention(q: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.T
     part = lse = None
     if num_splits > 1:
         part_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        part = torch.empty((num_splits, n_tok, hq, d), dtype=part_dtype, device=q.device)
-        lse = torch.empty((num_splits, n_tok, hq), dtype=part_dtype, device=q.device)
+        # Rows padded to a multiple of 16: split strides divisible by 16 in every batch (one
+        # kernel variant, wide loads and stores).
+        rows = -(-n_tok // 16) * 16
+        part = torch.empty((num_splits, rows, hq, d), dtype=part_dtype,
+                           device=q.device)[:, :n_tok]
+        lse = torch.empty((num_splits, rows, hq), dtype=part_dtype, device=q.device)[:, :n_tok]
     return AttentionPlan(bm, bn, num_warps, num_stages, num_splits, on_gpu, dot_dtype, acc_dtype,
                          cu_q, cu_tiles, grid, part, lse)
 
@@ -278,8 +332,9 @@ def plan_attention(q: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.T
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
                     kv_lens: torch.Tensor, scale: float, *, max_query_len: int | None = None,
-                    num_splits: int | None = None, block_m: int | None = None,
-                    block_n: int | None = None, plan: AttentionPlan | None = None,
+                    max_kv_len: int | None = None, num_splits: int | None = None,
+                    block_m: int | None = None, block_n: int | None = None,
+                    plan: AttentionPlan | None = None,
                     causal_blocks: torch.Tensor | None = None,
                     positions: torch.Tensor | None = None) -> torch.Tensor:
     """Bidirectional paged attention for packed spans; returns ``[N, Hq, D]`` in q's dtype.
@@ -287,10 +342,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q ``[N, Hq, D]``; k_cache/v_cache ``[num_pages, page_size, Hkv, D]`` (head dim contiguous;
     per-layer views of a ``PagedKV`` buffer are fine); cu_seqlens_q int32 ``[R+1]``;
     block_tables int32 ``[R, max_pages]``; kv_lens int32 ``[R]``. ``max_query_len`` (host int,
-    optional) only sharpens the tile choice; ``num_splits`` forces the number of KV splits
-    (default: chosen from the batch shape, 1 off-GPU); ``block_m``/``block_n`` force tile sizes
-    (powers of two >= 16). ``plan`` (from :func:`plan_attention` for this batch) replaces those
-    four and saves re-planning in every layer. Accumulates in fp32 (fp64 for fp64 inputs).
+    optional) only sharpens the tile choice; ``max_kv_len`` (host int, optional: the longest
+    of kv_lens) sets the number of KV splits, ``num_splits`` forces it (default: chosen from the
+    batch shape, 1 off-GPU); ``block_m``/``block_n`` force tile sizes (powers of two >= 16).
+    ``plan`` (from :func:`plan_attention` for this batch) replaces those five and saves
+    re-planning in every layer. Accumulates in fp32 (fp64 for fp64 inputs).
     ``causal_blocks`` int32 ``[R]`` with ``positions`` int ``[N]``: the block-causal mask (see
     the module docstring).
     """
@@ -315,7 +371,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty((n_tok, hq, d), dtype=q.dtype, device=q.device)
     if n_tok == 0 or num_requests == 0:
         return out
-    p = plan or plan_attention(q, k_cache, cu_seqlens_q, block_tables,
+    p = plan or plan_attention(q, k_cache, cu_seqlens_q, block_tables, max_kv_len=max_kv_len,
                                max_query_len=max_query_len, num_splits=num_splits,
                                block_m=block_m, block_n=block_n)
     split = p.num_splits > 1

@@ -37,7 +37,7 @@ def _confidence(x, m, s):
     return tl.exp(x.to(tl.float64) - m.to(tl.float64) - tl.log(s.to(tl.float64)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # per batch: no variant per split count
 def _score_kernel(
     logits_ptr, temp_ptr, keys_ptr,
     tok_ptr, conf_ptr,  # final outputs (one split)
@@ -101,7 +101,7 @@ def _score_kernel(
         tl.store(conf_ptr + row, _confidence(best_x, m, s).to(CDT))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     pm_ptr, ps_ptr, pkey_ptr, pidx_ptr, px_ptr, tok_ptr, conf_ptr, num_splits,
     BLOCK_S: tl.constexpr, CDT: tl.constexpr,

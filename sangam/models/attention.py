@@ -61,6 +61,9 @@ class AttentionMetadata:
     kv_lens_host: list[int]
     causal_blocks: torch.Tensor | None = None  # int32 [R]; None: bidirectional
     positions: torch.Tensor | None = None  # int64 [N], with causal_blocks
+    # The attention's KV split count, when fixed by the caller (a CUDA graph freezes it at
+    # capture); None: planned from the lengths (kernels.paged_attention.kv_splits).
+    num_kv_splits: int | None = None
 
     @property
     def num_requests(self) -> int:

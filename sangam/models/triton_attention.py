@@ -27,7 +27,9 @@ class TritonAttentionBackend(AttentionBackend):
         store_kv(k, v, k_pages, v_pages, meta.slot_mapping)
         if self._planned is None or self._planned[0] is not meta:
             plan = plan_attention(q, k_pages, meta.cu_seqlens_q, meta.block_tables,
-                                  max_query_len=max(meta.query_lens, default=0))
+                                  max_kv_len=max(meta.kv_lens_host, default=0),
+                                  max_query_len=max(meta.query_lens, default=0),
+                                  num_splits=meta.num_kv_splits)
             self._planned = (meta, plan)
         return paged_attention(q, k_pages, v_pages, meta.cu_seqlens_q, meta.block_tables,
                                meta.kv_lens, scale, plan=self._planned[1],
