@@ -18,13 +18,15 @@ from sangam.bench import (
     graphs,
     host,
     kernels,
+    memory,
     quality,
     serve,
     workers,
 )
 from sangam.bench.sim import cli as sim_cli
 
-SUBCOMMANDS = (kernels, graphs, host, batching, workers, quality, serve, sim_cli, calibrate)
+SUBCOMMANDS = (kernels, graphs, host, batching, workers, quality, serve, sim_cli, calibrate,
+               memory)
 CAPACITY_TARGETS = {
     "sim": capacity.CapacityTarget(
         "probe the simulator", partial(sim_cli.add_sim_args, for_capacity=True),

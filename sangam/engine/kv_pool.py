@@ -2,36 +2,37 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from sangam.config import EngineConfig
+from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.memory_profile import GIB, page_bytes, plan_for
 from sangam.models import ModelConfig, PagedKV
 from sangam.sched.page_allocator import PageAllocator
 
-GIB = 1 << 30
+logger = logging.getLogger(__name__)
 
 
-def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return page_size * cfg.kv_bytes_per_token(elem)
-
-
-def pool_num_pages(cfg: ModelConfig, engine: EngineConfig, dtype: torch.dtype,
-                   device: torch.device) -> int:
-    """Explicit ``num_pages``; else what the GPU memory fraction leaves after the weights; else
+def pool_num_pages(loaded: LoadedModel, engine: EngineConfig,
+                   graph_spans: tuple[int, ...] = ()) -> int:
+    """Explicit ``num_pages``; else on GPU what the memory fraction leaves after the weights,
+    what others hold and the activations of the largest forward (``memory_profile.py``;
+    ``graph_spans``: the block lengths whose decode steps CUDA graphs capture), logged; else
     the CPU budget ``cpu_kv_cache_gb``."""
     if engine.num_pages is not None:
         return engine.num_pages
-    per_page = page_bytes(cfg, engine.page_size, dtype)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = free - total * (1.0 - engine.gpu_memory_fraction)
-    else:
-        budget = engine.cpu_kv_cache_gb * GIB
-    n = int(budget // per_page)
+    if loaded.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(loaded.device)
+        plan = plan_for(loaded, engine, total=total, free=free, graph_spans=graph_spans)
+        logger.info("%s", plan.describe())
+        return plan.num_pages
+    per_page = page_bytes(loaded.config, engine.page_size, loaded.dtype)
+    n = int(engine.cpu_kv_cache_gb * GIB // per_page)
     if n < 1:
-        raise ValueError(f"no memory left for even one KV page of {per_page} bytes; lower the "
-                         "model size or raise --gpu-memory-fraction / --num-pages")
+        raise ValueError(f"--cpu-kv-cache-gb {engine.cpu_kv_cache_gb} holds no KV page of "
+                         f"{per_page} bytes; raise it or set --num-pages")
     return n
 
 

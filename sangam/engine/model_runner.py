@@ -26,6 +26,7 @@ from sangam.engine.device_batch import BatchUploader
 from sangam.engine.host_batch import HostBatcher, PackedBatch, make_host_batcher
 from sangam.engine.kv_pool import KVPool
 from sangam.engine.loaded_model import LoadedModel
+from sangam.engine.memory_profile import rescore_chunk_rows
 from sangam.engine.stop_strings import apply_stop_strings
 from sangam.sched.request import BLOCK_DONE, CONTINUES, StepOutcome
 
@@ -43,6 +44,8 @@ class ModelRunner:
         # decode spans only.
         self.graphs = [] if loaded.config.block_causal else list(graphs)
         self.uploader = BatchUploader(self.device)
+        # Full rescoring runs this many rows at a time: what the memory profile reserved.
+        self.rescore_rows = rescore_chunk_rows(loaded.config.vocab_size, loaded.dtype)
         # With the Triton backend, scoring is the fused online-softmax kernel (no [rows, vocab]
         # fp32 copy); the host then commits by the rules, as on the reference path (rows
         # scored again included).
@@ -89,7 +92,7 @@ class ModelRunner:
         """The forward and the scoring, read back to the host; changes no request. The rows
         of requests with structured output come back whole (their rule reads the logits)."""
         batch, dev, rescore = stage_batch(self.host, self.uploader, states, pages,
-                                          self.fused_scoring)
+                                          self.fused_scoring, chunk_rows=self.rescore_rows)
         model = self.loaded.model
         if batch.num_rows == 0:  # only block-causal prefill chunks: K/V stored, nothing scored
             model.hidden_states(dev["input_ids"], dev["positions"], batch.metadata(dev),
@@ -207,11 +210,12 @@ def _commit_alone(st: DecodeState, forwards: int, batch: PackedBatch, r: int,
 
 
 def stage_batch(host: HostBatcher, uploader: BatchUploader, states: list[DecodeState],
-                pages: list[list[int]], fused_scoring: bool
+                pages: list[list[int]], fused_scoring: bool, chunk_rows: int | None = None
                 ) -> tuple[PackedBatch, dict[str, torch.Tensor], Rescore | None]:
     """The host work before a forward: pack the batch, find the requests whose rows are scored
-    again, and move everything the device reads in one upload (the scoring kernel's inputs
-    with ``fused_scoring``). Returns the batch, its device tensors by name, and the rescoring."""
+    again (in chunks of ``chunk_rows``; None: one), and move everything the device reads in one
+    upload (the scoring kernel's inputs with ``fused_scoring``). Returns the batch, its device
+    tensors by name, and the rescoring."""
     batch = host.build(states, pages)
     arrays = batch.device_arrays()
     if states and states[0].block_causal:  # one model per runner: all or none
@@ -222,7 +226,7 @@ def stage_batch(host: HostBatcher, uploader: BatchUploader, states: list[DecodeS
     # Read for every request of every iteration: one attribute and one cached property.
     full = [i for i, st in enumerate(states)
             if st.params.full_scoring_blocks and st.block < st.params.full_scoring_blocks]
-    rescore = Rescore.build(batch, states, full) if full else None
+    rescore = Rescore.build(batch, states, full, chunk_rows) if full else None
     if rescore is not None:
         arrays.update(rescore.arrays)
     return batch, uploader.upload(arrays), rescore
@@ -239,18 +243,23 @@ class Rescore:
     penalties, min_tokens, logprobs alternatives): the fused kernel streams the vocabulary once
     and does neither, and the torch path's first pass does neither either. So these rows take
     ``score_logits`` again (a [rows, vocab] copy, for those requests only), in place, on the
-    device, before the iteration's one read-back. Their inputs are built before the forward and
-    travel in the batch's one upload (``arrays``, names prefixed ``rescore_``)."""
+    device, before the iteration's one read-back; in chunks of rows (``chunks``), so that its
+    [rows, vocab] temporaries stay within what the memory profile reserved (each row's result
+    is its own: the chunks change no bit). Their inputs are built before the forward and
+    travel in the batch's one upload (``arrays``, names prefixed ``rescore_``; per chunk, the
+    sampled rows and the edits, suffixed with the chunk's index)."""
 
     states: list[DecodeState]
     indices: list[int]  # their positions in the batch
     arrays: dict[str, np.ndarray]
-    edits_width: int | None  # LogitEdits.width; None: no edits
+    chunks: list[tuple[int, int]]  # [start, end) of each chunk, in rescored rows
+    hot_bounds: list[tuple[int, int]]  # each chunk's span of ``rescore_hot``
+    edits_widths: list[int | None]  # each chunk's LogitEdits.width; None: no edits
     top_n: int  # alternatives to rank per row (the most any of them asks for)
 
     @classmethod
-    def build(cls, batch: PackedBatch, states: list[DecodeState],
-              indices: list[int]) -> Rescore | None:
+    def build(cls, batch: PackedBatch, states: list[DecodeState], indices: list[int],
+              chunk_rows: int | None = None) -> Rescore | None:
         cu = batch.cu_rows
         picked = [states[i] for i in indices]
         firsts = cu[indices]
@@ -263,38 +272,55 @@ class Rescore:
         rows = np.arange(total) + np.repeat(firsts - (np.cumsum(sizes) - sizes), sizes)
         params = [st.params for st in picked]
         temperatures = batch.temperatures[rows]
+        hot = np.flatnonzero(temperatures > 0)  # sampled rows: no device search
         arrays = {
             "rescore_rows": rows,
             "rescore_temperature": temperatures,
-            "rescore_hot": np.flatnonzero(temperatures > 0),  # sampled rows: no device search
+            "rescore_hot": hot,
             "rescore_row_keys": batch.row_keys[rows],
             "rescore_top_p": np.repeat(np.array([p.top_p for p in params], np.float64), counts),
             "rescore_top_k": np.repeat(np.array([p.top_k for p in params], np.int64), counts),
             "rescore_min_p": np.repeat(np.array([p.min_p for p in params], np.float64), counts),
         }
+        step = chunk_rows or total
+        chunks = [(a, min(a + step, total)) for a in range(0, total, step)]
         edits = batch_edits(picked, [batch.cand_positions[cu[i]:cu[i + 1]] for i in indices],
                             counts)
-        if edits is not None:
-            arrays.update({f"rescore_{name}": getattr(edits, name) for name in _EDIT_ARRAYS})
-        return cls(picked, indices, arrays, None if edits is None else edits.width,
+        widths: list[int | None] = []
+        for j, (a, b) in enumerate(chunks):
+            part = None if edits is None else slice_edits(edits, a, b)
+            widths.append(None if part is None else part.width)
+            if part is not None:
+                arrays.update({f"rescore_{name}_{j}": getattr(part, name)
+                               for name in _EDIT_ARRAYS})
+        hot_bounds = [tuple(np.searchsorted(hot, (a, b)).tolist()) for a, b in chunks]
+        return cls(picked, indices, arrays, chunks, hot_bounds, widths,
                    max(p.logprobs or 0 for p in params))
 
     def score(self, logits: torch.Tensor, dev: dict[str, torch.Tensor], mask_token_id: int,
               tokens: torch.Tensor, conf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Score the rows again from ``dev`` (the uploaded arrays), writing ``tokens`` and
-        ``conf`` in place; returns the rows' alternatives (``Scores.top``) if asked for."""
-        edits = None
-        if self.edits_width is not None:
-            edits = LogitEdits(*(dev[f"rescore_{name}"] for name in _EDIT_ARRAYS),
-                               width=self.edits_width)
-        index = dev["rescore_rows"]
-        t, c, top = score_logits(logits[index], mask_token_id, dev["rescore_temperature"],
-                                 dev["rescore_row_keys"], dev["rescore_top_p"],
-                                 dev["rescore_top_k"], dev["rescore_min_p"], edits, self.top_n,
-                                 hot=dev["rescore_hot"])
-        tokens[index] = t.to(tokens.dtype)
-        conf[index] = c.to(conf.dtype)
-        return top
+        """Score the rows again from ``dev`` (the uploaded arrays), chunk by chunk, writing
+        ``tokens`` and ``conf`` in place; returns the rows' alternatives (``Scores.top``) if
+        asked for."""
+        tops = []
+        for j, ((a, b), (h0, h1), width) in enumerate(zip(self.chunks, self.hot_bounds,
+                                                          self.edits_widths, strict=True)):
+            edits = None
+            if width is not None:
+                edits = LogitEdits(*(dev[f"rescore_{name}_{j}"] for name in _EDIT_ARRAYS),
+                                   width=width)
+            index = dev["rescore_rows"][a:b]
+            t, c, top = score_logits(
+                logits[index], mask_token_id, dev["rescore_temperature"][a:b],
+                dev["rescore_row_keys"][a:b], dev["rescore_top_p"][a:b],
+                dev["rescore_top_k"][a:b], dev["rescore_min_p"][a:b], edits, self.top_n,
+                hot=dev["rescore_hot"][h0:h1] - a)
+            tokens[index] = t.to(tokens.dtype)
+            conf[index] = c.to(conf.dtype)
+            tops.append(top)
+        if not self.top_n:
+            return None
+        return torch.cat([t[0] for t in tops]), torch.cat([t[1] for t in tops])
 
     def record_top(self, batch: PackedBatch, logprobs: np.ndarray, ids: np.ndarray,
                    errors: dict[int, Exception]) -> None:
@@ -313,3 +339,25 @@ class Rescore:
                 except Exception as e:
                     errors[i] = e
             start += b - a
+
+
+def slice_edits(edits: LogitEdits, start: int, end: int) -> LogitEdits | None:
+    """The edits of rows [start, end) of ``edits`` (host arrays), as edits of a matrix of those
+    rows alone: each group clipped to them and renumbered, the entries of the groups left out
+    dropped; None if none are left."""
+    lo = np.maximum(edits.starts, start)
+    hi = np.minimum(edits.starts + edits.counts, end)
+    keep = hi > lo
+    if not keep.any():
+        return None
+    renumber = np.cumsum(keep) - 1
+
+    def entries(groups: np.ndarray, *columns: np.ndarray) -> list[np.ndarray]:
+        kept = keep[groups]
+        return [renumber[groups[kept]], *(c[kept] for c in columns)]
+
+    counts = (hi - lo)[keep]
+    return LogitEdits(lo[keep] - start, counts,
+                      *entries(edits.add_groups, edits.add_ids, edits.add_values),
+                      *entries(edits.rep_groups, edits.rep_ids, edits.rep_values),
+                      width=int(counts.max()))

@@ -31,7 +31,8 @@ def build_worker_parts(config: EngineConfig,
                        loaded: LoadedModel) -> tuple[KVPool, BatchBuilder, ModelRunner]:
     """What every worker owns: its KV pool, its scheduler over that pool, its model runner."""
     use_device(loaded.device)  # the graphs are captured on this thread's current device
-    num_pages = pool_num_pages(loaded.config, config, loaded.dtype, loaded.device)
+    spans = graph_block_lengths(config, loaded) if captures_graphs(config, loaded) else ()
+    num_pages = pool_num_pages(loaded, config, spans)
     pool = KVPool(loaded.config, num_pages, config.page_size, loaded.dtype, loaded.device)
     builder = BatchBuilder(pool.allocator, config.scheduler)
     return pool, builder, ModelRunner(loaded, pool, graphs=decode_graphs(config, loaded, pool))
@@ -44,14 +45,19 @@ def graph_block_lengths(config: EngineConfig, loaded: LoadedModel) -> tuple[int,
     return config.graph_block_lengths() or (loaded.default_params().block_length,)
 
 
+def captures_graphs(config: EngineConfig, loaded: LoadedModel) -> bool:
+    """Whether decode steps get CUDA graphs: on a GPU, with the Triton backend (the reference
+    backend reads host-side lengths), unless ``enforce_eager``."""
+    return (not config.enforce_eager and loaded.device.type == "cuda"
+            and loaded.model.attention_backend.name == "triton")
+
+
 def decode_graphs(config: EngineConfig, loaded: LoadedModel,
                   pool: KVPool) -> list[DecodeGraphRunner]:
-    """CUDA graphs for decode steps at ``graph_block_lengths``, when they can run: on a GPU,
-    with the Triton backend (the reference backend reads host-side lengths), unless
-    ``enforce_eager``. Logs what was captured."""
+    """CUDA graphs for decode steps at ``graph_block_lengths``, when they can run
+    (``captures_graphs``). Logs what was captured."""
     model = loaded.model
-    if (config.enforce_eager or loaded.device.type != "cuda"
-            or model.attention_backend.name != "triton"):
+    if not captures_graphs(config, loaded):
         return []
     max_pages = -(-loaded.context_length // config.page_size)
     runners = []
