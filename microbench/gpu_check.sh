@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The prepared GPU run, in one script: the kernel and CUDA-graph tests in bf16 on CUDA (the
 # mixture-of-experts kernels' among them), `sangam-bench kernels` (with its MoE rows) and
-# `graphs`, `sangam-bench calibrate` (the simulator's coefficients), an end-to-end
+# `graphs`, a receiving worker killed mid-transfer under NCCL (two GPUs only), `sangam-bench calibrate` (the simulator's coefficients), an end-to-end
 # `sangam-bench serve` on a random-weight model of LLaDA-8B's shape (deficit tau=1024 against
 # fastdllm on a short ShareGPT-shaped trace at two QPS), and `sangam-bench sim` on the same
 # trace with that calibration and the serve run's step profile, against the measured
 # latencies.
 #
 # Usage: microbench/gpu_check.sh [--dry-run] [OUTDIR]   (default OUTDIR ./gpu-results)
-# On the GPU it takes at most 9 minutes: each step is cut by `timeout`, 480 s in all, and
+# On the GPU it takes at most 9 minutes: each step is cut by `timeout`, 540 s in all, and
 # building the C++ extension 30 s.
 # --dry-run runs every step on the CPU at tiny shapes (the Triton interpreter; the tests
 # collected, not run) with the serving extras the GPU machine lacks made unimportable: what
@@ -121,6 +121,9 @@ done
 # The kernels' suites include moe: LLaDA2.0-mini's and -flash's experts (--moe-models).
 step kernels 100 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
 step graphs 45 "${BENCH[@]}" graphs --json "$OUT/graphs.json"
+# A receiving worker killed mid-transfer under NCCL: the survivor goes on (two GPUs and pyzmq
+# needed; on one GPU it prints why it skips and exits 0).
+step nccl-fault 60 "$PY" microbench/nccl_transfer_fault.py
 step model 20 "$PY" -m sangam.testing "$OUT/model" "${SHAPE[@]}"
 step calibrate 40 "${BENCH[@]}" calibrate --model "$OUT/model" --load-format dummy \
   "${CALIBRATE[@]}" --out "$OUT/calibration.json"

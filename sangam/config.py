@@ -18,6 +18,7 @@ from sangam.sched.config import MODES, POLICIES, DeploymentConfig, SchedulerConf
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+MAX_TRANSFER_TIMEOUT_S = 3600.0  # past this a stuck transfer holds its buffers far too long
 
 T = TypeVar("T")
 
@@ -142,6 +143,15 @@ class EngineConfig:
         "(which reports at least every second while it has work) and without computing (its "
         "heartbeats carry the loop's CPU time) before it is declared hung, stopped, and its "
         "requests are placed elsewhere; a loop that computes is given 10x as long"))
+    transfer_timeout: float = field(default=120.0, metadata=flag_meta(
+        "Multi-worker: seconds a K/V transfer's send or receive may wait for its peer before "
+        "it fails (and the request is placed again); the timeout of each sender-receiver "
+        f"pair's process group (at most {MAX_TRANSFER_TIMEOUT_S:g})"))
+    transfer_buffer_bytes: int = field(default=1 << 30, metadata=flag_meta(
+        "Multi-worker: bytes of K/V transfer buffers a worker may hold at once (gathered "
+        "sends and pending receives), beside the KV pool: a receive that does not fit waits "
+        "its turn, a sender over it runs no forward until its sends drain; leave this much "
+        "device memory outside --gpu-memory-fraction"))
     seed: int = field(default=_DEPLOY.seed, metadata=flag_meta(
         "Seed of the engine's own randomness (router tie-breaks, seeds for unseeded sampling)"))
     # Defaults of requests that leave these options out (the server's, and LLM's
@@ -194,6 +204,9 @@ class EngineConfig:
         need(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
         need(self.max_queue_len >= 1, "max_queue_len must be >= 1")
         need(self.watchdog_timeout > 0, "watchdog_timeout must be > 0")
+        need(0 < self.transfer_timeout <= MAX_TRANSFER_TIMEOUT_S,
+             f"transfer_timeout must be in (0, {MAX_TRANSFER_TIMEOUT_S:g}]")
+        need(self.transfer_buffer_bytes > 0, "transfer_buffer_bytes must be > 0")
         try:
             self.deployment  # noqa: B018  (validates the scheduling and deployment fields)
         except ValueError as e:

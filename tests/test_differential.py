@@ -181,11 +181,14 @@ class StubTransport:
     def send_layers(self, dest, transfer_id, page_ids, layers) -> None:
         self._pages[transfer_id] = len(page_ids)
 
-    def close_send(self, dest: int, transfer_id: int) -> int:
+    def close_send(self, dest: int, transfer_id: int) -> tuple[int, bool]:
         pages = self._pages.pop(transfer_id)
         nbytes = int(self.d.sim.cost.kv_bytes(pages * self.d.config.page_size))
         self.d.start_transfer(self.index, dest, transfer_id, nbytes)
-        return nbytes
+        return nbytes, True
+
+    def sends_throttled(self) -> bool:
+        return False
 
     def receive(self, src: int, transfer_id: int, num_pages: int) -> None:
         self.num_open += 1

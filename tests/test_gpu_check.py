@@ -10,7 +10,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_SHARDS = ("tests-attention", "tests-moe", "tests-kernels", "tests-engine")
-STEPS = (*TEST_SHARDS, "kernels", "graphs", "model", "calibrate", "serve", "sim")
+STEPS = (*TEST_SHARDS, "kernels", "graphs", "nccl-fault", "model", "calibrate", "serve", "sim")
 
 
 def test_gpu_check_dry_run_runs_every_step(tmp_path):
@@ -36,6 +36,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     calibration = json.loads((out / "calibration.json").read_text())
     assert calibration["geometry"]["layers"] == 2 and calibration["dtype_bytes"] == 4
     assert calibration["complete"] is True
+    assert '"skipped": "skip: needs 2 GPUs' in (out / "nccl-fault.log").read_text()
     host, fwd, total = (calibration[k] for k in ("host", "forward_coefficients", "coefficients"))
     assert host["iteration_s"] > 0 and host["per_sequence_s"] >= 0
     assert total["iteration_overhead_s"] == fwd["iteration_overhead_s"] + host["iteration_s"]

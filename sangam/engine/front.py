@@ -58,6 +58,7 @@ class EngineStats:
 class Counters:
     kv_transfers: int = 0
     kv_bytes: int = 0
+    kv_budget_waits: int = 0  # receives that waited for transfer buffer budget
     blocks: int = 0  # blocks completed
     # The control plane to worker processes, both ways (heartbeats aside): what moving
     # requests between workers costs beyond their K/V.
@@ -213,6 +214,7 @@ class Front:
             e = self.requests.get(ev.request_id)
             current = e is not None and ev.attempt == e.placed.attempt
             if isinstance(ev, msg.KVReceived):
+                self.counters.kv_budget_waits += ev.budget_wait
                 record = self._open_transfers.pop((ev.src, ev.transfer_id), None)
                 if record is not None:
                     record.bytes_received, record.ok = ev.nbytes, ev.ok
@@ -233,18 +235,25 @@ class Front:
 
     def _on_kv_sent(self, w: int, ev: msg.KVSent, e: _Entry | None) -> None:
         drain = self.placement.kv_sent(None if e is None else e.placed, w, ev.dest, ev.drain)
+        failed = not ev.ok and not drain  # filler went out: the receiver discards it
         record = TransferRecord(ev.request_id, w, ev.dest, ev.num_pages, ev.nbytes,
-                                ev.streamed_layers, drain)
+                                ev.streamed_layers, drain or failed)
         self.transfers.append(record)
         if ev.dest in self.placement.dead:
             return  # the sender abandons it (PeerDead); the request was taken back
         self._open_transfers[(w, ev.transfer_id)] = record
         arrival, seq = ((e.placed.request.arrival_time, e.placed.request.seq) if e is not None
                         else (0.0, 0))
-        state, progress = (None, None) if drain else (self._state_for(e, ev.dest), ev.progress)
+        state, progress = ((None, None) if record.drained
+                           else (self._state_for(e, ev.dest), ev.progress))
         self._send(ev.dest, msg.ReceiveKV(ev.request_id, ev.attempt, w, ev.transfer_id,
-                                          ev.num_pages, state, progress, arrival, seq, drain))
-        if drain:
+                                          ev.num_pages, state, progress, arrival, seq,
+                                          record.drained))
+        if failed:
+            logger.info("request %s restarts block %d: K/V transfer %d -> %d failed at the "
+                        "sender", ev.request_id, e.state.block, w, ev.dest)
+            self._drop(ev.request_id, self.placement.kv_received(e.placed, ev.dest, False, []))
+        if record.drained:
             return
         e.kv_bytes += ev.nbytes
         e.kv_transfers += 1

@@ -205,6 +205,9 @@ class KVSent:
     streamed_layers: int  # layers whose send was posted while the forward still ran
     progress: BlockProgress  # the refresh's commits (the receiver has the rest of the state)
     drain: bool
+    # False: the K/V could not be gathered (out of memory) or the pair failed; what was
+    # posted is filler, for the receiver to discard, and the block is placed again.
+    ok: bool
 
 
 @dataclass
@@ -219,6 +222,7 @@ class KVReceived:
     ok: bool
     nbytes: int
     pages: list[int]
+    budget_wait: bool  # it waited for transfer buffer budget before its receives were posted
 
 
 @dataclass

@@ -36,9 +36,10 @@ from sangam.sched.worker_core import Ship, Task
 
 HEARTBEAT_S = 0.5
 STORE_TIMEOUT_S = 300  # joining the process group: every worker of every node must come up
-# A send waits for its receiver to post; a receiver posts when the front forwards the
-# transfer, between two of its forwards. Generous, because a timeout breaks the connection.
-TRANSFER_TIMEOUT_S = 1800
+# NCCL: a wait blocks the waiting thread and raises on a timeout or an aborted communicator
+# (a failed transfer), and a failed communicator is aborted without tearing the process down
+# (the default would take a surviving worker down with its dead peer).
+_NCCL_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 _IDLE_POLL_MS = 100
 # While it has work, the loop reports at least this often even when nothing changed: the
 # front's watchdog tells a live loop waiting on a peer from a hung one by these reports.
@@ -90,8 +91,16 @@ class TransferWorker(Worker):
         self.core.expect_kv((m.src, m.transfer_id), m.request_id, m.attempt, task, m.num_pages)
         self.transport.receive(m.src, m.transfer_id, m.num_pages)
 
+    def iterate(self) -> bool:
+        """One iteration, unless the sends in flight fill the transfer buffer budget (then
+        nothing runs until they drain: the next forward could gather more)."""
+        if self.transport is not None and self.transport.sends_throttled():
+            return False
+        return super().iterate()
+
     def poll_transfers(self) -> bool:
-        """Take in the K/V transfers that ended; whether any did."""
+        """Take in the K/V transfers that ended; whether any did. Raises when a pair with a
+        live peer failed for good (``KVTransport.check``)."""
         if self.transport is None:
             return False
         done = self.transport.poll()
@@ -104,7 +113,8 @@ class TransferWorker(Worker):
                 self.transport.scatter_into(d.buffer, torch.tensor(r.pages, dtype=torch.int64))
             r, seated = self.core.kv_arrived(key, d.ok, time.monotonic())
             self.events.append(msg.KVReceived(r.request_id, r.attempt, d.peer, d.transfer_id,
-                                              seated, d.nbytes, list(r.pages) if seated else []))
+                                              seated, d.nbytes, list(r.pages) if seated else [],
+                                              d.waited))
         return bool(done)
 
     def _execute(self, tasks: list[Task], states: list[DecodeState],
@@ -177,10 +187,10 @@ class TransferWorker(Worker):
             tid, streamed = stream.transfer_id, stream.layers_sent
             if streamed < layers:  # the streamed forward failed and the request ran again
                 self.transport.send_layers(dest, tid, stream.page_ids, range(streamed, layers))
-        nbytes = self.transport.close_send(dest, tid)
+        nbytes, ok = self.transport.close_send(dest, tid)
         self.events.append(msg.KVSent(t.request.request_id, t.attempt, dest, tid,
                                       len(ship.pages), nbytes, streamed,
-                                      msg.block_progress(t.payload, ship.block), ship.drain))
+                                      msg.block_progress(t.payload, ship.block), ship.drain, ok))
 
 
 class WorkerProcess:
@@ -253,14 +263,19 @@ def start_worker(spec: WorkerSpec, sock: zmq.Socket) -> WorkerProcess:
     transport = None
     if spec.store_addr is not None:
         host, port = spec.store_addr
-        store = dist.TCPStore(host, port, is_master=False,
-                              timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        startup = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+        store = dist.TCPStore(host, port, is_master=False, timeout=startup)
+        if device.type == "cuda":
+            os.environ.update(_NCCL_ENV)  # read when the process groups are created
+        # The default group only sets up the transfer pairs (KVTransport.connect).
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo", store=store, rank=spec.worker,
-            world_size=len(spec.roles), timeout=datetime.timedelta(seconds=TRANSFER_TIMEOUT_S),
+            world_size=len(spec.roles), timeout=startup,
             device_id=device if device.type == "cuda" else None)
-        transport = KVTransport(pool.kv.buffer)
-        transport.connect(spec.worker, _ranks(spec.roles, "prefill"), _ranks(spec.roles, "decode"))
+        transport = KVTransport(pool.kv.buffer, config.transfer_buffer_bytes,
+                                config.watchdog_timeout)
+        transport.connect(spec.worker, _ranks(spec.roles, "prefill"), _ranks(spec.roles, "decode"),
+                          config.transfer_timeout)
     worker = TransferWorker(spec.worker, builder, runner, transport, loaded,
                             config.layerwise_kv_streaming)
     process = WorkerProcess(worker, sock)
