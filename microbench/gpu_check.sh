@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The prepared GPU run, in one script: the kernel and CUDA-graph tests in bf16 on CUDA (the
 # mixture-of-experts kernels' among them), `sangam-bench kernels` (with its MoE rows) and
-# `graphs`, a receiving worker killed mid-transfer under NCCL (two GPUs only), `sangam-bench calibrate` (the simulator's coefficients), an end-to-end
-# `sangam-bench serve` on a random-weight model of LLaDA-8B's shape (deficit tau=1024 against
-# fastdllm on a short ShareGPT-shaped trace at two QPS), and `sangam-bench sim` on the same
-# trace with that calibration and the serve run's step profile, against the measured
-# latencies.
+# `graphs`, a receiving worker killed mid-transfer under NCCL (two GPUs only), `sangam-bench
+# calibrate` (the simulator's coefficients), an end-to-end `sangam-bench serve` on a
+# random-weight model of LLaDA-8B's shape (deficit tau=1024 against fastdllm on a short
+# ShareGPT-shaped trace at two QPS), and `sangam-bench sim` on the same trace with that
+# calibration and the serve run's step profile, against the measured latencies.
 #
 # Usage: microbench/gpu_check.sh [--dry-run] [OUTDIR]   (default OUTDIR ./gpu-results)
 # On the GPU it takes at most 9 minutes: each step is cut by `timeout`, 540 s in all, and

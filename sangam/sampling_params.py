@@ -425,6 +425,9 @@ class RequestOutput:
     # LLM.generate with n > 1: the prompt's other samples (this output is the first).
     siblings: list[RequestOutput] = field(default_factory=list, compare=False)
     error: str | None = None  # with finish_reason "error": what failed
+    # vLLM's: prompt tokens whose K/V came from the prefix cache (None: the engine caches no
+    # prefixes; a bidirectional model's never does).
+    num_cached_tokens: int | None = None
 
     @functools.cached_property
     def text(self) -> str | None:

@@ -25,7 +25,7 @@ from sangam.engine import messages as msg
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.outputs import request_output
 from sangam.engine.validation import new_state
-from sangam.engine.worker import scheduling_request
+from sangam.engine.worker import prefix_caching, scheduling_request
 from sangam.sampling_params import RequestOutput, SamplingParams
 from sangam.sched.placement import NeverFits, Placed, Placement
 from sangam.sched.worker_core import IterationStats
@@ -90,6 +90,7 @@ class _Entry:
     prompt_ids: list[int]
     kv_bytes: int = 0
     kv_transfers: int = 0
+    cached_tokens: int = 0  # prompt tokens its current attempt found in the prefix cache
     # The worker that parked the canvas with a copy of ``state`` (it ended the last block
     # there and has not been sent the request since): it is sent no state, only progress.
     parked_on: int | None = None
@@ -114,6 +115,7 @@ class Front:
         """``num_pages``: each worker's KV pool."""
         self.config = config
         self.loaded = loaded
+        self.prefix_caching = prefix_caching(config, loaded)  # the workers cache prompt blocks
         self.placement = Placement(config.deployment, num_pages)
         self.requests: dict[str, _Entry] = {}
         self.stats = EngineStats()
@@ -226,6 +228,7 @@ class Front:
             elif isinstance(ev, msg.RefreshRan):
                 now = time.monotonic()
                 self.placement.refreshed(e.placed, w, now - ev.seconds, now, ev.chunk)
+                e.cached_tokens = ev.cached_tokens
             elif isinstance(ev, msg.KVReceived):
                 self._on_kv_received(w, ev, e)
             elif isinstance(ev, msg.BlockDone):
@@ -313,7 +316,8 @@ class Front:
     def _output(self, e: _Entry, finished: bool, reason: str | None,
                 error: str | None = None) -> RequestOutput:
         return request_output(self.loaded.text, e.placed.request_id, e.prompt_ids, e.state,
-                              finished, reason, self._metrics(e), e.text, error)
+                              finished, reason, self._metrics(e), e.text, error,
+                              e.cached_tokens if self.prefix_caching else None)
 
     @staticmethod
     def _metrics(e: _Entry) -> dict:

@@ -188,6 +188,7 @@ class RefreshRan:
     attempt: int
     seconds: float  # the forward's duration
     chunk: bool = False
+    cached_tokens: int = 0  # prompt tokens its prefill found in the prefix cache
 
 
 @dataclass

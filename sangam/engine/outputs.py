@@ -14,7 +14,8 @@ from sangam.sampling_params import RequestOutput
 def request_output(codec: TextCodec, request_id: str, prompt_ids: list[int],
                    state: DecodeState, finished: bool, reason: str | None, metrics: dict,
                    text: IncrementalDetokenizer | None = None,
-                   error: str | None = None) -> RequestOutput:
+                   error: str | None = None,
+                   num_cached_tokens: int | None = None) -> RequestOutput:
     """What the caller sees of a request now: its tokens, their text (which, while the
     request runs, holds back what could still become a stop string), their logprobs when
     asked for. ``text``, the request's own, makes reading its outputs in order decode each
@@ -31,4 +32,5 @@ def request_output(codec: TextCodec, request_id: str, prompt_ids: list[int],
                       if state.params.logprobs else None),
         finished=finished, finish_reason=reason if finished else None,
         stop_reason=state.stop_reason() if finished and reason == "stop" else None,
-        block_thresholds=state.output_block_thresholds(), metrics=metrics, error=error)
+        block_thresholds=state.output_block_thresholds(), metrics=metrics, error=error,
+        num_cached_tokens=num_cached_tokens)

@@ -21,6 +21,7 @@ from sangam.engine.kv_pool import KVPool, pool_num_pages
 from sangam.engine.loaded_model import LoadedModel, use_device
 from sangam.engine.model_runner import ModelRunner
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
+from sangam.sched.prefix_cache import PrefixCache, prefix_page_keys
 from sangam.sched.request import Request, StepOutcome
 from sangam.sched.worker_core import BlockEnded, IterationStats, Ship, Task, WorkerCore
 
@@ -34,8 +35,21 @@ def build_worker_parts(config: EngineConfig,
     spans = graph_block_lengths(config, loaded) if captures_graphs(config, loaded) else ()
     num_pages = pool_num_pages(loaded, config, spans)
     pool = KVPool(loaded.config, num_pages, config.page_size, loaded.dtype, loaded.device)
-    builder = BatchBuilder(pool.allocator, config.scheduler)
+    cache = PrefixCache(pool.allocator) if prefix_caching(config, loaded) else None
+    builder = BatchBuilder(pool.allocator, config.scheduler, cache)
     return pool, builder, ModelRunner(loaded, pool, graphs=decode_graphs(config, loaded, pool))
+
+
+def prefix_caching(config: EngineConfig, loaded: LoadedModel) -> bool:
+    """Whether the workers cache prompt blocks' K/V (``--enable-prefix-caching``): by default
+    for a block-causal model, whose finished blocks' K/V is exact; refused for a bidirectional
+    one, whose prompt K/V depends on the response."""
+    block_causal = loaded.config.block_causal
+    if config.enable_prefix_caching and not block_causal:
+        raise ValueError("--enable-prefix-caching needs a block-causal model (SDAR, LLaDA2): "
+                         "a bidirectional model's prompt K/V depends on the response, so no "
+                         "prompt block can be reused")
+    return block_causal if config.enable_prefix_caching is None else config.enable_prefix_caching
 
 
 def graph_block_lengths(config: EngineConfig, loaded: LoadedModel) -> tuple[int, ...]:
@@ -74,12 +88,19 @@ def decode_graphs(config: EngineConfig, loaded: LoadedModel,
 
 
 def scheduling_request(request_id: str, arrival_time: float, state: DecodeState,
-                       seq: int | None = None) -> Request:
+                       seq: int | None = None, page_size: int | None = None) -> Request:
     """The scheduler's view of a request whose canvas is ``state``: the same cursor (``seq``:
-    the front's request's, so that a worker orders equal arrivals as it does)."""
+    the front's request's, so that a worker orders equal arrivals as it does). With
+    ``page_size`` (the worker caches prefixes), a block-causal request yet to store any of its
+    prompt gets the keys of its prompt's pages."""
     p = state.params
-    return Request(request_id, arrival_time, state.cursor, priority=p.priority, seq=seq,
-                   load_adaptive=p.min_threshold is not None)
+    req = Request(request_id, arrival_time, state.cursor, priority=p.priority, seq=seq,
+                  load_adaptive=p.min_threshold is not None)
+    c = state.cursor
+    if page_size is not None and c.block_causal and c.block == 0 and not c.prefilled:
+        req.page_keys = prefix_page_keys(state.tokens, c.block_origin, page_size,
+                                         c.block_length)
+    return req
 
 
 class Worker:
@@ -101,8 +122,10 @@ class Worker:
     def handle(self, m: object) -> None:
         if isinstance(m, msg.Prefill):
             state = self.core.parked_payload(m.request_id) if m.state is None else m.state
-            self.core.take_block(Task(scheduling_request(m.request_id, m.arrival, state, m.seq),
-                                      state, m.attempt, m.kv_dest, m.keep_pages,
+            cached = self.builder.prefix_cache is not None
+            request = scheduling_request(m.request_id, m.arrival, state, m.seq,
+                                         self.builder.page_size if cached else None)
+            self.core.take_block(Task(request, state, m.attempt, m.kv_dest, m.keep_pages,
                                       stays=m.stays))
         elif isinstance(m, msg.Drop):
             self.core.drop(m.request_id)
@@ -133,7 +156,7 @@ class Worker:
         out = self.core.complete(batch, tasks, outcomes, start, end)
         for t, chunk in out.refreshed:
             self.events.append(msg.RefreshRan(t.request.request_id, t.attempt, end - start,
-                                              chunk))
+                                              chunk, t.request.cached_tokens))
         for ship in out.ships:
             self._ship(ship)
         for ev in out.ended:

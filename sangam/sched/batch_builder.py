@@ -31,7 +31,10 @@ Policies (``SchedulerConfig.policy``):
 Memory: a request's pages for the whole canvas (``ceil(T / page_size)``) are allocated at its
 first admission and freed when it finishes or is aborted; re-prefills hold them already, so
 nothing is ever preempted. A head that cannot get its pages blocks admission ("memory-blocked")
-and the iteration banks no budget.
+and the iteration banks no budget. With a prefix cache (block-causal models), a head's first
+pages may be cached ones, shared: its prefill starts after them and costs only what it computes;
+a head whose prefix reaches pages another prefill of this iteration computes waits for the next
+iteration and then shares them (the iteration banks no budget either).
 
 Not thread-safe: the driver serializes calls.
 """
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 
 from sangam.sched.config import SchedulerConfig
 from sangam.sched.page_allocator import PageAllocator
+from sangam.sched.prefix_cache import PrefixCache
 from sangam.sched.request import Request, RequestStatus, StepOutcome
 
 
@@ -85,8 +89,10 @@ class BatchBuilder:
       ``num_load_adaptive`` counts the held requests with ``load_adaptive``.
     """
 
-    def __init__(self, allocator: PageAllocator, config: SchedulerConfig):
+    def __init__(self, allocator: PageAllocator, config: SchedulerConfig,
+                 prefix_cache: PrefixCache | None = None):
         self.allocator = allocator
+        self.prefix_cache = prefix_cache  # over allocator's pages; None: no prefix caching
         self.config = config
         self.page_size = config.page_size
         self.policy = config.policy
@@ -195,6 +201,9 @@ class BatchBuilder:
         if self._in_flight.pop(req.request_id, None) is not req:
             raise ValueError(f"step_done: {req!r} is not in the last scheduled batch")
         self._now = now
+        if req.pending_pages:  # the forward that made them final ran (a failed one ends its
+            self.prefix_cache.ready(req.pending_pages)  # request: they go with its pages)
+            req.pending_pages = []
         req.mark_step_done(now, outcome)
         if req.status is RequestStatus.FINISHED:
             self._release(req)
@@ -262,19 +271,21 @@ class BatchBuilder:
             if len(decodes) + len(prefills) >= self.max_batch_size:
                 batch_full = True
                 break
+            hit = self._look_up(head)
+            if hit is None:  # its prefix is being computed in this batch: share it next time
+                batch_full = True
+                break
             by_budget = head.prefill_cost <= remaining - admitted
             chunk = 0
             if not by_budget and (decodes or prefills):
                 if self.config.chunked_prefill:
                     chunk = head.chunk_room(remaining - admitted)
                 if not chunk:
+                    self._set_prefilled(head, 0)
                     break  # strict head-of-line: nothing behind it may leapfrog
-            if not head.pages:  # first admission: the whole canvas
-                n = head.pages_needed(self.page_size)
-                if not self.allocator.can_allocate(n):
-                    memory_blocked = True
-                    break
-                head.pages = self.allocator.allocate(n)
+            if not head.pages and not self._take_pages(head, hit):
+                memory_blocked = True
+                break
             heapq.heappop(self._queue)
             self._admit(head, now, prefills, chunk)
             if chunk:  # part of the head's prefill; what follows it waits behind the rest
@@ -314,10 +325,8 @@ class BatchBuilder:
         if act is None:
             head = self._head()
             if head is not None:
-                n = 0 if head.pages else head.pages_needed(self.page_size)
-                if self.allocator.can_allocate(n):
-                    if n:
-                        head.pages = self.allocator.allocate(n)
+                hit = self._look_up(head) or []  # nothing else runs: never a pending page
+                if head.pages or self._take_pages(head, hit):
                     heapq.heappop(self._queue)
                     self._admit(head, now, prefills)
                     self._active = head
@@ -358,6 +367,56 @@ class BatchBuilder:
         self._waiting_tokens -= req.prefill_cost
         req.mark_admitted(now, chunk)
         prefills.append(req)
+        if req.page_keys and self.prefix_cache is not None:
+            # The pages whose K/V this forward makes final: the prompt's whole blocks it
+            # stores (a chunk's, or all of them).
+            c = req.cursor
+            final = min(len(req.page_keys),
+                        (c.block_origin if c.chunk_end is None else c.chunk_end) // self.page_size)
+            if final > req.published:
+                req.pending_pages = self.prefix_cache.publish(
+                    req.page_keys[req.published:final], req.pages[req.published:final])
+                req.published = final
+
+    # Prefix caching.
+    def _look_up(self, req: Request) -> list[int] | None:
+        """For a head about to get its pages: the cached pages its prompt starts with (their
+        tokens set as prefilled, its cost now what is left), or None when the page after them
+        is pending in this batch."""
+        if req.pages or not req.page_keys or self.prefix_cache is None:
+            return []
+        pages, pending = self.prefix_cache.match(req.page_keys)
+        if pending:
+            return None
+        # Prefilled is whole blocks, and whole pages: the prefill never writes a shared page.
+        unit = math.lcm(req.block_length, self.page_size)
+        cached = len(pages) * self.page_size // unit * unit
+        self._set_prefilled(req, cached)
+        return pages[:cached // self.page_size]
+
+    def _set_prefilled(self, req: Request, tokens: int) -> None:
+        """A WAITING request's stored prompt K/V, its cost in the queue's sum updated."""
+        self._waiting_tokens -= req.prefill_cost
+        req.cursor.prefilled = tokens
+        self._waiting_tokens += req.prefill_cost
+
+    def _take_pages(self, req: Request, hit: list[int]) -> bool:
+        """Its first admission: share the cached ``hit`` and allocate the rest of the
+        canvas; False (nothing taken, nothing cached assumed) when the rest does not fit."""
+        self.allocator.share(hit)  # before counting: a hit page nobody held counted as free
+        n = req.pages_needed(self.page_size) - len(hit)
+        if not self.allocator.can_allocate(n):
+            self.allocator.free(hit)
+            self._set_prefilled(req, 0)
+            return False
+        req.pages = hit + self.allocator.allocate(n)
+        req.published = len(hit)
+        if req.page_keys:
+            cache = self.prefix_cache
+            cache.queries += req.prompt_len
+            req.cached_tokens = req.cursor.prefilled
+            cache.hits += req.cached_tokens
+        return True
 
     def _hold(self, req: Request) -> None:
         self._requests[req.request_id] = req

@@ -15,6 +15,7 @@ from sangam.serve.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
     CompletionLogprobs,
+    PromptTokensDetails,
     Usage,
 )
 
@@ -102,8 +103,12 @@ def usage_of(outs: list[RequestOutput], n: int) -> Usage:
     """Token counts of ``outs``, ``n`` choices per prompt: each prompt counts once."""
     prompt = sum(len(o.prompt_token_ids) for o in outs[::n])
     completion = sum(len(o.token_ids) for o in outs)
+    cached = [o.num_cached_tokens for o in outs[::n]]
+    details = (None if None in cached or not cached
+               else PromptTokensDetails(cached_tokens=sum(cached)))
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                 total_tokens=prompt + completion, num_forwards=sum(o.num_forwards for o in outs))
+                 total_tokens=prompt + completion, num_forwards=sum(o.num_forwards for o in outs),
+                 prompt_tokens_details=details)
 
 
 def sse(payload: BaseModel) -> str:

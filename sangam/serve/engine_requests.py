@@ -89,6 +89,9 @@ class EngineRequests:
                 async for out in outs:
                     if sent is None:  # accepted
                         m.prompt_tokens.inc(len(out.prompt_token_ids))
+                        if out.num_cached_tokens is not None:
+                            m.prefix_cache_queries.inc(len(out.prompt_token_ids))
+                            m.prefix_cache_hits.inc(out.num_cached_tokens)
                         sent = 0
                     m.generation_tokens.inc(max(0, len(out.token_ids) - sent))
                     sent = max(sent, len(out.token_ids))

@@ -92,6 +92,12 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter("sangam_generation_tokens",
                                          "Response tokens sent (committed blocks)", registry=r)
+        # vLLM's prefix cache counters, in prompt tokens (block-causal models only).
+        self.prefix_cache_queries = Counter(
+            "sangam_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+            registry=r)
+        self.prefix_cache_hits = Counter(
+            "sangam_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         self.tokens_per_forward = Histogram(
             "sangam_request_tokens_per_forward",
             "Tokens a finished request committed per forward it took (diffusion parallelism)",

@@ -509,11 +509,18 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     num_forwards: int  # Sangam: model forwards spent (refreshes + cached steps)
+    # OpenAI's, when the engine caches prefixes (block-causal models): each prompt's cached
+    # tokens, as its first choice found them.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -290,6 +290,7 @@ class ResponseBuilder:
         usage = None if out is None else ResponseUsage(
             input_tokens=len(out.prompt_token_ids), output_tokens=len(out.token_ids),
             total_tokens=len(out.prompt_token_ids) + len(out.token_ids),
+            input_tokens_details={"cached_tokens": out.num_cached_tokens or 0},
             num_forwards=out.num_forwards)
         incomplete = ({"reason": "max_output_tokens"}
                       if status == "incomplete" and out is not None

@@ -1,0 +1,113 @@
+"""Prefix caching for block-causal models (docs/design.md §4, Prefix caching).
+
+A block-causal model's K/V of a finished block never changes: nothing after a block is visible
+to it. So the pages of a prompt's whole blocks can serve every later request whose prompt starts
+with the same tokens, and that request's prefill starts at the first block not cached
+(``BlockCursor.prefilled``). A bidirectional model has no such pages: every prompt position
+attends to the response, so nothing is cached for it.
+
+Keys: page ``i`` of a request is keyed by a digest chained over the pages before it and its own
+tokens, extended to the end of the block that holds its last position (a page that ends inside
+a block depends on the rest of that block), under a root naming the page size and the block
+length (the block-causal mask's). The digest is cryptographic (BLAKE2b, 128 bits), so no prompt
+can be made to collide with another's prefix.
+
+A page is published when the forward that computes its final K/V is admitted (*pending*), and
+is *ready* once that forward ran: a request whose prefix reaches a pending page waits for the
+next iteration rather than compute it again, so ``n`` samples of one prompt, or identical prompts
+arriving together, compute it once. A ready page nobody holds stays cached until the allocator
+reclaims it (least recently released first); a pending page whose owner fails or is aborted is
+dropped. Pure Python, owned by one worker's batch builder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from sangam.sched.page_allocator import PageAllocator
+
+_DIGEST_BYTES = 16
+
+
+def prefix_page_keys(tokens: Sequence[int] | np.ndarray, cached_len: int, page_size: int,
+                     block_length: int) -> list[bytes]:
+    """The keys of the pages wholly inside ``tokens[:cached_len]`` (``cached_len``: a multiple
+    of ``block_length``, so every key's tokens are there), in order."""
+    if cached_len % block_length:
+        raise ValueError(f"cached_len ({cached_len}) must be a multiple of block_length "
+                         f"({block_length})")
+    arr = np.ascontiguousarray(tokens[:cached_len], dtype=np.int64)
+    key = hashlib.blake2b(f"sangam-prefix/{page_size}/{block_length}".encode(),
+                          digest_size=_DIGEST_BYTES).digest()
+    keys = []
+    for i in range(cached_len // page_size):
+        end = (i + 1) * page_size
+        depends_to = -(-end // block_length) * block_length
+        h = hashlib.blake2b(key, digest_size=_DIGEST_BYTES)
+        h.update(arr[i * page_size:depends_to].tobytes())
+        key = h.digest()
+        keys.append(key)
+    return keys
+
+
+class PrefixCache:
+    """The cached pages of one pool, by key. Invariants: ``_page_of`` and ``_key_of`` are
+    inverse maps; ``_pending`` is a subset of the cached pages; a page nobody holds is cached
+    only when ready (the allocator asks ``keeps``)."""
+
+    def __init__(self, allocator: PageAllocator):
+        self.allocator = allocator
+        allocator.cache = self
+        self._page_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._pending: set[int] = set()
+        # vLLM's counters, in tokens: prompt tokens looked up, and those found cached.
+        self.queries = 0
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._key_of)
+
+    def match(self, keys: Sequence[bytes]) -> tuple[list[int], bool]:
+        """The ready pages of the longest cached prefix of ``keys``, and whether the page after
+        them is pending (its forward is in this iteration: wait for it)."""
+        pages = []
+        for key in keys:
+            page = self._page_of.get(key)
+            if page is None:
+                return pages, False
+            if page in self._pending:
+                return pages, True
+            pages.append(page)
+        return pages, False
+
+    def publish(self, keys: Sequence[bytes], pages: Sequence[int]) -> list[int]:
+        """Pages whose final K/V the admitted forward computes, pending until ``ready``; a key
+        already cached (another page holds it) is left to that page. Returns those
+        published."""
+        published = []
+        for key, page in zip(keys, pages):
+            if key in self._page_of or page in self._key_of:
+                continue
+            self._page_of[key] = page
+            self._key_of[page] = key
+            self._pending.add(page)
+            published.append(page)
+        return published
+
+    def ready(self, pages: Sequence[int]) -> None:
+        """Their forward ran: their K/V is final."""
+        self._pending.difference_update(pages)
+
+    # The allocator's questions (PageCache).
+    def keeps(self, page: int) -> bool:
+        return page in self._key_of and page not in self._pending
+
+    def forget(self, page: int) -> None:
+        key = self._key_of.pop(page, None)
+        if key is not None:
+            del self._page_of[key]
+        self._pending.discard(page)
