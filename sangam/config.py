@@ -154,8 +154,8 @@ class EngineConfig:
     transfer_buffer_bytes: int = field(default=1 << 30, metadata=flag_meta(
         "Multi-worker: bytes of K/V transfer buffers a worker may hold at once (gathered "
         "sends and pending receives), beside the KV pool: a receive that does not fit waits "
-        "its turn, a sender over it runs no forward until its sends drain; leave this much "
-        "device memory outside --gpu-memory-fraction"))
+        "its turn, a sender over it runs no forward until its sends drain; on GPU, "
+        "disaggregated and hybrid workers reserve it before the pool is sized"))
     seed: int = field(default=_DEPLOY.seed, metadata=flag_meta(
         "Seed of the engine's own randomness (router tie-breaks, seeds for unseeded sampling)"))
     # Defaults of requests that leave these options out (the server's, and LLM's

@@ -184,6 +184,11 @@ def test_pool_gets_what_the_reservation_leaves(loaded):
     assert tokens >= per_token * min(unbounded.pool_tokens, 4 * loaded.context_length)
     with pytest.raises(ValueError, match="--gpu-memory-fraction.*--max-model-len"):
         _plan(loaded, mp.model_bytes(loaded.model) + plan.reserved.total)
+    # Where K/V moves, the transfer buffer budget is reserved too.
+    moving = _plan(loaded, total, mode="disaggregated", transfer_buffer_bytes=64 << 20)
+    assert moving.reserved.transfers == 64 << 20 and plan.reserved.transfers == 0
+    assert moving.reserved.total == plan.reserved.total + (64 << 20)
+    assert moving.num_pages < plan.num_pages
 
 
 # LLaDA's, Dream's and LLaDA2's vocabularies, and the rows of a chunk (docs/memory.md).

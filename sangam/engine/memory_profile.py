@@ -185,10 +185,11 @@ class Reservation:
     scoring: int
     graphs: int
     workspace: int
+    transfers: int = 0  # K/V transfer buffers (--transfer-buffer-bytes) where K/V moves
 
     @property
     def total(self) -> int:
-        return self.forward + self.scoring + self.graphs + self.workspace
+        return self.forward + self.scoring + self.graphs + self.workspace + self.transfers
 
 
 @dataclass(frozen=True)
@@ -219,22 +220,24 @@ class MemoryPlan:
         return (f"GPU memory {self.total / g:.1f} GiB: weights {self.weights / g:.2f} GiB, "
                 f"others {self.others / g:.2f} GiB, reserved activations {r.total / g:.2f} GiB "
                 f"(forward {r.forward / g:.2f}, scoring {r.scoring / g:.2f}, CUDA graphs "
-                f"{r.graphs / g:.2f}, workspace {r.workspace / g:.2f}), KV pool "
+                f"{r.graphs / g:.2f}, workspace {r.workspace / g:.2f}, K/V transfers "
+                f"{r.transfers / g:.2f}), KV pool "
                 f"{self.num_pages} pages x {self.page_size} = {self.pool_tokens} tokens "
                 f"({self.num_pages * self.page_bytes / g:.2f} GiB, {self.max_canvases} "
                 f"requests of {self.context} tokens)")
 
 
 def reserve(cfg: ModelConfig, dtype: torch.dtype, worst: WorstForward, tokens: int,
-            backend: str, graph_tokens: tuple[int, ...]) -> Reservation:
+            backend: str, graph_tokens: tuple[int, ...], transfers: int = 0) -> Reservation:
     """The reservation for a forward of ``tokens`` (within ``worst``'s rows and longest
-    request) on ``backend``, with CUDA graphs captured for batches of ``graph_tokens``."""
+    request) on ``backend``, with CUDA graphs captured for batches of ``graph_tokens``, and
+    ``transfers`` bytes of K/V transfer buffers."""
     forward = forward_bytes(cfg, dtype, tokens)
     if backend == "torch":
         forward += reference_attention_bytes(cfg, dtype, worst.longest)
     scoring = scoring_bytes(cfg, dtype, min(worst.rows, tokens), fused=backend == "triton")
     graphs = sum(forward_bytes(cfg, dtype, n) for n in graph_tokens)
-    return Reservation(forward, scoring, graphs, WORKSPACE_BYTES)
+    return Reservation(forward, scoring, graphs, WORKSPACE_BYTES, transfers)
 
 
 def plan_memory(cfg: ModelConfig, engine: EngineConfig, dtype: torch.dtype, *, total: int,
@@ -249,11 +252,13 @@ def plan_memory(cfg: ModelConfig, engine: EngineConfig, dtype: torch.dtype, *, t
     worst = worst_forward(cfg, engine, context, block_length, cache)
     # A graph runner captures batches of up to max_batch_size decodes.
     graph_tokens = tuple(engine.max_batch_size * span for span in graph_spans)
+    # Disaggregated and hybrid workers hold K/V transfer buffers up to their budget.
+    transfers = engine.transfer_buffer_bytes if engine.mode != "colocated" else 0
     per_page = page_bytes(cfg, engine.page_size, dtype)
     budget = free - (1.0 - engine.gpu_memory_fraction) * total
 
     def fixed(tokens: int) -> int:
-        return reserve(cfg, dtype, worst, tokens, backend, graph_tokens).total
+        return reserve(cfg, dtype, worst, tokens, backend, graph_tokens, transfers).total
 
     # Prefills at their bound; or bounded by the pool: per page, its tokens' activations.
     at_bound = (budget - fixed(worst.decode_tokens + worst.prefill_tokens)) // per_page
@@ -262,7 +267,8 @@ def plan_memory(cfg: ModelConfig, engine: EngineConfig, dtype: torch.dtype, *, t
     num_pages = int(max(at_bound, by_pool, 0))
     tokens = worst.decode_tokens + min(worst.prefill_tokens, num_pages * engine.page_size)
     plan = MemoryPlan(total, weights, total - free - weights,
-                      reserve(cfg, dtype, worst, tokens, backend, graph_tokens), num_pages,
+                      reserve(cfg, dtype, worst, tokens, backend, graph_tokens, transfers),
+                      num_pages,
                       engine.page_size, per_page, context)
     if plan.max_canvases < 1:
         raise ValueError(
