@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
+from test_sdar import BLOCK_CAUSAL_LAYOUTS, check_modes
 
 from sangam import LLM, SamplingParams
 from sangam.config import EngineConfig
@@ -404,3 +405,16 @@ def test_colocated_workers_equal_the_upstream_loop(path, loaded):
         assert max(o.metrics["num_refreshes"] for o in outs) > 1  # the long prompt in chunks
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("layout,kill", [(layout, None) for layout in BLOCK_CAUSAL_LAYOUTS]
+                         + [("hybrid-1P2C", 2)])
+def test_disaggregated_and_hybrid_equal_the_upstream_loop(path, loaded, layout, kill):
+    """The prefill on a prefill worker, its K/V sent once, block steps (editing included) on
+    the decode worker; a worker killed mid-run loses nothing."""
+    rng = random.Random(7)
+    reqs = [_request(rng, i, edit=i % 2 == 0) for i in range(8)]
+    reqs += [("long", [rng.randrange(2, 150) for _ in range(90)],
+              SamplingParams(max_tokens=16, block_length=8, threshold=0.6, seed=1,
+                             edit_threshold=0.5))]
+    check_modes(path, reqs, _upstream(loaded, reqs), BLOCK_CAUSAL_LAYOUTS[layout], kill)

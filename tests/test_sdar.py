@@ -186,7 +186,7 @@ def test_llm_and_async_engine_serve_sdar(sdar_path, loaded):
 
 def test_colocated_workers_equal_the_upstream_loop(sdar_path, loaded):
     """Worker processes serve it colocated, each request on one worker for all its blocks
-    (chunked prefill included); there is no prefill to disaggregate."""
+    (chunked prefill included)."""
     rng = random.Random(4)
     reqs = [_request(rng, i) for i in range(8)]
     reqs += [("long", [rng.randrange(2, 150) for _ in range(90)],
@@ -203,8 +203,81 @@ def test_colocated_workers_equal_the_upstream_loop(sdar_path, loaded):
         assert len(llm.engine.placement.counters.prefills_by_worker) == 2  # both served
     finally:
         llm.shutdown()
-    with pytest.raises(ValueError, match="colocated"):
-        LLM(sdar_path, device="cpu", mode="disaggregated")
+
+
+# Disaggregated and hybrid: the prompt's prefill (with block 0's first step) on a prefill
+# worker, its K/V sent once, every block step on the decode worker.
+BLOCK_CAUSAL_LAYOUTS = {
+    "1P2D": dict(mode="disaggregated", prefill_workers=1, decode_workers=2),
+    "2P1D-streaming": dict(mode="disaggregated", prefill_workers=2, decode_workers=1,
+                           layerwise_kv_streaming=True),
+    "hybrid-1P2C": dict(mode="hybrid", prefill_workers=1, decode_workers=2,
+                        overflow_threshold=8),
+}
+
+
+def run_in_mode(path: str, reqs: list, layout: dict, kill: int | None = None) -> dict:
+    """Serve ``reqs`` on worker processes laid out as ``layout`` (chunked prefill under a
+    small budget), SIGKILLing worker ``kill`` at the fifth output; the outputs by id, and the
+    dead workers."""
+    import os
+    import signal
+
+    llm = LLM(path, device="cpu", dtype="float64", page_size=4, num_pages=200, token_budget=64,
+              enable_chunked_prefill=True, watchdog_timeout=3.0, **layout)
+    engine = llm.engine
+    try:
+        for rid, prompt, params in reqs:
+            engine.add_request(rid, prompt, params)
+        done, seen = {}, 0
+        while len(done) < len(reqs):
+            for out in engine.step():
+                seen += 1
+                if seen == 5 and kill is not None:
+                    os.kill(engine.worker_states()[kill].pid, signal.SIGKILL)
+                if out.finished:
+                    done[out.request_id] = out
+        return {"outs": done, "dead": engine.dead_workers}
+    finally:
+        llm.shutdown()
+
+
+def check_modes(path: str, reqs: list, want: dict, layout: dict, kill: int | None) -> None:
+    """Every request ends with the upstream loop's tokens; untouched by failures, with its
+    forwards too, its K/V sent at most once, and some prefills in chunks."""
+    run = run_in_mode(path, reqs, layout, kill)
+    outs = run["outs"]
+    assert {r: o.token_ids for r, o in outs.items()} == {r: w[0] for r, w in want.items()}
+    assert all(o.finish_reason in ("stop", "length") for o in outs.values())
+    if kill is None:
+        assert run["dead"] == []
+        assert {r: o.num_forwards - (o.metrics["num_refreshes"] - 1)
+                for r, o in outs.items()} == {r: w[1] for r, w in want.items()}
+        assert max(o.metrics["kv_transfers"] for o in outs.values()) == 1
+        assert max(o.metrics["num_refreshes"] for o in outs.values()) > 1  # chunks
+    else:
+        assert run["dead"] == [kill]
+
+
+# (layout, the worker killed mid-run): each layout healthy, and one kill of each role.
+MODE_CASES = [(layout, None) for layout in BLOCK_CAUSAL_LAYOUTS] + [
+    ("1P2D", 2), ("2P1D-streaming", 0), ("hybrid-1P2C", 1)]
+
+
+@pytest.fixture(scope="module")
+def mode_workload(loaded):
+    rng = random.Random(4)
+    reqs = [_request(rng, i) for i in range(14)]
+    reqs += [(f"long{i}", [rng.randrange(2, 150) for _ in range(70 + 10 * i)],
+              SamplingParams(max_tokens=12, block_length=4, threshold=0.6, seed=i))
+             for i in range(2)]
+    return reqs, _upstream(loaded, reqs)
+
+
+@pytest.mark.parametrize("layout,kill", MODE_CASES)
+def test_disaggregated_and_hybrid_equal_the_upstream_loop(sdar_path, mode_workload, layout,
+                                                          kill):
+    check_modes(sdar_path, *mode_workload, BLOCK_CAUSAL_LAYOUTS[layout], kill)
 
 
 def test_server_serves_sdar(tmp_path):

@@ -104,8 +104,6 @@ class MultiWorkerEngine(Front):
         self.config = config
         self.roles = launcher.validate(config)
         self.loaded = _front_model(config, loaded, launcher.worker_device(config, 0))
-        if self.loaded.config.block_causal:
-            config.deployment.check_block_causal()
         self._closed = False
         self._zygote: subprocess.Popen | None = None
         self._procs: dict[int, launcher.ProcessHandle] = {}  # this node's workers
