@@ -22,7 +22,7 @@ from sangam.sched.batch_builder import BatchBuilder
 from sangam.sched.block_cursor import BlockCursor
 from sangam.sched.config import SchedulerConfig
 from sangam.sched.page_allocator import OutOfPagesError, PageAllocator
-from sangam.sched.prefix_cache import PrefixCache, prefix_page_keys
+from sangam.sched.prefix_cache import PrefixCache, extend_page_keys, prefix_page_keys
 from sangam.sched.request import Request, RequestStatus, StepOutcome
 from sangam.testing import make_tiny_checkpoint
 
@@ -81,10 +81,10 @@ def test_a_page_key_covers_its_whole_block():
 
 
 # The scheduler, driven over random traffic: a model of every page's contents checks each hit.
-BASES = [[random.Random(s).randrange(3, 50) for _ in range(96)] for s in range(3)]
+BASES = [[random.Random(s).randrange(3, 50) for _ in range(160)] for s in range(3)]
 REQ = st.tuples(
     st.integers(0, 20),  # iteration at which it is added
-    st.integers(0, 2),  # its prompt's base text
+    st.integers(0, 2),  # its prompt's base text, which its response continues
     st.integers(1, 96),  # prompt length (a prefix of the base)
     st.integers(1, 3),  # blocks
     st.integers(0, 3),  # a private tail: tokens of its own after the shared prefix
@@ -92,12 +92,14 @@ REQ = st.tuples(
 
 
 def _block_causal(rid: str, t: float, prompt: list[int], blocks: int, block: int,
-                  page_size: int) -> Request:
+                  page_size: int, response: list[int] = ()) -> Request:
+    """A block-causal request whose committed response is ``response`` (then filler): ``seq``,
+    what its canvas holds once decoded."""
     canvas = blocks * block - len(prompt) % block  # ends on the grid
     cursor = BlockCursor(len(prompt), canvas, block, block_causal=True)
     r = Request(rid, t, cursor)
     r.page_keys = prefix_page_keys(prompt, cursor.block_origin, page_size, block)
-    r.prompt = prompt
+    r.seq = (prompt + list(response) + [2] * canvas)[:cursor.total_len]
     return r
 
 
@@ -110,19 +112,22 @@ def _block_causal(rid: str, t: float, prompt: list[int], blocks: int, block: int
        policy=st.sampled_from(["deficit", "fastdllm"]))
 def test_property_hits_hold_the_right_kv_and_nothing_leaks(specs, page_size, block, extra, tau,
                                                            chunked, seed, abort_prob, policy):
-    """Random arrivals of prompts sharing prefixes, aborts anywhere (in flight too: a failed
-    forward's request is dropped the same way), pools small enough to reclaim cached pages."""
+    """Random arrivals of prompts sharing prefixes (a response continues its base text, so
+    a later prompt may start with an earlier response: a conversation's next turn), aborts
+    anywhere (in flight too: a failed forward's request is dropped the same way), pools small
+    enough to reclaim cached pages."""
     rng = random.Random(seed)
-    prompts = []
+    prompts, responses = [], []
     for _, base, length, _, tail in specs:
         prompts.append(BASES[base][:length] + [rng.randrange(50, 60) for _ in range(tail)])
+        responses.append([] if tail else BASES[base][length:])
     most = max(-(-(len(p) + 4 * block) // page_size) for p in prompts)
     alloc = PageAllocator(most + extra)
     cache = PrefixCache(alloc)
     b = BatchBuilder(alloc, SchedulerConfig(page_size=page_size, token_budget=tau,
                                             chunked_prefill=chunked, policy=policy), cache)
-    # What each page slot holds: (position, the tokens of its block up to the block's end),
-    # written by the forward whose span covers it. A final page of a prompt is what a hit reads.
+    # What each page slot holds: (position, the tokens of its block) when the forward whose
+    # span covered it wrote its final K/V (its block before the current one), else None.
     slots: dict[tuple[int, int], tuple] = {}
     reqs: list[Request] = []
     arrivals: dict[int, list[int]] = {}
@@ -131,7 +136,8 @@ def test_property_hits_hold_the_right_kv_and_nothing_leaks(specs, page_size, blo
     it = 0
     while it <= max(arrivals) or b.has_work:
         for i in arrivals.get(it, []):
-            r = _block_causal(f"r{i}", float(it), prompts[i], specs[i][3], block, page_size)
+            r = _block_causal(f"r{i}", float(it), prompts[i], specs[i][3], block, page_size,
+                              responses[i])
             reqs.append(r)
             b.add(r)
         if abort_prob and reqs and rng.random() < abort_prob:
@@ -140,19 +146,19 @@ def test_property_hits_hold_the_right_kv_and_nothing_leaks(specs, page_size, blo
         for r in batch.prefills:  # a hit's pages hold exactly its prompt's blocks' K/V
             for pos in range(r.cursor.prefilled):
                 page = r.pages[pos // page_size]
-                end = -(-(pos + 1) // block) * block
-                assert slots[page, pos % page_size] == (pos, tuple(r.prompt[pos - pos % block:
-                                                                            end]))
+                blk = pos - pos % block
+                assert slots[page, pos % page_size] == (pos, tuple(r.seq[blk:blk + block]))
                 assert alloc.refs(page) >= 1
         for r in batch.requests:
             start, end = r.cursor.span()
+            current = r.cursor.block_bounds()[0]
             for pos in range(start, end):  # it writes only pages of its own, not cached ones
                 page = r.pages[pos // page_size]
-                assert alloc.refs(page) == 1, (r, pos)
-                assert not cache.keeps(page) or pos >= r.cursor.block_origin
+                assert alloc.refs(page) == 1 and not cache.keeps(page), (r, pos)
                 blk = pos - pos % block
-                known = r.prompt[blk:blk + block] if blk + block <= len(r.prompt) else None
-                slots[page, pos % page_size] = (pos, tuple(known) if known else None)
+                final = blk + block <= current
+                slots[page, pos % page_size] = (pos, tuple(r.seq[blk:blk + block])) if final \
+                    else None
         for r in batch.requests:
             if abort_prob and rng.random() < abort_prob:
                 b.abort(r.request_id)
@@ -164,6 +170,9 @@ def test_property_hits_hold_the_right_kv_and_nothing_leaks(specs, page_size, blo
             block_done = rng.random() < 0.5
             finished = block_done and r.block + 1 == r.num_blocks
             r.cursor.advance(block_done, finished)
+            if block_done and not finished:  # as the worker does: the finished blocks' keys
+                extend_page_keys(r.page_keys, r.seq, r.cursor.block_bounds()[0], page_size,
+                                 block)
             b.step_done(r, float(it), StepOutcome(block_done, finished))
         held = [r for r in reqs if r.status is not RequestStatus.FINISHED]
         holders: dict[int, int] = {}
@@ -288,6 +297,24 @@ def test_n_samples_prefill_their_prompt_once(sdar_path):
     assert runs[True][0] == runs[False][0]
     assert runs[False][1] == 6 * 40 and runs[True][1] == 40 + 5 * 4  # the prompt once
     assert runs[True][2] == [0, 36, 36, 36, 36, 36] and runs[False][2] == [None] * 6
+
+
+def test_a_conversations_next_turn_finds_its_earlier_turns_cached(sdar_path):
+    """A response's finished blocks are cached as they end: a next turn whose prompt is the
+    first turn's prompt and response (and more) hits past the first prompt."""
+    params = SamplingParams(max_tokens=16, block_length=4, stop_at_eos=False, seed=3)
+    first_prompt = list(range(5, 27))  # 22 tokens: block 0 starts at 20
+    outs = {}
+    for caching in (False, True):
+        engine = _engine(sdar_path, caching)
+        first = _run(engine, [("t1", first_prompt, params)])["t1"]
+        turn = first_prompt + first.token_ids + [7, 8, 9]
+        outs[caching] = (first.token_ids, _run(engine, [("t2", turn, params)])["t2"])
+    assert outs[True][0] == outs[False][0]
+    assert outs[True][1].token_ids == outs[False][1].token_ids
+    # Blocks ending by position 36 were final when the first turn finished (its last block,
+    # [36, 40), never is): 36 tokens, pages of 4.
+    assert outs[True][1].num_cached_tokens == 36 > 20
 
 
 def test_prefix_caching_is_refused_for_bidirectional_models(llada_path):

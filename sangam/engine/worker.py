@@ -21,7 +21,7 @@ from sangam.engine.kv_pool import KVPool, pool_num_pages
 from sangam.engine.loaded_model import LoadedModel, use_device
 from sangam.engine.model_runner import ModelRunner
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
-from sangam.sched.prefix_cache import PrefixCache, prefix_page_keys
+from sangam.sched.prefix_cache import PrefixCache, extend_page_keys, prefix_page_keys
 from sangam.sched.request import Request, StepOutcome
 from sangam.sched.worker_core import BlockEnded, IterationStats, Ship, Task, WorkerCore
 
@@ -162,6 +162,11 @@ class Worker:
         for ev in out.ended:
             rid, attempt = ev.task.request.request_id, ev.task.attempt
             if isinstance(ev, BlockEnded):
+                keys = ev.task.request.page_keys
+                if keys is not None and not ev.finished:  # the next block's first step makes
+                    st = ev.task.payload  # the finished ones final: their keys join
+                    extend_page_keys(keys, st.tokens, st.cursor.block_bounds()[0],
+                                     self.builder.page_size, st.cursor.block_length)
                 progress = msg.block_progress(ev.task.payload, ev.block) if self.remote else None
                 self.events.append(msg.BlockDone(rid, attempt, progress, list(ev.kept or ()),
                                                  continues=ev.kept is None))

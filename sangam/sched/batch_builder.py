@@ -189,6 +189,10 @@ class BatchBuilder:
             self._in_flight[r.request_id] = r
         for r in batch.decodes:
             self._in_flight[r.request_id] = r
+            if r.page_keys is not None and not r.cursor.step:
+                # A block's first step stores the block before it final: its pages join the
+                # cache (the prefix a conversation's next turn starts with).
+                self._publish(r, r.cursor.block_bounds()[0])
         return batch
 
     def step_done(self, req: Request, now: float, outcome: StepOutcome) -> None:
@@ -367,18 +371,21 @@ class BatchBuilder:
         self._waiting_tokens -= req.prefill_cost
         req.mark_admitted(now, chunk)
         prefills.append(req)
-        if req.page_keys and self.prefix_cache is not None:
-            # The pages whose K/V this forward makes final: the prompt's whole blocks it
-            # stores (a chunk's, or all of them).
+        if req.page_keys is not None:
+            # This forward stores the prompt's whole blocks (a chunk's, or all of them).
             c = req.cursor
-            final = min(len(req.page_keys),
-                        (c.block_origin if c.chunk_end is None else c.chunk_end) // self.page_size)
-            if final > req.published:
-                req.pending_pages = self.prefix_cache.publish(
-                    req.page_keys[req.published:final], req.pages[req.published:final])
-                req.published = final
+            self._publish(req, c.block_origin if c.chunk_end is None else c.chunk_end)
 
     # Prefix caching.
+    def _publish(self, req: Request, final_end: int) -> None:
+        """The scheduled forward makes ``req``'s K/V of [0, final_end) final: its pages there
+        not yet published are, pending until the forward ran."""
+        final = min(len(req.page_keys), final_end // self.page_size)
+        if final > req.published:
+            req.pending_pages = self.prefix_cache.publish(
+                req.page_keys[req.published:final], req.pages[req.published:final])
+            req.published = final
+
     def _look_up(self, req: Request) -> list[int] | None:
         """For a head about to get its pages: the cached pages its prompt starts with (their
         tokens set as prefilled, its cost now what is left), or None when the page after them
@@ -411,7 +418,7 @@ class BatchBuilder:
             return False
         req.pages = hit + self.allocator.allocate(n)
         req.published = len(hit)
-        if req.page_keys:
+        if req.page_keys is not None:
             cache = self.prefix_cache
             cache.queries += req.prompt_len
             req.cached_tokens = req.cursor.prefilled

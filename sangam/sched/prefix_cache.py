@@ -12,7 +12,10 @@ a block depends on the rest of that block), under a root naming the page size an
 length (the block-causal mask's). The digest is cryptographic (BLAKE2b, 128 bits), so no prompt
 can be made to collide with another's prefix.
 
-A page is published when the forward that computes its final K/V is admitted (*pending*), and
+A request's finished response blocks join its keys as they end (their final K/V is stored by
+the next block's first step), so a conversation's next turn finds its earlier turns cached.
+
+A page is published when the forward that computes its final K/V is scheduled (*pending*), and
 is *ready* once that forward ran: a request whose prefix reaches a pending page waits for the
 next iteration rather than compute it again, so ``n`` samples of one prompt, or identical prompts
 arriving together, compute it once. A ready page nobody holds stays cached until the allocator
@@ -36,21 +39,29 @@ def prefix_page_keys(tokens: Sequence[int] | np.ndarray, cached_len: int, page_s
                      block_length: int) -> list[bytes]:
     """The keys of the pages wholly inside ``tokens[:cached_len]`` (``cached_len``: a multiple
     of ``block_length``, so every key's tokens are there), in order."""
+    keys: list[bytes] = []
+    extend_page_keys(keys, tokens, cached_len, page_size, block_length)
+    return keys
+
+
+def extend_page_keys(keys: list[bytes], tokens: Sequence[int] | np.ndarray, cached_len: int,
+                     page_size: int, block_length: int) -> None:
+    """Append to ``keys`` (those of the first pages) the keys of the pages up to
+    ``tokens[:cached_len]``, as :func:`prefix_page_keys` (a request's finished blocks join its
+    prompt's as they become final)."""
     if cached_len % block_length:
         raise ValueError(f"cached_len ({cached_len}) must be a multiple of block_length "
                          f"({block_length})")
     arr = np.ascontiguousarray(tokens[:cached_len], dtype=np.int64)
-    key = hashlib.blake2b(f"sangam-prefix/{page_size}/{block_length}".encode(),
-                          digest_size=_DIGEST_BYTES).digest()
-    keys = []
-    for i in range(cached_len // page_size):
+    key = keys[-1] if keys else hashlib.blake2b(
+        f"sangam-prefix/{page_size}/{block_length}".encode(), digest_size=_DIGEST_BYTES).digest()
+    for i in range(len(keys), cached_len // page_size):
         end = (i + 1) * page_size
         depends_to = -(-end // block_length) * block_length
         h = hashlib.blake2b(key, digest_size=_DIGEST_BYTES)
         h.update(arr[i * page_size:depends_to].tobytes())
         key = h.digest()
         keys.append(key)
-    return keys
 
 
 class PrefixCache:

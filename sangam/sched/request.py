@@ -127,10 +127,11 @@ class Request:
         self.worker: int | None = None
         self.chunk_admitted = False  # its prefill in flight is a chunk (the rest waits)
         self.metrics = RequestMetrics(arrival_time, prefill_queued=[arrival_time])
-        # Prefix caching (block-causal models): the keys of its prompt's cacheable pages
-        # (``prefix_page_keys``), how many of its first pages are cached or published, the
-        # pages its forward in flight makes final, and the prompt tokens found cached.
-        self.page_keys: list[bytes] = []
+        # Prefix caching (block-causal models): the keys of its pages whose K/V is or will be
+        # final (``prefix_page_keys``: the prompt's whole blocks, then its finished blocks';
+        # None: not cached), how many of its first pages are cached or published, the pages
+        # its forward in flight makes final, and the prompt tokens found cached.
+        self.page_keys: list[bytes] | None = None
         self.published = 0
         self.pending_pages: list[int] = []
         self.cached_tokens = 0
