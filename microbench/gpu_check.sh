@@ -110,6 +110,7 @@ shard tests-kernels "${OTHER_KERNEL_TESTS[@]}" &
 shard tests-engine tests/test_triton_backend.py tests/test_device_batch.py \
   "tests/test_engine.py::test_cuda_graphs_match_eager" \
   "tests/test_engine.py::test_block_length_flag_replays_graphs" \
+  "tests/test_engine.py::test_block_causal_graphs_match_eager" \
   "tests/test_rules.py::test_scoring_with_known_sampled_rows_needs_no_sync" &
 wait
 for name in tests-attention tests-moe tests-kernels tests-engine; do

@@ -90,7 +90,8 @@ def test_split_count_follows_kv_lengths_not_table_width(h200, arch):
         eager, wide = plans
         assert (eager.block_m, eager.block_n, eager.num_splits) == \
                (wide.block_m, wide.block_n, wide.num_splits), kv
-        batch = types.SimpleNamespace(kv_lens=np.array(kv, dtype=np.int32))
+        batch = types.SimpleNamespace(kv_lens=np.array(kv, dtype=np.int32),
+                                      input_ids=np.zeros(len(kv) * SPAN))
         bucket, splits = runner.graph_key(batch)
         assert splits == eager.num_splits and splits in runner.split_counts[bucket]
         seen.add(splits)
@@ -110,7 +111,7 @@ def test_graph_runner_captures_every_reachable_split_count(h200, arch):
     for n in range(1, 65):
         bucket = next(b for b in runner.sizes if b >= n)
         for kv in [*range(0, context, 128), context]:
-            reached[bucket].add(runner.kv_splits(n, kv))
+            reached[bucket].add(runner.kv_splits(n * SPAN, kv))
     assert {b: sorted(s) for b, s in reached.items()} == runner.split_counts
     assert all(s == [1] for b, s in runner.split_counts.items() if b >= 64)
 
@@ -217,6 +218,44 @@ def test_graph_runner_plans_as_the_eager_forward(request, h200, monkeypatch, arc
         assert runner.graph_key(batch)[1] == eager.num_splits
         splits.add(eager.num_splits)
     assert len(splits) > 1  # split plans are among them
+
+
+def test_block_causal_graph_runners_plan_as_the_eager_forward(tmp_path, h200, monkeypatch):
+    """A block-causal model's runners: span B takes later steps only, span 2B every mix of B
+    and 2B spans, a B-span request padded with dummy rows; each plans as the eager forward of
+    the real batch (same tiles, the real token count's split count)."""
+    from sangam.testing import make_tiny_checkpoint
+
+    model = load_model(make_tiny_checkpoint(tmp_path, seed=5, arch="sdar"), "cpu", "float32")
+    model.attention_backend = TritonAttentionBackend()
+    cfg = model.config
+    num_pages, block, max_pages = 64, 8, 2048 // PAGE
+    kv = PagedKV.allocate(cfg.num_layers, num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim,
+                          torch.float32, "cpu")
+    later, first = (DecodeGraphRunner(model, kv, span, 6, max_pages, torch.device("cpu"),
+                                      use_graphs=False, causal_block=block)
+                    for span in (block, 2 * block))
+    plans = _stub_attention(monkeypatch)
+    fields = ("block_m", "block_n", "num_warps", "num_stages", "num_splits")
+    for kv_lens, spans in (([40], [16]), ([700, 30], [8, 16]), ([2000] * 3, [16, 8, 8]),
+                           ([600, 90, 1200], [8, 8, 8]), ([100] * 5, [16] * 5)):
+        batch = _packed(kv_lens, 1, -(-max(kv_lens) // PAGE), num_pages)
+        batch.cu_seqlens_q = np.concatenate([[0], np.cumsum(spans)]).astype(np.int32)
+        tokens = int(batch.cu_seqlens_q[-1])
+        batch.input_ids, batch.positions = np.zeros(tokens, np.int64), np.arange(tokens)
+        batch.slot_mapping = np.zeros(tokens, np.int64)
+        runner = later if max(spans) == block else first
+        assert runner.can_run(batch, block)
+        assert not (first if runner is later else later).can_run(batch, block)
+        assert not runner.can_run(batch, block // 2)  # another block length: eager
+        dev = {k: torch.from_numpy(v) for k, v in batch.device_arrays().items()}
+        dev["causal_blocks"] = torch.full((len(spans),), block, dtype=torch.int32)
+        model.hidden_states(dev["input_ids"], dev["positions"], batch.metadata(dev), kv)
+        eager = plans[-1]
+        hidden = runner.run(batch, dev)
+        graph = plans[-1]
+        assert hidden.shape[0] == tokens  # the real rows, in packed order
+        assert [getattr(graph, f) for f in fields] == [getattr(eager, f) for f in fields]
 
 
 def test_step_kernels_do_not_add_variants(h200, monkeypatch):

@@ -18,6 +18,7 @@ from sangam.engine.reference_decoder import ReferenceDecoder
 from sangam.engine.validation import new_state
 from sangam.models import read_config
 from sangam.sampling_params import SamplingParams
+from sangam.testing import make_tiny_checkpoint
 
 BIAS = {1: -100.0, 7: 3.0, 42: 1.5}  # EOS banned, two tokens favoured
 RULES = [dict(unmasking="threshold", threshold=0.9), dict(unmasking="threshold", threshold=0.5),
@@ -348,7 +349,7 @@ def test_failed_graph_capture_falls_back_to_eager(loaded, monkeypatch, caplog):
     on_gpu = types.SimpleNamespace(  # what decode_graphs reads of a model loaded on a GPU
         model=types.SimpleNamespace(attention_backend=types.SimpleNamespace(name="triton")),
         device=torch.device("cuda"), context_length=lm.context_length,
-        default_params=lm.default_params)
+        default_params=lm.default_params, config=lm.config)
     config = EngineConfig(model=lm.path, page_size=4, num_pages=8)
     pool = types.SimpleNamespace(kv=None)
     with caplog.at_level("WARNING"):
@@ -359,34 +360,42 @@ def test_failed_graph_capture_falls_back_to_eager(loaded, monkeypatch, caplog):
     assert engine_module.decode_graphs(eager, on_gpu, pool) == [] and len(tries) == 1
 
 
-def test_graphs_are_captured_for_the_block_lengths_requests_get(tiny_path, monkeypatch, caplog):
+def test_graphs_are_captured_for_the_block_lengths_requests_get(tiny_path, monkeypatch, caplog,
+                                                                tmp_path):
     """The capture plan: the default block length requests get (the checkpoint's, or
     --block-length: ``serve --block-length 16`` replays graphs for its requests), or the
     --cuda-graph-block-lengths listed; logged."""
     from sangam.engine import worker as engine_module
 
     class Captured:
-        def __init__(self, model, kv, span, *args):
-            self.span = span
+        def __init__(self, model, kv, span, *args, causal_block=None):
+            self.span, self.causal_block = span, causal_block
 
     monkeypatch.setattr(engine_module, "DecodeGraphRunner", Captured)
     pool = types.SimpleNamespace(kv=None)
 
-    def plan(**options) -> list[int]:
-        config = EngineConfig(model=tiny_path, page_size=4, num_pages=8, **options)
-        lm = LoadedModel.around(config, tiny_path, None, read_config(tiny_path),
-                                torch.device("cpu"), torch.float32)
+    def plan(path: str = tiny_path, **options) -> list:
+        config = EngineConfig(model=path, page_size=4, num_pages=8, **options)
+        lm = LoadedModel.around(config, path, None, read_config(path), torch.device("cpu"),
+                                torch.float32)
         on_gpu = types.SimpleNamespace(
             model=types.SimpleNamespace(attention_backend=types.SimpleNamespace(name="triton")),
             device=torch.device("cuda"), context_length=lm.context_length,
-            default_params=lm.default_params)
-        return [g.span for g in engine_module.decode_graphs(config, on_gpu, pool)]
+            default_params=lm.default_params, config=lm.config)
+        return [g.span if g.causal_block is None else (g.causal_block, g.span)
+                for g in engine_module.decode_graphs(config, on_gpu, pool)]
 
     with caplog.at_level("INFO"):
         assert plan() == [SamplingParams().block_length]  # no generation_config.json here
         assert plan(block_length=16) == [16]
         assert plan(block_length=16, cuda_graph_block_lengths="8,32") == [8, 32]
+        # A block-causal model: each block length's later steps (B) and block starts (2B).
+        sdar = make_tiny_checkpoint(tmp_path / "sdar", seed=1, arch="sdar")
+        assert plan(sdar, block_length=4) == [(4, 4), (4, 8)]
+        assert plan(sdar, cuda_graph_block_lengths="4,16") == [(4, 4), (4, 8), (16, 16),
+                                                               (16, 32)]
     assert "CUDA graphs for decode steps of block length 8, 32" in caplog.text
+    assert "block length 4 (span 4), 4 (span 8)" in caplog.text
     with pytest.raises(ValueError, match="cuda_graph_block_lengths"):
         EngineConfig(cuda_graph_block_lengths="8,x")
 
@@ -408,7 +417,7 @@ def _graphs_against_eager(path: str, prompts: list[list[int]], params_of, spans:
         outs[eager] = [(o.token_ids, o.num_forwards)
                        for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
         if not eager:
-            assert graphs[0].runs > 0
+            assert all(g.runs > 0 for g in graphs), [g.runs for g in graphs]
         llm.shutdown()
     assert outs[True] == outs[False]
 
@@ -434,3 +443,15 @@ def test_block_length_flag_replays_graphs(llada_path):
 
     _graphs_against_eager(llada_path, [[3 + i] * (5 + 7 * i) for i in range(6)], params_of,
                           [16], block_length=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_block_causal_graphs_match_eager(tmp_path):
+    """SDAR's decode steps replay both runners (later steps, and block starts mixed with later
+    steps, padded), with the eager engine's tokens."""
+    path = make_tiny_checkpoint(tmp_path / "sdar", seed=5, arch="sdar", num_heads=8,
+                                num_kv_heads=2, logit_scale=2.0)
+    params = SamplingParams(max_tokens=48, block_length=4, threshold=0.6, stop_at_eos=False)
+    _graphs_against_eager(path, [[3 + i] * (5 + 7 * i) for i in range(11)],
+                          lambda llm: params, [4, 8], block_length=4)

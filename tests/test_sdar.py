@@ -205,6 +205,36 @@ def test_colocated_workers_equal_the_upstream_loop(sdar_path, loaded):
         llm.shutdown()
 
 
+def test_graph_runners_padded_batches_equal_the_upstream_loop(sdar_path, loaded):
+    """The CUDA-graph path of block-causal decode steps, run eagerly on CPU: batches of later
+    steps (span B) and batches mixing block starts (2B) with later steps (B, padded to 2B)
+    replay through the runners' static buffers and still give the upstream tokens."""
+    from sangam.engine.cuda_graphs import DecodeGraphRunner
+
+    rng = random.Random(9)
+    reqs = [(f"g{i}", [rng.randrange(2, 150) for _ in range(rng.randrange(1, 30))],
+             SamplingParams(max_tokens=rng.randrange(4, 24), block_length=4,
+                            threshold=rng.choice([0.3, 0.6, 0.9]), seed=i, stop_at_eos=False))
+            for i in range(12)]
+    want = _upstream(loaded, reqs)
+    engine = Engine(EngineConfig(model=sdar_path, device="cpu", dtype="float64", page_size=4,
+                                 num_pages=300, max_batch_size=6), loaded)
+    runners = [DecodeGraphRunner(loaded.model, engine.pool.kv, span, 6,
+                                 -(-loaded.context_length // 4), loaded.device,
+                                 use_graphs=False, causal_block=4) for span in (4, 8)]
+    engine.runner.graphs = runners
+    done, pending = {}, list(reqs)
+    while pending or engine.has_unfinished_requests():
+        for rid, prompt, params in pending[:2]:  # staggered: blocks start at different steps
+            engine.add_request(rid, prompt, params)
+        pending = pending[2:]
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert {r: (o.token_ids, o.num_forwards) for r, o in done.items()} == want
+    assert all(r.runs > 3 for r in runners), [r.runs for r in runners]
+
+
 # Disaggregated and hybrid: the prompt's prefill (with block 0's first step) on a prefill
 # worker, its K/V sent once, every block step on the decode worker.
 BLOCK_CAUSAL_LAYOUTS = {

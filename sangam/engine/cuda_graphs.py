@@ -27,6 +27,16 @@ of at most 32 requests. They are captured at start-up with the buckets, not lazi
 step: a capture costs warm-up forwards, and its memory is then reserved before serving. All
 graphs share one memory pool (they never run concurrently), so the extras add only their
 output buffers.
+
+Block-causal models (SDAR, LLaDA2; ``causal_block`` B): a block's first step spans 2B (it
+stores the finished block's final K/V), its later steps B, so a batch mixes the two. Two
+runners serve a block length: span B takes batches of later steps only, and span 2B takes
+every batch of spans B and 2B, a B-span request padded to 2B rows whose first B are dummies
+(position 0, slot -1: they store nothing, nothing reads them, and the real rows attend over the
+cache alone, as eagerly). The eager plan of such a batch has the same tiles (its longest span
+is 2B) and the runner forces the eager split count, which counts the real tokens. The graph
+also holds each request's block size and each row's position (the block-causal mask's inputs);
+its output rows are gathered back to the batch's packed order.
 """
 
 from __future__ import annotations
@@ -51,24 +61,35 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 class DecodeGraphRunner:
     """Runs :meth:`DiffusionLM.hidden_states` for uniform-span batches from static buffers,
     replaying a CUDA graph per (batch-size bucket, KV split count) (``use_graphs``) or
-    eagerly."""
+    eagerly; for a block-causal model (``causal_block``), span B or 2B (see the module
+    docstring)."""
 
     def __init__(self, model: DiffusionLM, kv: PagedKV, span: int, max_batch_size: int,
-                 max_pages: int, device: torch.device, use_graphs: bool = True):
+                 max_pages: int, device: torch.device, use_graphs: bool = True,
+                 causal_block: int | None = None):
+        if causal_block is not None and span not in (causal_block, 2 * causal_block):
+            raise ValueError(f"a block-causal decode span is B or 2B, got {span} for B = "
+                             f"{causal_block}")
         self.model = model
         self.kv = kv
         self.span = span
+        self.causal_block = causal_block
+        # 2B: takes B-span requests too, each padded with B dummy rows in front.
+        self.padded = causal_block is not None and span == 2 * causal_block
         self.sizes = graph_batch_sizes(max_batch_size)
         self.max_pages = max_pages
         self.device = torch.device(device)
         self.use_graphs = use_graphs
         self.runs = 0  # batches served from the static buffers (observability, tests)
         # Each bucket's split counts: every power of two up to its smallest batch's count at
-        # the longest context (kv_splits is monotone in both).
+        # the longest context (kv_splits is monotone in both): the fewest real tokens, which a
+        # padded runner's batches have with one 2B span and the rest B.
         longest = max_pages * kv.page_size
         self.split_counts: dict[int, list[int]] = {}
         for smallest, bucket in zip([1, *(b + 1 for b in self.sizes)], self.sizes):
-            top = self.kv_splits(smallest, longest)
+            fewest = smallest * causal_block + causal_block if self.padded \
+                else smallest * span
+            top = self.kv_splits(fewest, longest)
             self.split_counts[bucket] = [1 << i for i in range(top.bit_length())]
         most, n = self.sizes[-1], self.sizes[-1] * span
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -77,28 +98,41 @@ class DecodeGraphRunner:
         self.cu_seqlens_q = torch.arange(0, n + 1, span, dtype=torch.int32, device=device)
         self.kv_lens = torch.zeros(most, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(most, max_pages, dtype=torch.int32, device=device)
+        self.causal_blocks = None if causal_block is None else torch.full(
+            (most,), causal_block, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         if use_graphs:
             self._capture()
 
-    def kv_splits(self, num_requests: int, max_kv_len: int) -> int:
-        """The KV split count the eager forward plans for ``num_requests`` spans whose longest
-        KV length is ``max_kv_len``."""
+    def kv_splits(self, num_tokens: int, max_kv_len: int) -> int:
+        """The KV split count the eager forward plans for ``num_tokens`` query tokens in spans
+        of at most ``span``, whose longest KV length is ``max_kv_len``."""
         cfg = self.model.config
-        return kv_splits(num_requests * self.span, self.span, max_kv_len, cfg.num_heads,
-                         cfg.num_kv_heads, cfg.head_dim, self.kv.buffer.dtype, self.device)
+        return kv_splits(num_tokens, self.span, max_kv_len, cfg.num_heads, cfg.num_kv_heads,
+                         cfg.head_dim, self.kv.buffer.dtype, self.device)
 
     def graph_key(self, batch: PackedBatch) -> tuple[int, int]:
         """(bucket, split count) of the graph that runs ``batch``."""
         n = len(batch.kv_lens)
         bucket = next(b for b in self.sizes if b >= n)
-        return bucket, self.kv_splits(n, int(batch.kv_lens.max()))
+        return bucket, self.kv_splits(len(batch.input_ids), int(batch.kv_lens.max()))
 
-    def can_run(self, batch: PackedBatch) -> bool:
+    def can_run(self, batch: PackedBatch, block_length: int | None = None) -> bool:
+        """Whether a graph of this runner computes ``batch``: its spans fit (``span``; for a
+        padded runner, B or 2B with at least one 2B) and, for a block-causal model, all its
+        requests have this block length (``block_length``: theirs if they share one)."""
         n = len(batch.kv_lens)
         if not (0 < n <= self.sizes[-1] and batch.block_tables.shape[1] <= self.max_pages
-                and bool((np.diff(batch.cu_seqlens_q) == self.span).all())):
+                and block_length == self.causal_block):
+            return False
+        spans = np.diff(batch.cu_seqlens_q)
+        if self.padded:
+            fits = bool((spans == self.span).any() and ((spans == self.span)
+                                                       | (spans == self.causal_block)).all())
+        else:
+            fits = bool((spans == self.span).all())
+        if not fits:
             return False
         bucket, splits = self.graph_key(batch)
         return splits in self.split_counts[bucket]
@@ -110,9 +144,19 @@ class DecodeGraphRunner:
         n = len(batch.kv_lens)
         bucket, splits = key = self.graph_key(batch)
         rows, width = n * self.span, batch.block_tables.shape[1]
-        self.input_ids[:rows].copy_(dev["input_ids"])
-        self.positions[:rows].copy_(dev["positions"])
-        self.slot_mapping[:rows].copy_(dev["slot_mapping"])
+        real = None  # where the real rows are (None: the first ``rows``, in order)
+        if self.padded:
+            real = self._real_rows(dev["cu_seqlens_q"], len(batch.input_ids))
+            self.input_ids[:rows].zero_()
+            self.positions[:rows].zero_()
+            self.slot_mapping[:rows].fill_(-1)
+            self.input_ids.index_copy_(0, real, dev["input_ids"])
+            self.positions.index_copy_(0, real, dev["positions"])
+            self.slot_mapping.index_copy_(0, real, dev["slot_mapping"])
+        else:
+            self.input_ids[:rows].copy_(dev["input_ids"])
+            self.positions[:rows].copy_(dev["positions"])
+            self.slot_mapping[:rows].copy_(dev["slot_mapping"])
         self.kv_lens[:n].copy_(dev["kv_lens"])
         if n < bucket:  # padding requests: store nothing, attend to nothing
             self.slot_mapping[rows:bucket * self.span].fill_(-1)
@@ -121,16 +165,30 @@ class DecodeGraphRunner:
         self.runs += 1
         if self.use_graphs:
             self.graphs[key].replay()
-            return self.outputs[key][:rows]
-        kv_host = [*batch.kv_lens.tolist(), *[0] * (bucket - n)]
-        return self._body(bucket, splits, kv_host)[:rows]
+            out = self.outputs[key]
+        else:
+            out = self._body(bucket, splits, [*batch.kv_lens.tolist(), *[0] * (bucket - n)])
+        return out[:rows] if real is None else out[real]
+
+    def _real_rows(self, cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The padded rows holding the batch's ``num_tokens`` real ones, in packed order:
+        request i's span ends its 2B rows. Device ops only (no sync)."""
+        cu = cu_seqlens_q.long()
+        lens = cu[1:] - cu[:-1]
+        n = len(lens)
+        ends = torch.arange(1, n + 1, device=cu.device) * self.span
+        shift = torch.repeat_interleave(ends - cu[1:], lens, output_size=num_tokens)
+        return torch.arange(num_tokens, device=cu.device) + shift
 
     def _body(self, bucket: int, splits: int, kv_lens_host: list[int]) -> torch.Tensor:
         rows = bucket * self.span
+        causal = self.causal_blocks is not None
         meta = AttentionMetadata(
             cu_seqlens_q=self.cu_seqlens_q[:bucket + 1], kv_lens=self.kv_lens[:bucket],
             block_tables=self.block_tables[:bucket], slot_mapping=self.slot_mapping[:rows],
-            query_lens=[self.span] * bucket, kv_lens_host=kv_lens_host, num_kv_splits=splits)
+            query_lens=[self.span] * bucket, kv_lens_host=kv_lens_host, num_kv_splits=splits,
+            causal_blocks=self.causal_blocks[:bucket] if causal else None,
+            positions=self.positions[:rows] if causal else None)
         return self.model.hidden_states(self.input_ids[:rows], self.positions[:rows], meta,
                                         self.kv)
 

@@ -40,9 +40,7 @@ class ModelRunner:
         self.pool = pool
         self.device = loaded.device
         self.host = make_host_batcher(pool.page_size, host_impl)
-        # A block-causal model's batches run eagerly: the captured graphs hold bidirectional
-        # decode spans only.
-        self.graphs = [] if loaded.config.block_causal else list(graphs)
+        self.graphs = list(graphs)
         self.uploader = BatchUploader(self.device)
         # Full rescoring runs this many rows at a time: what the memory profile reserved.
         self.rescore_rows = rescore_chunk_rows(loaded.config.vocab_size, loaded.dtype)
@@ -100,8 +98,13 @@ class ModelRunner:
             empty = np.zeros(0, dtype=np.int64)
             return (batch, empty, empty.astype(np.float64), None, None,
                     {r: _NO_ROWS for r, st in enumerate(states) if st.grammar is not None})
-        graphs = next((g for g in self.graphs if g.can_run(batch)), None) if allow_graphs \
-            else None
+        graphs = None
+        if allow_graphs and self.graphs:
+            block_length = None  # a block-causal batch's, when its requests share one
+            if states[0].block_causal:
+                lengths = {st.params.block_length for st in states}
+                block_length = lengths.pop() if len(lengths) == 1 else 0
+            graphs = next((g for g in self.graphs if g.can_run(batch, block_length)), None)
         if graphs is not None:
             hidden = graphs.run(batch, dev)
         else:

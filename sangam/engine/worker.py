@@ -32,8 +32,8 @@ def build_worker_parts(config: EngineConfig,
                        loaded: LoadedModel) -> tuple[KVPool, BatchBuilder, ModelRunner]:
     """What every worker owns: its KV pool, its scheduler over that pool, its model runner."""
     use_device(loaded.device)  # the graphs are captured on this thread's current device
-    spans = graph_block_lengths(config, loaded) if captures_graphs(config, loaded) else ()
-    num_pages = pool_num_pages(loaded, config, spans)
+    spans = [s for _, s in graph_plan(config, loaded)] if captures_graphs(config, loaded) else ()
+    num_pages = pool_num_pages(loaded, config, tuple(spans))
     pool = KVPool(loaded.config, num_pages, config.page_size, loaded.dtype, loaded.device)
     cache = PrefixCache(pool.allocator) if prefix_caching(config, loaded) else None
     builder = BatchBuilder(pool.allocator, config.scheduler, cache)
@@ -59,6 +59,16 @@ def graph_block_lengths(config: EngineConfig, loaded: LoadedModel) -> tuple[int,
     return config.graph_block_lengths() or (loaded.default_params().block_length,)
 
 
+def graph_plan(config: EngineConfig, loaded: LoadedModel) -> list[tuple[int, int]]:
+    """(block length, span) of each decode graph runner: a bidirectional model's DualCache
+    steps span the block; a block-causal model's span it (later steps) or twice it (a block's
+    first step, which stores the block before)."""
+    lengths = graph_block_lengths(config, loaded)
+    if loaded.config.block_causal:
+        return [(b, span) for b in lengths for span in (b, 2 * b)]
+    return [(b, b) for b in lengths]
+
+
 def captures_graphs(config: EngineConfig, loaded: LoadedModel) -> bool:
     """Whether decode steps get CUDA graphs: on a GPU, with the Triton backend (the reference
     backend reads host-side lengths), unless ``enforce_eager``."""
@@ -74,16 +84,20 @@ def decode_graphs(config: EngineConfig, loaded: LoadedModel,
     if not captures_graphs(config, loaded):
         return []
     max_pages = -(-loaded.context_length // config.page_size)
+    causal = loaded.config.block_causal
     runners = []
-    for span in graph_block_lengths(config, loaded):
+    for block, span in graph_plan(config, loaded):
         try:
             runners.append(DecodeGraphRunner(model, pool.kv, span, config.max_batch_size,
-                                             max_pages, loaded.device))
+                                             max_pages, loaded.device,
+                                             causal_block=block if causal else None))
         except Exception as e:  # eager steps compute the same tokens: serve, and say why
-            logger.warning("CUDA graph capture for block length %d failed, so its decode "
-                           "steps run eagerly (--enforce-eager skips the capture): %r", span, e)
+            logger.warning("CUDA graph capture for block length %d (span %d) failed, so its "
+                           "decode steps run eagerly (--enforce-eager skips the capture): %r",
+                           block, span, e)
     logger.info("CUDA graphs for decode steps of block length %s (batch sizes up to %d)",
-                ", ".join(str(r.span) for r in runners) or "none", config.max_batch_size)
+                ", ".join(f"{r.causal_block} (span {r.span})" if causal else str(r.span)
+                          for r in runners) or "none", config.max_batch_size)
     return runners
 
 
