@@ -8,7 +8,7 @@
 # calibration and the serve run's step profile, against the measured latencies.
 #
 # Usage: microbench/gpu_check.sh [--dry-run] [OUTDIR]   (default OUTDIR ./gpu-results)
-# On the GPU it takes at most 9 minutes: each step is cut by `timeout`, 540 s in all, and
+# On the GPU it takes at most 9 minutes: each step is cut by `timeout`, 550 s in all, and
 # building the C++ extension 30 s.
 # --dry-run runs every step on the CPU at tiny shapes (the Triton interpreter; the tests
 # collected, not run) with the serving extras the GPU machine lacks made unimportable: what
@@ -121,12 +121,12 @@ done
 # Each benchmark rewrites its JSON after each suite or run, so a cut one keeps what it measured.
 # The kernels' suites include moe: LLaDA2.0-mini's and -flash's experts (--moe-models).
 step kernels 100 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
-step graphs 45 "${BENCH[@]}" graphs --json "$OUT/graphs.json"
+step graphs 50 "${BENCH[@]}" graphs --json "$OUT/graphs.json"
 # A receiving worker killed mid-transfer under NCCL: the survivor goes on (two GPUs and pyzmq
 # needed; on one GPU it prints why it skips and exits 0).
 step nccl-fault 60 "$PY" microbench/nccl_transfer_fault.py
 step model 20 "$PY" -m sangam.testing "$OUT/model" "${SHAPE[@]}"
-step calibrate 40 "${BENCH[@]}" calibrate --model "$OUT/model" --load-format dummy \
+step calibrate 45 "${BENCH[@]}" calibrate --model "$OUT/model" --load-format dummy \
   "${CALIBRATE[@]}" --out "$OUT/calibration.json"
 step serve 110 "${BENCH[@]}" serve --model "$OUT/model" --load-format dummy "${ENGINE[@]}" \
   --policies deficit,fastdllm --unmasking topk --tokens-per-step 3 --cache dual \
