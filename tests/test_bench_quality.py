@@ -110,3 +110,32 @@ def test_structured_compares_with_and_without_the_answer_regex(tmp_path, capsys)
         assert m["n"] == 4 and 0 <= m["exact"] <= 1 and m["tokens_per_forward"] > 0
         assert m["forwards_per_request"] >= 1 and m["batch_ms_per_request"] > 0
         assert m["alone_ms"] > 0 and m["identical_outputs"] == 1.0  # batch invariance
+
+
+def test_quality_writes_each_modes_commit_profile(tmp_path, capsys):
+    from sangam.bench.sim.steps import load_mode_profiles
+
+    out, prof = tmp_path / "q.json", tmp_path / "profiles.json"
+    assert main(["quality", "--num-instances", "4", "--thresholds", "0.9", "--factors", "1",
+                 "--modes", "dual/threshold=0.9,dual/threshold=0.9/cadence=1000x1/"
+                 "refresh_confidence=0.999", "--torch-threads", "1", "--json", str(out),
+                 "--profiles", str(prof)]) == 0
+    capsys.readouterr()
+    report = json.loads(out.read_text())["modes"]
+    profiles = load_mode_profiles(str(prof))
+    assert list(profiles) == list(report)  # one entry per mode, vanilla included
+    for name, r in report.items():
+        p = profiles[name]
+        # What the engine was stepped for equals what its final outputs count.
+        assert p.tokens_per_forward == pytest.approx(r["tokens_per_forward"])
+        assert p.steps.mean_tokens_per_forward() == pytest.approx(r["tokens_per_forward"])
+        assert sum(p.steps.steps_per_block.values()) * p.steps.block_length == round(
+            r["tokens_per_forward"] * r["forwards_per_request"] * 4)
+        assert p.accuracy == r["accuracy"] and p.block_agreement == r["block_agreement"]
+        assert p.steps.block_length == 8
+    vanilla = profiles["vanilla"]
+    assert vanilla.steps.steps_per_block == {8: sum(vanilla.steps.steps_per_block.values())}
+    adaptive = profiles["dual/threshold=0.9/cadence=1000x1/refresh_confidence=0.999"]
+    assert adaptive.refresh_interval == 1000 and adaptive.refresh_confidence == 0.999
+    entry = json.loads(prof.read_text())["modes"]["dual/threshold=0.9"]
+    assert entry["refreshed_per_block"][0][0] == entry["refreshed_per_block"][0][1] == 4

@@ -465,3 +465,189 @@ def test_block_causal_experiment(tmp_path, capsys):
     panels = json.loads((tmp_path / "results.json").read_text())["panels"]
     assert len(panels) == 4 and all(len(p["capacity_qps"]) == 4 for p in panels.values())
     assert "sustains" in capsys.readouterr().out
+
+
+# Commit profiles (sangam-bench quality --profiles) and the load-adaptive threshold.
+def _profile_entry(forwards: int, threshold: float = 0.9, cadence: tuple[int, int] = (1, 1),
+                   confidence: float = 0.0, rate: float | None = None, blocks: int = 40,
+                   accuracy: float = 0.9) -> dict:
+    """A quality profile whose blocks of 16 all took ``forwards`` forwards, 4 block indices."""
+    return {"accuracy": accuracy, "block_agreement": accuracy + 0.05, "block_length": 16,
+            "threshold": threshold, "min_threshold": None, "unmasking": "threshold",
+            "cache": "dual", "refresh_interval": cadence[0],
+            "prompt_refresh_interval": cadence[1], "refresh_confidence": confidence,
+            "blocks": 4 * blocks, "forwards": 4 * blocks * forwards,
+            "tokens_per_forward": 16 / forwards, "boundary_refresh_rate": rate,
+            "forwards_per_block": [{str(forwards): blocks}] * 4,
+            "refreshed_per_block": [[blocks, blocks]] * 4}
+
+
+def _write_profiles(path, modes: dict[str, dict]) -> str:
+    path.write_text(json.dumps({"model": "m", "block_length": 16, "modes": modes}))
+    return str(path)
+
+
+def test_profile_steps_keep_tokens_per_forward_at_another_block_length():
+    from sangam.bench.sim.steps import ProfileSteps
+
+    rng = random.Random(0)
+    # Recorded at 16: 2 forwards a block (8 tokens per forward); served at 32: 4 forwards.
+    prof = ProfileSteps.from_blocks([{2: 30}, {2: 30}], 16)
+    assert prof.block_commits(rng, 32, block=1) == [8, 8, 8, 8]
+    assert prof.block_commits(rng, 16, block=0) == [8, 8]
+    assert prof.mean_tokens_per_forward() == 8
+    # Per block index: block 0 from its own histogram; an index measured on too few blocks, or
+    # never reached, from the pooled blocks after the first.
+    prof = ProfileSteps.from_blocks([{1: 30}, {4: 30}, {2: 1}], 16)
+    assert len(prof.block_commits(rng, 16, block=0)) == 1
+    assert len(prof.block_commits(rng, 16, block=1)) == 4
+    assert len(prof.block_commits(rng, 16, block=7)) in (2, 4)
+    # A fractional number of forwards is rounded at random, its mean kept: 3 forwards at 16
+    # make 1.5 at 8.
+    prof = ProfileSteps({3: 1}, 16)
+    assert np.mean([len(prof.block_commits(rng, 8)) for _ in range(2000)]) == pytest.approx(
+        1.5, abs=0.05)
+    assert len(ProfileSteps({2: 1}, 16, scale=0.5).block_commits(rng, 16)) == 4  # anchored
+
+
+def test_a_profile_committing_half_the_tokens_per_step_takes_twice_the_forwards():
+    from sangam.bench.sim.steps import ProfileSteps
+
+    trace = [TraceRequest(0.5 * i, 40, 96) for i in range(6)]
+    cfg = SimConfig(block_length=32, token_budget=1024)
+    fast = simulate(cfg, trace, coefficients=CONSTANT,
+                    steps=ProfileSteps.from_blocks([{2: 20}, {3: 20}], 16))
+    slow = simulate(cfg, trace, coefficients=CONSTANT,
+                    steps=ProfileSteps.from_blocks([{4: 20}, {6: 20}], 16))
+    f, s = (sum(r["forwards"] for r in res.records) for res in (fast, slow))
+    assert s == 2 * f
+    assert sum(r["latency"] for r in slow.records) > 1.5 * sum(r["latency"] for r in fast.records)
+
+
+def test_profiles_file_round_trips(tmp_path):
+    from sangam.bench.quality import commit_profile
+    from sangam.bench.sim.steps import load_mode_profiles
+    from sangam.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=48, block_length=16, refresh_interval=1000,
+                            refresh_confidence=0.99)
+    # Three requests: (forwards, started with a refresh) per block.
+    observed = [[(2, True), (3, False), (2, True)], [(2, True), (4, True)], [(1, True)]]
+    entry = commit_profile(observed, params)
+    assert entry["forwards_per_block"] == [{"1": 1, "2": 2}, {"3": 1, "4": 1}, {"2": 1}]
+    assert entry["refreshed_per_block"] == [[3, 3], [1, 2], [1, 1]]
+    assert entry["boundary_refresh_rate"] == pytest.approx(2 / 3)
+    assert entry["tokens_per_forward"] == pytest.approx(6 * 16 / 14)
+    path = _write_profiles(tmp_path / "p.json", {"dual/x": {"accuracy": 0.5, **entry}})
+    (name, prof), = load_mode_profiles(path).items()
+    assert name == "dual/x" and prof.accuracy == 0.5 and prof.refresh_confidence == 0.99
+    assert (prof.refresh_interval, prof.threshold) == (1000, 0.9)
+    assert prof.boundary_refresh_rate == pytest.approx(2 / 3)
+    assert prof.steps.by_block == ({1: 1, 2: 2}, {3: 1, 4: 1}, {2: 1})
+    assert prof.steps.steps_per_block == {1: 1, 2: 3, 3: 1, 4: 1}
+    assert prof.steps.mean_tokens_per_forward() == pytest.approx(entry["tokens_per_forward"])
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="quality --profiles"):
+        load_mode_profiles(str(tmp_path / "bad.json"))
+
+
+def test_refresh_cadence_experiment_serves_each_configuration_with_its_own_profile(tmp_path):
+    from sangam.bench.experiments import BASELINE, profile_configs
+    from sangam.bench.sim.steps import ThresholdSteps, load_mode_profiles
+
+    modes = {"vanilla": {**_profile_entry(16), "unmasking": "topk"},
+             "dual/threshold=0.7": _profile_entry(1, 0.7, accuracy=0.7),
+             "dual/threshold=0.8": _profile_entry(1, 0.8, accuracy=0.8),
+             "dual/threshold=0.9": _profile_entry(2),
+             "dual/threshold=0.95": _profile_entry(4, 0.95, accuracy=0.95),
+             "dual/threshold=0.9/cadence=2x1": _profile_entry(3, cadence=(2, 1)),
+             "dual/threshold=0.9/cadence=1000x1/refresh_confidence=0.999":
+                 _profile_entry(2, cadence=(1000, 1), confidence=0.999, rate=0.25)}
+    path = _write_profiles(tmp_path / "p.json", modes)
+    configs, steps, info = profile_configs(load_mode_profiles(path), SimConfig(), None)
+    fast = "tau=1024 0.9, Fast-dLLM's cache"
+    assert set(configs) == {BASELINE, fast, "tau=1024 0.95, Fast-dLLM's cache",
+                            "tau=1024 0.9, refresh every 2, full every 1",
+                            "tau=1024 0.9, adaptive refresh 0.999 (0.25 of boundaries)",
+                            "tau=1024 load-adaptive threshold 0.9->0.7"}
+    assert configs[BASELINE].policy == "fastdllm" and steps[BASELINE] == steps[fast]
+    for label in configs:  # forwards per block: each one's own
+        own = {fast: 2, BASELINE: 2, "tau=1024 0.95, Fast-dLLM's cache": 4,
+               "tau=1024 0.9, refresh every 2, full every 1": 3}.get(label)
+        if own:
+            assert steps[label].steps_per_block == {own: 160}
+    cadence = configs["tau=1024 0.9, refresh every 2, full every 1"]
+    assert (cadence.refresh_interval, cadence.prompt_refresh_interval) == (2, 1)
+    adaptive = configs["tau=1024 0.9, adaptive refresh 0.999 (0.25 of boundaries)"]
+    assert adaptive.adaptive_refresh_rate == 0.25 and adaptive.refresh_interval == 1000
+    load = configs["tau=1024 load-adaptive threshold 0.9->0.7"]
+    assert (load.threshold, load.min_threshold) == (0.9, 0.7)
+    assert isinstance(steps["tau=1024 load-adaptive threshold 0.9->0.7"], ThresholdSteps)
+    assert sorted(steps["tau=1024 load-adaptive threshold 0.9->0.7"].by_threshold) == [
+        0.7, 0.8, 0.9]
+    # Anchored: every profile scaled by the factor that gives the baseline's 3.2 (of 8).
+    _, anchored, _ = profile_configs(load_mode_profiles(path), SimConfig(), 3.2)
+    assert anchored[BASELINE].mean_tokens_per_forward() == pytest.approx(3.2)
+    assert anchored["tau=1024 0.95, Fast-dLLM's cache"].mean_tokens_per_forward() == (
+        pytest.approx(1.6))
+    # The experiment end to end: a slower profile sustains less; the table has the scores.
+    out = tmp_path / "out"
+    assert main(["sim", "--experiment", "refresh-cadence", "--num-requests", "12", "--qps",
+                 "0.5", "--profiles", path, "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert rows[fast]["accuracy"] == 0.9 and rows[fast]["tokens_per_forward"] == 8
+    assert rows[fast]["sim_tokens_per_forward"] == pytest.approx(8)  # blocks of 32: 4 forwards
+    assert rows["tau=1024 0.95, Fast-dLLM's cache"]["sim_tokens_per_forward"] == (
+        pytest.approx(4))
+    assert rows["tau=1024 0.95, Fast-dLLM's cache"]["capacity_qps"] < rows[fast]["capacity_qps"]
+    assert rows[BASELINE]["vs_baseline"] == 1.0
+
+
+def test_load_adaptive_threshold_is_the_engines_function_of_the_workers_load(monkeypatch):
+    from sangam.bench.sim.steps import ThresholdSteps
+    from sangam.sampling_params import SamplingParams
+
+    # One token per forward at 0.9, a whole block at 0.5.
+    steps = ThresholdSteps({0.5: FixedSteps(8), 0.9: FixedSteps(1)})
+    cfg = SimConfig(block_length=8, token_budget=1024, max_batch_size=1, min_threshold=0.5)
+    alone = simulate(cfg, [TraceRequest(0.0, 10, 16)], coefficients=CONSTANT, steps=steps)
+    (r,) = alone.records  # alone on its worker: load 0, the request's threshold
+    assert r["threshold"] == 0.9 and r["forwards"] == 16
+    crowd = simulate(cfg, [TraceRequest(0.0, 10, 16) for _ in range(4)],
+                     coefficients=CONSTANT, steps=steps)
+    # Four held with max_batch_size 1: load 1, every block at min_threshold but those started
+    # once the others had left.
+    assert min(r["threshold"] for r in crowd.records) == 0.5
+    assert min(r["forwards"] for r in crowd.records) == 2
+    for r in crowd.records:
+        assert 0.5 <= r["threshold"] <= 0.9
+    # The threshold is SamplingParams.threshold_under's, whatever that function says.
+    monkeypatch.setattr(SamplingParams, "threshold_under", lambda self, load: 0.5)
+    (r,) = simulate(cfg, [TraceRequest(0.0, 10, 16)], coefficients=CONSTANT, steps=steps).records
+    assert r["threshold"] == 0.5 and r["forwards"] == 2
+    # Without min_threshold: no thresholds recorded, every block at the configuration's.
+    plain = simulate(SimConfig(block_length=8, threshold=0.5), [TraceRequest(0.0, 10, 16)],
+                     coefficients=CONSTANT, steps=steps).records[0]
+    assert plain["threshold"] is None and plain["forwards"] == 2
+    with pytest.raises(ValueError, match="min_threshold"):
+        SimConfig(min_threshold=0.95)
+
+
+def test_against_pairs_configurations_by_cadence_each_with_its_own_profile(tmp_path):
+    from sangam.bench.validation import sim_key, step_profiles
+
+    configs = {"deficit tau=1024 []": {"policy": "deficit", "token_budget": 1024,
+                                       "refresh_interval": None, "threshold": None},
+               "deficit tau=1024 [refresh_interval=2]": {"policy": "deficit",
+                                                         "token_budget": 1024,
+                                                         "refresh_interval": 2}}
+    (tmp_path / "results.json").write_text(json.dumps({"kind": "serve", "configs": configs}))
+    (tmp_path / "profile.json").write_text(json.dumps({
+        "block_length": 16, "steps_per_block": {"2": 2, "3": 1},
+        "configs": {"deficit tau=1024 []": {"steps_per_block": {"2": 2}},
+                    "deficit tau=1024 [refresh_interval=2]": {"steps_per_block": {"3": 1}}}}))
+    own = step_profiles(tmp_path)
+    assert own[sim_key(SimConfig())].steps_per_block == {2: 2}
+    assert own[sim_key(SimConfig(refresh_interval=2))].steps_per_block == {3: 1}
+    assert sim_key(SimConfig(policy="fastdllm")) == "fastdllm"
+    assert sim_key(SimConfig(threshold=0.95)) == "deficit tau=1024 threshold=0.95"

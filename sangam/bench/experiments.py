@@ -21,7 +21,15 @@
   the QPS
   each sustains at the baseline's matched mean latency, against batch-1 Fast-dLLM with full
   refreshes (with ``--adaptive-refresh-rate R``, adaptive refresh at that trigger rate too).
-  What each costs in quality is ``sangam-bench quality``'s to measure.
+  With ``--profiles FILE`` (``sangam-bench quality --profiles``) every DualCache mode of the
+  file is a configuration, served with its own commit profile (forwards per block by block
+  index, at the simulator's block length; adaptive refresh at its measured boundary refresh
+  rate), the baseline with Fast-dLLM's (threshold 0.9, full refreshes), plus the load-adaptive
+  threshold (``--min-threshold``, default 0.7, from 0.9) served with the profiles of the
+  thresholds measured between them; the table gives each one's exact match and block agreement
+  next to its capacity. ``--profile-anchor TPF`` scales every profile's tokens per forward by
+  one factor, the one that gives the baseline's TPF (LLaDA-8B's 3.25 at threshold 0.9): each
+  knob keeps its measured effect relative to Fast-dLLM's, on a model as sure as LLaDA-8B.
 
 Each prints its table(s), writes results.json / summary.csv / requests.csv and a
 latency-vs-QPS figure into ``--out`` (default ``bench-results/sim-NAME``). Request counts are
@@ -38,7 +46,7 @@ from dataclasses import replace
 
 from sangam.bench.capacity import find_capacity
 from sangam.bench.cost_model import GPUS, MODELS
-from sangam.bench.quality import NEVER, REFRESH_CADENCES
+from sangam.bench.quality import CADENCE_THRESHOLD, NEVER, REFRESH_CADENCES, dual_mode_name
 from sangam.bench.report import (
     SUMMARY_COLUMNS,
     format_table,
@@ -48,6 +56,13 @@ from sangam.bench.report import (
 )
 from sangam.bench.sim.config import SimConfig
 from sangam.bench.sim.runs import coefficients_from_args, run_point, step_model_from_args
+from sangam.bench.sim.steps import (
+    ModeProfile,
+    ProfileSteps,
+    StepModel,
+    ThresholdSteps,
+    load_mode_profiles,
+)
 from sangam.bench.traces import load_lengths
 from sangam.sched.config import DRAIN_ITERATIONS
 
@@ -76,8 +91,8 @@ class _Runner:
         return self._lengths[trace]
 
     def point(self, panel: str, label: str, cfg: SimConfig, trace: str, qps: float,
-              keep: bool = True) -> dict:
-        summary, res = run_point(cfg, self.lengths(trace), qps, self.args, label)
+              keep: bool = True, steps: StepModel | None = None) -> dict:
+        summary, res = run_point(cfg, self.lengths(trace), qps, self.args, label, steps)
         summary["panel"] = panel
         print(f"  [{time.perf_counter() - self.start:5.0f}s] {panel} | {label} @ {qps:.3g} QPS:"
               f" mean {summary['latency_mean']:.2f} s, p99 {summary['latency_p99']:.2f} s",
@@ -113,23 +128,26 @@ BASELINE = "fastdllm (batch 1)"
 
 
 def _against_batch1(r: _Runner, panel: str, configs: dict[str, SimConfig],
-                    grid: list[float], trace: str = "sharegpt"
+                    grid: list[float], trace: str = "sharegpt",
+                    steps: dict[str, StepModel] | None = None
                     ) -> tuple[float, float, dict[str, float]]:
     """Latency against QPS for each configuration (the first is the batch-1 baseline), then the
     QPS each sustains at matched latency: twice the baseline's mean latency at light load,
-    where it is pure service time. Returns (light, target, capacity by label)."""
+    where it is pure service time. Returns (light, target, capacity by label). ``steps``: a
+    configuration's own step model (else the flags')."""
+    steps = steps or {}
     for label, cfg in configs.items():
         for q in grid:
-            r.point(panel, label, cfg, trace, q)
+            r.point(panel, label, cfg, trace, q, steps=steps.get(label))
     print(format_table(r.summaries, SUMMARY_COLUMNS))
-    light = r.point(panel, BASELINE, configs[BASELINE], trace, 0.02,
-                    keep=False)["latency_mean"]
+    light = r.point(panel, BASELINE, configs[BASELINE], trace, 0.02, keep=False,
+                    steps=steps.get(BASELINE))["latency_mean"]
     target = 2 * light
     caps = {}
     for label, cfg in configs.items():
         res = find_capacity(
-            lambda q, cfg=cfg, label=label: r.point(panel, label, cfg, trace, q,
-                                                    keep=False)["latency_mean"],
+            lambda q, cfg=cfg, label=label: r.point(panel, label, cfg, trace, q, keep=False,
+                                                    steps=steps.get(label))["latency_mean"],
             target, qps_start=0.2, rel_tol=0.03)
         caps[label] = res.qps
     print(f"\n{panel}: matched mean latency {target:.2f} s (2x the baseline's {light:.2f} s "
@@ -154,10 +172,91 @@ def fastdllm_vs_deficit(args: argparse.Namespace) -> int:
 
 
 
+LOAD_ADAPTIVE_MIN_THRESHOLD = 0.7  # the load-adaptive row's floor (--min-threshold)
+
+
+def profile_configs(profiles: dict[str, ModeProfile], base: SimConfig, anchor: float | None,
+                    min_threshold: float = LOAD_ADAPTIVE_MIN_THRESHOLD
+                    ) -> tuple[dict[str, SimConfig], dict[str, StepModel], dict[str, dict]]:
+    """The refresh-cadence experiment's configurations from a quality sweep's profiles, each
+    with its own step model: (label -> config, label -> step model, label -> what quality
+    measured of it). The baseline (batch-1 Fast-dLLM) and "Fast-dLLM's cache" serve with
+    threshold 0.9's profile; every other DualCache threshold-rule mode at or above 0.9 with its
+    own (adaptive refresh at its boundary refresh rate); the load-adaptive threshold (0.9 down
+    to ``min_threshold``) with the profiles of the thresholds measured in that range
+    (:class:`ThresholdSteps`). ``anchor``: scale every profile's tokens per forward by the one
+    factor that gives the baseline's this many."""
+    fast_name = dual_mode_name(CADENCE_THRESHOLD)
+    if fast_name not in profiles:
+        raise ValueError(f"the profiles have no {fast_name!r} (Fast-dLLM's, the baseline's)")
+    scale = anchor / profiles[fast_name].tokens_per_forward if anchor else 1.0
+
+    def steps(p: ModeProfile) -> ProfileSteps:
+        return replace(p.steps, scale=scale)
+
+    def measured(p: ModeProfile | None, **kw) -> dict:
+        if p is None:
+            return kw
+        return {"mode": p.name, "accuracy": p.accuracy, "block_agreement": p.block_agreement,
+                "tokens_per_forward": p.tokens_per_forward,
+                "boundary_refresh_rate": p.boundary_refresh_rate, **kw}
+
+    tau = replace(base, token_budget=1024)
+    configs = {BASELINE: replace(base, policy="fastdllm")}
+    models = {BASELINE: steps(profiles[fast_name])}
+    info = {BASELINE: measured(profiles[fast_name])}
+    for name, p in profiles.items():
+        if not name.startswith("dual/threshold=") or p.threshold < CADENCE_THRESHOLD:
+            continue
+        if p.refresh_confidence:
+            rate = p.boundary_refresh_rate or 0.0
+            label = (f"tau=1024 {p.threshold:g}, adaptive refresh "
+                     f"{p.refresh_confidence:g} ({rate:.2f} of boundaries)")
+            cfg = replace(tau, threshold=p.threshold, refresh_interval=p.refresh_interval,
+                          adaptive_refresh_rate=rate)
+        else:
+            cadence = (p.refresh_interval, p.prompt_refresh_interval)
+            what = ("Fast-dLLM's cache" if cadence == (1, 1) else
+                    f"refresh every {cadence[0]}, full every {cadence[1]}")
+            label = f"tau=1024 {p.threshold:g}, {what}"
+            cfg = replace(tau, threshold=p.threshold, refresh_interval=cadence[0],
+                          prompt_refresh_interval=cadence[1])
+        configs[label], models[label], info[label] = cfg, steps(p), measured(p)
+    by_threshold = {p.threshold: steps(p) for name, p in profiles.items()
+                    if name == dual_mode_name(p.threshold)
+                    and min_threshold <= p.threshold <= CADENCE_THRESHOLD}
+    if len(by_threshold) > 1:
+        label = f"tau=1024 load-adaptive threshold {CADENCE_THRESHOLD:g}->{min_threshold:g}"
+        configs[label] = replace(tau, threshold=CADENCE_THRESHOLD, min_threshold=min_threshold)
+        models[label] = ThresholdSteps(by_threshold)
+        info[label] = {"mode": "load-adaptive", "thresholds": sorted(by_threshold),
+                       "accuracy_by_threshold": {
+                           f"{t:g}": profiles[dual_mode_name(t)].accuracy for t in by_threshold},
+                       "block_agreement_by_threshold": {
+                           f"{t:g}": profiles[dual_mode_name(t)].block_agreement
+                           for t in by_threshold}}
+    return configs, models, info
+
+
+def _interpolate(points: dict[str, float | None], t: float) -> float | None:
+    """A score at threshold ``t``, linear between the measured thresholds."""
+    pts = sorted((float(k), v) for k, v in points.items() if v is not None)
+    if not pts:
+        return None
+    if t <= pts[0][0]:
+        return pts[0][1]
+    for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
+        if t <= t1:
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+    return pts[-1][1]
+
+
 def refresh_cadence(args: argparse.Namespace) -> int:
     r = _Runner("refresh-cadence", args)
     panel = f"LLaDA-8B, ShareGPT, 1x {GPUS[args.gpu].name}"
     base = _base(args, model="llada")
+    if args.profiles:
+        return _refresh_cadence_profiles(r, args, panel, base)
     configs = {BASELINE: replace(base, policy="fastdllm")}
     for ri, pi in ((1, 1), *REFRESH_CADENCES):  # the quality sweep's, and Fast-dLLM's
         configs[f"tau=1024 refresh every {ri}, full every {pi}"] = replace(
@@ -169,6 +268,53 @@ def refresh_cadence(args: argparse.Namespace) -> int:
     _, target, caps = _against_batch1(r, panel, configs, _grid(args, [0.2, 0.5, 1.0, 1.5]))
     r.finish({"matched_latency_s": target, "capacity_qps": caps,
               "cadences": REFRESH_CADENCES}, panel)
+    return 0
+
+
+def _refresh_cadence_profiles(r: _Runner, args: argparse.Namespace, panel: str,
+                              base: SimConfig) -> int:
+    try:
+        configs, models, info = profile_configs(
+            load_mode_profiles(args.profiles), base, args.profile_anchor,
+            args.min_threshold if args.min_threshold is not None
+            else LOAD_ADAPTIVE_MIN_THRESHOLD)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"sangam-bench sim --experiment refresh-cadence: {e}") from e
+    for label, m in models.items():
+        print(f"  {label}: {m.describe()}", file=sys.stderr)
+    _, target, caps = _against_batch1(r, panel, configs, _grid(args, [0.2, 0.5, 1.0, 1.5]),
+                                      steps=models)
+    rows = {}
+    for label, cfg in configs.items():  # each at its capacity: tokens per forward, threshold
+        at = r.point(panel, label, cfg, "sharegpt", caps[label], keep=False,
+                     steps=models[label]) if caps[label] else {}
+        row = {**info[label], "capacity_qps": caps[label],
+               "vs_baseline": caps[label] / caps[BASELINE] if caps[BASELINE] else None,
+               "sim_tokens_per_forward": at.get("tokens_per_forward"),
+               "threshold_mean": at.get("threshold_mean")}
+        if "accuracy_by_threshold" in info[label] and row["threshold_mean"] is not None:
+            row["accuracy"] = _interpolate(info[label]["accuracy_by_threshold"],
+                                           row["threshold_mean"])
+            row["block_agreement"] = _interpolate(info[label]["block_agreement_by_threshold"],
+                                                  row["threshold_mean"])
+        rows[label] = row
+    print(f"\neach configuration with its own profile ({args.profiles}"
+          + (f", tokens per forward scaled so the baseline's is {args.profile_anchor:g}"
+             if args.profile_anchor else ", as measured") + "):")
+    print(f"  {'configuration':<58}{'exact':>7}{'blocks':>8}{'tok/fwd':>9}{'sim tok/fwd':>12}"
+          f"{'QPS':>8}{'x base':>8}")
+    for label, row in rows.items():
+        def pct(v):
+            return "-" if v is None else f"{100 * v:.1f}%"
+        tpf = row.get("tokens_per_forward")
+        print(f"  {label:<58}{pct(row.get('accuracy')):>7}{pct(row.get('block_agreement')):>8}"
+              f"{'-' if tpf is None else f'{tpf:.2f}':>9}"
+              f"{row['sim_tokens_per_forward'] or 0:>12.2f}{row['capacity_qps']:>8.3f}"
+              f"{row['vs_baseline'] or 0:>8.2f}"
+              + (f"  (mean threshold {row['threshold_mean']:.3f})"
+                 if row.get("threshold_mean") is not None else ""))
+    r.finish({"matched_latency_s": target, "capacity_qps": caps, "profiles": args.profiles,
+              "profile_anchor": args.profile_anchor, "rows": rows}, panel)
     return 0
 
 

@@ -20,6 +20,15 @@ token below that confidence). Per mode it reports
 - confidence: the mean probability of the response's tokens (up to its end) at the step that
   committed each.
 
+``--profiles FILE`` writes each mode's commit profile (one entry per mode name), what
+``sangam-bench sim --experiment refresh-cadence --profiles FILE`` serves each configuration
+with: the forwards each block took (its refresh forward included), per block index of the
+response, and which blocks started with a refresh (:func:`commit_profile`). The bench observes
+them by driving ``llm.engine`` itself (``add_request`` / ``step``, as ``LLM.generate`` does) and
+differencing each per-block output's ``num_forwards`` and ``metrics["num_refreshes"]``, as
+``sangam-bench serve`` does. A simulated forward costs what its span costs, not what it commits,
+so forwards per block and which blocks refresh are all the simulator needs of a mode.
+
 The task set defaults to the families the model was trained on (its ``training.json``, as the
 demo models' training script writes), else the short demo's; ``max_tokens`` and
 ``block_length`` default to the model's own (``generation_config.json``). ``--json`` writes
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -60,6 +70,18 @@ DEFAULT_CADENCES = (*REFRESH_CADENCES, (NEVER, 1))  # NEVER: a deliberately bad 
 DEFAULT_REFRESH_CONFIDENCES = (0.99, 0.999)
 CADENCE_THRESHOLD = 0.9
 VANILLA = "vanilla"
+_REQUEST_IDS = itertools.count()
+
+
+def dual_mode_name(threshold: float, refresh_interval: int = 1, prompt_refresh_interval: int = 1,
+                   refresh_confidence: float = 0.0) -> str:
+    """The sweep's name of a DualCache threshold-rule mode (the key of its profile)."""
+    name = f"dual/threshold={threshold:g}"
+    if refresh_confidence:
+        return f"{name}/cadence={refresh_interval}x1/refresh_confidence={refresh_confidence:g}"
+    if (refresh_interval, prompt_refresh_interval) != (1, 1):
+        return f"{name}/cadence={refresh_interval}x{prompt_refresh_interval}"
+    return name
 
 
 @dataclass(frozen=True)
@@ -85,10 +107,10 @@ def sweep(thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
                                                   "cache": cache}) for v in factors]
     for t in cadence_thresholds:
         cadence = {"unmasking": "threshold", "threshold": t, "cache": "dual"}
-        modes += [Mode(f"dual/threshold={t:g}/cadence={r}x{m}",
+        modes += [Mode(dual_mode_name(t, r, m),
                        {**cadence, "refresh_interval": r, "prompt_refresh_interval": m})
                   for r, m in cadences]
-        modes += [Mode(f"dual/threshold={t:g}/cadence={NEVER}x1/refresh_confidence={c:g}",
+        modes += [Mode(dual_mode_name(t, NEVER, 1, c),
                        {**cadence, "refresh_interval": NEVER, "refresh_confidence": c})
                   for c in refresh_confidences]
     return modes
@@ -116,11 +138,87 @@ def block_agreement(tokens: list[int], reference: list[int], block_length: int) 
     return same, blocks
 
 
+def decode_observed(llm, prompt_ids: list[list[int]], params: SamplingParams
+                    ) -> tuple[list, list[list[tuple[int, bool]]]]:
+    """Decode every prompt as ``LLM.generate`` does (all submitted at once, the engine stepped
+    until each finishes), watching each block end: the final outputs, in input order, and per
+    request its blocks' (forwards, started with a refresh). The engine emits an output whenever
+    a request completes a block; its ``num_forwards`` and ``metrics["num_refreshes"]`` count
+    everything so far, so their differences are the block's (the refresh that started it is
+    counted by then, the next block's is not)."""
+    engine = llm.engine
+    rids = [f"quality-{next(_REQUEST_IDS)}" for _ in prompt_ids]
+    index = {rid: i for i, rid in enumerate(rids)}
+    last = [(0, 0)] * len(rids)
+    blocks: list[list[tuple[int, bool]]] = [[] for _ in rids]
+    done: dict[int, object] = {}
+    try:
+        for rid, prompt in zip(rids, prompt_ids):
+            engine.add_request(rid, prompt, params)
+        while len(done) < len(rids):
+            for out in engine.step():
+                i = index.get(out.request_id)
+                if i is None:
+                    continue
+                forwards, refreshes = out.num_forwards, out.metrics["num_refreshes"]
+                if forwards > last[i][0]:  # a block ended (a finished output may repeat one)
+                    blocks[i].append((forwards - last[i][0], refreshes > last[i][1]))
+                    last[i] = (forwards, refreshes)
+                if out.finished:
+                    done[i] = out
+    finally:  # interrupted: what is left must not linger in the engine
+        for i, rid in enumerate(rids):
+            if i not in done:
+                engine.abort_request(rid)
+    return [done[i] for i in range(len(rids))], blocks
+
+
+def commit_profile(blocks: list[list[tuple[int, bool]]], params: SamplingParams) -> dict:
+    """A mode's commit profile, as ``--profiles`` writes it and
+    :func:`sangam.bench.sim.steps.load_mode_profiles` reads it:
+
+    - ``block_length``, the mode's ``threshold``, ``min_threshold``, cadence and
+      ``refresh_confidence``;
+    - ``forwards_per_block``: per block index of the response (0 = the block after the
+      prompt), a histogram {forwards: blocks}, the block's refresh forward included. Each block
+      decodes ``block_length`` positions, so its tokens per forward is ``block_length /
+      forwards``: the simulator applies that distribution at its own block length B (a block
+      then takes about B / tokens-per-forward forwards);
+    - ``refreshed_per_block``: per block index, [blocks that started with a refresh, blocks];
+    - ``boundary_refresh_rate``: of the block boundaries (every block but a response's first),
+      the share that refreshed; for adaptive refresh (no cadence refresh after block 0) the
+      trigger rate the simulator's ``adaptive_refresh_rate`` stands for;
+    - ``tokens_per_forward``: the mean, positions decoded over forwards."""
+    width = max((len(b) for b in blocks), default=0)
+    hist: list[dict[str, int]] = [{} for _ in range(width)]
+    refreshed = [[0, 0] for _ in range(width)]
+    for request in blocks:
+        for b, (forwards, refresh) in enumerate(request):
+            hist[b][str(forwards)] = hist[b].get(str(forwards), 0) + 1
+            refreshed[b][0] += refresh
+            refreshed[b][1] += 1
+    hist = [dict(sorted(h.items(), key=lambda kv: int(kv[0]))) for h in hist]
+    n_blocks = sum(len(r) for r in blocks)
+    forwards = sum(f for r in blocks for f, _ in r)
+    boundaries = sum(n for _, n in refreshed[1:])
+    return {"block_length": params.block_length, "threshold": params.threshold,
+            "min_threshold": params.min_threshold, "unmasking": params.unmasking,
+            "cache": params.cache, "refresh_interval": params.refresh_interval,
+            "prompt_refresh_interval": params.prompt_refresh_interval,
+            "refresh_confidence": params.refresh_confidence,
+            "blocks": n_blocks, "forwards": forwards,
+            "tokens_per_forward": n_blocks * params.block_length / forwards if forwards else None,
+            "boundary_refresh_rate": (sum(r for r, _ in refreshed[1:]) / boundaries
+                                      if boundaries else None),
+            "forwards_per_block": hist, "refreshed_per_block": refreshed}
+
+
 def evaluate_mode(llm, tasks: list[Task], prompt_ids: list[list[int]], params: SamplingParams,
                   reference: list[list[int]] | None = None) -> tuple[dict, list[list[int]]]:
-    """Decode every task with ``params``: the mode's metrics, and each response's tokens."""
+    """Decode every task with ``params``: the mode's metrics (its commit profile under
+    ``"profile"``), and each response's tokens."""
     start = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompt_ids, sampling_params=params)
+    outs, observed = decode_observed(llm, prompt_ids, params)
     seconds = time.perf_counter() - start
     correct: dict[str, list[int]] = {f: [] for f in dict.fromkeys(t.family for t in tasks)}
     for task, out in zip(tasks, outs):
@@ -150,6 +248,7 @@ def evaluate_mode(llm, tasks: list[Task], prompt_ids: list[list[int]], params: S
                                if blocks > len(outs) else None),
         "confidence": sum(map(math.exp, probs)) / len(probs) if probs else None,
         "seconds": seconds,
+        "profile": commit_profile(observed, params),
     }
     return result, tokens
 
@@ -215,9 +314,30 @@ def trained_families(model_dir: str) -> tuple[str, ...]:
     return DEMO_FAMILIES
 
 
+def _write_reports(args: argparse.Namespace, results: dict[str, dict], model: str,
+                   families: tuple[str, ...], num_instances: int, max_tokens: int,
+                   block_length: int) -> None:
+    """``--json`` (everything) and ``--profiles`` (each mode's commit profile, with its exact
+    match and block agreement)."""
+    head = {"model": model, "families": families, "num_instances": num_instances,
+            "seed": args.seed, "max_tokens": max_tokens, "block_length": block_length}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**head, "modes": results}, f, indent=2)
+    if args.profiles:
+        with open(args.profiles, "w") as f:
+            json.dump({**head, "modes": {
+                name: {"accuracy": r["accuracy"], "block_agreement": r["block_agreement"],
+                       **r["profile"]} for name, r in results.items()}}, f, indent=2)
+
+
 def run(args: argparse.Namespace) -> int:
     from sangam import LLM
 
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
     if llm.tokenizer is None:
         raise SystemExit(f"{args.model}: the checkpoint has no tokenizer; quality needs one")
@@ -280,14 +400,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"{mode.name}: exact {r['accuracy']:.3f}, blocks {r['block_agreement']:.3f}, "
                   f"{r['tokens_per_forward']:.2f} tokens/forward, {r['seconds']:.1f}s",
                   file=sys.stderr, flush=True)
+        # After every mode, so that a sweep cut short keeps what it measured.
+        _write_reports(args, results, model, families, len(tasks), max_tokens, block_length)
     print(header)
     print(format_table(results))
-    if args.json:
-        report = {"model": model, "families": families, "num_instances": len(tasks),
-                  "seed": args.seed, "max_tokens": max_tokens, "block_length": block_length,
-                  "modes": results}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
     if args.plot:
         title = (f"{os.path.basename(str(model).rstrip('/'))}: {len(tasks)} held-out tasks, "
                  f"{max_tokens}-token canvas, blocks of {block_length}")
@@ -334,6 +450,12 @@ def register(subparsers) -> None:
                    help="block length (default: the model's generation_config.json)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="write the accuracy/speed PNG here")
+    p.add_argument("--profiles", default=None,
+                   help="write each mode's commit profile (forwards per block by block index, "
+                        "refreshes) to this JSON file: sangam-bench sim --experiment "
+                        "refresh-cadence --profiles reads it")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's)")
     p.add_argument("--verbose", action="store_true", help="print each mode as it finishes")
     structured.add_args(p)
     p.set_defaults(func=run)

@@ -20,7 +20,9 @@ Reported per configuration and QPS: end-to-end latency mean/p50/p90/p99, time to
 queueing before prefills and decode time (from the engine's per-request metrics), throughput
 (requests/s, output tokens/s), tokens per forward and mean batch size. ``--out DIR`` writes
 ``results.json``, ``summary.csv``, ``requests.csv``, ``latency_vs_qps.png`` and ``profile.json``
-(forwards per block, the input of ``sangam-bench sim --step-profile``).
+(forwards per block, over all configurations and per configuration under ``configs``: the
+input of ``sangam-bench sim --step-profile``; with ``--against`` each simulated configuration
+takes its own).
 """
 
 from __future__ import annotations
@@ -349,6 +351,7 @@ class Bench:
         self.specs = {} if args.url else compare_specs(args)
         self.configs = {label: cfg for label, (cfg, _) in self.specs.items()}
         self.steps: Counter = Counter()
+        self.steps_by_config: dict[str, Counter] = {}  # each configuration's own
         self._lengths: list[LengthSample] | None = None
 
     def lengths(self, cfg: EngineConfig | None) -> list[LengthSample]:
@@ -390,6 +393,7 @@ class Bench:
             del engine
             _release_device_memory()
         self.steps.update(res.steps_per_block)
+        self.steps_by_config.setdefault(label, Counter()).update(res.steps_per_block)
         summary = {"config": label, **summarize(res.records, qps), **res.extra}
         return summary, res
 
@@ -447,13 +451,16 @@ def write_serve_outputs(args: argparse.Namespace, bench: Bench, summaries: list[
     paths += plot_latency(os.path.join(args.out, "latency_vs_qps.png"),
                           {f"{model}, {args.trace} x{args.length_scale:g}": by_config})
     if bench.steps:
+        def hist(steps: Counter) -> dict:
+            return {"mean_forwards_per_block": sum(k * c for k, c in steps.items())
+                    / sum(steps.values()),
+                    "steps_per_block": {str(k): c for k, c in sorted(steps.items())}}
+
         path = os.path.join(args.out, "profile.json")
-        total = sum(bench.steps.values())
-        with open(path, "w") as f:
-            json.dump({"block_length": args.block_length,
-                       "mean_forwards_per_block": sum(k * c for k, c in bench.steps.items())
-                       / total,
-                       "steps_per_block": {str(k): c for k, c in sorted(bench.steps.items())}},
+        with open(path, "w") as f:  # all configurations together, and each one's own
+            json.dump({"block_length": args.block_length, **hist(bench.steps),
+                       "configs": {label: hist(steps)
+                                   for label, steps in bench.steps_by_config.items() if steps}},
                       f, indent=2)
         paths.append(path)
     return paths

@@ -9,10 +9,14 @@ from sangam.bench.sim.simulator import SimResult, Simulator, simulate
 from sangam.bench.sim.steps import (
     FixedSteps,
     GeometricSteps,
+    ModeProfile,
     ProfileSteps,
     StepModel,
+    ThresholdSteps,
+    load_mode_profiles,
     load_step_profile,
 )
 
-__all__ = ["FixedSteps", "GeometricSteps", "ProfileSteps", "SimConfig", "SimResult",
-           "Simulator", "StepModel", "load_step_profile", "simulate"]
+__all__ = ["FixedSteps", "GeometricSteps", "ModeProfile", "ProfileSteps", "SimConfig",
+           "SimResult", "Simulator", "StepModel", "ThresholdSteps", "load_mode_profiles",
+           "load_step_profile", "simulate"]

@@ -67,6 +67,12 @@ _HELP = {
     "adaptive_refresh_rate": "adaptive refresh: the share of blocks the cadence starts from "
                              "cache that refresh fully anyway (sangam-bench quality measures "
                              "it for a refresh_confidence)",
+    "threshold": "threshold of the threshold rule (what a --step-profile or --profiles profile "
+                 "was measured at; the load-adaptive threshold starts from it)",
+    "min_threshold": "load-adaptive threshold (SamplingParams.min_threshold): each block's "
+                     "threshold is the engine's threshold_under(the worker's load), and its "
+                     "steps come from that threshold's profile (refresh-cadence --profiles; "
+                     "default there 0.7)",
     "max_tokens": "fixed max_tokens of every request (canvas size); default: its output length",
     "page_size": "KV page size in tokens",
     "num_pages": "KV pages per worker; default: GPU memory left after the weights",
@@ -121,6 +127,14 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
                    help="forwards-per-block histogram recorded by sangam-bench serve "
                         "(profile.json); replaces --tokens-per-step")
     if not for_capacity:
+        t.add_argument("--profiles", default=None,
+                       help="refresh-cadence experiment: the commit profiles of sangam-bench "
+                            "quality --profiles, one per configuration (forwards per block by "
+                            "block index, refresh rates)")
+        t.add_argument("--profile-anchor", type=float, default=None, metavar="TPF",
+                       help="with --profiles: scale every profile's tokens per forward by one "
+                            "factor, the one that makes Fast-dLLM's (threshold 0.9) this many "
+                            "(LLaDA-8B's: 3.25); default: as measured")
         t.add_argument("--qps", default=None,
                        help="offered load(s), comma-separated ('inf': all at once); default 1, "
                             "experiments have their own grids")
@@ -133,7 +147,8 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
                        help="run one of the paper's experiments, or refresh-cadence / "
                             "adaptive-tau / block-causal (of the deployment flags it takes "
                             "--gpu, --link, --layerwise-kv-streaming, --calibration and "
-                            "--seed, and refresh-cadence --adaptive-refresh-rate; "
+                            "--seed, and refresh-cadence --adaptive-refresh-rate, "
+                            "--profiles, --profile-anchor and --min-threshold; "
                             "--num-requests and --qps "
                             "replace its defaults)")
 
@@ -188,9 +203,14 @@ def run(args: argparse.Namespace) -> int:
     summaries, records = [], []
     print(f"trace {args.trace}: {len(lengths)} requests, {args.arrival} arrivals; "
           f"{steps.describe()}", file=sys.stderr)
+    # Against a serve run that recorded each configuration's profile: each its own.
+    own = validation.step_profiles(args.against) if args.against and args.step_profile else {}
     for label, cfg in configs.items():
+        mine = own.get(validation.sim_key(cfg))
+        if mine is not None:
+            print(f"  {label}: its own profile, {mine.describe()}", file=sys.stderr)
         for qps in qps_list:
-            summary, res = run_point(cfg, lengths, qps, args, label)
+            summary, res = run_point(cfg, lengths, qps, args, label, mine)
             print(f"  {label} @ {qps:g} QPS: mean {summary['latency_mean']:.2f} s", file=sys.stderr)
             summaries.append(summary)
             records += [{"config": label, "qps": qps, **r} for r in res.records]

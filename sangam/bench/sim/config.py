@@ -39,6 +39,12 @@ class SimConfig:
     # share of the blocks the cadence starts from cache that refresh fully anyway, drawn per
     # (seed, request, block); sangam-bench quality measures it for a refresh_confidence.
     adaptive_refresh_rate: float = 0.0
+    # The threshold rule's threshold, and the load-adaptive floor (SamplingParams.min_threshold):
+    # with it each block's threshold is the engine's SamplingParams.threshold_under(the worker's
+    # load as it starts the block), and a step model per threshold (ThresholdSteps) decides
+    # what that block commits; without it every block decodes at ``threshold``.
+    threshold: float = _REQUEST.threshold
+    min_threshold: float | None = None
     max_tokens: int | None = None  # fixed canvas; None: each request's output length
     page_size: int = _ENGINE["page_size"].default
     num_pages: int | None = None  # per worker; None: what the GPU has left after the weights
@@ -65,10 +71,16 @@ class SimConfig:
         params = SamplingParams(block_length=self.block_length, cache=self.cache,
                                 refresh_interval=self.refresh_interval,
                                 prompt_refresh_interval=self.prompt_refresh_interval,
-                                refresh_confidence=0.5 if self.adaptive_refresh_rate else 0.0)
+                                refresh_confidence=0.5 if self.adaptive_refresh_rate else 0.0,
+                                threshold=self.threshold, min_threshold=self.min_threshold)
         if self.block_causal:
             deployment.check_block_causal()
             params.check_block_causal()
+
+    @property
+    def request_params(self) -> SamplingParams:
+        """What decides a block's threshold: ``threshold_under(load)`` is the engine's."""
+        return SamplingParams(threshold=self.threshold, min_threshold=self.min_threshold)
 
     @property
     def block_causal(self) -> bool:
@@ -103,6 +115,10 @@ class SimConfig:
             cadence = f" refresh={self.refresh_interval}/{self.prompt_refresh_interval}"
         if self.adaptive_refresh_rate:
             cadence += f" adaptive={self.adaptive_refresh_rate:g}"
+        if self.min_threshold is not None:
+            cadence += f" threshold {self.threshold:g}->{self.min_threshold:g}"
+        elif self.threshold != _REQUEST.threshold:
+            cadence += f" threshold {self.threshold:g}"
         if self.enable_chunked_prefill and self.block_causal:
             cadence += " chunked"
         return f"{where} {core}" + (" lw" if self.layerwise_kv_streaming else "") + cadence

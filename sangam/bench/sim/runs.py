@@ -58,13 +58,19 @@ def make_trace(lengths: Sequence[LengthSample], qps: float, args: argparse.Names
 
 
 def run_point(config: SimConfig, lengths: Sequence[LengthSample], qps: float,
-              args: argparse.Namespace, label: str) -> tuple[dict, SimResult]:
-    """One simulated run; its summary carries ``config`` (the label) and utilization."""
+              args: argparse.Namespace, label: str, steps: StepModel | None = None
+              ) -> tuple[dict, SimResult]:
+    """One simulated run; its summary carries ``config`` (the label) and utilization (and, for
+    a load-adaptive threshold, the mean threshold its blocks decoded at). ``steps``: the
+    configuration's own step model (a quality profile's), else the flags'."""
     res = simulate(config, make_trace(lengths, qps, args), qps,
-                   coefficients_from_args(args, config), step_model_from_args(args),
+                   coefficients_from_args(args, config), steps or step_model_from_args(args),
                    geometry_from_args(args, config))
     summary = {"config": label, **summarize(res.records, qps)}
     summary["utilization"] = sum(w["utilization"] for w in res.workers) / len(res.workers)
+    thresholds = [r["threshold"] for r in res.records if r.get("threshold") is not None]
+    if thresholds:
+        summary["threshold_mean"] = sum(thresholds) / len(thresholds)
     return summary, res
 
 

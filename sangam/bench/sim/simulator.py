@@ -70,6 +70,7 @@ class _Worker:
     send_free: float = 0.0  # when the outbound link is next free
     recv_free: float = 0.0  # when the inbound link is next free
     busy_s: float = 0.0
+    load: float = 0.0  # BatchBuilder.load as the iteration in flight was scheduled
     iterations: int = 0
     batch_sum: int = 0
     prefill_tokens: int = 0
@@ -84,6 +85,7 @@ class _Live:
     gen_len: int
     blocks_to_decode: int  # the request stops after this block (its output ends there)
     plan: tuple[int, list[int]] = (-1, [])  # (block, tokens each of its forwards commits)
+    thresholds: dict[int, float] | None = None  # block -> its threshold (load-adaptive)
     forwards: int = 0  # as of the start of the current block
     transfer_s: float = 0.0  # exposed K/V transfer time, summed over blocks
 
@@ -145,6 +147,8 @@ class Simulator:
         self.num_pages = config.num_pages or kv_pool_pages(
             self.geom, gpu, config.page_size, config.memory_fraction)
         self.link_bw = LINKS[config.link]
+        self._params = config.request_params  # threshold_under: the engine's
+        self._load = 0.0  # of the worker whose iteration is being planned or completed
 
     # One run.
     def run(self, trace: Sequence[TraceRequest], qps: float = math.nan) -> SimResult:
@@ -241,6 +245,9 @@ class Simulator:
             batch = w.core.schedule(now)
             if batch is None:
                 continue  # nothing, or memory-blocked; a later event frees pages
+            # The load a load-adaptive block's threshold follows: the engine's worker reads
+            # BatchBuilder.load once the batch is scheduled.
+            w.load = self._load = w.core.builder.load
             spans = [self._span(r, t.payload.live)
                      for r, t in zip(batch.requests, w.core.batch_tasks(batch))]
             dt = self.cost.iteration_time(spans)
@@ -265,6 +272,7 @@ class Simulator:
         (refreshes run, K/V sent, blocks done) as the front reads them."""
         now = self._now
         batch, w.batch = w.batch, None
+        self._load = w.load
         tasks = w.core.batch_tasks(batch)
         outcomes = [self._advance(r, t.payload) for r, t in zip(batch.requests, tasks)]
         out = w.core.complete(batch, tasks, outcomes, w.started, now)
@@ -279,12 +287,14 @@ class Simulator:
             if isinstance(ev, BlockEnded):
                 self._block_ended(ev, w)
 
-    def block_commits(self, request_id: str, block: int, block_length: int) -> list[int]:
+    def block_commits(self, request_id: str, block: int, block_length: int,
+                      threshold: float | None = None) -> list[int]:
         """The tokens each forward of a request's block commits: a function of (seed, request,
-        block), so a block run again (after a drained transfer) commits the same, as the model
-        would, whatever the order of events."""
+        block, threshold), so a block run again (after a drained transfer) at the same
+        threshold commits the same, as the model would, whatever the order of events."""
         rng = random.Random(f"{self.config.seed}:{request_id}:{block}")
-        return self.steps.block_commits(rng, block_length)
+        return self.steps.block_commits(rng, block_length, block,
+                                        self.config.threshold if threshold is None else threshold)
 
     def block_plan(self, live: _Live, cursor: BlockCursor) -> list[int]:
         """``block_commits`` of the block ``cursor`` is at (drawn once per block): over its
@@ -293,8 +303,13 @@ class Simulator:
             masks = cursor.block_length
             if cursor.block_causal and cursor.block == 0:
                 masks -= cursor.prompt_len - cursor.block_origin
+            # A load-adaptive block's threshold, as the engine's DecodeState.set_load sets it
+            # when the block's first forward runs: the worker's load then.
+            threshold = self._params.threshold_under(self._load)
+            if self.config.min_threshold is not None:
+                live.thresholds = (live.thresholds or {}) | {cursor.block: threshold}
             live.plan = (cursor.block, self.block_commits(live.request.request_id,
-                                                          cursor.block, masks))
+                                                          cursor.block, masks, threshold))
         return live.plan[1]
 
     def _advance(self, r: Request, progress: _Progress) -> StepOutcome:
@@ -389,6 +404,8 @@ class Simulator:
             "queueing": m.queueing_time, "decode": m.decode_time, "transfer": live.transfer_s,
             "forwards": m.num_steps, "prompt_len": req.prompt_len, "gen_len": live.gen_len,
             "canvas_tokens": live.blocks_to_decode * req.block_length,
+            "threshold": (sum(live.thresholds.values()) / len(live.thresholds)
+                          if live.thresholds else None),  # its blocks' mean: load-adaptive
         })
         del self._lives[req.request_id]
 
