@@ -275,6 +275,7 @@ class BatchBuilder:
             if len(decodes) + len(prefills) >= self.max_batch_size:
                 batch_full = True
                 break
+            stored = head.cursor.prefilled  # what a look-up not taken up leaves it at
             hit = self._look_up(head)
             if hit is None:  # its prefix is being computed in this batch: share it next time
                 batch_full = True
@@ -285,7 +286,7 @@ class BatchBuilder:
                 if self.config.chunked_prefill:
                     chunk = head.chunk_room(remaining - admitted)
                 if not chunk:
-                    self._set_prefilled(head, 0)
+                    self._set_prefilled(head, stored)
                     break  # strict head-of-line: nothing behind it may leapfrog
             if not head.pages and not self._take_pages(head, hit):
                 memory_blocked = True
@@ -387,9 +388,9 @@ class BatchBuilder:
             req.published = final
 
     def _look_up(self, req: Request) -> list[int] | None:
-        """For a head about to get its pages: the cached pages its prompt starts with (their
-        tokens set as prefilled, its cost now what is left), or None when the page after them
-        is pending in this batch."""
+        """For a head about to get its pages (its first admission: nothing of its prompt
+        stored): the cached pages its prompt starts with (their tokens set as prefilled, its
+        cost now what is left), or None when the page after them is pending in this batch."""
         if req.pages or not req.page_keys or self.prefix_cache is None:
             return []
         pages, pending = self.prefix_cache.match(req.page_keys)
@@ -414,7 +415,8 @@ class BatchBuilder:
         n = req.pages_needed(self.page_size) - len(hit)
         if not self.allocator.can_allocate(n):
             self.allocator.free(hit)
-            self._set_prefilled(req, 0)
+            if hit:  # the look-up's doing: nothing of the prompt is stored after all
+                self._set_prefilled(req, 0)
             return False
         req.pages = hit + self.allocator.allocate(n)
         req.published = len(hit)

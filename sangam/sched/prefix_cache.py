@@ -26,16 +26,15 @@ dropped. Pure Python, owned by one worker's batch builder.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Sequence
-
-import numpy as np
 
 from sangam.sched.page_allocator import PageAllocator
 
 _DIGEST_BYTES = 16
 
 
-def prefix_page_keys(tokens: Sequence[int] | np.ndarray, cached_len: int, page_size: int,
+def prefix_page_keys(tokens: Sequence[int], cached_len: int, page_size: int,
                      block_length: int) -> list[bytes]:
     """The keys of the pages wholly inside ``tokens[:cached_len]`` (``cached_len``: a multiple
     of ``block_length``, so every key's tokens are there), in order."""
@@ -44,7 +43,7 @@ def prefix_page_keys(tokens: Sequence[int] | np.ndarray, cached_len: int, page_s
     return keys
 
 
-def extend_page_keys(keys: list[bytes], tokens: Sequence[int] | np.ndarray, cached_len: int,
+def extend_page_keys(keys: list[bytes], tokens: Sequence[int], cached_len: int,
                      page_size: int, block_length: int) -> None:
     """Append to ``keys`` (those of the first pages) the keys of the pages up to
     ``tokens[:cached_len]``, as :func:`prefix_page_keys` (a request's finished blocks join its
@@ -52,14 +51,16 @@ def extend_page_keys(keys: list[bytes], tokens: Sequence[int] | np.ndarray, cach
     if cached_len % block_length:
         raise ValueError(f"cached_len ({cached_len}) must be a multiple of block_length "
                          f"({block_length})")
-    arr = np.ascontiguousarray(tokens[:cached_len], dtype=np.int64)
+    # Token ids as int64 bytes (a numpy array of them, a list: the same digest). Pure Python:
+    # the policy core imports neither torch nor numpy.
+    arr = array("q", tokens[:cached_len])
     key = keys[-1] if keys else hashlib.blake2b(
         f"sangam-prefix/{page_size}/{block_length}".encode(), digest_size=_DIGEST_BYTES).digest()
     for i in range(len(keys), cached_len // page_size):
         end = (i + 1) * page_size
         depends_to = -(-end // block_length) * block_length
         h = hashlib.blake2b(key, digest_size=_DIGEST_BYTES)
-        h.update(arr[i * page_size:depends_to].tobytes())
+        h.update(arr[i * page_size:depends_to])
         key = h.digest()
         keys.append(key)
 

@@ -85,10 +85,10 @@ class StreamOptions(RequestBody):
 # constants (tests/test_serve_protocol_fields.py holds the two to each other). A token id's
 # bound is the model's vocabulary: the served schema says so (TOKEN_ID_MARK, see openapi.py).
 TOKEN_ID_MARK = "x-sangam-token-id"
-# An OpenAI field of which Sangam serves one value only (best_of, the Responses API's n): any
-# integer validates, so that another is refused by name with a 400 that says why, but the
-# schema states the value served.
-OnlyOne = Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": 1})]
+# An OpenAI field of which Sangam serves one value only (best_of, the Responses API's n): an
+# integer in n's bounds validates, so that another is refused by name with a 400 that says
+# why, but the schema states the value served.
+OnlyOne = Annotated[int, Field(ge=1, le=MAX_N, json_schema_extra={"minimum": 1, "maximum": 1})]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32, json_schema_extra={TOKEN_ID_MARK: True})]
 Length = Annotated[int, Field(ge=1, le=MAX_INT32)]
 Probability = Annotated[float, Field(ge=0, le=1)]
