@@ -44,6 +44,7 @@ from sangam.sched.batch_builder import BatchBuilder
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.placement import Placement
 from sangam.sched.worker_core import WorkerCore
+from sangam.testing import make_tiny_checkpoint
 
 BLOCK = 16
 NUM_PAGES = 24  # per worker: a few canvases at a time, so requests wait for memory
@@ -68,12 +69,13 @@ def make_trace(n: int = 48, seed: int = 0) -> list[TraceRequest]:
     return out
 
 
-def sim_config(deployment: str, cache: str, cadence: tuple[int, int] = (1, 1)) -> SimConfig:
+def sim_config(deployment: str, cache: str, cadence: tuple[int, int] = (1, 1),
+               model: str = "llada") -> SimConfig:
     mode, a, b = DEPLOYMENTS[deployment]
     workers = ({"num_workers": a} if mode == "colocated"
                else {"prefill_workers": a, "decode_workers": b})
     # theta = 64: every prefill worker is often that far behind, so hybrid overflow fires.
-    return SimConfig(mode=mode, **workers, token_budget=256, max_batch_size=8,
+    return SimConfig(model=model, mode=mode, **workers, token_budget=256, max_batch_size=8,
                      overflow_threshold=64, block_length=BLOCK, cache=cache, num_pages=NUM_PAGES,
                      refresh_interval=cadence[0], prompt_refresh_interval=cadence[1])
 
@@ -152,7 +154,10 @@ class StubRunner:
         rid_of = {id(t.payload): rid for rid, t in self.worker.core.tasks.items()}
         outcomes = []
         for st in states:
-            plan = self.sim.block_commits(rid_of[id(st)], st.block, st.params.block_length)
+            masks = st.params.block_length  # the block's masks (as the simulator's block_plan)
+            if st.block_causal and st.block == 0:  # block 0 starts with the prompt's tail
+                masks -= st.prompt_len - st.block_origin
+            plan = self.sim.block_commits(rid_of[id(st)], st.block, masks)
             s, e = st.block_bounds()
             masked = s + (st.tokens[s:e] == st.mask_token_id).nonzero()[0]
             k = len(masked) if st.step == len(plan) - 1 else plan[st.step]
@@ -330,21 +335,23 @@ class Deployment:
                 s, e = st.block_bounds()
                 start, end = st.span()
                 rows = 0 if r.chunk_admitted else int((st.tokens[s:e] == st.mask_token_id).sum())
-                spans.append(Span(end - start, st.keys_attended(end), rows))
+                spans.append(Span(end - start, st.keys_attended(end), rows,
+                                  st.params.block_length if st.block_causal else 0))
             self.in_flight[w.index] = (batch, self.now)
             self.push(self.now + self.sim.cost.iteration_time(spans), _ITER_DONE, w.index)
 
 
 def run_both(model_path: str, deployment: str, cache: str, monkeypatch: pytest.MonkeyPatch,
-             cadence: tuple[int, int] = (1, 1), steps: StepModel | None = None
-             ) -> tuple[list, list, Simulator]:
+             cadence: tuple[int, int] = (1, 1), steps: StepModel | None = None,
+             model: str = "llada") -> tuple[list, list, Simulator]:
     trace = make_trace()
     rec = Recorder(monkeypatch)
-    sim = Simulator(sim_config(deployment, cache, cadence), steps=steps)
+    sim = Simulator(sim_config(deployment, cache, cadence, model), steps=steps)
     result = sim.run(trace)
     assert len(result.records) == len(trace)
     simulated = rec.take({id(w.core.builder): w.index for w in sim._workers})
-    d = Deployment(model_path, Simulator(sim_config(deployment, cache, cadence), steps=steps))
+    d = Deployment(model_path, Simulator(sim_config(deployment, cache, cadence, model),
+                                         steps=steps))
     assert d.run(trace) == len(trace)
     served = rec.take({id(w.builder): w.index for w in d.workers})
     return simulated, served, sim
@@ -363,6 +370,26 @@ def test_simulator_decides_as_the_engine(llada_path, deployment, cache, monkeypa
     if deployment == "1P2C":  # overflow: blocks whose refresh runs on a decode worker
         counts = sim.placement.counters.prefills_by_worker
         assert counts.get(1, 0) + counts.get(2, 0) > 0
+    for i, (a, b) in enumerate(zip(simulated, served)):
+        assert a == b, f"decision {i} differs: simulator {a}, engine {b}"
+    assert len(simulated) == len(served)
+
+
+@pytest.fixture(scope="module")
+def sdar_path(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("sdar"), arch="sdar", seed=1)
+
+
+@pytest.mark.parametrize("deployment", list(DEPLOYMENTS))
+def test_simulator_decides_as_the_engine_for_block_causal_models(sdar_path, deployment,
+                                                                 monkeypatch):
+    """SDAR in every mode: one prefill per request (on a prefill worker, or overflowed), its
+    K/V sent once, every block step where it went."""
+    simulated, served, _ = run_both(sdar_path, deployment, "dual", monkeypatch, model="sdar")
+    kinds = collections.Counter(e[0] for e in simulated)
+    assert kinds["batch"] > 48 and kinds["place"] == 48  # placed once each: no re-prefill
+    if DEPLOYMENTS[deployment][0] == "disaggregated":
+        assert 0 < kinds["kv_sent"] <= 48
     for i, (a, b) in enumerate(zip(simulated, served)):
         assert a == b, f"decision {i} differs: simulator {a}, engine {b}"
     assert len(simulated) == len(served)

@@ -35,6 +35,7 @@ from sangam.bench.traces import (
     load_sharegpt,
     poisson_arrivals,
     synthetic_lengths,
+    with_shared_prompts,
 )
 
 TICK = 0.1
@@ -430,9 +431,45 @@ def test_block_causal_request_prefills_once_and_steps_its_blocks():
     assert r["forwards"] == 7 and r["latency"] == pytest.approx(7 * TICK)
     assert res.workers[0]["prefill_tokens"] == 12  # one prefill, no refresh ever after
     with pytest.raises(ValueError, match="block-causal"):
-        SimConfig(model="sdar", mode="hybrid")
-    with pytest.raises(ValueError, match="block-causal"):
         SimConfig(model="sdar", refresh_interval=2)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(mode="disaggregated", prefill_workers=1, decode_workers=2),
+    dict(mode="hybrid", prefill_workers=1, decode_workers=2, overflow_threshold=8)])
+def test_block_causal_requests_prefill_once_in_every_mode(layout):
+    """Disaggregated and hybrid: each request's one prefill, then its blocks where its K/V went;
+    the same forwards as colocated, and no prefill again."""
+    trace = [TraceRequest(0.05 * i, 10 + 3 * i, 12) for i in range(8)]
+    colocated = run(SimConfig(model="sdar", block_length=4), trace)
+    moved = run(SimConfig(model="sdar", block_length=4, **layout), trace)
+    assert [r["forwards"] for r in by_id(moved).values()] == \
+        [r["forwards"] for r in by_id(colocated).values()]
+    assert sum(w["prefill_tokens"] for w in moved.workers) == \
+        colocated.workers[0]["prefill_tokens"]
+    if layout["mode"] == "disaggregated":
+        assert all(r["transfer"] > 0 for r in by_id(moved).values())
+
+
+def test_the_simulators_prefix_cache_computes_shared_prompt_blocks_once():
+    """A shared system prompt (``--shared-prefix``) and n samples (``--samples``): cached
+    blocks are not computed again, as in the engine; off, every prefill is whole."""
+    spaced = [TraceRequest(1.0 * i, 40, 8) for i in range(4)]  # each after the last finished
+    shared = with_shared_prompts(spaced, 32, 1, 1000, 0)
+    samples = with_shared_prompts(spaced[:1], 0, 4, 1000, 0)
+    assert len(samples) == 4 and samples[0].prompt == samples[3].prompt
+    assert all(t.prompt[:32] == shared[0].prompt[:32] for t in shared)
+    assert len({tuple(t.prompt[32:]) for t in shared}) == 4
+    for trace, cached in ((shared, 32), (samples, 40)):
+        on = run(SimConfig(model="sdar", block_length=4, page_size=4), trace)
+        off = run(SimConfig(model="sdar", block_length=4, page_size=4,
+                            enable_prefix_caching=False), trace)
+        assert off.workers[0]["prefill_tokens"] == 4 * 44  # [0, 44): the prompt and block 0
+        assert on.workers[0]["prefill_tokens"] == 44 + 3 * (44 - cached)
+        assert [r["forwards"] for r in by_id(on).values()] == \
+            [r["forwards"] for r in by_id(off).values()]
+    with pytest.raises(ValueError, match="block-causal"):
+        SimConfig(model="llada", enable_prefix_caching=True)
 
 
 def test_chunked_prefill_splits_a_long_prompt_within_the_budget():
@@ -462,9 +499,14 @@ def test_block_causal_attention_counts_the_keys_each_query_sees():
 def test_block_causal_experiment(tmp_path, capsys):
     assert main(["sim", "--experiment", "block-causal", "--num-requests", "12", "--qps", "2",
                  "--out", str(tmp_path)]) == 0
-    panels = json.loads((tmp_path / "results.json").read_text())["panels"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    panels = results["panels"]
     assert len(panels) == 4 and all(len(p["capacity_qps"]) == 4 for p in panels.values())
-    assert "sustains" in capsys.readouterr().out
+    modes = results["modes"]  # 8 GPUs: colocated, disaggregated and hybrid rows
+    assert len(modes) == 2 and all(set(m["saturation_qps"]) == {
+        "colocated 8C", "disaggregated 5P3D", "hybrid 5P3C"} for m in modes.values())
+    out = capsys.readouterr().out
+    assert "sustains" in out and "serving modes, 8 GPUs" in out
 
 
 # Commit profiles (sangam-bench quality --profiles) and the load-adaptive threshold.

@@ -15,7 +15,9 @@
 - ``block-causal``: SDAR-8B (block-causal: one prefill per request, no refreshes) on one GPU,
   ShareGPT and arXiv, block sizes 4 and 32: batch 1, prefill-first, and the deficit budget with
   whole-prompt and chunked prefill admission (the paper's unmeasured claim: with rare
-  re-prefills the problem slides back toward autoregressive scheduling).
+  re-prefills the problem slides back toward autoregressive scheduling); then on 8 GPUs at
+  B = 4, colocated 8C against disaggregated 5P3D and hybrid 5P3C (one prefill per request, its
+  K/V sent once), as ``modes`` does for the bidirectional models.
 - ``refresh-cadence``: ``fastdllm-vs-deficit``'s setting, colocated tau=1024 under refresh
   cadences (``quality.REFRESH_CADENCES``: blocks between refreshes, refreshes between full ones):
   the QPS
@@ -342,7 +344,27 @@ def block_causal(args: argparse.Namespace) -> int:
             light, target, caps = _against_batch1(r, panel, configs, grid, trace)
             out[panel] = {"matched_latency_s": target, "light_latency_s": light,
                           "capacity_qps": caps, "saturation_qps": cap}
-    r.finish({"panels": out}, f"SDAR-8B, 1x {GPUS[args.gpu].name}")
+    modes_out = {}
+    for trace in ("sharegpt", "arxiv"):
+        panel = f"SDAR-8B B={BLOCK_CAUSAL_SIZES[0]}, {trace}, 8x {GPUS[args.gpu].name}"
+        cfgs = {label: _base(args, model="sdar", block_length=BLOCK_CAUSAL_SIZES[0],
+                             token_budget=1024, **kw) for label, kw in MODE_CONFIGS.items()}
+        sat = {label: r.point(panel, label, cfg, trace, float("inf"),
+                              keep=False)["throughput_rps"] for label, cfg in cfgs.items()}
+        grid = _grid(args, [round(f * sat["colocated 8C"], 2) for f in LOAD_FRACTIONS])
+        for label, cfg in cfgs.items():
+            for q in grid:
+                r.point(panel, label, cfg, trace, q)
+        modes_out[panel] = {"saturation_qps": sat, "mean_latency_s": {
+            label: {s["qps"]: s["latency_mean"] for s in r.panels[panel][label]}
+            for label in cfgs}}
+    print("\nserving modes, 8 GPUs: saturation QPS, and mean latency (s) by offered QPS")
+    for panel, m in modes_out.items():
+        print(f"  {panel}")
+        for label, sat in m["saturation_qps"].items():
+            lat = "  ".join(f"{q:g}: {v:.2f}" for q, v in m["mean_latency_s"][label].items())
+            print(f"    {label:<19} saturation {sat:6.2f}   {lat}")
+    r.finish({"panels": out, "modes": modes_out}, f"SDAR-8B, {GPUS[args.gpu].name}")
     return 0
 
 

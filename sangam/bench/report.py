@@ -70,6 +70,7 @@ SUMMARY_COLUMNS = (
     ("latency_p99", "p99", "{:.2f}"), ("queueing_mean", "queue", "{:.2f}"),
     ("decode_mean", "decode", "{:.2f}"), ("transfer_mean", "xfer", "{:.3f}"),
     ("tokens_per_forward", "tok/fwd", "{:.2f}"),
+    ("prefill_tokens", "prefill tok", "{:.0f}"),  # refresh work (prefix caching saves some)
 )
 
 

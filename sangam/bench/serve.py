@@ -53,10 +53,12 @@ from sangam.bench.report import (
 from sangam.bench.traces import (
     LengthSample,
     TraceRequest,
+    add_prompt_sharing_args,
     arrivals,
     build_trace,
     load_lengths,
     scale_lengths,
+    with_shared_prompts,
 )
 from sangam.config import EngineConfig
 from sangam.sampling_params import SamplingParams
@@ -93,7 +95,10 @@ def sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams
 
 def prepare(trace: Sequence[TraceRequest], args: argparse.Namespace, vocab: int,
             mask_id: int | None, context: int | None, encode=None) -> list[Prepared]:
-    """Prompts and parameters for ``trace``: lengths clipped to the context (canvas first)."""
+    """Prompts and parameters for ``trace``: lengths clipped to the context (canvas first);
+    with ``--shared-prefix`` / ``--samples``, shared prompts (``with_shared_prompts``)."""
+    trace = with_shared_prompts(trace, args.shared_prefix, args.samples, vocab,
+                                args.trace_seed + 3, mask_id)
     rng = np.random.default_rng(args.trace_seed + 2)
     b = args.block_length
     out = []
@@ -488,7 +493,8 @@ def add_serve_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> No
     h.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
     t = p.add_argument_group("workload")
     t.add_argument("--trace", default="sharegpt",
-                   help="sharegpt or arxiv (seeded synthetic), or a ShareGPT .json / .csv file")
+                   help="sharegpt, arxiv or chat (seeded synthetic), or a ShareGPT .json / .csv "
+                        "file")
     t.add_argument("--num-requests", type=int, default=None,
                    help=f"requests per run (default {DEFAULT_NUM_REQUESTS})")
     t.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
@@ -496,6 +502,7 @@ def add_serve_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> No
     t.add_argument("--trace-seed", type=int, default=0, help="seed of lengths, arrivals, prompts")
     t.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply every prompt and output length (e.g. 0.05 for a tiny CPU model)")
+    add_prompt_sharing_args(t)
     s = p.add_argument_group("decoding (every request; --block-length, --unmasking, "
                              "--threshold and --cache are the engine flags above)")
     s.add_argument("--temperature", type=float, default=0.0)

@@ -13,12 +13,17 @@ length, output length, and optionally the prompt itself (text, or token ids). Le
   ``messages`` (a JSON list of ``{"role", "content"}``, joined into one prompt);
 - seeded synthetic generators shaped like ShareGPT (chat, decode-heavy: median prompt 795,
   output 266 tokens) and arXiv summarization (prefill-heavy: median 2827 / 162): independent
-  lognormals with those medians. Prompts are truncated so that prompt + output stays within
+  lognormals with those medians; and "chat": a 512-token system prompt, a 50-300-token user
+  turn, a ShareGPT-shaped reply. Prompts are truncated so that prompt + output stays within
   ``max_total`` (4096, the paper's cap), as a long document would be; fewer than half the
   samples are truncated, so the medians survive.
 
 Arrivals are a seeded Poisson process (exponential gaps) or a gamma process with a chosen
 coefficient of variation (burstier than Poisson when ``cv > 1``).
+
+Prompt sharing (``with_shared_prompts``; the prefix cache's workloads): every prompt begins with
+the same ``--shared-prefix`` tokens (a system prompt) and goes on with its own, and each prompt
+may be sent ``--samples`` times at its arrival (n samples of it, as an RL rollout draws).
 """
 
 from __future__ import annotations
@@ -69,6 +74,23 @@ SHAPES = {
     "sharegpt": LognormalShape(795, 1.0, 266, 0.8),
     "arxiv": LognormalShape(2827, 0.45, 162, 0.5),
 }
+
+
+# A chat deployment's requests (the "chat" trace): a system prompt of CHAT_SYSTEM tokens, then
+# the user's turn of CHAT_TURN tokens (uniform), and a ShareGPT-shaped reply. With
+# --shared-prefix CHAT_SYSTEM every request shares the system prompt (prefix caching's case).
+CHAT_SYSTEM = 512
+CHAT_TURN = (50, 300)
+
+
+def chat_lengths(n: int, seed: int) -> list[LengthSample]:
+    """``n`` seeded (prompt, output) lengths of the "chat" trace."""
+    rng = np.random.default_rng(seed)
+    turn = rng.integers(CHAT_TURN[0], CHAT_TURN[1] + 1, n)
+    s = SHAPES["sharegpt"]
+    gen = np.exp(math.log(s.gen_median) + s.gen_sigma * rng.standard_normal(n))
+    gen = np.clip(np.rint(gen), MIN_LEN, MAX_TOTAL // 2).astype(int)
+    return [LengthSample(CHAT_SYSTEM + int(t), int(g)) for t, g in zip(turn, gen)]
 
 
 def synthetic_lengths(shape: str, n: int, seed: int, max_total: int = MAX_TOTAL
@@ -150,6 +172,8 @@ def load_lengths(source: str, n: int, seed: int, count_tokens: Callable[[str], i
     """
     if source in SHAPES:
         return synthetic_lengths(source, n, seed, max_total)
+    if source == "chat":
+        return chat_lengths(n, seed)
     if source.endswith(".csv"):
         pool = load_csv(source)
     elif source.endswith(".json"):
@@ -195,6 +219,41 @@ def build_trace(samples: Sequence[LengthSample], times: Sequence[float]) -> list
     if len(samples) != len(times):
         raise ValueError(f"{len(samples)} samples for {len(times)} arrival times")
     return [TraceRequest(t, s.prompt_len, s.gen_len, s.prompt) for s, t in zip(samples, times)]
+
+
+def with_shared_prompts(trace: Sequence[TraceRequest], shared_prefix: int, samples: int,
+                        vocab: int, seed: int, avoid: int | None = None) -> list[TraceRequest]:
+    """``trace`` with prompts as token ids (``vocab`` of them, never ``avoid``, the mask): the
+    first ``shared_prefix`` the same for every request, the rest its own; each request
+    ``samples`` times at its arrival. Unchanged when neither is asked for (0 and 1)."""
+    if shared_prefix < 0 or samples < 1:
+        raise ValueError(f"shared_prefix must be >= 0 and samples >= 1, got {shared_prefix}, "
+                         f"{samples}")
+    if not shared_prefix and samples == 1:
+        return list(trace)
+    rng = np.random.default_rng(seed)
+
+    def ids(n: int) -> list[int]:
+        out = rng.integers(0, vocab, n)
+        if avoid is not None:
+            out[out == avoid] = (avoid + 1) % vocab
+        return out.tolist()
+
+    prefix = ids(shared_prefix)
+    out = []
+    for t in trace:
+        prompt = prefix[:t.prompt_len] + ids(max(0, t.prompt_len - shared_prefix))
+        out += [TraceRequest(t.arrival_time, t.prompt_len, t.gen_len, prompt)] * samples
+    return out
+
+
+def add_prompt_sharing_args(group) -> None:
+    """The prompt-sharing flags of ``sangam-bench serve`` and ``sim`` (one definition)."""
+    group.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                       help="every prompt begins with these many tokens in common (a system "
+                            "prompt), the rest its own (prefix caching's workload)")
+    group.add_argument("--samples", type=int, default=1, metavar="N",
+                       help="send each prompt N times at its arrival (n samples of it)")
 
 
 def scale_lengths(samples: Sequence[LengthSample], scale: float) -> list[LengthSample]:

@@ -87,11 +87,3 @@ class DeploymentConfig:
         if self.mode == "colocated":
             return ("colocated",) * self.num_workers
         return ("prefill",) * self.prefill_workers + ("decode",) * self.decode_workers
-
-    def check_block_causal(self) -> None:
-        """A block-causal model (SDAR) is served colocated: its blocks never refresh, so there
-        is no prefill to disaggregate."""
-        if self.mode != "colocated":
-            raise ValueError("a block-causal model (SDAR) is served colocated: its finished "
-                             "blocks' K/V is exact and never refreshed, so there is no prefill "
-                             "to disaggregate")

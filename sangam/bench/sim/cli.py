@@ -34,12 +34,13 @@ from sangam.bench.sim.runs import (
     trace_lengths,
 )
 from sangam.bench.sim.steps import GeometricSteps
+from sangam.bench.traces import add_prompt_sharing_args
 from sangam.sampling_params import CACHE_MODES
 from sangam.sched.config import MODES, POLICIES
 
 _HELP = {
     "model": "model geometry (docs/design.md §6): llada = LLaDA-8B, dream = Dream-7B, sdar = "
-             "SDAR-8B, sdar-4b, sdar-1.7b (block-causal: one prefill per request, colocated), "
+             "SDAR-8B, sdar-4b, sdar-1.7b (block-causal: one prefill per request), "
              "calibrated = the model a --calibration file was measured on (e.g. a "
              "CPU-calibrated small one)",
     "gpu": "GPU of every worker: peak FLOP/s, HBM bandwidth and memory",
@@ -54,6 +55,8 @@ _HELP = {
                         "tokens over this many iterations",
     "enable_chunked_prefill": "block-causal models (sdar): admit a prompt's prefill in chunks "
                               "of whole blocks within tau",
+    "enable_prefix_caching": "block-causal models: share cached prompt blocks (default: on for "
+                             "them; with --shared-prefix or --samples prompts share some)",
     "max_batch_size": "most requests in one forward",
     "overflow_threshold": "hybrid: outstanding prefill tokens (theta) on every prefill worker "
                           "before a prefill overflows onto a decode worker",
@@ -91,7 +94,7 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
     for f in dataclasses.fields(SimConfig):
         kind = str(f.type)
         kw: dict = {"help": _HELP[f.name], "default": f.default}
-        if kind == "bool":
+        if kind in ("bool", "bool | None"):
             kw["action"] = argparse.BooleanOptionalAction
         elif kind.startswith("float"):
             kw["type"] = float
@@ -112,7 +115,8 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
                    help="JSON of measured cost coefficients (sangam-bench calibrate)")
     t = p.add_argument_group("workload")
     t.add_argument("--trace", default="sharegpt",
-                   help="sharegpt or arxiv (seeded synthetic), or a ShareGPT .json / .csv file")
+                   help="sharegpt, arxiv or chat (seeded synthetic), or a ShareGPT .json / .csv "
+                        "file")
     t.add_argument("--num-requests", type=int, default=None,
                    help=f"requests per run (default {DEFAULT_NUM_REQUESTS}; experiments have "
                         "their own)")
@@ -121,6 +125,7 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
     t.add_argument("--trace-seed", type=int, default=0, help="seed of lengths and arrivals")
     t.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply every prompt and output length (as sangam-bench serve's)")
+    add_prompt_sharing_args(t)
     t.add_argument("--tokens-per-step", type=float, default=GeometricSteps().mean,
                    help="mean tokens committed per forward (geometric)")
     t.add_argument("--step-profile", default=None,

@@ -29,6 +29,7 @@ class SimConfig:
     token_budget: float = _ENGINE["token_budget"].default
     drain_iterations: int = _ENGINE["drain_iterations"].default
     enable_chunked_prefill: bool = _ENGINE["enable_chunked_prefill"].default
+    enable_prefix_caching: bool | None = _ENGINE["enable_prefix_caching"].default
     max_batch_size: int = _ENGINE["max_batch_size"].default
     overflow_threshold: int = _ENGINE["overflow_threshold"].default
     block_length: int = _REQUEST.block_length
@@ -65,17 +66,18 @@ class SimConfig:
             raise ValueError(f"adaptive_refresh_rate must be in [0, 1], got "
                              f"{self.adaptive_refresh_rate}")
         # The deployment's and the requests' checks are the engine's own (modes, worker
-        # counts, what runs colocated only; cadence needs a cache, bounds; what a block-causal
-        # model takes): an adaptive refresh rate stands for a refresh_confidence.
-        deployment = self.deployment
+        # counts; cadence needs a cache, bounds; what a block-causal model takes): an adaptive
+        # refresh rate stands for a refresh_confidence.
+        _ = self.deployment
         params = SamplingParams(block_length=self.block_length, cache=self.cache,
                                 refresh_interval=self.refresh_interval,
                                 prompt_refresh_interval=self.prompt_refresh_interval,
                                 refresh_confidence=0.5 if self.adaptive_refresh_rate else 0.0,
                                 threshold=self.threshold, min_threshold=self.min_threshold)
         if self.block_causal:
-            deployment.check_block_causal()
             params.check_block_causal()
+        elif self.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching needs a block-causal model (sdar)")
 
     @property
     def request_params(self) -> SamplingParams:
@@ -85,6 +87,13 @@ class SimConfig:
     @property
     def block_causal(self) -> bool:
         return self.model in MODELS and MODELS[self.model].block_causal
+
+    @property
+    def prefix_caching(self) -> bool:
+        """As the engine decides (``engine.worker.prefix_caching``): on for block-causal
+        models unless turned off."""
+        return self.block_causal if self.enable_prefix_caching is None \
+            else self.enable_prefix_caching
 
     @property
     def deployment(self) -> DeploymentConfig:

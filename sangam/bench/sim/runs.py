@@ -25,6 +25,7 @@ from sangam.bench.traces import (
     build_trace,
     load_lengths,
     scale_lengths,
+    with_shared_prompts,
 )
 
 DEFAULT_NUM_REQUESTS = 300  # per run; the experiments have their own
@@ -51,10 +52,15 @@ def geometry_from_args(args: argparse.Namespace, config: SimConfig
     return load_calibrated_geometry(args.calibration)
 
 
+# Prompt token ids the simulator makes up for shared prompts: only their equality matters.
+SIM_VOCAB = 1 << 20
+
+
 def make_trace(lengths: Sequence[LengthSample], qps: float, args: argparse.Namespace
                ) -> list[TraceRequest]:
     times = arrivals(len(lengths), qps, args.trace_seed + 1, args.arrival, args.cv)
-    return build_trace(lengths, times)
+    return with_shared_prompts(build_trace(lengths, times), args.shared_prefix, args.samples,
+                               SIM_VOCAB, args.trace_seed + 3)
 
 
 def run_point(config: SimConfig, lengths: Sequence[LengthSample], qps: float,
@@ -68,6 +74,7 @@ def run_point(config: SimConfig, lengths: Sequence[LengthSample], qps: float,
                    geometry_from_args(args, config))
     summary = {"config": label, **summarize(res.records, qps)}
     summary["utilization"] = sum(w["utilization"] for w in res.workers) / len(res.workers)
+    summary["prefill_tokens"] = sum(w["prefill_tokens"] for w in res.workers)
     thresholds = [r["threshold"] for r in res.records if r.get("threshold") is not None]
     if thresholds:
         summary["threshold_mean"] = sum(thresholds) / len(thresholds)

@@ -53,6 +53,7 @@ from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
 from sangam.sched.block_cursor import FULL_REFRESH, BlockCursor
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.placement import NeverFits, Placed, Placement
+from sangam.sched.prefix_cache import PrefixCache, prefix_page_keys
 from sangam.sched.request import CONTINUES, Request, StepOutcome
 from sangam.sched.worker_core import BlockEnded, Ship, Task, WorkerCore
 
@@ -88,6 +89,8 @@ class _Live:
     thresholds: dict[int, float] | None = None  # block -> its threshold (load-adaptive)
     forwards: int = 0  # as of the start of the current block
     transfer_s: float = 0.0  # exposed K/V transfer time, summed over blocks
+    prompt: list[int] | None = None  # its token ids, when the trace gives them (shared prompts)
+    page_keys: list[bytes] | None = None  # its prompt's pages' (prefix caching), once made
 
     @property
     def request(self) -> Request:
@@ -155,8 +158,7 @@ class Simulator:
         cfg = self.config
         deployment = cfg.deployment
         self._workers = [  # as the engine builds each worker's parts
-            _Worker(i, role, WorkerCore(BatchBuilder(PageAllocator(self.num_pages),
-                                                     deployment.scheduler)))
+            _Worker(i, role, WorkerCore(self._builder(deployment)))
             for i, role in enumerate(deployment.roles)]
         self._transfer_ids = itertools.count()
         self.placement = Placement(deployment, [self.num_pages] * len(self._workers))
@@ -190,6 +192,11 @@ class Simulator:
         return SimResult(cfg, qps, sorted(self._records, key=lambda r: r["id"]), workers,
                          makespan)
 
+    def _builder(self, deployment) -> BatchBuilder:
+        allocator = PageAllocator(self.num_pages)
+        cache = PrefixCache(allocator) if self.config.prefix_caching else None
+        return BatchBuilder(allocator, deployment.scheduler, cache)
+
     def _push(self, t: float, kind: int, payload) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, kind, self._seq, payload))
@@ -214,7 +221,8 @@ class Simulator:
             placed = self.placement.add(req)
         except NeverFits as e:
             raise ValueError(f"request {index} can never fit a worker's KV pool: {e}") from None
-        self._lives[req.request_id] = _Live(index, placed, out, blocks)
+        self._lives[req.request_id] = _Live(
+            index, placed, out, blocks, prompt=t.prompt if isinstance(t.prompt, list) else None)
 
     @staticmethod
     def _view(request: Request, cursor: BlockCursor) -> Request:
@@ -227,9 +235,17 @@ class Simulator:
         for d in self.placement.place():
             live = self._lives[d.request_id]
             req = live.request
+            view = self._view(req, req.cursor)
+            c = view.cursor
+            if (self.config.prefix_caching and live.prompt is not None and c.block == 0
+                    and not c.prefilled):  # as the engine's scheduling_request gives them
+                if live.page_keys is None:
+                    live.page_keys = prefix_page_keys(live.prompt, c.block_origin,
+                                                      self.config.page_size, c.block_length)
+                view.page_keys = live.page_keys
             self._workers[d.worker].core.take_block(Task(
-                self._view(req, req.cursor), _Progress(live, live.forwards), d.attempt,
-                d.kv_dest, d.keep_pages, stays=d.stays))
+                view, _Progress(live, live.forwards), d.attempt, d.kv_dest, d.keep_pages,
+                stays=d.stays))
 
     def _drop(self, request_id: str, workers: set[int]) -> None:
         for i in workers:
