@@ -98,9 +98,9 @@ def _assert_same(got, want):
                 [lp for alt in top for _, lp in alt], rel=1e-12, abs=1e-12), rid
 
 
-def _run_staggered(engine, reqs, seed):
-    """Submit requests a few at a time between iterations; collect final outputs."""
-    rng = random.Random(seed)
+def staggered_outputs(engine, reqs, rng: random.Random) -> dict:
+    """Submit ``reqs`` (add_request's arguments) 0-3 at a time between iterations, as
+    ``rng`` draws; each request's final output, by id."""
     pending = list(reqs)
     done = {}
     while pending or engine.has_unfinished_requests():
@@ -109,9 +109,14 @@ def _run_staggered(engine, reqs, seed):
                 engine.add_request(*pending.pop(0))
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = (out.token_ids, out.num_forwards, out.logprobs,
-                                        out.top_logprobs)
+                done[out.request_id] = out
     return done
+
+
+def _run_staggered(engine, reqs, seed):
+    """Submit requests a few at a time between iterations; collect final outputs."""
+    return {rid: (o.token_ids, o.num_forwards, o.logprobs, o.top_logprobs)
+            for rid, o in staggered_outputs(engine, reqs, random.Random(seed)).items()}
 
 
 @pytest.mark.parametrize("arch", ["llada", "dream"])

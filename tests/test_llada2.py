@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
+from test_engine import staggered_outputs
 from test_sdar import BLOCK_CAUSAL_LAYOUTS, check_modes
 
 from sangam import LLM, SamplingParams
@@ -290,15 +291,8 @@ def test_engine_equals_the_upstream_loop_under_batching(path, loaded, tau, edit)
     engine = Engine(EngineConfig(model=path, device="cpu", dtype="float64", token_budget=tau,
                                  page_size=4, num_pages=400, enable_chunked_prefill=True),
                     loaded)
-    pending, got = list(reqs), {}
-    while pending or engine.has_unfinished_requests():
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                engine.add_request(*pending.pop(0))
-        for o in engine.step():
-            if o.finished:
-                got[o.request_id] = (o.token_ids,
-                                     o.num_forwards - (o.metrics["num_refreshes"] - 1))
+    got = {rid: (o.token_ids, o.num_forwards - (o.metrics["num_refreshes"] - 1))
+           for rid, o in staggered_outputs(engine, reqs, rng).items()}
     assert got == want
     assert engine.pool.allocator.num_free == engine.pool.num_pages
     assert any(len(set(t)) > 2 for t, _ in want.values())  # the tokens are not degenerate

@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from test_engine import staggered_outputs
 
 from sangam import LLM, SamplingParams
 from sangam.config import EngineConfig
@@ -141,15 +142,9 @@ def test_engine_equals_the_upstream_loop_under_batching(sdar_path, loaded, tau, 
     engine = Engine(EngineConfig(model=sdar_path, device="cpu", dtype="float64",
                                  token_budget=tau, page_size=4, num_pages=400,
                                  enable_chunked_prefill=chunked), loaded)
-    pending, got, chunks = list(reqs), {}, {}
-    while pending or engine.has_unfinished_requests():
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                engine.add_request(*pending.pop(0))
-        for o in engine.step():
-            if o.finished:
-                chunks[o.request_id] = o.metrics["num_refreshes"] - 1
-                got[o.request_id] = (o.token_ids, o.num_forwards - chunks[o.request_id])
+    outs = staggered_outputs(engine, reqs, rng)
+    chunks = {rid: o.metrics["num_refreshes"] - 1 for rid, o in outs.items()}
+    got = {rid: (o.token_ids, o.num_forwards - chunks[rid]) for rid, o in outs.items()}
     assert got == want
     assert engine.pool.allocator.num_free == engine.pool.num_pages
     assert any(len(set(t)) > 2 for t, _ in want.values())  # the tokens are not degenerate

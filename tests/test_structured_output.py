@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from test_engine import staggered_outputs
 
 from sangam import LLM, SamplingParams
 from sangam.config import EngineConfig
@@ -224,14 +225,7 @@ def test_constrained_tokens_are_the_same_alone_and_batched(rand):
     want = _alone(rand, reqs)
     engine = Engine(EngineConfig(model=rand.path, device="cpu", dtype="float64", page_size=8,
                                  num_pages=600, token_budget=256), rand)
-    pending, got = list(reqs), {}
-    while pending or engine.has_unfinished_requests():
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                engine.add_request(*pending.pop(0))
-        for o in engine.step():
-            if o.finished:
-                got[o.request_id] = o.token_ids
+    got = {rid: o.token_ids for rid, o in staggered_outputs(engine, reqs, rng).items()}
     assert got == want
     assert engine.pool.allocator.num_free == engine.pool.num_pages
 

@@ -21,7 +21,7 @@ from sangam.engine.kv_pool import KVPool, pool_num_pages
 from sangam.engine.loaded_model import LoadedModel, use_device
 from sangam.engine.model_runner import ModelRunner
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
-from sangam.sched.prefix_cache import PrefixCache, extend_page_keys, prefix_page_keys
+from sangam.sched.prefix_cache import PrefixCache, extend_page_keys, request_page_keys
 from sangam.sched.request import Request, StepOutcome
 from sangam.sched.worker_core import BlockEnded, IterationStats, Ship, Task, WorkerCore
 
@@ -110,10 +110,8 @@ def scheduling_request(request_id: str, arrival_time: float, state: DecodeState,
     p = state.params
     req = Request(request_id, arrival_time, state.cursor, priority=p.priority, seq=seq,
                   load_adaptive=p.min_threshold is not None)
-    c = state.cursor
-    if page_size is not None and c.block_causal and c.block == 0 and not c.prefilled:
-        req.page_keys = prefix_page_keys(state.tokens, c.block_origin, page_size,
-                                         c.block_length)
+    if page_size is not None:
+        req.page_keys = request_page_keys(state.cursor, state.tokens, page_size)
     return req
 
 

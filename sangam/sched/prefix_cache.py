@@ -29,6 +29,7 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+from sangam.sched.block_cursor import BlockCursor
 from sangam.sched.page_allocator import PageAllocator
 
 _DIGEST_BYTES = 16
@@ -41,6 +42,16 @@ def prefix_page_keys(tokens: Sequence[int], cached_len: int, page_size: int,
     keys: list[bytes] = []
     extend_page_keys(keys, tokens, cached_len, page_size, block_length)
     return keys
+
+
+def request_page_keys(cursor: BlockCursor, tokens: Sequence[int], page_size: int
+                      ) -> list[bytes] | None:
+    """The keys a worker gives a request it takes (the engine's and the simulator's alike): a
+    block-causal request yet to store any of its prompt gets its prompt's pages'; None for any
+    other (nothing to look up)."""
+    if not cursor.block_causal or cursor.block or cursor.prefilled:
+        return None
+    return prefix_page_keys(tokens, cursor.block_origin, page_size, cursor.block_length)
 
 
 def extend_page_keys(keys: list[bytes], tokens: Sequence[int], cached_len: int,

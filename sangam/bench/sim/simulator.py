@@ -53,7 +53,7 @@ from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
 from sangam.sched.block_cursor import FULL_REFRESH, BlockCursor
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.placement import NeverFits, Placed, Placement
-from sangam.sched.prefix_cache import PrefixCache, prefix_page_keys
+from sangam.sched.prefix_cache import PrefixCache, request_page_keys
 from sangam.sched.request import CONTINUES, Request, StepOutcome
 from sangam.sched.worker_core import BlockEnded, Ship, Task, WorkerCore
 
@@ -90,7 +90,6 @@ class _Live:
     forwards: int = 0  # as of the start of the current block
     transfer_s: float = 0.0  # exposed K/V transfer time, summed over blocks
     prompt: list[int] | None = None  # its token ids, when the trace gives them (shared prompts)
-    page_keys: list[bytes] | None = None  # its prompt's pages' (prefix caching), once made
 
     @property
     def request(self) -> Request:
@@ -236,13 +235,9 @@ class Simulator:
             live = self._lives[d.request_id]
             req = live.request
             view = self._view(req, req.cursor)
-            c = view.cursor
-            if (self.config.prefix_caching and live.prompt is not None and c.block == 0
-                    and not c.prefilled):  # as the engine's scheduling_request gives them
-                if live.page_keys is None:
-                    live.page_keys = prefix_page_keys(live.prompt, c.block_origin,
-                                                      self.config.page_size, c.block_length)
-                view.page_keys = live.page_keys
+            if self.config.prefix_caching and live.prompt is not None:
+                view.page_keys = request_page_keys(view.cursor, live.prompt,
+                                                   self.config.page_size)
             self._workers[d.worker].core.take_block(Task(
                 view, _Progress(live, live.forwards), d.attempt, d.kv_dest, d.keep_pages,
                 stays=d.stays))
