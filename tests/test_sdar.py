@@ -269,7 +269,9 @@ def run_in_mode(path: str, reqs: list, layout: dict, kill: int | None = None) ->
 
 def check_modes(path: str, reqs: list, want: dict, layout: dict, kill: int | None) -> None:
     """Every request ends with the upstream loop's tokens; untouched by failures, with its
-    forwards too, its K/V sent at most once, and some prefills in chunks."""
+    forwards too (a chunked prefill's chunks aside) and its K/V sent at most once. Whether a
+    prefill is chunked depends on what its worker runs meanwhile, which worker processes'
+    timing decides: chunking itself is tested colocated."""
     run = run_in_mode(path, reqs, layout, kill)
     outs = run["outs"]
     assert {r: o.token_ids for r, o in outs.items()} == {r: w[0] for r, w in want.items()}
@@ -279,7 +281,6 @@ def check_modes(path: str, reqs: list, want: dict, layout: dict, kill: int | Non
         assert {r: o.num_forwards - (o.metrics["num_refreshes"] - 1)
                 for r, o in outs.items()} == {r: w[1] for r, w in want.items()}
         assert max(o.metrics["kv_transfers"] for o in outs.values()) == 1
-        assert max(o.metrics["num_refreshes"] for o in outs.values()) > 1  # chunks
     else:
         assert run["dead"] == [kill]
 
