@@ -84,3 +84,51 @@ def sampling_support(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Ten
         top_p[:, None] >= 1)
     keep[:, 0] = True
     return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
+# Vocabulary-parallel scoring (tensor parallelism): each rank holds the logits of its slice of
+# the vocabulary. Each reduces its slice to five numbers a row (``shard_scores``); the ranks
+# exchange those (an all-gather of [5, M], not of the logits) and each combines them
+# (``combine_shard_scores``) into score_logits' tokens and confidences.
+SHARD_FIELDS = ("max", "sum", "key", "logit", "token")
+
+
+def shard_scores(logits: torch.Tensor, vocab_start: int, mask_token_id: int,
+                 temperature: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
+    """``[5, M]`` in fp64 (exact for every field, token ids included), per row of this shard
+    ``logits [M, Vs]`` (tokens ``vocab_start ..``): the max logit, the sum of exp(logit - max),
+    and the shard's best token under score_logits' first pass (argmax of the logits, or of
+    logits / t + Gumbel noise for temperature t > 0, first index on ties) with its key and
+    logit. The mask token is never chosen. Math in fp32, or fp64 for fp64 logits."""
+    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.to(cdt, copy=True)
+    width = x.shape[1]
+    if vocab_start <= mask_token_id < vocab_start + width:
+        x[:, mask_token_id - vocab_start] = float("-inf")
+    top = x.max(dim=-1).values
+    finite = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # a mask-only shard
+    total = torch.exp(x - finite[:, None]).sum(dim=-1)
+    t = temperature.to(device=x.device, dtype=cdt)
+    noisy = x / torch.where(t > 0, t, torch.ones_like(t))[:, None] + gumbel_noise(
+        row_keys.to(x.device), width, cdt, start=vocab_start)
+    key = torch.where((t > 0)[:, None], noisy, x)
+    best = key.argmax(dim=-1)
+    return torch.stack([top, total, key.gather(1, best[:, None]).squeeze(1),
+                        x.gather(1, best[:, None]).squeeze(1), best + vocab_start]
+                       ).to(torch.float64)
+
+
+def combine_shard_scores(shards: torch.Tensor, dtype: torch.dtype
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """score_logits' (tokens, conf) from every rank's :func:`shard_scores`, stacked
+    ``[ranks, 5, M]`` in vocabulary order: the best key wins (the lower token on ties, as
+    the ranks are in vocabulary order), and its probability is taken over every shard's sum.
+    ``conf`` in ``dtype`` (score_logits': fp32, or fp64 for fp64 logits)."""
+    top, total, key, logit, token = shards.unbind(1)  # each [ranks, M]
+    winner = key.argmax(dim=0, keepdim=True)
+    peak = top.max(dim=0).values
+    finite = torch.where(torch.isinf(top), torch.full_like(top, float("-inf")), top)
+    norm = (total * torch.exp(finite - peak)).sum(dim=0)
+    chosen = logit.gather(0, winner).squeeze(0)
+    conf = torch.exp(chosen - peak) / norm
+    return token.gather(0, winner).squeeze(0).to(torch.int64), conf.to(dtype)

@@ -62,9 +62,11 @@ def row_keys(key: int, pos_in_block: np.ndarray) -> np.ndarray:
     return h.astype(np.int64)
 
 
-def gumbel_noise(row_keys: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Gumbel(0, 1) noise ``[rows, vocab]`` for the given per-row keys (int64 ``[rows]``)."""
-    tokens = torch.arange(vocab_size, dtype=torch.int64, device=row_keys.device)
+def gumbel_noise(row_keys: torch.Tensor, vocab_size: int, dtype: torch.dtype,
+                 start: int = 0) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``[rows, vocab]`` for the given per-row keys (int64 ``[rows]``), of
+    the tokens ``start .. start + vocab_size - 1`` (a vocabulary shard's)."""
+    tokens = torch.arange(start, start + vocab_size, dtype=torch.int64, device=row_keys.device)
     h = mix32_tensor(row_keys.to(torch.int64)[:, None] ^ tokens[None, :])
     u = (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
     return (-torch.log(-torch.log(u))).to(dtype)

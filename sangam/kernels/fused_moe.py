@@ -312,8 +312,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     """The (token, k) pairs sorted by expert (stable: by pair index within an expert), each
     expert's run padded to a multiple of ``block_m``: (pairs int32 ``[tiles * block_m]``, the
     pair index ``t * K + k`` of each row, ``T * K`` for padding; tile_expert int32 ``[tiles]``,
-    each tile's expert, ``num_experts`` for tiles past the padded total). Shapes depend on
-    T, K, E and block_m only, and nothing is read back to the host."""
+    each tile's expert, ``num_experts`` for tiles past the padded total). Pairs whose id is
+    ``num_experts`` (an expert another rank holds) get no row. Shapes depend on T, K, E and
+    block_m only, and nothing is read back to the host."""
     num_pairs = topk_ids.numel()
     dev = topk_ids.device
     rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
@@ -327,21 +328,28 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     padded_ends = torch.cumsum(padded, 0)
     # The i-th sorted pair moves from its expert's start to its expert's padded start.
     shift = (padded_ends - padded) - (ends - counts)
-    rows_of = torch.arange(num_pairs, device=dev) + shift[expert_of]
-    pairs = torch.full((num_tiles * block_m,), num_pairs, dtype=torch.int32, device=dev)
+    # Pairs of experts held elsewhere (sorted last) land in one slot past the end, cut off.
+    dump = num_tiles * block_m
+    shift = torch.cat([shift, shift.new_full((1,), dump)])
+    rows_of = torch.minimum(torch.arange(num_pairs, device=dev) + shift[expert_of],
+                            torch.tensor(dump, device=dev))
+    pairs = torch.full((dump + 1,), num_pairs, dtype=torch.int32, device=dev)
     pairs.scatter_(0, rows_of, order.to(torch.int32))
+    pairs = pairs[:dump]
     tile_start = torch.arange(num_tiles, device=dev) * block_m
     tile_expert = torch.searchsorted(padded_ends, tile_start, right=True).to(torch.int32)
     return pairs, tile_expert
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, block_m: int | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, block_m: int | None = None,
+              partial: bool = False) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` in x's dtype, as
     :func:`sangam.kernels.reference.fused_moe_ref`: x ``[T, H]``; w13 ``[E, 2I, H]`` (gate rows,
     then up rows); w2 ``[E, H, I]``; topk_weights ``[T, K]`` (any float dtype) and topk_ids
     ``[T, K]`` (int, each row's experts distinct). ``block_m`` (a power of two >= 16) forces
-    the rows per tile. No host sync: safe inside CUDA-graph capture."""
+    the rows per tile. ``partial`` (expert parallelism): ids equal to ``E`` name experts other
+    ranks hold, which contribute nothing here. No host sync: safe inside CUDA-graph capture."""
     num_tokens, hidden = x.shape
     num_experts, two_i, w13_h = w13.shape
     inter = two_i // 2
@@ -386,7 +394,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         EVEN_K=hidden % gate_up.block_k == 0, DOT_DTYPE=dot_dtype, DOT_PREC=prec,
         ACC_DTYPE=acc_dtype, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
     )
-    part = torch.empty(num_pairs, hidden, dtype=acc, device=dev)  # [T, K, H]
+    # [T, K, H]; the rows of experts held elsewhere are never written: zeros for them.
+    part = (torch.zeros if partial else torch.empty)(num_pairs, hidden, dtype=acc, device=dev)
     _down_kernel[(num_tiles, triton.cdiv(hidden, down.block_n))](
         h, w2, part, pairs, tile_expert, topk_weights.contiguous(),
         num_pairs, num_experts, hidden, inter,

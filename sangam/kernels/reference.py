@@ -172,7 +172,8 @@ def moe_route_ref(logits: torch.Tensor, *, top_k: int, score: str,
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  partial: bool = False) -> torch.Tensor:
     """x ``[T, H]``; w13 ``[E, 2I, H]`` (rows 0..I-1: gate_proj, rows I..2I-1: up_proj); w2
     ``[E, H, I]`` (down_proj); topk_weights, topk_ids ``[T, K]`` -> ``[T, H]`` = sum_k w[t,k] *
     w2[e] @ (silu(w13[e,:I] @ x[t]) * (w13[e,I:] @ x[t])), e = ids[t,k]. Output in x's dtype;
@@ -181,7 +182,9 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     Experts run one at a time on the rows routed to them (one host sync reads how many each
     got); each (token, k) result lands in its own row of a ``[T, K, H]`` buffer, summed over k.
     A token routed twice to one expert is an error (the routers never do it), checked except
-    while a CUDA graph is being captured (the check reads the device)."""
+    while a CUDA graph is being captured (the check reads the device). Ids equal to ``E``
+    name experts other ranks hold (expert parallelism) and contribute nothing; ``partial``,
+    which tells the kernel to expect them, is taken for its signature."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -189,14 +192,16 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if k > 1 and not capturing:
         ordered = torch.sort(topk_ids, dim=1).values
-        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+        twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] < num_experts)
+        if bool(twice.any()):
             raise ValueError("a token is routed to the same expert twice")
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(cdt)
     flat = topk_ids.reshape(-1).long()
     order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts = counts[:num_experts]  # those held elsewhere sort last and are left out
     per_pair = torch.zeros(num_tokens * k, hidden, dtype=cdt, device=x.device)
     start = 0
     for e, n in enumerate(counts.tolist()):

@@ -6,7 +6,7 @@ from sangam.models.attention import (
     PagedKV,
     TorchAttentionBackend,
 )
-from sangam.models.config import CheckpointError, ModelConfig, parse_config
+from sangam.models.config import CheckpointError, ModelConfig, ShardLayout, parse_config
 from sangam.models.loader import (
     ARCHITECTURES,
     load_model,
@@ -19,6 +19,7 @@ from sangam.models.transformer import DiffusionLM
 
 __all__ = [
     "ARCHITECTURES", "AttentionBackend", "AttentionMetadata", "CheckpointError", "DiffusionLM",
-    "ModelConfig", "PagedKV", "TorchAttentionBackend", "load_model", "load_tokenizer",
-    "parse_config", "read_config", "resolve_dtype", "save_checkpoint", "stop_token_ids",
+    "ModelConfig", "PagedKV", "ShardLayout", "TorchAttentionBackend", "load_model",
+    "load_tokenizer", "parse_config", "read_config", "resolve_dtype", "save_checkpoint",
+    "stop_token_ids",
 ]

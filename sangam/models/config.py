@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -328,3 +329,72 @@ def sdar_block_size(cfg: dict[str, Any], source: str | None = None) -> int:
         if m:
             return int(m.group(1))
     return SDAR_BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which slice of a model one rank of a tensor-parallel group holds (Megatron sharding:
+    docs/design.md §4.10): attention heads split across the ``size`` ranks (KV heads split, or
+    one per rank, replicated, when there are fewer KV heads than ranks), MLP widths split, the
+    LM head's vocabulary split, the embedding and norms whole. With ``expert_parallel`` a
+    mixture of experts' experts are split instead of each expert's width."""
+
+    rank: int = 0
+    size: int = 1
+    expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.size >= 1 and 0 <= self.rank < self.size):
+            raise ValueError(f"tensor-parallel rank {self.rank} of {self.size}")
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Raise ValueError, naming the flag, when ``cfg`` cannot be split ``size`` ways."""
+        n = self.size
+        if n == 1:
+            return
+        flag = f"--tensor-parallel-size {n}"
+        problems = []
+        if cfg.num_heads % n:
+            problems.append(f"its {cfg.num_heads} attention heads")
+        if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
+            problems.append(f"its {cfg.num_kv_heads} KV heads (neither divides the other)")
+        moe = cfg.moe
+        dense_layers = cfg.num_layers if moe is None else moe.first_dense_layers
+        if dense_layers and cfg.intermediate_size % n:
+            problems.append(f"its MLP width {cfg.intermediate_size}")
+        if moe is not None:
+            if self.expert_parallel and moe.num_experts % n:
+                problems.append(f"its {moe.num_experts} experts (--enable-expert-parallel)")
+            if not self.expert_parallel and moe.intermediate_size % n:
+                problems.append(f"its expert width {moe.intermediate_size}")
+            if moe.shared_intermediate_size % n:
+                problems.append(f"its shared experts' width {moe.shared_intermediate_size}")
+        if problems:
+            raise ValueError(f"{flag} cannot split {cfg.architecture}: "
+                             f"{'; '.join(problems)} must divide by {n}")
+
+    def split(self, n: int) -> tuple[int, int]:
+        """This rank's [start, end) of ``n`` things split evenly (``check`` made sure)."""
+        k = n // self.size
+        return self.rank * k, (self.rank + 1) * k
+
+    def heads(self, cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+        """This rank's query heads and KV heads, as [start, end). With fewer KV heads than
+        ranks each rank holds the one KV head its query heads read (vLLM's rule)."""
+        q = self.split(cfg.num_heads)
+        if cfg.num_kv_heads >= self.size:
+            return q, self.split(cfg.num_kv_heads)
+        kv = self.rank * cfg.num_kv_heads // self.size
+        return q, (kv, kv + 1)
+
+    def rank_config(self, cfg: ModelConfig) -> ModelConfig:
+        """``cfg`` with this rank's head counts: what sizes its KV pages and activations."""
+        if self.size == 1:
+            return cfg
+        (q0, q1), (k0, k1) = self.heads(cfg)
+        return dataclasses.replace(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0)
+
+    def vocab(self, vocab_size: int) -> tuple[int, int]:
+        """This rank's rows of the LM head: chunks of ceil(V / size), the last one shorter."""
+        k = -(-vocab_size // self.size)
+        return min(vocab_size, self.rank * k), min(vocab_size, (self.rank + 1) * k)

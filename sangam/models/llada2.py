@@ -18,12 +18,12 @@ from sangam.models.transformer import DiffusionLM, LayerParts, RMSNorm
 
 
 class FusedQKV:
-    """The fused projection as a ``qkv`` callable: one matmul, split into q | k | v."""
+    """The fused projection as a ``qkv`` callable: one matmul, split into q | k | v (of
+    ``heads`` query and ``kv_heads`` KV heads: this rank's, under tensor parallelism)."""
 
-    def __init__(self, proj: nn.Linear, cfg: ModelConfig):
+    def __init__(self, proj: nn.Linear, heads: int, kv_heads: int, head_dim: int):
         self.proj = proj
-        self.sizes = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-                      cfg.num_kv_heads * cfg.head_dim)
+        self.sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.proj(x).split(self.sizes, dim=-1)
@@ -69,7 +69,8 @@ class LLaDA2Model(DiffusionLM):
     def layer_parts(self, i: int) -> LayerParts:
         layer = self.model.layers[i]
         a = layer.attention
-        return LayerParts(layer.input_layernorm, FusedQKV(a.query_key_value, self.config),
+        return LayerParts(layer.input_layernorm, FusedQKV(a.query_key_value, *self.local_heads,
+                                                         self.config.head_dim),
                           (a.query_layernorm, a.key_layernorm) if self.config.qk_norm else None,
                           a.dense, layer.post_attention_layernorm, layer.mlp)
 

@@ -11,11 +11,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 
-from sangam.models.config import CheckpointError, ModelConfig, parse_config
+from sangam.models.config import CheckpointError, ModelConfig, ShardLayout, parse_config
 from sangam.models.dream import DreamModel
 from sangam.models.llada import LLaDAModel
 from sangam.models.llada2 import LLaDA2Model
 from sangam.models.llada_moe import LLaDAMoeModel
+from sangam.models.tensor_parallel import shard_model
 from sangam.models.transformer import DiffusionLM, compute_dtype
 
 ARCHITECTURES: dict[str, type[DiffusionLM]] = {
@@ -102,13 +103,18 @@ class _SkipInit(TorchFunctionMode):
 
 
 def dummy_model(config: ModelConfig, device: str | torch.device,
-                dtype: torch.dtype, seed: int = 0) -> DiffusionLM:
-    """The architecture of ``config`` with seeded random weights, built straight on ``device``
-    (no host copy: an 8B model is up in about a second on a GPU). Norm weights are 1 and the
-    rest N(0, 0.02): speed does not depend on the values, and such a model is never confident,
-    so benchmarks commit a fixed number of tokens per step."""
+                dtype: torch.dtype, seed: int = 0,
+                shard: ShardLayout = ShardLayout()) -> DiffusionLM:
+    """The architecture of ``config`` (``shard``'s slice of it) with seeded random weights,
+    built straight on ``device`` (no host copy: an 8B model is up in about a second on a GPU).
+    Norm weights are 1 and the rest N(0, 0.02): speed does not depend on the values, and such
+    a model is never confident, so benchmarks commit a fixed number of tokens per step. On the
+    meta device nothing is allocated: what a shard's tensors would weigh, for free."""
     with torch.device("meta"), _SkipInit():
         model = ARCHITECTURES[config.architecture](config).to(dtype)
+        shard_model(model, shard)
+    if torch.device(device).type == "meta":
+        return model.eval().requires_grad_(False)
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -122,17 +128,20 @@ def dummy_model(config: ModelConfig, device: str | torch.device,
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = None, load_format: str = "auto") -> DiffusionLM:
+               dtype: str | torch.dtype | None = None, load_format: str = "auto",
+               shard: ShardLayout = ShardLayout()) -> DiffusionLM:
     """Build the architecture named by config.json and load its weights, checking every tensor
-    (``load_format="dummy"``: random weights, see :func:`dummy_model`)."""
+    (``load_format="dummy"``: random weights, see :func:`dummy_model`). With a ``shard`` of a
+    tensor-parallel group, only that rank's slices are read from the files."""
     path = Path(path)
     config = read_config(path)
     torch_dtype = resolve_dtype(dtype, device)
     if load_format == "dummy":
-        return dummy_model(config, device, torch_dtype)
+        return dummy_model(config, device, torch_dtype, shard=shard)
     with torch.device("meta"), _SkipInit():
         model = ARCHITECTURES[config.architecture](config)
     expected = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+    cuts = shard_model(model, shard)
     files = _tensor_files(path)
     missing = sorted(set(expected) - set(files))
     if missing:
@@ -153,8 +162,14 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                         f"tensor {name} in {f.name} has shape {list(shape)}, but config.json "
                         f"implies {list(expected[name])}")
                 exact = name.endswith(model.full_precision_tensors)
-                state[name] = h.get_tensor(name).to(
-                    compute_dtype(torch_dtype) if exact else torch_dtype)
+                cut = cuts.get(name)
+                if cut is None:
+                    t = h.get_tensor(name)
+                elif 0 in cut.shape(shape):  # an expert another rank holds: nothing to read
+                    t = torch.empty(cut.shape(shape))
+                else:
+                    t = cut.take(h.get_slice(name))
+                state[name] = t.to(compute_dtype(torch_dtype) if exact else torch_dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.prepare()
     return model.eval().requires_grad_(False)

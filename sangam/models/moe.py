@@ -9,6 +9,10 @@ reads under the real names.
 
 Routing and the experts run through ``sangam.kernels``: the Triton kernels (``moe_route``,
 ``fused_moe``) when the model's attention runs on Triton, else their PyTorch references.
+
+Under expert parallelism a rank holds only the experts ``local_experts`` (the others are left
+zero-width by ``models/tensor_parallel.py``): every rank routes every token alike, computes
+its own experts' share, and the layer's all-reduce sums the shares.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class SparseMoe(nn.Module):
                                      for _ in range(moe.num_experts))
         if moe.shared_intermediate_size:
             self.shared_experts = Expert(hidden, moe.shared_intermediate_size)
+        self.local_experts = (0, moe.num_experts)  # [start, end): the ones this rank holds
 
     def prepare_for_inference(self) -> None:
         """Stack the experts now (``DiffusionLM.prepare``), not in the first forward."""
@@ -64,17 +69,19 @@ class SparseMoe(nn.Module):
         """(w13, w2) of all experts, stacked once: later calls find expert 0's weight a view
         of w13 and return the same tensors; after weights were replaced or moved they stack
         anew."""
+        lo, hi = self.local_experts
+        experts = self.experts[lo:hi]
         made = self.__dict__.get("_stacked")
-        if made is not None and self.experts[0].gate_proj.weight.data_ptr() == made[0].data_ptr():
+        if made is not None and experts[0].gate_proj.weight.data_ptr() == made[0].data_ptr():
             return made
-        width = self.moe.intermediate_size
+        width = experts[0].gate_proj.weight.shape[0]  # this rank's share of it, when split
         # Plain tensors even when first called inside a forward's inference mode: they become
         # the parameters' storage.
         with torch.inference_mode(False), torch.no_grad():
             w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
-                               for e in self.experts])
-            w2 = torch.stack([e.down_proj.weight for e in self.experts])
-            for j, e in enumerate(self.experts):
+                               for e in experts])
+            w2 = torch.stack([e.down_proj.weight for e in experts])
+            for j, e in enumerate(experts):
                 e.gate_proj.weight = nn.Parameter(w13[j, :width], requires_grad=False)
                 e.up_proj.weight = nn.Parameter(w13[j, width:], requires_grad=False)
                 e.down_proj.weight = nn.Parameter(w2[j], requires_grad=False)
@@ -97,12 +104,15 @@ class SparseMoe(nn.Module):
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.route(flat, triton)
+        lo, hi = self.local_experts
+        if hi - lo < self.moe.num_experts:  # the experts of other ranks: id hi - lo, skipped
+            ids = torch.where((ids >= lo) & (ids < hi), ids - lo, hi - lo)
         w13, w2 = self.stacked()
         if triton:
             from sangam.kernels.fused_moe import fused_moe
         else:
             fused_moe = reference.fused_moe_ref
-        out = fused_moe(flat, w13, w2, weights, ids)
+        out = fused_moe(flat, w13, w2, weights, ids, partial=hi - lo < self.moe.num_experts)
         if self.moe.shared_intermediate_size:
             out = out + self.shared_experts(flat)
         return out.view(*lead, x.shape[-1])

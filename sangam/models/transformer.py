@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sangam.models.attention import AttentionBackend, AttentionMetadata, PagedKV
-from sangam.models.config import ModelConfig
+from sangam.models.config import ModelConfig, ShardLayout
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -88,6 +88,9 @@ class RotaryEmbedding:
 
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Sums a row-parallel projection's partial outputs across the tensor-parallel group, in place
+# (``engine/tensor_parallel.py``'s all-reduce); None: the model is whole.
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class LayerParts(NamedTuple):
@@ -137,6 +140,19 @@ class DiffusionLM(nn.Module):
                                     config.rotary_dim)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.attention_backend: AttentionBackend | None = None
+        # The slice of the weights this process holds (``models/tensor_parallel.py`` cuts
+        # them), and the all-reduce that joins the ranks' partial sums.
+        self.shard = ShardLayout()
+        self.all_reduce: AllReduce | None = None
+
+    @property
+    def local_heads(self) -> tuple[int, int]:
+        """(query heads, KV heads) this rank computes: all of them when whole."""
+        (q0, q1), (k0, k1) = self.shard.heads(self.config)
+        return q1 - q0, k1 - k0
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.all_reduce is None else self.all_reduce(x)
 
     # Accessors each architecture provides.
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -174,19 +190,21 @@ class DiffusionLM(nn.Module):
     # Shared computation.
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
                 triton: bool = False) -> torch.Tensor:
-        cfg = self.config
+        head_dim = self.config.head_dim
+        heads, kv_heads = self.local_heads
         lead = h.shape[:-1]
         cos, sin = self.rope.cos_sin(positions, compute_dtype(h.dtype))  # once, for all layers
         for i, part in enumerate(self.parts()):
             q, k, v = part.qkv(part.attn_norm(h))
-            q = q.view(*lead, cfg.num_heads, cfg.head_dim)
-            k = k.view(*lead, cfg.num_kv_heads, cfg.head_dim)
+            q = q.view(*lead, heads, head_dim)
+            k = k.view(*lead, kv_heads, head_dim)
             if part.qk_norms is not None:
                 q, k = part.qk_norms[0](q), part.qk_norms[1](k)
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-            v = v.view(*lead, cfg.num_kv_heads, cfg.head_dim)
-            h = h + part.o(attend(i, q, k, v).reshape(*lead, cfg.num_heads * cfg.head_dim))
-            h = h + part.mlp(part.mlp_norm(h), triton)
+            v = v.view(*lead, kv_heads, head_dim)
+            # o and the MLP's down projection are row-parallel: one all-reduce each.
+            h = h + self._reduce(part.o(attend(i, q, k, v).reshape(*lead, heads * head_dim)))
+            h = h + self._reduce(part.mlp(part.mlp_norm(h), triton))
         return self.final_norm(h)
 
     @torch.inference_mode()
@@ -214,10 +232,18 @@ class DiffusionLM(nn.Module):
         return self._layers(self.embed(input_ids), positions, attend,
                             triton=backend.name == "triton")
 
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's rows of this rank's vocabulary (``ShardLayout.vocab``): a sharded
+        head holds only them, a tied one is the whole embedding, sliced."""
+        w = self.output_head().weight
+        lo, hi = self.shard.vocab(self.config.vocab_size)
+        return w if w.shape[0] == hi - lo else w[lo:hi]
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """The LM head on the rows ``logits_indices`` of ``hidden`` only."""
-        return F.linear(hidden[logits_indices], self.output_head().weight)
+        """The LM head on the rows ``logits_indices`` of ``hidden`` only (under tensor
+        parallelism, this rank's columns of the vocabulary)."""
+        return F.linear(hidden[logits_indices], self.head_weight())
 
     def forward_dense(self, input_ids: torch.Tensor, key_mask: torch.Tensor | None = None,
                       block_size: int | None = None) -> torch.Tensor:
@@ -229,7 +255,8 @@ class DiffusionLM(nn.Module):
         positions (default: the model's), counted from position 0.
         """
         cfg = self.config
-        group = cfg.num_heads // cfg.num_kv_heads
+        heads, kv_heads = self.local_heads
+        group = heads // kv_heads
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         mask = None if key_mask is None else key_mask[:, None, None, :]
         if cfg.block_causal:
@@ -245,4 +272,4 @@ class DiffusionLM(nn.Module):
             return out.transpose(1, 2)
 
         return F.linear(self._layers(self.embed(input_ids), positions, attend),
-                        self.output_head().weight)
+                        self.head_weight())
