@@ -19,6 +19,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 MAX_TRANSFER_TIMEOUT_S = 3600.0  # past this a stuck transfer holds its buffers far too long
+MAX_TENSOR_PARALLEL = 64  # ranks per worker: beyond one NVLink domain's GPUs
 
 T = TypeVar("T")
 
@@ -126,6 +127,13 @@ class EngineConfig:
         "(disaggregated + prefill overflow onto decode workers)", choices=MODES))
     num_workers: int = field(default=_DEPLOY.num_workers, metadata=flag_meta(
         "Worker processes (one per GPU; CPU processes without GPUs) in colocated mode"))
+    tensor_parallel_size: int = field(default=1, metadata=flag_meta(
+        "GPUs (CPU processes) per worker: each worker is a group of this many ranks that split "
+        "every forward (Megatron tensor parallelism over NCCL; gloo on CPU), in every mode",
+        aliases=("-tp", "--tp", "--tp-size")))
+    enable_expert_parallel: bool = field(default=False, metadata=flag_meta(
+        "Mixture-of-experts models under --tensor-parallel-size: split the experts across the "
+        "ranks instead of each expert's width"))
     devices: str | None = field(default=None, metadata=flag_meta(
         "Explicit comma-separated device list for the workers, e.g. cuda:0,cuda:1"))
     prefill_workers: int = field(default=_DEPLOY.prefill_workers, metadata=flag_meta(
@@ -211,6 +219,8 @@ class EngineConfig:
         need(0 < self.transfer_timeout <= MAX_TRANSFER_TIMEOUT_S,
              f"transfer_timeout must be in (0, {MAX_TRANSFER_TIMEOUT_S:g}]")
         need(self.transfer_buffer_bytes > 0, "transfer_buffer_bytes must be > 0")
+        need(1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL,
+             f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL}]")
         try:
             self.deployment  # noqa: B018  (validates the scheduling and deployment fields)
         except ValueError as e:
@@ -262,7 +272,10 @@ class EngineConfig:
 
     @property
     def is_multi_worker(self) -> bool:
-        return len(self.deployment.roles) > 1 or self.mode != "colocated" or self.nnodes > 1
+        """Whether the workers run in processes of their own: several workers, another mode
+        or node, or a worker of several tensor-parallel ranks."""
+        return (len(self.deployment.roles) > 1 or self.mode != "colocated" or self.nnodes > 1
+                or self.tensor_parallel_size > 1)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -297,11 +310,3 @@ class EngineConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         return config_from_args(cls, args)
 
-
-def check_tensor_parallel_size(size: int) -> None:
-    """vLLM's ``tensor_parallel_size``, accepted so its code and command lines run: only 1."""
-    if size != 1:
-        raise ValueError(f"tensor_parallel_size {size}: Sangam runs one replica of the model "
-                         "per GPU (LLaDA-8B and Dream-7B fit one); serve on more GPUs with "
-                         "num_workers and devices (--num-workers, --devices), or a "
-                         "disaggregated or hybrid mode")

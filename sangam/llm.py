@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from sangam.config import EngineConfig, check_tensor_parallel_size
+from sangam.config import EngineConfig
 from sangam.engine.multi import make_engine
 from sangam.models.tokenizer import load_chat_template
 from sangam.sampling_params import RequestOutput, SamplingParams
@@ -25,13 +25,11 @@ class LLM:
     every :class:`~sangam.config.EngineConfig` field is a keyword argument, also under vLLM's
     names (``gpu_memory_utilization``, ``max_num_seqs``). vLLM's ``trust_remote_code`` is
     accepted and changes nothing: Sangam implements LLaDA and Dream itself and never runs a
-    checkpoint's code. ``tensor_parallel_size`` may only be 1: the models fit one GPU, and
-    more GPUs serve through ``num_workers`` and ``devices``.
+    checkpoint's code.
     """
 
     def __init__(self, model: str | None = None, *, trust_remote_code: bool = False,
-                 tensor_parallel_size: int = 1, **engine_options):
-        check_tensor_parallel_size(tensor_parallel_size)
+                 **engine_options):
         try:
             self.config = EngineConfig.from_options(model=model, **engine_options)
         except TypeError as e:

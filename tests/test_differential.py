@@ -206,7 +206,7 @@ class StubTransport:
         self.num_open -= len(out)
         return out
 
-    def scatter_into(self, buffer, pages) -> None:
+    def scatter_received(self, done, pages) -> None:
         pass
 
     def peer_dead(self, peer: int) -> None:

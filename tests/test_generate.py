@@ -293,14 +293,14 @@ def test_input_validation(llms):
 
 
 def test_vllm_engine_option_names(llada_path):
-    """LLM(...) takes vLLM's names of engine options, and its tensor_parallel_size of 1."""
+    """LLM(...) takes vLLM's names of engine options (tensor_parallel_size is a real one:
+    tests/test_tensor_parallel.py)."""
     llm = LLM(llada_path, device="cpu", num_pages=64, gpu_memory_utilization=0.5,
               max_num_seqs=8, tensor_parallel_size=1)
     assert (llm.config.gpu_memory_fraction, llm.config.max_batch_size) == (0.5, 8)
     with pytest.raises(TypeError, match="max_batch_size is given twice"):
         LLM(llada_path, device="cpu", max_batch_size=8, max_num_seqs=4)
-    with pytest.raises(ValueError, match="one replica of the model per GPU"):
-        LLM(llada_path, device="cpu", tensor_parallel_size=2)
+    assert llm.config.tensor_parallel_size == 1
 
 
 def test_tokenizer_from_another_directory(llada_path, tmp_path):

@@ -1071,5 +1071,5 @@ def test_every_config_field_is_a_flag():
     server = ServerConfig.from_cli_args(parser.parse_args(
         ["--disable-log-stats", "--uvicorn-log-level", "debug"]))
     assert (server.log_stats_interval, server.log_level) == (0.0, "debug")
-    assert parser.parse_args(["-tp", "1"]).tensor_parallel_size == 1
-    assert run(parser.parse_args(["--tensor-parallel-size", "2"])) == 2  # refused, no model
+    assert parser.parse_args(["-tp", "2"]).tensor_parallel_size == 2
+    assert run(parser.parse_args(["--tensor-parallel-size", "0"])) == 2  # refused, no model

@@ -198,6 +198,7 @@ def transport(monkeypatch):
     kv = torch.randn(3, 2, 8, 4, 2, 5, dtype=torch.float64)  # [L, K/V, pages, page, Hkv, D]
     t = kv_transfer.KVTransport(kv, budget_bytes=1 << 20, give_up_s=60.0)
     t._groups = {1: "pair-1"}  # what the aborted group stands for
+    t._ranks = {1: 1}
     t.posted = posted
     return t
 

@@ -21,6 +21,10 @@ from sangam.sched.batch_builder import BatchBuilder
 
 class Engine(Front):
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        if config.tensor_parallel_size > 1:  # its ranks are processes: make_engine starts them
+            raise ValueError("a tensor-parallel worker runs in worker processes: build the "
+                             "engine with sangam.engine.multi.make_engine (LLM and the "
+                             "server do)")
         loaded = loaded or LoadedModel.load(config)
         pool, builder, runner = build_worker_parts(config, loaded)
         super().__init__(config, loaded, [pool.num_pages])

@@ -136,6 +136,14 @@ class PackedBatch:
                 "cu_seqlens_q": self.cu_seqlens_q, "kv_lens": self.kv_lens,
                 "logits_indices": self.logits_indices}
 
+    @classmethod
+    def from_device_arrays(cls, arrays: dict[str, np.ndarray]) -> PackedBatch:
+        """The batch as far as the forward needs it, from its ``device_arrays()`` (a follower
+        rank of a tensor-parallel group, which plans and commits nothing): the rest empty."""
+        empty = np.zeros(0, dtype=np.int64)
+        kept = {f.name: arrays.get(f.name, empty) for f in fields(cls)}
+        return cls(**kept)
+
     def metadata(self, dev: dict[str, torch.Tensor]) -> AttentionMetadata:
         """The attention metadata over ``dev``, the uploaded ``device_arrays()`` (and, for a
         block-causal model, ``causal_blocks``: each request's block size)."""

@@ -28,7 +28,8 @@ def pool_num_pages(loaded: LoadedModel, engine: EngineConfig,
         plan = plan_for(loaded, engine, total=total, free=free, graph_spans=graph_spans)
         logger.info("%s", plan.describe())
         return plan.num_pages
-    per_page = page_bytes(loaded.config, engine.page_size, loaded.dtype)
+    per_page = page_bytes(loaded.model.shard.rank_config(loaded.config), engine.page_size,
+                          loaded.dtype)
     n = int(engine.cpu_kv_cache_gb * GIB // per_page)
     if n < 1:
         raise ValueError(f"--cpu-kv-cache-gb {engine.cpu_kv_cache_gb} holds no KV page of "
@@ -38,10 +39,12 @@ def pool_num_pages(loaded: LoadedModel, engine: EngineConfig,
 
 class KVPool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, kv_heads: int | None = None):
+        """``kv_heads``: the KV heads this rank holds under tensor parallelism (default all)."""
         # torch.empty: pages are always written (by a refresh) before they are read (a
         # block-causal request attends only up to the end of its span, all of it written).
-        shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, 2, num_pages, page_size, kv_heads or cfg.num_kv_heads,
+                 cfg.head_dim)
         self.kv = PagedKV(torch.empty(shape, dtype=dtype, device=device))
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)

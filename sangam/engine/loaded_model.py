@@ -16,6 +16,7 @@ from sangam.models import (
     AttentionBackend,
     DiffusionLM,
     ModelConfig,
+    ShardLayout,
     TorchAttentionBackend,
     load_model,
     load_tokenizer,
@@ -105,11 +106,12 @@ class LoadedModel:
     tokenizer_path: str | None = None  # where the tokenizer was read (checkpoint, --tokenizer)
 
     @classmethod
-    def load(cls, cfg: EngineConfig) -> LoadedModel:
+    def load(cls, cfg: EngineConfig, shard: ShardLayout = ShardLayout()) -> LoadedModel:
+        """The checkpoint of ``cfg`` on its device (``shard``: one rank's slice of it)."""
         path = checkpoint_path(cfg)
         device = torch.device(cfg.device or default_device())
         model = load_model(path, device, None if cfg.dtype == "auto" else cfg.dtype,
-                           cfg.load_format)
+                           cfg.load_format, shard)
         model.attention_backend = make_attention_backend(cfg.attention_backend, device)
         p = next(model.parameters())
         return cls.around(cfg, path, model, model.config, p.device, p.dtype)

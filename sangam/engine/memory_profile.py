@@ -290,7 +290,9 @@ def plan_for(loaded: LoadedModel, engine: EngineConfig, *, total: int, free: int
     """:func:`plan_memory` for a loaded model (its weights in ``total - free``), its requests'
     defaults and its context."""
     params = loaded.default_params()
-    return plan_memory(loaded.config, engine, loaded.dtype, total=total, free=free,
+    # A tensor-parallel rank's pages hold its KV heads, its activations its heads' share.
+    config = loaded.model.shard.rank_config(loaded.config)
+    return plan_memory(config, engine, loaded.dtype, total=total, free=free,
                        weights=model_bytes(loaded.model), context=loaded.context_length,
                        block_length=params.block_length, cache=params.cache,
                        backend=loaded.model.attention_backend.name, graph_spans=graph_spans)

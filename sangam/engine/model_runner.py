@@ -12,6 +12,7 @@ batches of the default block length replay CUDA graphs on GPU (``cuda_graphs.py`
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,26 +29,37 @@ from sangam.engine.kv_pool import KVPool
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.memory_profile import rescore_chunk_rows
 from sangam.engine.stop_strings import apply_stop_strings
+from sangam.engine.tensor_parallel import Step, TensorGroup
 from sangam.sched.request import BLOCK_DONE, CONTINUES, StepOutcome
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    """``group``: the worker's tensor-parallel group, when it has several ranks. Rank 0's
+    runner broadcasts each forward's ``Step`` before running it; the other ranks' runners run
+    it (``follow``). Both sides run the same device code (``_device_step``)."""
+
     def __init__(self, loaded: LoadedModel, pool: KVPool, host_impl: str | None = None,
-                 graphs: list[DecodeGraphRunner] = ()):
+                 graphs: list[DecodeGraphRunner] = (), group: TensorGroup | None = None):
         self.loaded = loaded
         self.pool = pool
         self.device = loaded.device
         self.host = make_host_batcher(pool.page_size, host_impl)
         self.graphs = list(graphs)
         self.uploader = BatchUploader(self.device)
+        self.group = group
         # Full rescoring runs this many rows at a time: what the memory profile reserved.
         self.rescore_rows = rescore_chunk_rows(loaded.config.vocab_size, loaded.dtype)
         # With the Triton backend, scoring is the fused online-softmax kernel (no [rows, vocab]
         # fp32 copy); the host then commits by the rules, as on the reference path (rows
-        # scored again included).
-        self.fused_scoring = loaded.model.attention_backend.name == "triton"
+        # scored again included). A vocabulary-parallel head scores per shard instead.
+        self.fused_scoring = loaded.model.attention_backend.name == "triton" and group is None
+        self.device_scoring = self.fused_scoring or group is not None  # reads per-row inputs
+        # K/V streamed layer by layer during the next forward (TransferWorker sets them): the
+        # other ranks stream their shards of it too.
+        self.streams: list[tuple[int, int, list[int]]] = []
+        self._stepped = False  # the group began this forward: a failure now is the group's
         if self.fused_scoring:  # imported here: the CPU reference path never loads Triton
             from sangam.kernels.unmask import fused_score
 
@@ -69,11 +81,15 @@ class ModelRunner:
         each fail alone are two failed requests, not a broken engine). Commit and
         stop-string errors are per request. A device error is raised: the device is
         unusable. With ``isolate=False`` a batch failure is raised (the caller retries)."""
+        self._stepped = False
         try:
             scored = self._score(states, pages, allow_graphs)
         except FATAL_ERRORS:
             raise
         except Exception as e:
+            if self._stepped:  # the other ranks are inside the forward: no way back
+                raise TensorGroupError(f"a tensor-parallel forward failed on rank 0: {e!r}"
+                                       ) from e
             if not isolate:
                 raise
             if len(states) == 1:
@@ -89,42 +105,96 @@ class ModelRunner:
                           dict[int, torch.Tensor]]:
         """The forward and the scoring, read back to the host; changes no request. The rows
         of requests with structured output come back whole (their rule reads the logits)."""
-        batch, dev, rescore = stage_batch(self.host, self.uploader, states, pages,
-                                          self.fused_scoring, chunk_rows=self.rescore_rows)
-        model = self.loaded.model
-        if batch.num_rows == 0:  # only block-causal prefill chunks: K/V stored, nothing scored
-            model.hidden_states(dev["input_ids"], dev["positions"], batch.metadata(dev),
-                                self.pool.kv)
-            empty = np.zeros(0, dtype=np.int64)
-            return (batch, empty, empty.astype(np.float64), None, None,
-                    {r: _NO_ROWS for r, st in enumerate(states) if st.grammar is not None})
-        graphs = None
-        if allow_graphs and self.graphs:
+        batch, arrays, rescore = pack_batch(self.host, states, pages, self.device_scoring,
+                                            chunk_rows=self.rescore_rows)
+        graph = -1
+        if allow_graphs and self.graphs and batch.num_rows:
             block_length = None  # a block-causal batch's, when its requests share one
             if states[0].block_causal:
                 lengths = {st.params.block_length for st in states}
                 block_length = lengths.pop() if len(lengths) == 1 else 0
-            graphs = next((g for g in self.graphs if g.can_run(batch, block_length)), None)
-        if graphs is not None:
-            hidden = graphs.run(batch, dev)
+            graph = next((i for i, g in enumerate(self.graphs)
+                          if g.can_run(batch, block_length)), -1)
+        constrained = [r for r, st in enumerate(states) if st.grammar is not None]
+        if self.group is not None:
+            if constrained:  # the rows whose whole vocabulary the group gathers
+                arrays["constrained_rows"] = np.concatenate(
+                    [np.arange(batch.cu_rows[r], batch.cu_rows[r + 1]) for r in constrained])
+            self.group.send(Step(arrays, graph, self.streams))
+            self._stepped = True
+        dev = self.uploader.upload(arrays)
+        logits, tokens, conf = self._device_step(batch, dev, graph)
+        if logits is None:  # only block-causal prefill chunks: K/V stored, nothing scored
+            empty = np.zeros(0, dtype=np.int64)
+            return (batch, empty, empty.astype(np.float64), None, None,
+                    {r: _NO_ROWS for r in constrained})
+        top = None
+        if rescore is not None:
+            top = rescore.score(self._rows(logits), dev, self.loaded.config.mask_token_id,
+                                tokens, conf)
+            if top is not None:
+                top = tuple(t.cpu().numpy() for t in top)
+        rows = {}
+        if constrained:
+            index = (dev["constrained_rows"] if self.group is not None else
+                     torch.from_numpy(constrained_row_index(batch, constrained)).to(self.device))
+            rows = split_constrained(batch, constrained, self._rows(logits)(index).cpu())
+        return (batch, tokens.cpu().numpy(), conf.cpu().numpy().astype(np.float64), rescore,
+                top, rows)
+
+    def _device_step(self, batch: PackedBatch, dev: dict[str, torch.Tensor], graph: int
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The forward and its first scoring, on every rank of a group alike: (logits —
+        this rank's vocabulary columns of them —, tokens, confidences); all None for a batch
+        with no logits rows."""
+        model = self.loaded.model
+        if batch.num_rows == 0:
+            model.hidden_states(dev["input_ids"], dev["positions"], batch.metadata(dev),
+                                self.pool.kv)
+            return None, None, None
+        if graph >= 0:
+            hidden = self.graphs[graph].run(batch, dev)
         else:
             hidden = model.hidden_states(dev["input_ids"], dev["positions"],
                                          batch.metadata(dev), self.pool.kv)
         logits = model.logits(hidden, dev["logits_indices"])
-        if self.fused_scoring:
-            tokens, conf = self._fused_score(logits, self.loaded.config.mask_token_id,
-                                             dev["temperatures"], dev["row_keys"])
+        mask_id = self.loaded.config.mask_token_id
+        if self.group is not None:
+            tokens, conf = self.group.score(logits, mask_id, dev["temperatures"],
+                                            dev["row_keys"], self.loaded.config.vocab_size)
+        elif self.fused_scoring:
+            tokens, conf = self._fused_score(logits, mask_id, dev["temperatures"],
+                                             dev["row_keys"])
         else:
-            tokens, conf, _ = score_logits(logits, self.loaded.config.mask_token_id,
+            tokens, conf, _ = score_logits(logits, mask_id,
                                            torch.from_numpy(batch.temperatures),
                                            torch.from_numpy(batch.row_keys))
-        top = None
-        if rescore is not None:
-            top = rescore.score(logits, dev, self.loaded.config.mask_token_id, tokens, conf)
-            if top is not None:
-                top = tuple(t.cpu().numpy() for t in top)
-        return (batch, tokens.cpu().numpy(), conf.cpu().numpy().astype(np.float64), rescore,
-                top, constrained_rows(states, batch, logits))
+        return logits, tokens, conf
+
+    def _rows(self, logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Rows of the whole-vocabulary logits by index: gathered across a group's ranks
+        (each of which must ask for the same rows, in the same order)."""
+        if self.group is None:
+            return logits.__getitem__
+        vocab = self.loaded.config.vocab_size
+        return lambda index: self.group.gather_vocab(logits[index], vocab)
+
+    def follow(self, step: Step) -> None:
+        """A follower rank's part of the forward ``step`` rank 0 broadcast: the same device
+        work, and the same gathers of whole-vocabulary rows (rescoring, structured output)."""
+        arrays = step.arrays
+        dev = self.uploader.upload(arrays)
+        batch = PackedBatch.from_device_arrays(arrays)
+        logits, _, _ = self._device_step(batch, dev, step.graph)
+        if logits is None:
+            return
+        rows = self._rows(logits)
+        if "rescore_rows" in dev:
+            total = len(arrays["rescore_rows"])
+            for a, b in rescore_chunks(total, self.rescore_rows):
+                rows(dev["rescore_rows"][a:b])
+        if "constrained_rows" in dev:
+            rows(dev["constrained_rows"])
 
     def _commit(self, states: list[DecodeState], batch: PackedBatch, tokens: np.ndarray,
                 conf: np.ndarray, rescore: Rescore | None, top: tuple | None,
@@ -161,20 +231,20 @@ class ModelRunner:
 _NO_ROWS = torch.zeros(0, 0)
 
 
-def constrained_rows(states: list[DecodeState], batch: PackedBatch, logits: torch.Tensor
-                     ) -> dict[int, torch.Tensor]:
-    """The logits rows of each request with structured output, on the host (one copy for
-    all), by request index: every such request has an entry (its commit runs from it)."""
-    which = [r for r, st in enumerate(states) if st.grammar is not None]
-    if not which:
-        return {}
-    spans = [(int(batch.cu_rows[r]), int(batch.cu_rows[r + 1])) for r in which]
-    index = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans]))
-    host = logits[index.to(logits.device)].cpu()
+def constrained_row_index(batch: PackedBatch, which: list[int]) -> np.ndarray:
+    """The logits rows of the requests ``which`` (those with structured output), in order."""
+    return np.concatenate([np.arange(batch.cu_rows[r], batch.cu_rows[r + 1]) for r in which])
+
+
+def split_constrained(batch: PackedBatch, which: list[int], host: torch.Tensor
+                      ) -> dict[int, torch.Tensor]:
+    """``host``, the rows of :func:`constrained_row_index` read back in one copy, by request
+    index: every such request has an entry (its commit runs from it)."""
     out, at = {}, 0
-    for r, (a, b) in zip(which, spans, strict=True):
-        out[r] = host[at:at + b - a]
-        at += b - a
+    for r in which:
+        n = int(batch.cu_rows[r + 1] - batch.cu_rows[r])
+        out[r] = host[at:at + n]
+        at += n
     return out
 
 
@@ -192,8 +262,15 @@ def _failed(error: Exception) -> StepOutcome:
     return StepOutcome(error=f"the request failed in the engine: {error!r}")
 
 
-# Errors no request causes: the device is unusable, so the engine must not go on.
-FATAL_ERRORS = (torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()
+class TensorGroupError(RuntimeError):
+    """A forward failed after the ranks of its tensor-parallel group began it: they are
+    inside its collectives and cannot be called back, so the worker (the group) ends."""
+
+
+# Errors no request causes: the device is unusable, or a group's ranks are out of step; the
+# worker must not go on.
+FATAL_ERRORS = (TensorGroupError, *((torch.AcceleratorError,)
+                                    if hasattr(torch, "AcceleratorError") else ()))
 
 
 def _commit_alone(st: DecodeState, forwards: int, batch: PackedBatch, r: int,
@@ -213,18 +290,27 @@ def _commit_alone(st: DecodeState, forwards: int, batch: PackedBatch, r: int,
 
 
 def stage_batch(host: HostBatcher, uploader: BatchUploader, states: list[DecodeState],
-                pages: list[list[int]], fused_scoring: bool, chunk_rows: int | None = None
+                pages: list[list[int]], device_scoring: bool, chunk_rows: int | None = None
                 ) -> tuple[PackedBatch, dict[str, torch.Tensor], Rescore | None]:
-    """The host work before a forward: pack the batch, find the requests whose rows are scored
-    again (in chunks of ``chunk_rows``; None: one), and move everything the device reads in one
-    upload (the scoring kernel's inputs with ``fused_scoring``). Returns the batch, its device
-    tensors by name, and the rescoring."""
+    """:func:`pack_batch`, then everything the device reads moved in one upload. Returns the
+    batch, its device tensors by name, and the rescoring."""
+    batch, arrays, rescore = pack_batch(host, states, pages, device_scoring, chunk_rows)
+    return batch, uploader.upload(arrays), rescore
+
+
+def pack_batch(host: HostBatcher, states: list[DecodeState], pages: list[list[int]],
+               device_scoring: bool, chunk_rows: int | None = None
+               ) -> tuple[PackedBatch, dict[str, np.ndarray], Rescore | None]:
+    """The host work before a forward: pack the batch and find the requests whose rows are
+    scored again (in chunks of ``chunk_rows``; None: one). Returns the batch, the host arrays
+    the device reads (the scoring's per-row inputs too with ``device_scoring``: the fused
+    kernel's, or a vocabulary-parallel head's), and the rescoring."""
     batch = host.build(states, pages)
     arrays = batch.device_arrays()
     if states and states[0].block_causal:  # one model per runner: all or none
         arrays["causal_blocks"] = np.array([st.params.block_length for st in states],
                                            dtype=np.int32)
-    if fused_scoring:  # the scoring kernel's inputs beyond the logits, per row
+    if device_scoring:  # the scoring's inputs beyond the logits, per row
         arrays.update(temperatures=batch.temperatures, row_keys=batch.row_keys)
     # Read for every request of every iteration: one attribute and one cached property.
     full = [i for i, st in enumerate(states)
@@ -232,7 +318,13 @@ def stage_batch(host: HostBatcher, uploader: BatchUploader, states: list[DecodeS
     rescore = Rescore.build(batch, states, full, chunk_rows) if full else None
     if rescore is not None:
         arrays.update(rescore.arrays)
-    return batch, uploader.upload(arrays), rescore
+    return batch, arrays, rescore
+
+
+def rescore_chunks(total: int, chunk_rows: int | None) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of ``total`` rescored rows, ``chunk_rows`` at a time."""
+    step = chunk_rows or total
+    return [(a, min(a + step, total)) for a in range(0, total, step)]
 
 
 _EDIT_ARRAYS = LogitEdits._fields[:-1]  # every field but the width (a host int)
@@ -285,8 +377,7 @@ class Rescore:
             "rescore_top_k": np.repeat(np.array([p.top_k for p in params], np.int64), counts),
             "rescore_min_p": np.repeat(np.array([p.min_p for p in params], np.float64), counts),
         }
-        step = chunk_rows or total
-        chunks = [(a, min(a + step, total)) for a in range(0, total, step)]
+        chunks = rescore_chunks(total, chunk_rows)
         edits = batch_edits(picked, [batch.cand_positions[cu[i]:cu[i + 1]] for i in indices],
                             counts)
         widths: list[int | None] = []
@@ -300,11 +391,12 @@ class Rescore:
         return cls(picked, indices, arrays, chunks, hot_bounds, widths,
                    max(p.logprobs or 0 for p in params))
 
-    def score(self, logits: torch.Tensor, dev: dict[str, torch.Tensor], mask_token_id: int,
-              tokens: torch.Tensor, conf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def score(self, rows: Callable[[torch.Tensor], torch.Tensor], dev: dict[str, torch.Tensor],
+              mask_token_id: int, tokens: torch.Tensor,
+              conf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Score the rows again from ``dev`` (the uploaded arrays), chunk by chunk, writing
         ``tokens`` and ``conf`` in place; returns the rows' alternatives (``Scores.top``) if
-        asked for."""
+        asked for. ``rows(index)``: the logits rows ``index`` over the whole vocabulary."""
         tops = []
         for j, ((a, b), (h0, h1), width) in enumerate(zip(self.chunks, self.hot_bounds,
                                                           self.edits_widths, strict=True)):
@@ -314,7 +406,7 @@ class Rescore:
                                    width=width)
             index = dev["rescore_rows"][a:b]
             t, c, top = score_logits(
-                logits[index], mask_token_id, dev["rescore_temperature"][a:b],
+                rows(index), mask_token_id, dev["rescore_temperature"][a:b],
                 dev["rescore_row_keys"][a:b], dev["rescore_top_p"][a:b],
                 dev["rescore_top_k"][a:b], dev["rescore_min_p"][a:b], edits, self.top_n,
                 hot=dev["rescore_hot"][h0:h1] - a)

@@ -20,6 +20,7 @@ from sangam.engine.cuda_graphs import DecodeGraphRunner
 from sangam.engine.kv_pool import KVPool, pool_num_pages
 from sangam.engine.loaded_model import LoadedModel, use_device
 from sangam.engine.model_runner import ModelRunner
+from sangam.engine.tensor_parallel import TensorGroup
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
 from sangam.sched.prefix_cache import PrefixCache, extend_page_keys, request_page_keys
 from sangam.sched.request import Request, StepOutcome
@@ -28,16 +29,26 @@ from sangam.sched.worker_core import BlockEnded, IterationStats, Ship, Task, Wor
 logger = logging.getLogger(__name__)
 
 
-def build_worker_parts(config: EngineConfig,
-                       loaded: LoadedModel) -> tuple[KVPool, BatchBuilder, ModelRunner]:
-    """What every worker owns: its KV pool, its scheduler over that pool, its model runner."""
+def build_worker_parts(config: EngineConfig, loaded: LoadedModel,
+                       group: TensorGroup | None = None
+                       ) -> tuple[KVPool, BatchBuilder, ModelRunner]:
+    """What every worker owns: its KV pool, its scheduler over that pool, its model runner.
+    A rank of a tensor-parallel ``group`` holds its shard's pool (as many pages as the
+    tightest rank's memory allows) and captures the same graphs as the others, in the same
+    order (their all-reduces meet)."""
     use_device(loaded.device)  # the graphs are captured on this thread's current device
     spans = [s for _, s in graph_plan(config, loaded)] if captures_graphs(config, loaded) else ()
     num_pages = pool_num_pages(loaded, config, tuple(spans))
-    pool = KVPool(loaded.config, num_pages, config.page_size, loaded.dtype, loaded.device)
+    if group is not None:
+        loaded.model.all_reduce = group.all_reduce
+        num_pages = group.agree_min(num_pages)
+    kv_heads = loaded.model.local_heads[1]
+    pool = KVPool(loaded.config, num_pages, config.page_size, loaded.dtype, loaded.device,
+                  kv_heads)
     cache = PrefixCache(pool.allocator) if prefix_caching(config, loaded) else None
     builder = BatchBuilder(pool.allocator, config.scheduler, cache)
-    return pool, builder, ModelRunner(loaded, pool, graphs=decode_graphs(config, loaded, pool))
+    return pool, builder, ModelRunner(loaded, pool, graphs=decode_graphs(config, loaded, pool),
+                                      group=group)
 
 
 def prefix_caching(config: EngineConfig, loaded: LoadedModel) -> bool:

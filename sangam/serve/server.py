@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import uvicorn
 from fastapi import FastAPI
 
-from sangam.config import EngineConfig, check_tensor_parallel_size
+from sangam.config import EngineConfig
 from sangam.engine.async_engine import AsyncEngine
 from sangam.serve.app import build_app
 from sangam.serve.config import ServerConfig
@@ -80,9 +80,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server", "HTTP, the API and its request defaults")
     ServerConfig.add_cli_args(server)
     server.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
-    server.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="vLLM's flag, accepted so its command lines run: 1 only (one "
-                        "replica per GPU; more GPUs: --num-workers, --devices)")
 
 
 def uvicorn_server(app: FastAPI, config: ServerConfig) -> uvicorn.Server:
@@ -98,7 +95,6 @@ def uvicorn_server(app: FastAPI, config: ServerConfig) -> uvicorn.Server:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        check_tensor_parallel_size(args.tensor_parallel_size)
         engine_config = EngineConfig.from_cli_args(args)
         server_config = ServerConfig.from_cli_args(args)
     except ValueError as e:

@@ -37,7 +37,7 @@ from sangam.engine.front import Front
 from sangam.engine.interface import Gauge
 from sangam.engine.loaded_model import LoadedModel, checkpoint_path
 from sangam.engine.multi import launcher
-from sangam.models import read_config, resolve_dtype
+from sangam.models import ShardLayout, read_config, resolve_dtype
 from sangam.sampling_params import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -104,9 +104,12 @@ class MultiWorkerEngine(Front):
         self.config = config
         self.roles = launcher.validate(config)
         self.loaded = _front_model(config, loaded, launcher.worker_device(config, 0))
+        # Before any process starts: a model the group cannot split is refused by name.
+        ShardLayout(0, config.tensor_parallel_size,
+                    config.enable_expert_parallel).check(self.loaded.config)
         self._closed = False
         self._zygote: subprocess.Popen | None = None
-        self._procs: dict[int, launcher.ProcessHandle] = {}  # this node's workers
+        self._procs: dict[int, launcher.WorkerProcesses] = {}  # this node's workers
         self._workers: dict[int, _WorkerInfo] = {}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -142,7 +145,7 @@ class MultiWorkerEngine(Front):
             store_addr = (host, self._store.port)
         specs = launcher.make_specs(cfg, self.roles, 0, front_addr, store_addr)
         self._zygote, handles = launcher.start_local_workers(specs)
-        self._procs = {s.worker: h for s, h in zip(specs, handles)}
+        self._procs = launcher.group_by_worker(specs, handles)
         self._await_workers()
 
     def _await_workers(self) -> None:

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from sangam.engine.tensor_parallel import global_rank
 from sangam.models import AttentionBackend, AttentionMetadata
 
 
@@ -138,6 +139,7 @@ class KVTransport:
         self.held_recv = 0
         self._ids = itertools.count()
         self._groups: dict[int, dist.ProcessGroup] = {}  # by peer
+        self._ranks: dict[int, int] = {}  # peer worker -> its rank's torch.distributed rank
         self._open: dict[tuple[int, int, bool], _Transfer] = {}  # (peer, id, is_send)
         self._waiting: deque[_Transfer] = deque()  # receives not posted yet, in arrival order
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
@@ -150,25 +152,33 @@ class KVTransport:
         return len(self._open)
 
     def connect(self, me: int, senders: list[int], receivers: list[int],
-                timeout_s: float) -> None:
+                timeout_s: float, tp_rank: int = 0, tp_size: int = 1) -> None:
         """Create a process group per (sender, receiver) pair, with ``timeout_s`` on every
         wait, and open those ``me`` belongs to with one small blocking message. Every worker
         creates every group (NCCL splits them off the default communicator, which all ranks
         take part in) and opens the pairs in one order (by sender, then receiver), so the
-        first pair not yet open always has both ends waiting on it: nobody deadlocks."""
+        first pair not yet open always has both ends waiting on it: nobody deadlocks.
+
+        Workers of ``tp_size`` ranks each (tensor parallelism) pair rank to rank: this
+        process, rank ``tp_rank`` of worker ``me``, moves its KV heads' pages with rank
+        ``tp_rank`` of every peer, which holds the same heads."""
         timeout = datetime.timedelta(seconds=timeout_s)
         for s in senders:
             for r in receivers:
-                group = dist.new_group([s, r], timeout=timeout)
-                if me in (s, r):
-                    self._groups[r if me == s else s] = group
+                for t in range(tp_size):
+                    ends = [global_rank(s, t, tp_size), global_rank(r, t, tp_size)]
+                    group = dist.new_group(ends, timeout=timeout)
+                    if me in (s, r) and t == tp_rank:
+                        peer = r if me == s else s
+                        self._groups[peer] = group
+                        self._ranks[peer] = global_rank(peer, t, tp_size)
         token = torch.zeros(1, dtype=self.kv_buffer.dtype, device=self.device)
         for s in senders:
             for r in receivers:
                 if me == s:
-                    dist.send(token, r, group=self._groups[r])
+                    dist.send(token, self._ranks[r], group=self._groups[r])
                 elif me == r:
-                    dist.recv(token, s, group=self._groups[s])
+                    dist.recv(token, self._ranks[s], group=self._groups[s])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -201,7 +211,7 @@ class KVTransport:
         t.nbytes += sum(v.numel() * v.element_size() for v in views)
         try:
             for v in views:
-                t.works.append(dist.isend(v, dest, group=self._groups[dest]))
+                t.works.append(dist.isend(v, self._ranks[dest], group=self._groups[dest]))
         except RuntimeError as e:  # the connection is already gone
             t.error = t.error or str(e)
 
@@ -266,7 +276,7 @@ class KVTransport:
         layers = [buf[0]] * self.num_layers if t.drain else list(buf)
         try:
             for v in layers:
-                t.works.append(dist.irecv(v, t.peer, group=self._groups[t.peer]))
+                t.works.append(dist.irecv(v, self._ranks[t.peer], group=self._groups[t.peer]))
         except RuntimeError as e:
             self._finish(t, str(e))
             self._release(t)
@@ -274,8 +284,10 @@ class KVTransport:
         self._start(t)
         return True
 
-    def scatter_into(self, buffer: torch.Tensor, pages: torch.Tensor) -> None:
-        self.scatter(buffer, self.kv_buffer, pages)
+    def scatter_received(self, done: Done, pages: list[int] | None) -> None:
+        """Scatter a finished receive into ``pages`` of the pool (None: it is not wanted)."""
+        if pages is not None:
+            self.scatter(done.buffer, self.kv_buffer, torch.tensor(pages, dtype=torch.int64))
 
     # Completion.
     def poll(self) -> list[Done]:

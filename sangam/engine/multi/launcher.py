@@ -3,8 +3,9 @@
 Workers are numbered globally: colocated ``0 .. num_workers-1``; disaggregated / hybrid the
 prefill workers first, then the decode workers. With ``nnodes`` nodes, node ``r`` runs the
 contiguous slice ``[r*k, (r+1)*k)`` with ``k = ceil(total / nnodes)``; node 0 also runs the
-front. A node's i-th worker uses ``devices[i]`` when a device list is given, else ``cuda:i``
-on GPU or the CPU.
+front. A worker of ``--tensor-parallel-size N`` is N processes (ranks) on its node, one per
+device: the node's i-th process (worker-major, then rank) uses ``devices[i]`` when a device
+list is given, else ``cuda:i`` on GPU or the CPU.
 
 Processes: a node's workers are forked from one process that imported everything once (the
 "zygote" on node 0, the node entry point elsewhere), which needs Linux (fork, pidfd).
@@ -44,12 +45,14 @@ class WorkerSpec:
     front_addr: str  # ZeroMQ endpoint of the front
     store_addr: tuple[str, int] | None  # torch.distributed TCP store; None: no K/V transfers
     num_threads: int  # torch intra-op threads (CPU): the host's cores shared among its workers
+    tp_rank: int = 0  # its rank in its worker's tensor-parallel group (0: the worker itself)
 
 
 def signature(roles: tuple[str, ...], config: EngineConfig, model_config: ModelConfig) -> tuple:
     """What the front and every worker must agree on (checked at startup)."""
-    return (config.mode, roles, config.page_size, model_config.num_layers,
-            model_config.num_kv_heads, model_config.head_dim, model_config.vocab_size)
+    return (config.mode, roles, config.page_size, config.tensor_parallel_size,
+            config.enable_expert_parallel, model_config.num_layers, model_config.num_kv_heads,
+            model_config.head_dim, model_config.vocab_size)
 
 
 def node_workers(num_workers: int, nnodes: int, node_rank: int) -> range:
@@ -66,8 +69,9 @@ def worker_device(config: EngineConfig, local_index: int) -> str:
 
 
 def needs_data_plane(config: EngineConfig) -> bool:
-    """Colocated workers never move K/V: they join no process group."""
-    return config.mode != "colocated"
+    """Whether the workers join a process group: to move K/V (colocated workers never do),
+    or to split forwards across a worker's ranks."""
+    return config.mode != "colocated" or config.tensor_parallel_size > 1
 
 
 def validate(config: EngineConfig) -> list[str]:
@@ -77,11 +81,12 @@ def validate(config: EngineConfig) -> list[str]:
     if len(roles) < config.nnodes:
         raise ValueError(f"{len(roles)} workers cannot span {config.nnodes} nodes")
     devices = config.device_list
+    tp = config.tensor_parallel_size
     for r in range(config.nnodes):
-        local = len(node_workers(len(roles), config.nnodes, r))
+        local = len(node_workers(len(roles), config.nnodes, r)) * tp
         if devices and len(devices) < local:
-            raise ValueError(f"node {r} runs {local} workers but --devices lists "
-                             f"{len(devices)}")
+            raise ValueError(f"node {r} runs {local} worker processes (tensor-parallel ranks "
+                             f"included) but --devices lists {len(devices)}")
         # Two workers on one GPU would each size their KV pool to most of its memory, and
         # NCCL refuses two ranks on one GPU.
         gpus = [d for d in (worker_device(config, i) for i in range(local))
@@ -103,10 +108,11 @@ def split_addr(addr: str) -> tuple[str, int]:
 def make_specs(config: EngineConfig, roles: list[str], node_rank: int, front_addr: str,
                store_addr: tuple[str, int] | None) -> list[WorkerSpec]:
     workers = node_workers(len(roles), config.nnodes, node_rank)
-    threads = max(1, len(os.sched_getaffinity(0)) // max(1, len(workers)))
-    return [WorkerSpec(w, tuple(roles), config, worker_device(config, i), front_addr,
-                       store_addr, threads)
-            for i, w in enumerate(workers)]
+    tp = config.tensor_parallel_size
+    threads = max(1, len(os.sched_getaffinity(0)) // max(1, len(workers) * tp))
+    return [WorkerSpec(w, tuple(roles), config, worker_device(config, i * tp + t), front_addr,
+                       store_addr, threads, t)
+            for i, w in enumerate(workers) for t in range(tp)]
 
 
 def fork_workers(specs: list[WorkerSpec], run_worker: Callable[[WorkerSpec, int], None]
@@ -178,11 +184,35 @@ class ProcessHandle:
             self._fd = None
 
 
+class WorkerProcesses:
+    """A worker's processes (its tensor-parallel ranks; one without) as one handle: alive
+    while every rank is, since a group that lost a rank cannot compute."""
+
+    def __init__(self, ranks: list[ProcessHandle]):
+        self.ranks = ranks
+
+    def is_alive(self) -> bool:
+        return all(p.is_alive() for p in self.ranks)
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for p in self.ranks:
+            p.join(deadline - time.monotonic())
+
+    def kill(self) -> None:
+        for p in self.ranks:
+            p.kill()
+
+    def close(self) -> None:
+        for p in self.ranks:
+            p.close()
+
+
 def start_local_workers(specs: list[WorkerSpec]) -> tuple[subprocess.Popen, list[ProcessHandle]]:
     """Start this node's workers: ``python -m sangam.engine.multi.zygote`` imports everything
     once and forks them (much cheaper than one interpreter per worker, and unlike
     multiprocessing's spawn it never re-imports the user's ``__main__``, so scripts without a
-    ``__main__`` guard work). Returns the zygote and a handle per worker, in spec order."""
+    ``__main__`` guard work). Returns the zygote and a handle per process, in spec order."""
     zygote = subprocess.Popen([sys.executable, "-m", "sangam.engine.multi.zygote"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     zygote.stdin.write(pickle.dumps(specs))
@@ -192,3 +222,12 @@ def start_local_workers(specs: list[WorkerSpec]) -> tuple[subprocess.Popen, list
         zygote.wait()
         raise RuntimeError(f"the worker launcher failed (exit code {zygote.returncode})")
     return zygote, [ProcessHandle(int(p)) for p in line.split()]
+
+
+def group_by_worker(specs: list[WorkerSpec], handles: list[ProcessHandle]
+                    ) -> dict[int, WorkerProcesses]:
+    """``start_local_workers``' handles as one ``WorkerProcesses`` per worker."""
+    ranks: dict[int, list[ProcessHandle]] = {}
+    for spec, h in zip(specs, handles, strict=True):
+        ranks.setdefault(spec.worker, []).append(h)
+    return {w: WorkerProcesses(hs) for w, hs in ranks.items()}

@@ -9,7 +9,6 @@ reports what happened (``Report``), one message per loop turn.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import signal
 import socket
@@ -19,7 +18,6 @@ import traceback
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -27,19 +25,17 @@ from sangam.decoding.state import DecodeState
 from sangam.engine import messages as msg
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.model_runner import FATAL_ERRORS, ModelRunner
+from sangam.engine.multi import data_plane
+from sangam.engine.multi.follower import run_follower
 from sangam.engine.multi.kv_transfer import KVTransport, LayerHook, layer_page_bytes
 from sangam.engine.multi.launcher import WorkerSpec, signature
+from sangam.engine.tensor_parallel import TensorGroup
 from sangam.engine.worker import Worker, build_worker_parts, scheduling_request
 from sangam.sched.batch_builder import BatchBuilder
 from sangam.sched.request import StepOutcome
 from sangam.sched.worker_core import Ship, Task
 
 HEARTBEAT_S = 0.5
-STORE_TIMEOUT_S = 300  # joining the process group: every worker of every node must come up
-# NCCL: a wait blocks the waiting thread and raises on a timeout or an aborted communicator
-# (a failed transfer), and a failed communicator is aborted without tearing the process down
-# (the default would take a surviving worker down with its dead peer).
-_NCCL_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 _IDLE_POLL_MS = 100
 # While it has work, the loop reports at least this often even when nothing changed: the
 # front's watchdog tells a live loop waiting on a peer from a hung one by these reports.
@@ -109,8 +105,8 @@ class TransferWorker(Worker):
                 continue  # the buffer is released; a failed send is the front's business
             key = (d.peer, d.transfer_id)
             r = self.core.receiving[key]
-            if d.ok and r.pages is not None:
-                self.transport.scatter_into(d.buffer, torch.tensor(r.pages, dtype=torch.int64))
+            self.transport.scatter_received(d, list(r.pages) if d.ok and r.pages is not None
+                                            else None)
             r, seated = self.core.kv_arrived(key, d.ok, time.monotonic())
             self.events.append(msg.KVReceived(r.request_id, r.attempt, d.peer, d.transfer_id,
                                               seated, d.nbytes, list(r.pages) if seated else [],
@@ -123,7 +119,13 @@ class TransferWorker(Worker):
         self._streams = self._open_streams(senders) if self.streaming and senders else {}
         if not self._streams:
             return self.runner.execute(states, pages)
-        return self._execute_streaming(states, pages)
+        # The other ranks of a tensor-parallel group stream their shards of the same pages.
+        self.runner.streams = [(s.dest, s.transfer_id, s.page_ids.tolist())
+                               for s in self._streams.values()]
+        try:
+            return self._execute_streaming(states, pages)
+        finally:
+            self.runner.streams = []
 
     def _open_streams(self, senders: list[Task]) -> dict[str, _Stream]:
         """Layer-wise streaming: open a sender's transfer before the forward, the first one per
@@ -149,10 +151,12 @@ class TransferWorker(Worker):
         its requests run again alone (``ModelRunner.execute``) without streaming: the layers
         already posted stand (a request's K/V does not depend on its batch), ``_ship`` sends
         the rest."""
+        # Mid-forward, only this rank's sends: the others post theirs from their own forward.
+        local = getattr(self.transport, "inner", self.transport)
+
         def on_layer(layer: int) -> None:
             for s in self._streams.values():
-                self.transport.send_layers(s.dest, s.transfer_id, s.page_ids,
-                                           range(layer, layer + 1))
+                local.send_layers(s.dest, s.transfer_id, s.page_ids, range(layer, layer + 1))
                 s.layers_sent += 1
 
         model = self.loaded.model
@@ -251,31 +255,23 @@ class WorkerProcess:
             self._reported_at = t
 
 def start_worker(spec: WorkerSpec, sock: zmq.Socket) -> WorkerProcess:
-    """Load the model, build the worker's parts, join the data plane, and say Hello."""
+    """Load the model (rank 0's shard of it under tensor parallelism), join the data plane,
+    build the worker's parts, and say Hello."""
     config = dataclasses.replace(spec.config, device=spec.device, devices=None)
     device = torch.device(spec.device)
     if device.type == "cpu":
         torch.set_num_threads(spec.num_threads)
     else:
         torch.cuda.set_device(device)
-    loaded = LoadedModel.load(config)
-    pool, builder, runner = build_worker_parts(config, loaded)
-    transport = None
-    if spec.store_addr is not None:
-        host, port = spec.store_addr
-        startup = datetime.timedelta(seconds=STORE_TIMEOUT_S)
-        store = dist.TCPStore(host, port, is_master=False, timeout=startup)
-        if device.type == "cuda":
-            os.environ.update(_NCCL_ENV)  # read when the process groups are created
-        # The default group only sets up the transfer pairs (KVTransport.connect).
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo", store=store, rank=spec.worker,
-            world_size=len(spec.roles), timeout=startup,
-            device_id=device if device.type == "cuda" else None)
-        transport = KVTransport(pool.kv.buffer, config.transfer_buffer_bytes,
-                                config.watchdog_timeout)
-        transport.connect(spec.worker, _ranks(spec.roles, "prefill"), _ranks(spec.roles, "decode"),
-                          config.transfer_timeout)
+    loaded = LoadedModel.load(config, data_plane.shard_layout(spec))
+
+    def build(group: TensorGroup | None):
+        pool, builder, runner = build_worker_parts(config, loaded, group)
+        return (pool, builder, runner), pool.kv.buffer
+
+    (pool, builder, runner), group, transport = data_plane.join(spec, device, build)
+    if group is not None and transport is not None:
+        transport = data_plane.MirroredTransport(transport, group)
     worker = TransferWorker(spec.worker, builder, runner, transport, loaded,
                             config.layerwise_kv_streaming)
     process = WorkerProcess(worker, sock)
@@ -283,10 +279,6 @@ def start_worker(spec: WorkerSpec, sock: zmq.Socket) -> WorkerProcess:
         spec.worker, os.getpid(), socket.gethostname(), spec.device, pool.num_pages,
         layer_page_bytes(pool.kv.buffer), signature(spec.roles, spec.config, loaded.config)))
     return process
-
-
-def _ranks(roles: tuple[str, ...], role: str) -> list[int]:
-    return [i for i, r in enumerate(roles) if r == role]
 
 
 def thread_cpu_seconds(native_id: int) -> float | None:
@@ -341,7 +333,10 @@ def _watchdog(ctx: zmq.Context, spec: WorkerSpec, parent_pid: int, loop_thread: 
 def run_worker(spec: WorkerSpec, parent_pid: int) -> None:
     """Entry point of a forked worker process (its parent is ``parent_pid``). Never returns:
     the process ends with os._exit, skipping teardown that could block on a dead peer
-    (destroying a process group talks to every rank)."""
+    (destroying a process group talks to every rank). Ranks 1.. of a tensor-parallel worker
+    run ``follower.run_follower`` instead."""
+    if spec.tp_rank:
+        run_follower(spec, parent_pid)
     # Ctrl-C reaches the whole foreground process group; the front shuts workers down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
@@ -355,7 +350,11 @@ def run_worker(spec: WorkerSpec, parent_pid: int) -> None:
                      daemon=True, name="sangam-watchdog").start()
     code = 0
     try:
-        start_worker(spec, sock).serve()
+        process = start_worker(spec, sock)
+        process.serve()
+        group = process.worker.runner.group
+        if group is not None:
+            group.send(None)  # shutdown: the other ranks end too
     except BaseException:
         sock.send(msg.dumps(msg.WorkerFailed(spec.worker, traceback.format_exc())))
         code = 1
