@@ -693,3 +693,123 @@ def test_against_pairs_configurations_by_cadence_each_with_its_own_profile(tmp_p
     assert own[sim_key(SimConfig(refresh_interval=2))].steps_per_block == {3: 1}
     assert sim_key(SimConfig(policy="fastdllm")) == "fastdllm"
     assert sim_key(SimConfig(threshold=0.95)) == "deficit tau=1024 threshold=0.95"
+
+
+# Tensor and expert parallelism.
+def test_tensor_parallel_splits_the_forward_and_adds_its_all_reduces():
+    from dataclasses import replace
+
+    from sangam.bench.cost_model import TensorParallel, batch_features
+
+    geom, gpu = MODELS["llada"], GPUS["h100"]
+    c = Coefficients.defaults(gpu)
+    spans = [Span(32, 1024, 32)] * 4 + [Span(512, 512, 32)]
+    tokens, rows, pairs, kv_tokens = 640, 160, 4 * 32 * 1024 + 512 * 512, 4 * 1056 + 1024
+    # One GPU: the roofline as it always was, to the bit.
+    old = (c.iteration_overhead_s + c.per_sequence_s * 5
+           + max(2.0 * tokens * geom.active_params / c.matmul_flops,
+                 geom.weights_read(tokens) * 2 / c.hbm_bytes_per_s)
+           + max(4.0 * pairs * 32 * 128 * 32 / c.attention_flops,
+                 kv_tokens * 512 * 1024 / c.hbm_bytes_per_s)
+           + max(2.0 * rows * geom.head_params / c.matmul_flops,
+                 geom.head_params * 2 / c.hbm_bytes_per_s))
+    assert CostModel(geom, c).iteration_time(spans) == old
+    assert CostModel(geom, c, tp=TensorParallel.on(gpu, 1)).iteration_time(spans) == old
+    # TP2: every per-rank term halves (32 K/V heads split too); requests do not.
+    one, two = batch_features(geom, spans), batch_features(geom, spans, tp=2)
+    assert np.allclose(two, one * [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 1])
+    # Dream's 4 K/V heads over 8 ranks: a head each, replicated, so its K/V reads fall to 1/4.
+    with pytest.raises(ValueError, match="do not split"):
+        CostModel(MODELS["dream"], c, tp=TensorParallel.on(gpu, 8))  # 28 heads
+    dream = replace(MODELS["dream"], heads=32, hidden=4096)
+    assert batch_features(dream, spans, tp=8)[3] == batch_features(dream, spans)[3] / 4
+    # Plus 2 x 32 all-reduces of 640 x 4096 bf16 over a ring of 2 (latency 10 us, NVLink's
+    # 450 GB/s at 0.8), and the LM head's 160 rows x 5 fp32 statistics gathered.
+    tp2 = TensorParallel.on(gpu, 2)
+    assert (tp2.link_bytes_per_s, tp2.latency_s) == (360e9, 10e-6)
+    cm = CostModel(geom, c, tp=tp2)
+    comm = 64 * (10e-6 + 2 * (1 / 2) * 640 * 4096 * 2 / 360e9) + 10e-6 + 160 * 5 * 4 / 360e9
+    assert cm.communication_time(spans) == pytest.approx(comm)
+    roof = (c.iteration_overhead_s + c.per_sequence_s * 5
+            + max(two[0] / c.matmul_flops, two[1] / c.hbm_bytes_per_s)
+            + max(two[2] / c.attention_flops, two[3] / c.hbm_bytes_per_s)
+            + max(two[4] / c.matmul_flops, two[5] / c.hbm_bytes_per_s))
+    assert cm.iteration_time(spans) == pytest.approx(roof + comm)
+    assert cm.iteration_time(spans) < old  # the halved reads outweigh 1.6 ms of all-reduces
+    assert cm.kv_bytes(16) == 16 * 256 * 1024  # a rank's half of the K/V: what it sends
+
+
+def test_tensor_parallel_kv_pool_grows_with_the_group():
+    from sangam.bench.cost_model import kv_pool_pages
+
+    llada, flash, gpu = MODELS["llada"], MODELS["llada2-flash"], GPUS["h100"]
+    # A rank keeps 1/N of the layers and the LM head, and the whole embedding table.
+    assert llada.weight_bytes(tp=2) == (32 * llada.layer_params / 2 + llada.head_params / 2
+                                        + llada.head_params) * 2
+    pages = {n: kv_pool_pages(llada, gpu, 16, tp=n) for n in (1, 2, 8)}
+    assert pages[2] > 2 * pages[1] and pages[8] > 8 * pages[1]
+    assert pages[2] == int((0.9 * gpu.memory_bytes - llada.weight_bytes(tp=2))
+                           // (16 * 256 * 1024))
+    with pytest.raises(ValueError, match=r"2x H100-SXM"):  # 100B parameters: 200 GB
+        kv_pool_pages(flash, gpu, 16, tp=2)
+    assert kv_pool_pages(flash, gpu, 16, tp=8) > kv_pool_pages(flash, gpu, 16, tp=4)
+    # A worker of two GPUs: a fuller pool, faster forwards, half the K/V per link.
+    cfg = SimConfig(num_workers=1, tensor_parallel_size=2)
+    assert cfg.label == "1C TP2 tau=1024" and cfg.num_gpus == 2
+    trace = [TraceRequest(0.0, 500, 64)]
+    one, two = (simulate(c, trace).records[0]["latency"] for c in (SimConfig(), cfg))
+    assert two < one
+    disagg = dict(mode="disaggregated", prefill_workers=1, decode_workers=1, block_length=8,
+                  link="network")
+    moved = [simulate(SimConfig(**disagg, tensor_parallel_size=n), [TraceRequest(0.0, 10, 16)],
+                      coefficients=CONSTANT, steps=FixedSteps(2)).records[0] for n in (1, 2)]
+    assert moved[1]["transfer"] == pytest.approx(moved[0]["transfer"] / 2)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        SimConfig(enable_expert_parallel=True)
+
+
+def test_expert_parallel_all_reduce_against_all_to_all():
+    from dataclasses import replace
+
+    from sangam.bench.cost_model import TensorParallel
+
+    flash, gpu = MODELS["llada2-flash"], GPUS["h100"]
+    c = Coefficients.defaults(gpu)
+    ep8 = CostModel(flash, c, tp=TensorParallel.on(gpu, 8, expert_parallel=True))
+    comm = ep8.moe_communication(1024)
+    act = 1024 * 4096 * 2
+    # The all-reduce: 2 (N-1)/N of the activations over each link. Dispatch and combine: the
+    # tokens' 8 copies, split over 8 ranks, (N-1)/N of them leaving each; and one more latency.
+    assert comm["all-reduce"] == pytest.approx(10e-6 + 2 * 7 / 8 * act / 360e9)
+    assert comm["all-to-all"] == pytest.approx(2 * (10e-6 + 7 / 8 * 8 * act / 8 / 360e9) + 10e-6)
+    # top-k = N: the same bytes, so all-to-all costs two latencies more; at 4 ranks twice the
+    # bytes; with fewer experts per token than ranks, all-to-all moves less.
+    assert comm["all-to-all"] - comm["all-reduce"] == pytest.approx(20e-6)
+    ep4 = CostModel(flash, c, tp=TensorParallel.on(gpu, 4, expert_parallel=True))
+    four = ep4.moe_communication(4096)
+    assert 0 < four["all-reduce"] < four["all-to-all"]
+    assert four["all-to-all"] - 3 * 10e-6 == pytest.approx(2 * (four["all-reduce"] - 10e-6))
+    top2 = CostModel(replace(flash, experts_per_token=2), c, tp=ep8.tp).moe_communication(4096)
+    assert top2["all-to-all"] < top2["all-reduce"]
+    # The engine's scheme rides on the layer's all-reduce: priced as TP's split of the experts.
+    tp8 = CostModel(flash, c, tp=TensorParallel.on(gpu, 8))
+    spans = [Span(32, 1024, 32, causal_block=32)] * 32
+    assert ep8.iteration_time(spans) == tp8.iteration_time(spans)
+    with pytest.raises(ValueError, match="do not split"):
+        CostModel(flash, c, tp=TensorParallel.on(gpu, 3))
+
+
+def test_tensor_parallel_experiment(tmp_path, capsys):
+    assert main(["sim", "--experiment", "tensor-parallel", "--num-requests", "8", "--qps", "1",
+                 "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["saturation_rps"]) == 2 and all(
+        list(s) == ["TP1x8", "TP2x4", "TP8x1"] for s in results["saturation_rps"].values())
+    assert [s["config"] for s in results["summaries"]] == 2 * ["TP1x8", "TP2x4", "TP8x1"]
+    ep = results["expert_parallel"]
+    assert [row["gpus"] for row in ep] == [4, 4, 8, 8]
+    assert all(row["moe_layer_s"]["all-reduce"] < row["moe_layer_s"]["all-to-all"]
+               for row in ep)
+    out = capsys.readouterr().out
+    assert all(label in out for label in ("TP1x8", "TP2x4", "TP8x1"))
+    assert "chosen: all-reduce" in out

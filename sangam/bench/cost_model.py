@@ -19,6 +19,21 @@ traffic (a roofline per part), plus host overheads:
 The rates default to a GPU's peak times efficiency factors (:data:`DEFAULT_EFFICIENCY`);
 ``sangam-bench calibrate`` measures forwards and fits all five coefficients instead
 (:func:`fit_coefficients`), and ``--calibration FILE`` loads them.
+
+A worker may be a tensor-parallel group of N GPUs (:class:`TensorParallel`, Megatron sharding):
+each rank computes 1/N of the linear, attention and LM-head FLOPs and reads 1/N of the weights
+and of the K/V (K/V heads are replicated when there are fewer than N: a rank holds at least
+one), and the forward adds its collectives, which nothing overlaps:
+
+    + 2 x layers x all_reduce(tokens x hidden x dtype)   # after o_proj and after down_proj
+    + all_gather(LM-head rows x 5 fp64 statistics)        # vocabulary-parallel scoring
+    all_reduce(b) = latency + 2 (N-1)/N x b / link bandwidth  (ring)
+
+With expert parallelism the experts are split across the ranks (E/N each, full width) instead
+of each expert's width; under uniform routing a rank's expert FLOPs and weight reads are 1/N
+in expectation either way, so the split changes only the MoE layer's communication
+(:meth:`CostModel.moe_communication`: the engine's all-reduce against all-to-all dispatch and
+combine).
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from sangam.decoding.confidence import SHARD_FIELDS
 from sangam.models.config import ModelConfig
 from sangam.models.registry import MODEL_SHAPES, ModelShape
 
@@ -123,16 +139,35 @@ class ModelGeometry:
     def head_params(self) -> int:
         return self.hidden * self.vocab
 
-    def weight_bytes(self, dtype_bytes: int = BF16_BYTES) -> int:
-        """Resident weights: the layers (every expert), the LM head and the embedding table
-        (once if tied)."""
-        tables = 1 if self.tied_head else 2
+    def weight_bytes(self, dtype_bytes: int = BF16_BYTES, tp: int = 1) -> int:
+        """Resident weights of one rank of a TP group of ``tp``: its share of the layers (every
+        expert) and of the vocabulary-parallel LM head, and the embedding table, replicated
+        (once if tied: the head's shard is a slice of it)."""
         dense = self.layers - self.moe_layers
         layers = dense * self.layer_params + self.moe_layers * self._moe_params(self.experts)
-        return int(layers + tables * self.head_params) * dtype_bytes
+        head = 0 if self.tied_head else self.head_params / tp
+        return int(layers / tp + head + self.head_params) * dtype_bytes
 
-    def kv_bytes_per_token(self, dtype_bytes: int = BF16_BYTES) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int = BF16_BYTES, tp: int = 1) -> int:
+        """K/V bytes of one position, on one rank of a TP group of ``tp``."""
+        return 2 * self.layers * self.kv_heads_per_rank(tp) * self.head_dim * dtype_bytes
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """K/V heads split across the ranks, or replicated when fewer than the ranks."""
+        return max(1, self.kv_heads // tp)
+
+    def check_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> None:
+        """The engine's sharding rules: query heads, and K/V heads (or ranks, when K/V heads
+        are replicated), split evenly; expert parallelism splits the experts evenly."""
+        if tp < 1:
+            raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
+        if self.heads % tp or (self.kv_heads % tp if self.kv_heads >= tp else tp % self.kv_heads):
+            raise ValueError(f"{self.name}: {self.heads} heads / {self.kv_heads} K/V heads do "
+                             f"not split over {tp} ranks")
+        if expert_parallel and not self.experts:
+            raise ValueError(f"{self.name}: expert parallelism needs a mixture-of-experts model")
+        if expert_parallel and self.experts % tp:
+            raise ValueError(f"{self.name}: {self.experts} experts do not split over {tp} ranks")
 
 
 # The known models (sangam.models.registry), by the keys --model and --geometry take.
@@ -152,12 +187,22 @@ def load_calibrated_geometry(path: str | os.PathLike) -> tuple[ModelGeometry, in
     return ModelGeometry(**data["geometry"]), int(data.get("dtype_bytes", BF16_BYTES))
 
 
+# NVLink 4 (H100 / H200 SXM): 18 links x 25 GB/s = 450 GB/s per direction (NVIDIA's H100
+# datasheet: 900 GB/s bidirectional).
+NVLINK_BYTES_PER_S = 450e9
+# A small collective within one NVLink node: NCCL's all_reduce_perf reports ~10 us for messages
+# of a few KiB on 8 GPUs (launch, ring setup and synchronisation; bandwidth does not matter).
+COLLECTIVE_LATENCY_S = 10e-6
+
+
 @dataclass(frozen=True)
 class GPUSpec:
     name: str
     peak_flops: float  # dense bf16 FLOP/s
     hbm_bytes_per_s: float
     memory_bytes: float
+    link_bytes_per_s: float = NVLINK_BYTES_PER_S  # to the node's other GPUs, per direction
+    collective_latency_s: float = COLLECTIVE_LATENCY_S
 
 
 GPUS = {
@@ -166,16 +211,66 @@ GPUS = {
 }
 
 # Link bandwidths for K/V transfer between workers, bytes/s.
-LINKS = {"nvlink": 450e9, "pcie": 50e9, "network": 25e9}
+LINKS = {"nvlink": NVLINK_BYTES_PER_S, "pcie": 50e9, "network": 25e9}
 
 # Fractions of peak reached by real kernels: ~0.8 for a large square bf16 matmul (docs/design.md §5
 # measures 790 of 989 TFLOP/s), less for a model's thinner shapes; attention kernels reach about
-# half of peak; streaming reads reach ~80% of HBM bandwidth.
-DEFAULT_EFFICIENCY = {"matmul": 0.7, "attention": 0.5, "bandwidth": 0.8}
+# half of peak; streaming reads reach ~80% of HBM bandwidth; NCCL's collectives ~80% of NVLink's
+# (all_reduce_perf's bus bandwidth on 8 H100s: ~360 of 450 GB/s).
+DEFAULT_EFFICIENCY = {"matmul": 0.7, "attention": 0.5, "bandwidth": 0.8, "collective": 0.8}
 # Per-iteration host cost without CUDA graphs: ~10 kernel launches per layer plus scheduling,
 # and per-request batch assembly (the engine's host target is < 0.5 ms at batch 64).
 DEFAULT_OVERHEAD_S = 3e-3
 DEFAULT_PER_SEQUENCE_S = 8e-6
+
+
+# Numbers per logits row and rank that vocabulary-parallel scoring combines, in fp64 (exact for
+# token ids): decoding.confidence.SHARD_FIELDS.
+LM_STATISTICS = len(SHARD_FIELDS)
+STATISTIC_BYTES = 8
+# How one MoE layer's experts communicate under expert parallelism
+# (CostModel.moe_communication), and the engine's choice: the layer's one all-reduce.
+EP_SCHEMES = ("all-reduce", "all-to-all")
+ENGINE_EP_SCHEME = "all-reduce"
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A worker as a group of ``size`` GPUs under Megatron sharding, and its collectives: ring
+    algorithms, each rank's share over its own link, each collective paying ``latency_s``."""
+
+    size: int = 1
+    expert_parallel: bool = False  # split the experts across the ranks, not each one's width
+    link_bytes_per_s: float = NVLINK_BYTES_PER_S * DEFAULT_EFFICIENCY["collective"]
+    latency_s: float = COLLECTIVE_LATENCY_S
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"tensor parallel size must be >= 1, got {self.size}")
+        if self.link_bytes_per_s <= 0 or self.latency_s < 0:
+            raise ValueError("a TP group needs a positive link bandwidth and a latency >= 0")
+
+    @classmethod
+    def on(cls, gpu: GPUSpec, size: int = 1, expert_parallel: bool = False) -> TensorParallel:
+        """``size`` of ``gpu``: its link at NCCL's efficiency, its collective latency."""
+        return cls(size, expert_parallel, gpu.link_bytes_per_s * DEFAULT_EFFICIENCY["collective"],
+                   gpu.collective_latency_s)
+
+    def all_reduce(self, nbytes: float) -> float:
+        """Every rank gets the sum of every rank's ``nbytes``: a ring's reduce-scatter and
+        all-gather each carry (N-1)/N of them over each link."""
+        n = self.size
+        return 0.0 if n == 1 else self.latency_s + 2 * (n - 1) / n * nbytes / self.link_bytes_per_s
+
+    def all_gather(self, nbytes: float) -> float:
+        """Every rank gets every rank's ``nbytes``: each link carries the other N-1 ranks'."""
+        n = self.size
+        return 0.0 if n == 1 else self.latency_s + (n - 1) * nbytes / self.link_bytes_per_s
+
+    def all_to_all(self, nbytes: float) -> float:
+        """Every rank sends its ``nbytes`` spread evenly over the ranks: (N-1)/N leave it."""
+        n = self.size
+        return 0.0 if n == 1 else self.latency_s + (n - 1) / n * nbytes / self.link_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -228,9 +323,10 @@ class Span:
         return self.q_len * (start + self.kv_len + self.causal_block) / 2
 
 
-def batch_features(geom: ModelGeometry, spans: Sequence[Span], dtype_bytes: int = BF16_BYTES
-                   ) -> np.ndarray:
-    """FLOPs and bytes of one forward, by part: the inputs of the roofline.
+def batch_features(geom: ModelGeometry, spans: Sequence[Span], dtype_bytes: int = BF16_BYTES,
+                   tp: int = 1) -> np.ndarray:
+    """FLOPs and bytes of one forward, by part, on one rank of a TP group of ``tp``: the
+    inputs of the roofline.
 
     Order: linear FLOPs, layer weight bytes, attention FLOPs, K/V bytes, LM-head FLOPs, LM-head
     bytes, number of requests.
@@ -240,12 +336,12 @@ def batch_features(geom: ModelGeometry, spans: Sequence[Span], dtype_bytes: int 
     attn_pairs = sum(s.attention_pairs for s in spans)
     kv_tokens = sum(s.kv_len + s.q_len for s in spans)
     return np.array([
-        2.0 * tokens * geom.active_params,
-        geom.weights_read(tokens) * dtype_bytes,
-        4.0 * attn_pairs * geom.heads * geom.head_dim * geom.layers,
-        float(kv_tokens * geom.kv_bytes_per_token(dtype_bytes)),
-        2.0 * rows * geom.head_params,
-        float(geom.head_params * dtype_bytes) if rows else 0.0,
+        2.0 * tokens * geom.active_params / tp,
+        geom.weights_read(tokens) * dtype_bytes / tp,
+        4.0 * attn_pairs * geom.heads * geom.head_dim * geom.layers / tp,
+        float(kv_tokens * geom.kv_bytes_per_token(dtype_bytes, tp)),
+        2.0 * rows * geom.head_params / tp,
+        float(geom.head_params * dtype_bytes) / tp if rows else 0.0,
         float(len(spans)),
     ])
 
@@ -261,34 +357,82 @@ def _predict(features: np.ndarray, mm: np.ndarray, attn: np.ndarray, bw: np.ndar
 
 
 class CostModel:
-    """Seconds per iteration of ``geom`` with ``coeffs``."""
+    """Seconds per iteration of ``geom`` with ``coeffs`` (each GPU's), on a worker of ``tp``."""
 
     def __init__(self, geom: ModelGeometry, coeffs: Coefficients,
-                 dtype_bytes: int = BF16_BYTES):
+                 dtype_bytes: int = BF16_BYTES, tp: TensorParallel = TensorParallel()):
+        geom.check_tensor_parallel(tp.size, tp.expert_parallel)
         self.geom = geom
         self.coeffs = coeffs
         self.dtype_bytes = dtype_bytes
+        self.tp = tp
 
     def iteration_time(self, spans: Sequence[Span]) -> float:
         if not spans:
             return 0.0
         c = self.coeffs
-        return float(_predict(batch_features(self.geom, spans, self.dtype_bytes),
+        return float(_predict(batch_features(self.geom, spans, self.dtype_bytes, self.tp.size),
                               c.matmul_flops, c.attention_flops, c.hbm_bytes_per_s,
-                              c.iteration_overhead_s, c.per_sequence_s))
+                              c.iteration_overhead_s, c.per_sequence_s)
+                     ) + self.communication_time(spans)
+
+    def communication_time(self, spans: Sequence[Span]) -> float:
+        """The forward's collectives, which nothing overlaps (none on one GPU): an all-reduce
+        of the activations after each layer's attention and after its MLP (an MoE layer's
+        experts as ``ENGINE_EP_SCHEME`` under expert parallelism), and the LM head's
+        statistics gathered."""
+        tp, g = self.tp, self.geom
+        if tp.size == 1:
+            return 0.0
+        tokens = sum(s.q_len for s in spans)
+        rows = sum(s.lm_rows for s in spans)
+        layer = tp.all_reduce(tokens * g.hidden * self.dtype_bytes)
+        moe = (self.moe_communication(tokens)[ENGINE_EP_SCHEME] if tp.expert_parallel
+               else layer)
+        head = tp.all_gather(rows * LM_STATISTICS * STATISTIC_BYTES) if rows else 0.0
+        return (2 * g.layers - g.moe_layers) * layer + g.moe_layers * moe + head
+
+    def moe_communication(self, tokens: int) -> dict[str, float]:
+        """Seconds one MoE layer's MLP communicates in a forward of ``tokens`` tokens under
+        expert parallelism, by scheme (:data:`EP_SCHEMES`):
+
+        - ``all-reduce`` (the engine's): every rank holds every token (the attention's
+          all-reduce leaves them so) and runs its own experts on the tokens routed to them; the
+          partial outputs join the all-reduce the layer's MLP ends with anyway;
+        - ``all-to-all``: the tokens split evenly over the ranks (the attention's all-reduce
+          becomes a reduce-scatter, and an all-gather after the combine gives every rank all of
+          them again: the same bytes, one more latency); dispatch sends each token to its
+          top-k experts' ranks and combine brings the outputs back, each moving tokens x k x
+          hidden x dtype x (N-1)/N bytes over the group, 1/N of them on each rank's link.
+
+        Under uniform routing the experts' FLOPs and weight reads per rank are the same
+        either way.
+        """
+        g, tp = self.geom, self.tp
+        if not g.experts:
+            raise ValueError(f"{g.name} has no experts")
+        act = tokens * g.hidden * self.dtype_bytes
+        dispatch = tp.all_to_all(act * g.experts_per_token / tp.size)
+        return {"all-reduce": tp.all_reduce(act),
+                "all-to-all": 2 * dispatch + (tp.latency_s if tp.size > 1 else 0.0)}
 
     def kv_bytes(self, tokens: int) -> int:
-        return tokens * self.geom.kv_bytes_per_token(self.dtype_bytes)
+        """K/V bytes of ``tokens`` positions on one rank (the worker's on one GPU): what each
+        rank sends, all at once over their own links, when the K/V moves to another worker."""
+        return tokens * self.geom.kv_bytes_per_token(self.dtype_bytes, self.tp.size)
 
 
 def kv_pool_pages(geom: ModelGeometry, gpu: GPUSpec, page_size: int,
-                  memory_fraction: float = 0.9, dtype_bytes: int = BF16_BYTES) -> int:
-    """KV pages left after the weights in ``memory_fraction`` of the GPU (activations, which
-    are small next to the pool for these models, are not subtracted)."""
-    budget = gpu.memory_bytes * memory_fraction - geom.weight_bytes(dtype_bytes)
-    pages = int(budget // (page_size * geom.kv_bytes_per_token(dtype_bytes)))
+                  memory_fraction: float = 0.9, dtype_bytes: int = BF16_BYTES, tp: int = 1
+                  ) -> int:
+    """KV pages of a worker of ``tp`` GPUs: what each rank has left after its weights in
+    ``memory_fraction`` of its memory, in pages of its share of the K/V heads (activations,
+    which are small next to the pool for these models, are not subtracted)."""
+    budget = gpu.memory_bytes * memory_fraction - geom.weight_bytes(dtype_bytes, tp)
+    pages = int(budget // (page_size * geom.kv_bytes_per_token(dtype_bytes, tp)))
     if pages < 1:
-        raise ValueError(f"{geom.name} does not fit {gpu.name} with room for a KV pool")
+        where = gpu.name if tp == 1 else f"{tp}x {gpu.name} (tensor parallel)"
+        raise ValueError(f"{geom.name} does not fit {where} with room for a KV pool")
     return pages
 
 

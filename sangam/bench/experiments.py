@@ -32,6 +32,11 @@
   next to its capacity. ``--profile-anchor TPF`` scales every profile's tokens per forward by
   one factor, the one that gives the baseline's TPF (LLaDA-8B's 3.25 at threshold 0.9): each
   knob keeps its measured effect relative to Fast-dLLM's, on a model as sure as LLaDA-8B.
+- ``tensor-parallel``: 8 GPUs colocated, LLaDA-8B on ShareGPT and arXiv, as 8 workers of one
+  GPU, 4 tensor-parallel workers of two and one of eight: saturation throughput and mean / p90
+  latency against QPS. Then LLaDA2.0-flash (100B: four GPUs at least) at TP4 and TP8 under
+  expert parallelism: one MoE layer's communication and a forward's time with the engine's
+  all-reduce against all-to-all dispatch and combine, at a decode and a prefill batch.
 
 Each prints its table(s), writes results.json / summary.csv / requests.csv and a
 latency-vs-QPS figure into ``--out`` (default ``bench-results/sim-NAME``). Request counts are
@@ -47,7 +52,15 @@ import time
 from dataclasses import replace
 
 from sangam.bench.capacity import find_capacity
-from sangam.bench.cost_model import GPUS, MODELS
+from sangam.bench.cost_model import (
+    ENGINE_EP_SCHEME,
+    EP_SCHEMES,
+    GPUS,
+    MODELS,
+    CostModel,
+    Span,
+    TensorParallel,
+)
 from sangam.bench.quality import CADENCE_THRESHOLD, NEVER, REFRESH_CADENCES, dual_mode_name
 from sangam.bench.report import (
     SUMMARY_COLUMNS,
@@ -70,7 +83,7 @@ from sangam.sched.config import DRAIN_ITERATIONS
 
 DEFAULT_REQUESTS = {"fastdllm-vs-deficit": 300, "tau-sweep": 600, "modes": 500,
                     "refresh-cadence": 300, "adaptive-tau": 1500,
-                    "block-causal": 300}
+                    "block-causal": 300, "tensor-parallel": 500}
 
 
 class _Runner:
@@ -480,9 +493,92 @@ def adaptive_tau(args: argparse.Namespace) -> int:
     return 0
 
 
+# The 8 GPUs as (GPUs per worker, workers), by label.
+TP_LAYOUTS = {"TP1x8": (1, 8), "TP2x4": (2, 4), "TP8x1": (8, 1)}
+# Loads as fractions of the best layout's saturation: light enough for TP8x1's one worker to
+# keep up, heavy enough to saturate the others.
+TP_LOAD_FRACTIONS = (0.1, 0.25, 0.4, 0.6, 0.8, 0.95)
+EP_MODEL = "llada2-flash"
+EP_SIZES = (4, 8)  # 100B parameters in bf16 do not fit one or two GPUs
+# Forwards the expert-parallel schemes are compared at (LLaDA2's blocks of 32, block-causal).
+EP_BATCHES = {"decode 32 x 32 tokens": [Span(32, 1024, 32, causal_block=32)] * 32,
+              "prefill 4096 tokens": [Span(4096, 4096, 32, causal_block=32)]}
+
+
+def expert_parallel_comparison(args: argparse.Namespace) -> list[dict]:
+    """LLaDA2.0-flash under expert parallelism at each of ``EP_SIZES``: per batch, one MoE
+    layer's communication by scheme, and the forward's time with each (the engine's scheme is
+    the one the cost model prices; the other swaps in its MoE layers' cost)."""
+    geom = MODELS[EP_MODEL]
+    coeffs = coefficients_from_args(args, SimConfig(gpu=args.gpu))
+    rows = []
+    for size in EP_SIZES:
+        cm = CostModel(geom, coeffs, tp=TensorParallel.on(GPUS[args.gpu], size,
+                                                         expert_parallel=True))
+        for batch, spans in EP_BATCHES.items():
+            comm = cm.moe_communication(sum(s.q_len for s in spans))
+            forward = cm.iteration_time(spans)
+            rows.append({"gpus": size, "batch": batch, "moe_layer_s": comm, "forward_s": {
+                k: forward + geom.moe_layers * (v - comm[ENGINE_EP_SCHEME])
+                for k, v in comm.items()}})
+    return rows
+
+
+def tensor_parallel(args: argparse.Namespace) -> int:
+    """Per trace, a QPS grid of fractions of the best layout's saturation throughput and each
+    layout's latency on it; then the expert-parallel schemes
+    (:func:`expert_parallel_comparison`)."""
+    r = _Runner("tensor-parallel", args)
+    saturation: dict[str, dict[str, float]] = {}
+    for trace in ("sharegpt", "arxiv"):
+        cfgs = {label: _base(args, model="llada", num_workers=workers, tensor_parallel_size=n)
+                for label, (n, workers) in TP_LAYOUTS.items()}
+        gpus = next(iter(cfgs.values())).num_gpus  # every layout's
+        panel = f"LLaDA-8B, {trace}, {gpus}x {GPUS[args.gpu].name} colocated"
+        saturation[panel] = {label: r.point(panel, label, cfg, trace, float("inf"),
+                                            keep=False)["throughput_rps"]
+                             for label, cfg in cfgs.items()}
+        best = max(saturation[panel].values())
+        grid = _grid(args, [round(f * best, 2) for f in TP_LOAD_FRACTIONS])
+        for label, cfg in cfgs.items():
+            for q in grid:
+                r.point(panel, label, cfg, trace, q)
+    for panel in saturation:
+        print(f"{panel}\n" + format_table([s for s in r.summaries if s["panel"] == panel],
+                                          SUMMARY_COLUMNS))
+    print("\nsaturation throughput (req/s, all requests offered at once), and mean / p90 "
+          "latency (s) by offered QPS")
+    for panel, sat in saturation.items():
+        print(f"  {panel}")
+        for label, cap in sat.items():
+            lat = "  ".join(f"{s['qps']:g}: {s['latency_mean']:.2f}/{s['latency_p90']:.2f}"
+                            for s in r.panels[panel][label])
+            print(f"    {label:<6} saturation {cap:6.2f}   {lat}")
+    ep = expert_parallel_comparison(args)
+    geom = MODELS[EP_MODEL]
+    print(f"\n{geom.name} under expert parallelism ({geom.experts} experts, top "
+          f"{geom.experts_per_token}, hidden {geom.hidden}, {geom.moe_layers} MoE layers): one "
+          "MoE layer's communication (us) and the forward (ms), by scheme")
+    print(f"  {'GPUs':<6}{'batch':<24}" + "".join(f"{k + ' us':>15}" for k in EP_SCHEMES)
+          + "".join(f"{'fwd ' + k + ' ms':>19}" for k in EP_SCHEMES))
+    for row in ep:
+        print(f"  {'TP' + str(row['gpus']):<6}{row['batch']:<24}"
+              + "".join(f"{1e6 * row['moe_layer_s'][k]:>15.1f}" for k in EP_SCHEMES)
+              + "".join(f"{1e3 * row['forward_s'][k]:>19.2f}" for k in EP_SCHEMES))
+    cheaper = all(row["moe_layer_s"][ENGINE_EP_SCHEME] == min(row["moe_layer_s"].values())
+                  for row in ep)
+    print(f"  chosen: {ENGINE_EP_SCHEME} (the engine's: no collective beyond the layer's "
+          "all-reduce)" + (", the cheaper at every size here" if cheaper else
+                           ", though not the cheaper everywhere here"))
+    r.finish({"saturation_rps": saturation, "layouts": TP_LAYOUTS, "expert_parallel": ep,
+              "expert_parallel_scheme": ENGINE_EP_SCHEME},
+             f"tensor parallelism, LLaDA-8B, 8x {GPUS[args.gpu].name}")
+    return 0
+
+
 EXPERIMENTS = {"fastdllm-vs-deficit": fastdllm_vs_deficit, "tau-sweep": tau_sweep,
                "modes": modes, "refresh-cadence": refresh_cadence, "adaptive-tau": adaptive_tau,
-               "block-causal": block_causal}
+               "block-causal": block_causal, "tensor-parallel": tensor_parallel}
 
 
 def run_experiment(name: str, args: argparse.Namespace) -> int:

@@ -45,9 +45,13 @@ _HELP = {
              "CPU-calibrated small one)",
     "gpu": "GPU of every worker: peak FLOP/s, HBM bandwidth and memory",
     "mode": "colocated, disaggregated (xPyD) or hybrid (xPyD + overflow onto decode workers)",
-    "num_workers": "workers (GPUs) in colocated mode",
+    "num_workers": "workers in colocated mode (each --tensor-parallel-size GPUs)",
     "prefill_workers": "prefill workers in disaggregated / hybrid mode",
     "decode_workers": "decode workers in disaggregated / hybrid mode",
+    "tensor_parallel_size": "GPUs per worker (Megatron tensor parallelism: heads, projections "
+                            "and the LM head split across them, two all-reduces per layer)",
+    "enable_expert_parallel": "MoE models: split the experts across a worker's GPUs instead of "
+                              "each expert's width",
     "policy": "scheduling policy of every worker",
     "token_budget": "deficit token budget tau per iteration ('inf' = prefill-first; adaptive: "
                     "its floor)",
@@ -150,7 +154,8 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
                             "flags: print simulated / measured latency per policy and QPS")
         p.add_argument("--experiment", default=None, choices=sorted(EXPERIMENT_NAMES),
                        help="run one of the paper's experiments, or refresh-cadence / "
-                            "adaptive-tau / block-causal (of the deployment flags it takes "
+                            "adaptive-tau / block-causal / tensor-parallel (of the "
+                            "deployment flags it takes "
                             "--gpu, --link, --layerwise-kv-streaming, --calibration and "
                             "--seed, and refresh-cadence --adaptive-refresh-rate, "
                             "--profiles, --profile-anchor and --min-threshold; "

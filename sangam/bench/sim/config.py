@@ -1,5 +1,6 @@
-"""One simulated deployment: the model, GPU and link, the serving mode and worker counts, and
-the engine's and requests' options it shares with them (defaults taken from theirs)."""
+"""One simulated deployment: the model, GPU and link, the serving mode and worker counts (each
+worker a tensor-parallel group of GPUs), and the engine's and requests' options it shares with
+them (defaults taken from theirs)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class SimConfig:
     num_workers: int = 1  # colocated
     prefill_workers: int = 5  # disaggregated / hybrid
     decode_workers: int = 3
+    tensor_parallel_size: int = _ENGINE["tensor_parallel_size"].default  # GPUs per worker
+    enable_expert_parallel: bool = _ENGINE["enable_expert_parallel"].default
     policy: str = _ENGINE["policy"].default
     token_budget: float = _ENGINE["token_budget"].default
     drain_iterations: int = _ENGINE["drain_iterations"].default
@@ -62,6 +65,9 @@ class SimConfig:
             raise ValueError(f"gpu must be one of {sorted(GPUS)}, got {self.gpu!r}")
         if self.link not in LINKS:
             raise ValueError(f"link must be one of {sorted(LINKS)}, got {self.link!r}")
+        if self.model in MODELS:  # a calibrated geometry is checked as the simulator loads it
+            MODELS[self.model].check_tensor_parallel(self.tensor_parallel_size,
+                                                     self.enable_expert_parallel)
         if not 0.0 <= self.adaptive_refresh_rate <= 1.0:
             raise ValueError(f"adaptive_refresh_rate must be in [0, 1], got "
                              f"{self.adaptive_refresh_rate}")
@@ -105,6 +111,10 @@ class SimConfig:
                                 self.decode_workers, self.overflow_threshold, self.seed)
 
     @property
+    def num_gpus(self) -> int:
+        return len(self.deployment.roles) * self.tensor_parallel_size
+
+    @property
     def label(self) -> str:
         if self.policy == "fastdllm":
             core = "fastdllm"
@@ -119,6 +129,9 @@ class SimConfig:
         else:
             where = f"{self.prefill_workers}P{self.decode_workers}" + (
                 "D" if self.mode == "disaggregated" else "C")
+        if self.tensor_parallel_size > 1:
+            where += f" TP{self.tensor_parallel_size}" + (
+                " EP" if self.enable_expert_parallel else "")
         cadence = ""
         if (self.refresh_interval, self.prompt_refresh_interval) != (1, 1):
             cadence = f" refresh={self.refresh_interval}/{self.prompt_refresh_interval}"

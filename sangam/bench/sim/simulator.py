@@ -7,7 +7,10 @@ as a worker process does. Only the forward pass and the link are replaced: an it
 what the cost model (:mod:`sangam.bench.cost_model`) says for its batch composition, the tokens
 each forward commits are drawn from a distribution (:class:`StepModel`, per request and
 block), and a K/V transfer takes its whole pages' bytes over the link's bandwidth, one
-transfer at a time per sender and per receiver.
+transfer at a time per sender and per receiver. A worker may be a tensor-parallel group of
+GPUs (``tensor_parallel_size``): its forwards cost a rank's share plus the group's collectives,
+its KV pool is every rank's memory left after its share of the weights, and its ranks send
+their shares of a transfer at once, each over its own link.
 
 Per iteration of a worker, as the worker process: ``WorkerCore.schedule(now)``; the forward
 takes ``cost(batch)`` seconds and moves each request's cursor as the step model says;
@@ -43,6 +46,7 @@ from sangam.bench.cost_model import (
     CostModel,
     ModelGeometry,
     Span,
+    TensorParallel,
     kv_pool_pages,
 )
 from sangam.bench.sim.config import SimConfig
@@ -144,10 +148,12 @@ class Simulator:
         else:
             self.geom, dtype_bytes = MODELS[config.model], BF16_BYTES
         gpu = GPUS[config.gpu]
-        self.cost = CostModel(self.geom, coefficients or Coefficients.defaults(gpu), dtype_bytes)
+        tp = TensorParallel.on(gpu, config.tensor_parallel_size, config.enable_expert_parallel)
+        self.cost = CostModel(self.geom, coefficients or Coefficients.defaults(gpu), dtype_bytes,
+                              tp)
         self.steps = steps or GeometricSteps()
         self.num_pages = config.num_pages or kv_pool_pages(
-            self.geom, gpu, config.page_size, config.memory_fraction)
+            self.geom, gpu, config.page_size, config.memory_fraction, tp=tp.size)
         self.link_bw = LINKS[config.link]
         self._params = config.request_params  # threshold_under: the engine's
         self._load = 0.0  # of the worker whose iteration is being planned or completed
@@ -385,7 +391,7 @@ class Simulator:
             seat = Task(view, _Progress(live, progress.forwards), task.attempt, None, True,
                         starts_block=view.cursor.step == 0)
         d.core.expect_kv(key, rid, task.attempt, seat, live.placed.pages_needed)
-        # Whole pages travel, as the engine sends them.
+        # Whole pages travel, as the engine sends them; a TP group's ranks send theirs at once.
         xfer = self.cost.kv_bytes(len(ship.pages) * cfg.page_size) / self.link_bw
         if self.config.layerwise_kv_streaming:
             layer_compute = (now - p.started) / self.geom.layers
