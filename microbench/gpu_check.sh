@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The prepared GPU run, in one script: the kernel and CUDA-graph tests in bf16 on CUDA (the
 # mixture-of-experts kernels' among them), `sangam-bench kernels` (with its MoE rows) and
-# `graphs`, a receiving worker killed mid-transfer under NCCL (two GPUs only), `sangam-bench
-# calibrate` (the simulator's coefficients), an end-to-end `sangam-bench serve` on a
+# `graphs`, a receiving worker killed mid-transfer under NCCL and tensor parallelism over two
+# GPUs (two GPUs only: each skips in seconds on one), `sangam-bench calibrate` (the simulator's coefficients), an end-to-end `sangam-bench serve` on a
 # random-weight model of LLaDA-8B's shape (deficit tau=1024 against fastdllm on a short
 # ShareGPT-shaped trace at two QPS), and `sangam-bench sim` on the same trace with that
 # calibration and the serve run's step profile, against the measured latencies.
 #
 # Usage: microbench/gpu_check.sh [--dry-run] [OUTDIR]   (default OUTDIR ./gpu-results)
-# On the GPU it takes at most 9 minutes: each step is cut by `timeout`, 550 s in all, and
-# building the C++ extension 30 s.
+# On the GPU it takes at most 10 minutes: each step is cut by `timeout`, 560 s in all, and
+# building the C++ extension 30 s (on one GPU, about 90 s less: the two-GPU steps skip).
 # --dry-run runs every step on the CPU at tiny shapes (the Triton interpreter; the tests
 # collected, not run) with the serving extras the GPU machine lacks made unimportable: what
 # would fail there for a reason a CPU can show fails here. tests/test_gpu_check.py runs it in CI.
@@ -44,6 +44,7 @@ if [ "$DRY" = 1 ]; then
   ENGINE=(--device cpu --torch-threads 1 --block-length 8 --token-budget 64 --num-pages 512
           --max-batch-size 16)
   SIM_ENGINE=(--block-length 8 --token-budget 64 --num-pages 512 --max-batch-size 16)
+  TP_DEVICE=(--device cpu)
 else
   unset TRITON_INTERPRET  # compiled kernels on CUDA tensors
   # The C++ host extension (an ignored build output, so not in a fresh copy): built in place
@@ -58,6 +59,7 @@ else
   # batches stay within 16, so 5 decode graphs are captured per engine, not 20.
   ENGINE=(--block-length 32 --token-budget 1024 --num-pages 4096 --max-batch-size 16)
   SIM_ENGINE=("${ENGINE[@]}")
+  TP_DEVICE=()
 fi
 
 {
@@ -120,15 +122,19 @@ done
 
 # Each benchmark rewrites its JSON after each suite or run, so a cut one keeps what it measured.
 # The kernels' suites include moe: LLaDA2.0-mini's and -flash's experts (--moe-models).
-step kernels 100 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
-step graphs 50 "${BENCH[@]}" graphs --json "$OUT/graphs.json"
+step kernels 90 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
+step graphs 45 "${BENCH[@]}" graphs --json "$OUT/graphs.json"
 # A receiving worker killed mid-transfer under NCCL: the survivor goes on (two GPUs and pyzmq
 # needed; on one GPU it prints why it skips and exits 0).
-step nccl-fault 60 "$PY" microbench/nccl_transfer_fault.py
+step nccl-fault 55 "$PY" microbench/nccl_transfer_fault.py
+# Tensor parallelism over two GPUs: shards joined by NCCL all-reduces against the whole model,
+# TP1 against TP2 forward time at LLaDA-8B's shape, and the engine at TP2 where pyzmq is (two
+# GPUs; on one it prints why it skips; the dry run checks the same on CPU over gloo).
+step tp 45 "$PY" microbench/tp_check.py "${TP_DEVICE[@]}"
 step model 20 "$PY" -m sangam.testing "$OUT/model" "${SHAPE[@]}"
-step calibrate 45 "${BENCH[@]}" calibrate --model "$OUT/model" --load-format dummy \
+step calibrate 40 "${BENCH[@]}" calibrate --model "$OUT/model" --load-format dummy \
   "${CALIBRATE[@]}" --out "$OUT/calibration.json"
-step serve 110 "${BENCH[@]}" serve --model "$OUT/model" --load-format dummy "${ENGINE[@]}" \
+step serve 100 "${BENCH[@]}" serve --model "$OUT/model" --load-format dummy "${ENGINE[@]}" \
   --policies deficit,fastdllm --unmasking topk --tokens-per-step 3 --cache dual \
   "${TRACE[@]}" --out "$OUT/serve"
 step sim 30 "${BENCH[@]}" sim --gpu h200 --model calibrated "${SIM_ENGINE[@]}" \
