@@ -456,19 +456,22 @@ def test_failed_transfer_is_retried(paths):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("workloads", [WORKLOADS, CADENCE_WORKLOADS],
-                         ids=["full-refresh", "cadences"])
-def test_aborts_free_everything(paths, workloads):
+@pytest.mark.parametrize("workloads,tp", [(WORKLOADS, 1), (CADENCE_WORKLOADS, 1),
+                                          (WORKLOADS, 2)],
+                         ids=["full-refresh", "cadences", "full-refresh-tp2"])
+def test_aborts_free_everything(paths, workloads, tp):
     """Aborts at any point (queued, refreshing, K/V in flight, decoding; with cadences also a
     block continuing on its holder without a refresh) leak no page and leave no transfer
     hanging; the other requests are unaffected, and so is a request resubmitted under an
-    aborted one's id while news of the old one is still in flight."""
+    aborted one's id while news of the old one is still in flight. With workers of two
+    tensor-parallel ranks too (every rank's transfers mirrored)."""
     reqs = workloads["dream"]
     want = _reference(paths["dream"], "dream", workloads)
     by_id = {r[0]: r for r in reqs}
     engine = make_engine(EngineConfig(**_options(paths["dream"], mode="hybrid",
                                                  prefill_workers=1, decode_workers=2,
-                                                 overflow_threshold=40)))
+                                                 overflow_threshold=40),
+                                      tensor_parallel_size=tp))
     rng = random.Random(4)
     aborted, resubmitted = set(), set()
 

@@ -728,7 +728,7 @@ def test_tensor_parallel_splits_the_forward_and_adds_its_all_reduces():
     tp2 = TensorParallel.on(gpu, 2)
     assert (tp2.link_bytes_per_s, tp2.latency_s) == (360e9, 10e-6)
     cm = CostModel(geom, c, tp=tp2)
-    comm = 64 * (10e-6 + 2 * (1 / 2) * 640 * 4096 * 2 / 360e9) + 10e-6 + 160 * 5 * 4 / 360e9
+    comm = 64 * (10e-6 + 2 * (1 / 2) * 640 * 4096 * 2 / 360e9) + 10e-6 + 160 * 5 * 8 / 360e9
     assert cm.communication_time(spans) == pytest.approx(comm)
     roof = (c.iteration_overhead_s + c.per_sequence_s * 5
             + max(two[0] / c.matmul_flops, two[1] / c.hbm_bytes_per_s)

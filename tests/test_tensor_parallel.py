@@ -17,7 +17,15 @@ import torch
 from test_llada2 import LLADA2
 from test_llada2 import _request as llada2_request
 from test_llada2 import _upstream as llada2_upstream
-from test_multi_worker import WORKLOADS, _options, _reference, _run, _settle, _tokens
+from test_multi_worker import (
+    WORKLOADS,
+    _options,
+    _reference,
+    _run,
+    _settle,
+    _tokens,
+    _wait_gone,
+)
 from test_sdar import SDAR, check_modes, run_in_mode
 from test_sdar import _request as sdar_request
 from test_sdar import _upstream as sdar_upstream
@@ -165,9 +173,19 @@ def test_llada2_flash_shards_on_the_meta_device(tmp_path):
             assert not any(p.device.type != "meta" for p in m.parameters())
 
 
-def test_vocab_parallel_scores_equal_score_logits():
-    """Five numbers a row per shard, combined, give score_logits' tokens (greedy and sampled,
-    the mask never chosen) and confidences, over uneven splits."""
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_vocab_parallel_scores_equal_score_logits(impl):
+    """Five numbers a row per shard (the reference, or the fused scoring kernel's partials per
+    split of the shard), combined, give score_logits' tokens (greedy and sampled, the mask
+    never chosen) and confidences, over uneven splits."""
+    if impl == "triton":
+        from sangam.kernels.unmask import fused_shard_scores
+
+        def scores(logits, lo, mask, temps, keys):
+            return fused_shard_scores(logits, lo, mask, temps, keys, num_splits=2)
+    else:
+        def scores(logits, lo, mask, temps, keys):
+            return shard_scores(logits, lo, mask, temps, keys)[None]
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float64, 1e-14), (torch.float32, 1e-6)):
         for vocab, size in ((161, 4), (160, 2), (37, 3)):
@@ -180,8 +198,8 @@ def test_vocab_parallel_scores_equal_score_logits():
             parts = []
             for r in range(size):
                 lo, hi = ShardLayout(r, size).vocab(vocab)
-                parts.append(shard_scores(logits[:, lo:hi], lo, mask, temps, keys))
-            got, got_conf = combine_shard_scores(torch.stack(parts), conf.dtype)
+                parts.append(scores(logits[:, lo:hi], lo, mask, temps, keys))
+            got, got_conf = combine_shard_scores(torch.cat(parts), conf.dtype)
             assert torch.equal(got, want) and not (got == mask).any()
             torch.testing.assert_close(got_conf, conf, rtol=tol, atol=tol)
 
@@ -323,27 +341,53 @@ def test_block_causal_groups_equal_the_upstream_loop(paths, case):
             for r, o in outs.items()} == want
 
 
-def test_a_killed_rank_takes_its_group_down_and_loses_nothing(bidirectional):
-    """Two colocated workers of two ranks each: SIGKILL rank 1 of worker 0 mid-run. The front
-    declares worker 0 dead (its other rank is stopped too), and its requests finish on worker
-    1 with the reference tokens."""
+@pytest.mark.parametrize("victim", [0, 1], ids=["rank0", "rank1"])
+def test_a_killed_rank_takes_its_group_down_and_loses_nothing(bidirectional, victim):
+    """Two colocated workers of two ranks each: SIGKILL one rank of worker 0 mid-run. The
+    front declares worker 0 dead, its other rank is gone too (stopped by the front, or ended by
+    itself when rank 0's sockets close), and its requests finish on worker 1 with the
+    reference tokens."""
     reqs = WORKLOADS["llada"][:12]
     want = {r[0]: _reference(bidirectional["llada"], "llada")[r[0]] for r in reqs}
     engine = make_engine(EngineConfig(**_options(bidirectional["llada"], num_workers=2),
                                       tensor_parallel_size=2, watchdog_timeout=5.0))
-    follower = engine._procs[0].ranks[1]
+    ranks = engine._procs[0].ranks
     seen = []
 
     def kill_midway(out):
         seen.append(out)
         if len(seen) == 6:
-            os.kill(follower.pid, signal.SIGKILL)
+            os.kill(ranks[victim].pid, signal.SIGKILL)
 
     try:
         outs = _run(engine, reqs, on_output=kill_midway)
         assert engine.dead_workers == [0]
         assert _tokens(outs) == want
-        assert not engine._procs[0].ranks[0].is_alive()  # the whole group is stopped
+        _wait_gone([p.pid for p in ranks], timeout=10)
         _settle(engine)
     finally:
         engine.shutdown()
+
+
+def test_structured_output_gathers_its_rows(tmp_path):
+    """Constrained requests (JSON schema, regex, choice) in a group of 2: their rows' whole
+    vocabulary is gathered for the grammar; the single-request reference's tokens."""
+    from test_structured_output import _alone, _mixed
+
+    from sangam import LLM
+    from sangam.demo.tokenizer import VOCAB_SIZE, write_tokenizer
+
+    path = make_tiny_checkpoint(tmp_path / "rand", seed=3, vocab_size=VOCAB_SIZE,
+                                logit_scale=3.0)
+    write_tokenizer(path)
+    reqs = _mixed(random.Random(2), 6)
+    want = _alone(LoadedModel.load(EngineConfig(model=path, device="cpu", dtype="float64")),
+                  reqs)
+    llm = LLM(path, device="cpu", dtype="float64", page_size=8, num_pages=400,
+              tensor_parallel_size=2)
+    try:
+        outs = llm.generate(prompt_token_ids=[p for _, p, _ in reqs],
+                            sampling_params=[s for _, _, s in reqs])
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in outs] == [want[r] for r, _, _ in reqs]

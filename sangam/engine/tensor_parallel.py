@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from sangam.decoding.confidence import combine_shard_scores, shard_scores
+from sangam.kernels.platform import compiled
 from sangam.models.config import ShardLayout
 
 # A follower waits for rank 0's next command for as long as the worker is idle; rank 0's
@@ -104,11 +105,18 @@ class TensorGroup:
         """score_logits' tokens and confidences from this rank's vocabulary columns of the
         logits: five numbers a row cross the group, never the logits."""
         lo, _ = self.layout.vocab(vocab_size)
-        mine = shard_scores(logits, lo, mask_token_id, temperature, row_keys)
+        if compiled(logits.device):  # the fused kernel, a few splits of the shard's columns
+            from sangam.kernels.unmask import fused_shard_scores, score_splits
+
+            # The same split count on every rank (the last shard may be narrower).
+            splits = score_splits(len(logits), -(-vocab_size // self.size), logits.device)
+            mine = fused_shard_scores(logits, lo, mask_token_id, temperature, row_keys, splits)
+        else:
+            mine = shard_scores(logits, lo, mask_token_id, temperature, row_keys)[None]
         shards = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(shards, mine, group=self.model_group)
         cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        return combine_shard_scores(torch.stack(shards), cdt)
+        return combine_shard_scores(torch.cat(shards), cdt)
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """The whole vocabulary of these logits rows ``[R, V]`` (every rank gets it), for the

@@ -37,12 +37,13 @@ def _confidence(x, m, s):
     return tl.exp(x.to(tl.float64) - m.to(tl.float64) - tl.log(s.to(tl.float64)))
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # per batch: no variant per split count
+# Per batch (and per rank): no variant per split count or vocabulary offset.
+@triton.jit(do_not_specialize=["num_splits", "vocab_offset"])
 def _score_kernel(
     logits_ptr, temp_ptr, keys_ptr,
     tok_ptr, conf_ptr,  # final outputs (one split)
     pm_ptr, ps_ptr, pkey_ptr, pidx_ptr, px_ptr,  # per-split partials [M, S]
-    vocab, s_row, mask_token_id, num_splits,
+    vocab, s_row, mask_token_id, num_splits, vocab_offset,
     BLOCK_V: tl.constexpr, SPLIT: tl.constexpr, CDT: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -66,7 +67,8 @@ def _score_kernel(
         # scalar); the mask token is excluded after the load.
         offs = tl.multiple_of(start, BLOCK_V) + tl.arange(0, BLOCK_V)
         x = tl.load(base + offs, mask=offs < v_hi, other=float("-inf")).to(CDT)
-        x = tl.where(offs == mask_token_id, float("-inf"), x)
+        ids = offs + vocab_offset  # token ids: a vocabulary shard's columns start there
+        x = tl.where(ids == mask_token_id, float("-inf"), x)
         m_new = tl.maximum(m, tl.max(x, 0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no inf - inf
         s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(x - m_ref), 0)
@@ -74,7 +76,7 @@ def _score_kernel(
         if hot:
             # Same arithmetic as the reference: noise in fp64, then cast; IEEE division (Triton's
             # fp32 `/` is approximate on GPU).
-            h = _mix32(key ^ offs.to(tl.uint32))
+            h = _mix32(key ^ ids.to(tl.uint32))
             u = (h.to(tl.float64) + 0.5) * (1.0 / 4294967296.0)
             g = (-tl.log(-tl.log(u))).to(CDT)
             if CDT == tl.float64:
@@ -84,11 +86,11 @@ def _score_kernel(
         else:
             k = x
         k_max = tl.max(k, 0)
-        k_idx = tl.min(tl.where(k == k_max, offs, 2147483647), 0)
+        k_idx = tl.min(tl.where(k == k_max, ids, 2147483647), 0)
         if k_max > best:  # strict: ties keep the earlier (lower) index
             best = k_max
             best_idx = k_idx
-            best_x = tl.max(tl.where(offs == k_idx, x, float("-inf")), 0)
+            best_x = tl.max(tl.where(ids == k_idx, x, float("-inf")), 0)
     if SPLIT:
         p = row.to(tl.int64) * num_splits + split
         tl.store(pm_ptr + p, m)
@@ -145,13 +147,9 @@ def fused_score(logits: torch.Tensor, mask_token_id: int, temperature: torch.Ten
     on_gpu = compiled(dev)
     tl_cdt = tl.float64 if cdt == torch.float64 else tl.float32
 
-    if block_v is None:
-        block_v = 4096 if on_gpu else 256
-    block_v = min(block_v, triton.next_power_of_2(vocab))
+    block_v = _block_v(block_v, vocab, on_gpu)
     if num_splits is None:
-        num_splits = 1
-        if on_gpu:
-            num_splits = max(1, min(triton.cdiv(4 * num_sms(dev), m_rows), vocab // (4 * block_v)))
+        num_splits = score_splits(m_rows, vocab, dev)
     split = num_splits > 1
     if split:
         pm, ps, pkey, px = (torch.empty(m_rows, num_splits, dtype=cdt, device=dev)
@@ -162,7 +160,7 @@ def fused_score(logits: torch.Tensor, mask_token_id: int, temperature: torch.Ten
     _score_kernel[(m_rows, num_splits)](
         logits, temperature, row_keys.contiguous(), tokens, conf,
         pm, ps, pkey, pidx, px,
-        vocab, logits.stride(0), mask_token_id, num_splits,
+        vocab, logits.stride(0), mask_token_id, num_splits, 0,
         BLOCK_V=block_v, SPLIT=split, CDT=tl_cdt,
         num_warps=8 if on_gpu else 1,
     )
@@ -172,3 +170,45 @@ def fused_score(logits: torch.Tensor, mask_token_id: int, temperature: torch.Ten
             BLOCK_S=triton.next_power_of_2(num_splits), CDT=tl_cdt, num_warps=1)
     return tokens, conf
 
+
+
+def _block_v(block_v: int | None, vocab: int, on_gpu: bool) -> int:
+    """The vocabulary tile: 4096 on GPU, 256 in the interpreter, within the vocabulary."""
+    return min(block_v or (4096 if on_gpu else 256), triton.next_power_of_2(vocab))
+
+
+def score_splits(m_rows: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary splits per row: enough programs to fill the GPU when rows are few, each
+    split at least four tiles; one off the GPU."""
+    if not compiled(device):
+        return 1
+    block_v = _block_v(None, vocab, True)
+    return max(1, min(triton.cdiv(4 * num_sms(device), m_rows), vocab // (4 * block_v)))
+
+
+def fused_shard_scores(logits: torch.Tensor, vocab_start: int, mask_token_id: int,
+                       temperature: torch.Tensor, row_keys: torch.Tensor,
+                       num_splits: int) -> torch.Tensor:
+    """``sangam.decoding.confidence.shard_scores`` of a vocabulary shard ``logits [M, Vs]``
+    (tokens ``vocab_start ..``) in one pass, per split of its columns: ``[num_splits, 5, M]``
+    fp64 (``SHARD_FIELDS`` order), the splits in vocabulary order, ready for
+    ``combine_shard_scores`` with every other rank's. No ``[M, Vs]`` copy is made."""
+    m_rows, vocab = logits.shape
+    dev = logits.device
+    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    pm, ps, pkey, px = (torch.empty(m_rows, num_splits, dtype=cdt, device=dev)
+                        for _ in range(4))
+    pidx = torch.empty(m_rows, num_splits, dtype=torch.int32, device=dev)
+    if m_rows:
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        on_gpu = compiled(dev)
+        _score_kernel[(m_rows, num_splits)](
+            logits, temperature, row_keys.contiguous(), pm, pm,  # no final outputs
+            pm, ps, pkey, pidx, px,
+            vocab, logits.stride(0), mask_token_id, num_splits, vocab_start,
+            BLOCK_V=_block_v(None, vocab, on_gpu), SPLIT=True,
+            CDT=tl.float64 if cdt == torch.float64 else tl.float32,
+            num_warps=8 if on_gpu else 1,
+        )
+    return torch.stack([pm, ps, pkey, px, pidx.to(cdt)]).permute(2, 0, 1).to(torch.float64)

@@ -294,7 +294,9 @@ class MultiWorkerEngine(Front):
 
     # What a caller may ask of any engine.
     def _describe_workers(self) -> list[str]:
-        return [f"{self.config.mode} over {len(self.worker_states())} workers"]
+        tp = self.config.tensor_parallel_size
+        ranks = f" of {tp} ranks each (tensor parallel)" if tp > 1 else ""
+        return [f"{self.config.mode} over {len(self.worker_states())} workers{ranks}"]
 
     def gauges(self) -> list[Gauge]:
         """(name, help, value) of every live gauge: the pools of the live workers, summed as
