@@ -724,7 +724,7 @@ def test_tensor_parallel_splits_the_forward_and_adds_its_all_reduces():
     dream = replace(MODELS["dream"], heads=32, hidden=4096)
     assert batch_features(dream, spans, tp=8)[3] == batch_features(dream, spans)[3] / 4
     # Plus 2 x 32 all-reduces of 640 x 4096 bf16 over a ring of 2 (latency 10 us, NVLink's
-    # 450 GB/s at 0.8), and the LM head's 160 rows x 5 fp32 statistics gathered.
+    # 450 GB/s at 0.8), and the LM head's 160 rows x 5 fp64 statistics gathered.
     tp2 = TensorParallel.on(gpu, 2)
     assert (tp2.link_bytes_per_s, tp2.latency_s) == (360e9, 10e-6)
     cm = CostModel(geom, c, tp=tp2)
