@@ -265,3 +265,18 @@ def test_slice_edits_edits_the_rows_alike():
             apply_edits(part, sliced.map(torch.from_numpy))
         assert torch.equal(part, whole[a:b])
 
+
+
+def test_tensor_parallel_ranks_plan_their_share():
+    """``sangam-bench memory`` under tensor parallelism plans one rank: LLaDA2.0-flash does
+    not fit one H200, and at TP8 with expert parallelism a rank holds an eighth of it plus the
+    whole embedding (docs/memory.md's table)."""
+    from sangam.bench.memory import shape_plan
+
+    with pytest.raises(ValueError, match="no room for the KV pages"):
+        shape_plan("llada2-flash")
+    ep8 = shape_plan("llada2-flash",
+                     engine=EngineConfig(tensor_parallel_size=8, enable_expert_parallel=True))
+    assert (round(ep8.weights / mp.GIB, 1), ep8.num_pages) == (25.1, 357_550)
+    tp2 = shape_plan("llada", engine=EngineConfig(tensor_parallel_size=2))
+    assert (round(tp2.weights / mp.GIB, 1), tp2.num_pages) == (7.9, 28_440)

@@ -5,6 +5,11 @@ Engine flags (``--max-batch-size``, ``--gpu-memory-fraction``, ...) apply as the
 ``sangam.serve``; the defaults give the table of docs/memory.md::
 
     sangam-bench memory --gpu h200
+
+Under ``--tensor-parallel-size N`` (and ``--enable-expert-parallel``) the plan is one rank's:
+its shard of the weights, its KV heads' pages, its activations::
+
+    sangam-bench memory --model-shape llada2-flash --tp 8 --enable-expert-parallel
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from sangam.config import EngineConfig
 from sangam.engine.loaded_model import LoadedModel, make_attention_backend
 from sangam.engine.memory_profile import GIB, GPUS, MemoryPlan, model_bytes, plan_for
 from sangam.engine.worker import captures_graphs, graph_block_lengths
-from sangam.models.config import parse_config
+from sangam.models.config import ShardLayout, parse_config
 from sangam.models.loader import ARCHITECTURES, resolve_dtype
 from sangam.models.registry import MODEL_SHAPES
+from sangam.models.tensor_parallel import shard_model
 from sangam.testing import real_shape_config
 
 TABLE_SHAPES = ("llada", "dream", "sdar", "llada2-mini")  # docs/memory.md's rows
@@ -31,7 +37,8 @@ TABLE_SHAPES = ("llada", "dream", "sdar", "llada2-mini")  # docs/memory.md's row
 
 def shape_plan(key: str, gpu: str = "h200", engine: EngineConfig | None = None) -> MemoryPlan:
     """The memory plan of registry shape ``key`` (``MODEL_SHAPES``) served with ``engine``'s
-    flags (default: the defaults) on one ``gpu``, nothing else on it."""
+    flags (default: the defaults) on one ``gpu``, nothing else on it: under tensor
+    parallelism, rank 0's (the widest vocabulary shard)."""
     device = torch.device("cuda")
     raw = real_shape_config(key)
     cfg = parse_config(raw)
@@ -42,6 +49,8 @@ def shape_plan(key: str, gpu: str = "h200", engine: EngineConfig | None = None) 
         dtype = resolve_dtype(None if engine.dtype == "auto" else engine.dtype, device)
         with torch.device("meta"):  # shapes only: nothing is allocated
             model = ARCHITECTURES[cfg.architecture](cfg).to(dtype)
+            shard_model(model, ShardLayout(0, engine.tensor_parallel_size,
+                                           engine.enable_expert_parallel))
         model.attention_backend = make_attention_backend(engine.attention_backend, device)
         loaded = LoadedModel.around(engine, path, model, cfg, device, dtype)
         spans = graph_block_lengths(engine, loaded) if captures_graphs(engine, loaded) else ()
