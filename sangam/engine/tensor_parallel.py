@@ -65,6 +65,9 @@ class TensorGroup:
                      if device.type == "cuda" else control)
             if w == worker:
                 self.ranks, self.control, self.model_group = ranks, control, model
+        # Open the communicator now: NCCL opens it at its first collective, which must not be
+        # inside a CUDA graph capture (the graphs are captured after this, per rank).
+        dist.all_reduce(torch.zeros(1, device=device), group=self.model_group)
 
     @property
     def rank(self) -> int:
