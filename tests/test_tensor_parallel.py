@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -163,14 +164,12 @@ def test_llada2_flash_shards_on_the_meta_device(tmp_path):
     whole = load_model(tmp_path, "meta", "bfloat16", "dummy")
     total = _bytes(whole)
     assert 190e9 < total < 215e9
-    for ep in (True, False):
-        ranks = [load_model(tmp_path, "meta", "bfloat16", "dummy", ShardLayout(r, 8, ep))
-                 for r in (0, 7)]
-        embed = whole.model.word_embeddings.weight
-        replicated = embed.numel() * embed.element_size()
-        for m in ranks:
-            assert total / 8 < _bytes(m) < total / 8 + 1.1 * replicated
-            assert not any(p.device.type != "meta" for p in m.parameters())
+    embed = whole.model.word_embeddings.weight
+    replicated = embed.numel() * embed.element_size()
+    for rank, ep in ((0, True), (7, False)):  # the widest and the narrowest vocabulary shard
+        m = load_model(tmp_path, "meta", "bfloat16", "dummy", ShardLayout(rank, 8, ep))
+        assert total / 8 < _bytes(m) < total / 8 + 1.1 * replicated
+        assert not any(p.device.type != "meta" for p in m.parameters())
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
@@ -391,3 +390,79 @@ def test_structured_output_gathers_its_rows(tmp_path):
     finally:
         llm.shutdown()
     assert [o.token_ids for o in outs] == [want[r] for r, _, _ in reqs]
+
+
+def test_a_killed_rank_of_a_decode_group_mid_transfer(bidirectional):
+    """1P2D of two-rank groups: SIGKILL rank 1 of a decode worker while K/V flows. The prefill
+    group's ranks all abort their pairs with it (the peer's death is mirrored), worker 2 is
+    declared dead, and every request finishes on the survivors with the reference tokens."""
+    reqs = WORKLOADS["llada"][:12]
+    want = {r[0]: _reference(bidirectional["llada"], "llada")[r[0]] for r in reqs}
+    engine = make_engine(EngineConfig(**_options(
+        bidirectional["llada"], mode="disaggregated", prefill_workers=1, decode_workers=2),
+        tensor_parallel_size=2, watchdog_timeout=5.0, transfer_timeout=20.0))
+    ranks = engine._procs[2].ranks
+    seen = []
+
+    def kill_midway(out):
+        seen.append(out)
+        if len(seen) == 5:
+            os.kill(ranks[1].pid, signal.SIGKILL)
+
+    try:
+        outs = _run(engine, reqs, on_output=kill_midway)
+        assert engine.dead_workers == [2]
+        assert _tokens(outs) == want
+        _wait_gone([p.pid for p in ranks], timeout=10)
+        _settle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_hundreds_of_streams_on_a_group(llada_path):
+    """150 concurrent streams through AsyncEngine on one two-rank worker with a small pool,
+    a fifth of the clients walking away after their first block: the others get the
+    reference tokens, and every page comes back."""
+    import asyncio
+
+    from sangam.engine.async_engine import AsyncEngine
+    from sangam.engine.reference_decoder import ReferenceDecoder
+    from sangam.engine.validation import new_state
+
+    rng = random.Random(9)
+    reqs = [(f"s{i}", [rng.randrange(2, 150) for _ in range(rng.randint(1, 30))],
+             SamplingParams(max_tokens=rng.choice([4, 8, 16]), block_length=rng.choice([4, 8]),
+                            temperature=rng.choice([0.0, 1.0]), seed=i))
+            for i in range(150)]
+    leave = {rid for rid, *_ in reqs if rng.random() < 0.2}
+    lm = LoadedModel.load(EngineConfig(model=llada_path, device="cpu", dtype="float64"))
+    want = {rid: ReferenceDecoder(lm.model).run(new_state(lm, prompt, params, random.Random(0))
+                                                ).output_token_ids()
+            for rid, prompt, params in reqs if rid not in leave}
+    engine = AsyncEngine(EngineConfig(**_options(llada_path), tensor_parallel_size=2))
+
+    async def client(rid, prompt, params):
+        gen = engine.generate(prompt, params, rid)
+        outs = []
+        try:
+            async for out in gen:
+                outs.append(out)
+                if rid in leave:
+                    break
+        finally:
+            await gen.aclose()
+        return rid, outs[-1].token_ids
+
+    async def main():
+        return dict(await asyncio.gather(*(client(*r) for r in reqs)))
+
+    try:
+        got = asyncio.run(main())
+        assert {rid: t for rid, t in got.items() if rid not in leave} == want
+        front = engine.engine
+        deadline = time.monotonic() + 20
+        while not all(s.free_pages == s.num_pages for s in front.worker_states()):
+            assert time.monotonic() < deadline, front.worker_states()
+            time.sleep(0.1)
+    finally:
+        engine.shutdown()

@@ -120,8 +120,8 @@ class ModelRunner:
             if constrained:  # the rows whose whole vocabulary the group gathers
                 arrays["constrained_rows"] = np.concatenate(
                     [np.arange(batch.cu_rows[r], batch.cu_rows[r + 1]) for r in constrained])
+            self._stepped = True  # from here on a failure (even of the send) is the group's
             self.group.send(Step(arrays, graph, self.streams))
-            self._stepped = True
         dev = self.uploader.upload(arrays)
         logits, tokens, conf = self._device_step(batch, dev, graph)
         if logits is None:  # only block-causal prefill chunks: K/V stored, nothing scored
