@@ -299,6 +299,7 @@ def test_bidirectional_groups_match_the_reference(bidirectional, case):
 
 
 BLOCK_CAUSAL_TP = {
+    "sdar-tp4-colocated": ("sdar", dict(tensor_parallel_size=4)),
     "sdar-tp2-1P1D": ("sdar", dict(mode="disaggregated", prefill_workers=1, decode_workers=1,
                                    tensor_parallel_size=2)),
     "sdar-tp2-hybrid-streaming": ("sdar", dict(

@@ -54,9 +54,7 @@ class TensorGroup:
                  device: torch.device, timeout: datetime.timedelta):
         """Create every worker's groups (every process must create every group, in one order)
         and keep this worker's."""
-        self.worker = worker
         self.layout = layout
-        self.device = device
         size = layout.size
         for w in range(num_workers):
             ranks = [global_rank(w, t, size) for t in range(size)]
@@ -70,16 +68,8 @@ class TensorGroup:
         dist.all_reduce(torch.zeros(1, device=device), group=self.model_group)
 
     @property
-    def rank(self) -> int:
-        return self.layout.rank
-
-    @property
     def size(self) -> int:
         return self.layout.size
-
-    @property
-    def leader(self) -> bool:
-        return self.layout.rank == 0
 
     # Host commands (rank 0 -> the others).
     def send(self, command: object) -> None:
