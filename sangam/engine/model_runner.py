@@ -118,8 +118,7 @@ class ModelRunner:
         constrained = [r for r, st in enumerate(states) if st.grammar is not None]
         if self.group is not None:
             if constrained:  # the rows whose whole vocabulary the group gathers
-                arrays["constrained_rows"] = np.concatenate(
-                    [np.arange(batch.cu_rows[r], batch.cu_rows[r + 1]) for r in constrained])
+                arrays["constrained_rows"] = constrained_row_index(batch, constrained)
             self._stepped = True  # from here on a failure (even of the send) is the group's
             self.group.send(Step(arrays, graph, self.streams))
         dev = self.uploader.upload(arrays)
