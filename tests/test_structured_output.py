@@ -230,13 +230,18 @@ def test_constrained_tokens_are_the_same_alone_and_batched(rand):
     assert engine.pool.allocator.num_free == engine.pool.num_pages
 
 
-def test_constrained_requests_move_between_processes(random_path, rand):
+@pytest.mark.parametrize("layout", [
+    dict(mode="disaggregated", prefill_workers=1, decode_workers=2),
+    # One worker of two ranks: the constrained rows' whole vocabulary is gathered.
+    dict(tensor_parallel_size=2)], ids=["1P2D", "tp2"])
+def test_constrained_requests_move_between_processes(random_path, rand, layout):
     """1P2D: each block's K/V and the request's state cross processes; the matcher is rebuilt
-    on the other side by replaying the committed tokens."""
+    on the other side by replaying the committed tokens. Tensor-parallel: the grammar reads
+    rows gathered from every rank's vocabulary columns."""
     reqs = _mixed(random.Random(2), 8)
     want = _alone(rand, reqs)
-    llm = LLM(random_path, device="cpu", dtype="float64", mode="disaggregated",
-              prefill_workers=1, decode_workers=2, page_size=8, num_pages=400)
+    llm = LLM(random_path, device="cpu", dtype="float64", page_size=8, num_pages=400,
+              **layout)
     try:
         outs = llm.generate(prompt_token_ids=[p for _, p, _ in reqs],
                             sampling_params=[s for _, _, s in reqs])

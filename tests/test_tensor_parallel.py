@@ -341,78 +341,38 @@ def test_block_causal_groups_equal_the_upstream_loop(paths, case):
             for r, o in outs.items()} == want
 
 
-@pytest.mark.parametrize("victim", [0, 1], ids=["rank0", "rank1"])
-def test_a_killed_rank_takes_its_group_down_and_loses_nothing(bidirectional, victim):
-    """Two colocated workers of two ranks each: SIGKILL one rank of worker 0 mid-run. The
-    front declares worker 0 dead, its other rank is gone too (stopped by the front, or ended by
-    itself when rank 0's sockets close), and its requests finish on worker 1 with the
-    reference tokens."""
+KILLS = {  # (layout, the worker hit, its rank killed, at which output)
+    # Two colocated workers: either rank of worker 0.
+    "colocated-rank0": (dict(num_workers=2), 0, 0, 6),
+    "colocated-rank1": (dict(num_workers=2), 0, 1, 6),
+    # 1P2D: a decode group's rank 1 while K/V flows to it; the prefill group's ranks all abort
+    # their pairs with it (the peer's death is mirrored).
+    "1P2D-decode-rank1": (dict(mode="disaggregated", prefill_workers=1, decode_workers=2,
+                               transfer_timeout=20.0), 2, 1, 5),
+}
+
+
+@pytest.mark.parametrize("case", list(KILLS))
+def test_a_killed_rank_takes_its_group_down_and_loses_nothing(bidirectional, case):
+    """SIGKILL one rank of a two-rank worker mid-run: the front declares that worker dead,
+    its other rank is gone too (stopped by the front, or ended by itself when rank 0's sockets
+    close), and every request finishes on the survivors with the reference tokens."""
+    layout, worker, rank, at = KILLS[case]
     reqs = WORKLOADS["llada"][:12]
     want = {r[0]: _reference(bidirectional["llada"], "llada")[r[0]] for r in reqs}
-    engine = make_engine(EngineConfig(**_options(bidirectional["llada"], num_workers=2),
+    engine = make_engine(EngineConfig(**_options(bidirectional["llada"], **layout),
                                       tensor_parallel_size=2, watchdog_timeout=5.0))
-    ranks = engine._procs[0].ranks
+    ranks = engine._procs[worker].ranks
     seen = []
 
     def kill_midway(out):
         seen.append(out)
-        if len(seen) == 6:
-            os.kill(ranks[victim].pid, signal.SIGKILL)
+        if len(seen) == at:
+            os.kill(ranks[rank].pid, signal.SIGKILL)
 
     try:
         outs = _run(engine, reqs, on_output=kill_midway)
-        assert engine.dead_workers == [0]
-        assert _tokens(outs) == want
-        _wait_gone([p.pid for p in ranks], timeout=10)
-        _settle(engine)
-    finally:
-        engine.shutdown()
-
-
-def test_structured_output_gathers_its_rows(tmp_path):
-    """Constrained requests (JSON schema, regex, choice) in a group of 2: their rows' whole
-    vocabulary is gathered for the grammar; the single-request reference's tokens."""
-    from test_structured_output import _alone, _mixed
-
-    from sangam import LLM
-    from sangam.demo.tokenizer import VOCAB_SIZE, write_tokenizer
-
-    path = make_tiny_checkpoint(tmp_path / "rand", seed=3, vocab_size=VOCAB_SIZE,
-                                logit_scale=3.0)
-    write_tokenizer(path)
-    reqs = _mixed(random.Random(2), 6)
-    want = _alone(LoadedModel.load(EngineConfig(model=path, device="cpu", dtype="float64")),
-                  reqs)
-    llm = LLM(path, device="cpu", dtype="float64", page_size=8, num_pages=400,
-              tensor_parallel_size=2)
-    try:
-        outs = llm.generate(prompt_token_ids=[p for _, p, _ in reqs],
-                            sampling_params=[s for _, _, s in reqs])
-    finally:
-        llm.shutdown()
-    assert [o.token_ids for o in outs] == [want[r] for r, _, _ in reqs]
-
-
-def test_a_killed_rank_of_a_decode_group_mid_transfer(bidirectional):
-    """1P2D of two-rank groups: SIGKILL rank 1 of a decode worker while K/V flows. The prefill
-    group's ranks all abort their pairs with it (the peer's death is mirrored), worker 2 is
-    declared dead, and every request finishes on the survivors with the reference tokens."""
-    reqs = WORKLOADS["llada"][:12]
-    want = {r[0]: _reference(bidirectional["llada"], "llada")[r[0]] for r in reqs}
-    engine = make_engine(EngineConfig(**_options(
-        bidirectional["llada"], mode="disaggregated", prefill_workers=1, decode_workers=2),
-        tensor_parallel_size=2, watchdog_timeout=5.0, transfer_timeout=20.0))
-    ranks = engine._procs[2].ranks
-    seen = []
-
-    def kill_midway(out):
-        seen.append(out)
-        if len(seen) == 5:
-            os.kill(ranks[1].pid, signal.SIGKILL)
-
-    try:
-        outs = _run(engine, reqs, on_output=kill_midway)
-        assert engine.dead_workers == [2]
+        assert engine.dead_workers == [worker]
         assert _tokens(outs) == want
         _wait_gone([p.pid for p in ranks], timeout=10)
         _settle(engine)

@@ -25,11 +25,11 @@ import torch
 from sangam.config import EngineConfig
 from sangam.engine.loaded_model import LoadedModel, make_attention_backend
 from sangam.engine.memory_profile import GIB, GPUS, MemoryPlan, model_bytes, plan_for
+from sangam.engine.multi.data_plane import shard_layout
 from sangam.engine.worker import captures_graphs, graph_block_lengths
-from sangam.models.config import ShardLayout, parse_config
-from sangam.models.loader import ARCHITECTURES, resolve_dtype
+from sangam.models.config import parse_config
+from sangam.models.loader import dummy_model, resolve_dtype
 from sangam.models.registry import MODEL_SHAPES
-from sangam.models.tensor_parallel import shard_model
 from sangam.testing import real_shape_config
 
 TABLE_SHAPES = ("llada", "dream", "sdar", "llada2-mini")  # docs/memory.md's rows
@@ -47,10 +47,8 @@ def shape_plan(key: str, gpu: str = "h200", engine: EngineConfig | None = None) 
         engine = dataclasses.replace(engine or EngineConfig(), model=path, device="cuda",
                                      load_format="dummy")
         dtype = resolve_dtype(None if engine.dtype == "auto" else engine.dtype, device)
-        with torch.device("meta"):  # shapes only: nothing is allocated
-            model = ARCHITECTURES[cfg.architecture](cfg).to(dtype)
-            shard_model(model, ShardLayout(0, engine.tensor_parallel_size,
-                                           engine.enable_expert_parallel))
+        # Shapes only, nothing allocated (rank 0's shard under tensor parallelism).
+        model = dummy_model(cfg, "meta", dtype, shard=shard_layout(engine))
         model.attention_backend = make_attention_backend(engine.attention_backend, device)
         loaded = LoadedModel.around(engine, path, model, cfg, device, dtype)
         spans = graph_block_lengths(engine, loaded) if captures_graphs(engine, loaded) else ()

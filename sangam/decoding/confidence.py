@@ -108,10 +108,13 @@ def shard_scores(logits: torch.Tensor, vocab_start: int, mask_token_id: int,
     top = x.max(dim=-1).values
     finite = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # a mask-only shard
     total = torch.exp(x - finite[:, None]).sum(dim=-1)
-    t = temperature.to(device=x.device, dtype=cdt)
-    noisy = x / torch.where(t > 0, t, torch.ones_like(t))[:, None] + gumbel_noise(
-        row_keys.to(x.device), width, cdt, start=vocab_start)
-    key = torch.where((t > 0)[:, None], noisy, x)
+    key = x
+    hot = (temperature > 0).nonzero().flatten()  # sampled rows: noise for them alone
+    if hot.numel():
+        t = temperature.to(device=x.device, dtype=cdt)[hot]
+        key = x.clone()
+        key[hot] = x[hot] / t[:, None] + gumbel_noise(row_keys.to(x.device)[hot], width, cdt,
+                                                      start=vocab_start)
     best = key.argmax(dim=-1)
     return torch.stack([top, total, key.gather(1, best[:, None]).squeeze(1),
                         x.gather(1, best[:, None]).squeeze(1), best + vocab_start]

@@ -39,12 +39,12 @@ def pool_num_pages(loaded: LoadedModel, engine: EngineConfig,
 
 class KVPool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device | str, kv_heads: int | None = None):
-        """``kv_heads``: the KV heads this rank holds under tensor parallelism (default all)."""
+                 device: torch.device | str):
+        """``cfg``: the model's, or under tensor parallelism its rank's
+        (``ShardLayout.rank_config``: the KV heads that rank holds)."""
         # torch.empty: pages are always written (by a refresh) before they are read (a
         # block-causal request attends only up to the end of its span, all of it written).
-        shape = (cfg.num_layers, 2, num_pages, page_size, kv_heads or cfg.num_kv_heads,
-                 cfg.head_dim)
+        shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv = PagedKV(torch.empty(shape, dtype=dtype, device=device))
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)

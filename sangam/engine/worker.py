@@ -42,9 +42,8 @@ def build_worker_parts(config: EngineConfig, loaded: LoadedModel,
     if group is not None:
         loaded.model.all_reduce = group.all_reduce
         num_pages = group.agree_min(num_pages)
-    kv_heads = loaded.model.local_heads[1]
-    pool = KVPool(loaded.config, num_pages, config.page_size, loaded.dtype, loaded.device,
-                  kv_heads)
+    pool = KVPool(loaded.model.shard.rank_config(loaded.config), num_pages, config.page_size,
+                  loaded.dtype, loaded.device)
     cache = PrefixCache(pool.allocator) if prefix_caching(config, loaded) else None
     builder = BatchBuilder(pool.allocator, config.scheduler, cache)
     return pool, builder, ModelRunner(loaded, pool, graphs=decode_graphs(config, loaded, pool),

@@ -9,6 +9,7 @@ tensor-parallel group, then (once its pool exists) every K/V pair.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from sangam.config import EngineConfig
+from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi.kv_transfer import Done, KVTransport
 from sangam.engine.multi.launcher import WorkerSpec
 from sangam.engine.tensor_parallel import TensorGroup, global_rank
@@ -31,10 +34,21 @@ _NCCL_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING":
 Parts = TypeVar("Parts")
 
 
-def shard_layout(spec: WorkerSpec) -> ShardLayout:
-    """The slice of the model ``spec``'s rank holds."""
-    config = spec.config
-    return ShardLayout(spec.tp_rank, config.tensor_parallel_size, config.enable_expert_parallel)
+def shard_layout(config: EngineConfig, tp_rank: int = 0) -> ShardLayout:
+    """The slice of the model rank ``tp_rank`` of a worker holds under ``config``."""
+    return ShardLayout(tp_rank, config.tensor_parallel_size, config.enable_expert_parallel)
+
+
+def load_rank(spec: WorkerSpec) -> tuple[EngineConfig, torch.device, LoadedModel]:
+    """A worker process's start (every rank's): the engine config for its device, the device
+    made current (or its share of the host's threads), and its shard of the model."""
+    config = dataclasses.replace(spec.config, device=spec.device, devices=None)
+    device = torch.device(spec.device)
+    if device.type == "cpu":
+        torch.set_num_threads(spec.num_threads)
+    else:
+        torch.cuda.set_device(device)
+    return config, device, LoadedModel.load(config, shard_layout(config, spec.tp_rank))
 
 
 def join(spec: WorkerSpec, device: torch.device,
@@ -59,7 +73,8 @@ def join(spec: WorkerSpec, device: torch.device,
         timeout=startup, device_id=device if device.type == "cuda" else None)
     group = None
     if tp > 1:
-        group = TensorGroup(spec.worker, shard_layout(spec), len(spec.roles), device,
+        group = TensorGroup(spec.worker, shard_layout(config, spec.tp_rank), len(spec.roles),
+                            device,
                             datetime.timedelta(seconds=config.transfer_timeout))
     parts, kv_buffer = build(group)
     transport = None
@@ -88,6 +103,10 @@ class MirroredTransport:
         self.group = group
 
     # What rank 0 alone reads.
+    @property
+    def local(self) -> KVTransport:
+        return self.inner
+
     @property
     def num_open(self) -> int:
         return self.inner.num_open

@@ -10,7 +10,6 @@ process exit and declares the whole group dead.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
@@ -19,10 +18,9 @@ import traceback
 
 import torch
 
-from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.model_runner import ModelRunner
 from sangam.engine.multi import data_plane
-from sangam.engine.multi.kv_transfer import Done, KVTransport, LayerHook
+from sangam.engine.multi.kv_transfer import Done, KVTransport, layer_hook
 from sangam.engine.multi.launcher import WorkerSpec
 from sangam.engine.tensor_parallel import Step, TensorGroup
 from sangam.engine.worker import build_worker_parts
@@ -58,13 +56,8 @@ class Follower:
             for dest, tid, page_ids in streams:
                 self.transport.send_layers(dest, tid, page_ids, range(layer, layer + 1))
 
-        model = self.runner.loaded.model
-        inner = model.attention_backend
-        model.attention_backend = LayerHook(inner, on_layer)
-        try:
+        with layer_hook(self.runner.loaded.model, on_layer):
             self.runner.follow(step)
-        finally:
-            model.attention_backend = inner
 
     def _page_ids(self, pages: list[int]) -> torch.Tensor:
         return torch.tensor(pages, dtype=torch.int64).to(self.transport.device)
@@ -113,13 +106,7 @@ class Follower:
 
 def start_follower(spec: WorkerSpec) -> Follower:
     """Load this rank's shard, build its pool and runner, and join its group."""
-    config = dataclasses.replace(spec.config, device=spec.device, devices=None)
-    device = torch.device(spec.device)
-    if device.type == "cpu":
-        torch.set_num_threads(spec.num_threads)
-    else:
-        torch.cuda.set_device(device)
-    loaded = LoadedModel.load(config, data_plane.shard_layout(spec))
+    config, device, loaded = data_plane.load_rank(spec)
 
     def build(group: TensorGroup | None) -> tuple[ModelRunner, torch.Tensor]:
         pool, _, runner = build_worker_parts(config, loaded, group)

@@ -36,8 +36,8 @@ from sangam.engine import messages as msg
 from sangam.engine.front import Front
 from sangam.engine.interface import Gauge
 from sangam.engine.loaded_model import LoadedModel, checkpoint_path
-from sangam.engine.multi import launcher
-from sangam.models import ShardLayout, read_config, resolve_dtype
+from sangam.engine.multi import data_plane, launcher
+from sangam.models import read_config, resolve_dtype
 from sangam.sampling_params import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -105,8 +105,7 @@ class MultiWorkerEngine(Front):
         self.roles = launcher.validate(config)
         self.loaded = _front_model(config, loaded, launcher.worker_device(config, 0))
         # Before any process starts: a model the group cannot split is refused by name.
-        ShardLayout(0, config.tensor_parallel_size,
-                    config.enable_expert_parallel).check(self.loaded.config)
+        data_plane.shard_layout(config).check(self.loaded.config)
         self._closed = False
         self._zygote: subprocess.Popen | None = None
         self._procs: dict[int, launcher.WorkerProcesses] = {}  # this node's workers

@@ -50,14 +50,15 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from sangam.engine.tensor_parallel import global_rank
-from sangam.models import AttentionBackend, AttentionMetadata
+from sangam.models import AttentionBackend, AttentionMetadata, DiffusionLM
 
 
 def layer_page_bytes(kv_buffer: torch.Tensor) -> int:
@@ -74,6 +75,17 @@ def _page_ops(device: torch.device):
     from sangam.kernels.reference import gather_pages_ref, scatter_pages_ref
 
     return gather_pages_ref, scatter_pages_ref
+
+
+@contextmanager
+def layer_hook(model: DiffusionLM, on_layer: Callable[[int], None]) -> Iterator[None]:
+    """``model``'s forwards inside call ``on_layer(i)`` after layer ``i``'s attention."""
+    inner = model.attention_backend
+    model.attention_backend = LayerHook(inner, on_layer)
+    try:
+        yield
+    finally:
+        model.attention_backend = inner
 
 
 class LayerHook(AttentionBackend):
@@ -150,6 +162,12 @@ class KVTransport:
     @property
     def num_open(self) -> int:
         return len(self._open)
+
+    @property
+    def local(self) -> KVTransport:
+        """This process's own transport (itself; a tensor-parallel rank 0's mirror answers
+        the transport it wraps): what posts sends from inside a forward."""
+        return self
 
     def connect(self, me: int, senders: list[int], receivers: list[int],
                 timeout_s: float, tp_rank: int = 0, tp_size: int = 1) -> None:

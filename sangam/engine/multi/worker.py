@@ -8,7 +8,6 @@ reports what happened (``Report``), one message per loop turn.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import socket
@@ -27,7 +26,7 @@ from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.model_runner import FATAL_ERRORS, ModelRunner
 from sangam.engine.multi import data_plane
 from sangam.engine.multi.follower import run_follower
-from sangam.engine.multi.kv_transfer import KVTransport, LayerHook, layer_page_bytes
+from sangam.engine.multi.kv_transfer import KVTransport, layer_hook, layer_page_bytes
 from sangam.engine.multi.launcher import WorkerSpec, signature
 from sangam.engine.tensor_parallel import TensorGroup
 from sangam.engine.worker import Worker, build_worker_parts, scheduling_request
@@ -152,25 +151,20 @@ class TransferWorker(Worker):
         already posted stand (a request's K/V does not depend on its batch), ``_ship`` sends
         the rest."""
         # Mid-forward, only this rank's sends: the others post theirs from their own forward.
-        local = getattr(self.transport, "inner", self.transport)
+        local = self.transport.local
 
         def on_layer(layer: int) -> None:
             for s in self._streams.values():
                 local.send_layers(s.dest, s.transfer_id, s.page_ids, range(layer, layer + 1))
                 s.layers_sent += 1
 
-        model = self.loaded.model
-        inner = model.attention_backend
-        model.attention_backend = LayerHook(inner, on_layer)
-        try:  # graphs skip hooks
-            return self.runner.execute(states, pages, allow_graphs=False, isolate=False)
+        try:
+            with layer_hook(self.loaded.model, on_layer):  # graphs skip hooks
+                return self.runner.execute(states, pages, allow_graphs=False, isolate=False)
         except FATAL_ERRORS:
             raise
         except Exception:
-            model.attention_backend = inner
             return self.runner.execute(states, pages, allow_graphs=False)
-        finally:
-            model.attention_backend = inner
 
     def _ship(self, ship: Ship) -> None:
         """Send a refresh's K/V to the canvas holder (or finish the streamed send). A refresh
@@ -257,13 +251,7 @@ class WorkerProcess:
 def start_worker(spec: WorkerSpec, sock: zmq.Socket) -> WorkerProcess:
     """Load the model (rank 0's shard of it under tensor parallelism), join the data plane,
     build the worker's parts, and say Hello."""
-    config = dataclasses.replace(spec.config, device=spec.device, devices=None)
-    device = torch.device(spec.device)
-    if device.type == "cpu":
-        torch.set_num_threads(spec.num_threads)
-    else:
-        torch.cuda.set_device(device)
-    loaded = LoadedModel.load(config, data_plane.shard_layout(spec))
+    config, device, loaded = data_plane.load_rank(spec)
 
     def build(group: TensorGroup | None):
         pool, builder, runner = build_worker_parts(config, loaded, group)
