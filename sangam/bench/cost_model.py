@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from sangam.decoding.confidence import SHARD_FIELDS
-from sangam.models.config import ModelConfig
+from sangam.models.config import ModelConfig, ShardLayout
 from sangam.models.registry import MODEL_SHAPES, ModelShape
 
 GIB = 1 << 30
@@ -150,24 +150,15 @@ class ModelGeometry:
 
     def kv_bytes_per_token(self, dtype_bytes: int = BF16_BYTES, tp: int = 1) -> int:
         """K/V bytes of one position, on one rank of a TP group of ``tp``."""
-        return 2 * self.layers * self.kv_heads_per_rank(tp) * self.head_dim * dtype_bytes
-
-    def kv_heads_per_rank(self, tp: int) -> int:
-        """K/V heads split across the ranks, or replicated when fewer than the ranks."""
-        return max(1, self.kv_heads // tp)
+        kv_heads = ShardLayout(0, tp).kv_heads(self.kv_heads)  # the engine's rule
+        return 2 * self.layers * kv_heads * self.head_dim * dtype_bytes
 
     def check_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> None:
-        """The engine's sharding rules: query heads, and K/V heads (or ranks, when K/V heads
-        are replicated), split evenly; expert parallelism splits the experts evenly."""
-        if tp < 1:
-            raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
-        if self.heads % tp or (self.kv_heads % tp if self.kv_heads >= tp else tp % self.kv_heads):
-            raise ValueError(f"{self.name}: {self.heads} heads / {self.kv_heads} K/V heads do "
-                             f"not split over {tp} ranks")
-        if expert_parallel and not self.experts:
-            raise ValueError(f"{self.name}: expert parallelism needs a mixture-of-experts model")
-        if expert_parallel and self.experts % tp:
-            raise ValueError(f"{self.name}: {self.experts} experts do not split over {tp} ranks")
+        """The engine's sharding rules (``ShardLayout.check_split``)."""
+        ShardLayout(0, tp, expert_parallel).check_split(
+            self.name, self.heads, self.kv_heads,
+            self.intermediate if self.layers > self.moe_layers else 0, self.experts,
+            self.expert_intermediate, self.shared_intermediate)
 
 
 # The known models (sangam.models.registry), by the keys --model and --geometry take.

@@ -349,29 +349,45 @@ class ShardLayout:
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise ValueError, naming the flag, when ``cfg`` cannot be split ``size`` ways."""
+        moe = cfg.moe
+        dense_layers = cfg.num_layers if moe is None else moe.first_dense_layers
+        self.check_split(cfg.architecture, cfg.num_heads, cfg.num_kv_heads,
+                         cfg.intermediate_size if dense_layers else 0,
+                         *((moe.num_experts, moe.intermediate_size, moe.shared_intermediate_size)
+                           if moe is not None else ()))
+
+    def check_split(self, name: str, heads: int, kv_heads: int, dense_width: int,
+                    experts: int = 0, expert_width: int = 0, shared_width: int = 0) -> None:
+        """:meth:`check` over a model's counts (the simulator's geometries have no config):
+        ``dense_width`` 0 without dense MLPs, ``experts`` 0 without experts."""
+        if self.expert_parallel and not experts:
+            raise ValueError(f"--enable-expert-parallel: {name} is not a mixture-of-experts "
+                             "model")
         n = self.size
         if n == 1:
             return
-        flag = f"--tensor-parallel-size {n}"
         problems = []
-        if cfg.num_heads % n:
-            problems.append(f"its {cfg.num_heads} attention heads")
-        if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
-            problems.append(f"its {cfg.num_kv_heads} KV heads (neither divides the other)")
-        moe = cfg.moe
-        dense_layers = cfg.num_layers if moe is None else moe.first_dense_layers
-        if dense_layers and cfg.intermediate_size % n:
-            problems.append(f"its MLP width {cfg.intermediate_size}")
-        if moe is not None:
-            if self.expert_parallel and moe.num_experts % n:
-                problems.append(f"its {moe.num_experts} experts (--enable-expert-parallel)")
-            if not self.expert_parallel and moe.intermediate_size % n:
-                problems.append(f"its expert width {moe.intermediate_size}")
-            if moe.shared_intermediate_size % n:
-                problems.append(f"its shared experts' width {moe.shared_intermediate_size}")
+        if heads % n:
+            problems.append(f"its {heads} attention heads")
+        if kv_heads % n and n % kv_heads:
+            problems.append(f"its {kv_heads} KV heads (neither divides the other)")
+        if dense_width % n:
+            problems.append(f"its MLP width {dense_width}")
+        if experts:
+            if self.expert_parallel and experts % n:
+                problems.append(f"its {experts} experts (--enable-expert-parallel)")
+            if not self.expert_parallel and expert_width % n:
+                problems.append(f"its expert width {expert_width}")
+            if shared_width % n:
+                problems.append(f"its shared experts' width {shared_width}")
         if problems:
-            raise ValueError(f"{flag} cannot split {cfg.architecture}: "
-                             f"{'; '.join(problems)} must divide by {n}")
+            raise ValueError(f"--tensor-parallel-size {n} cannot split {name}: "
+                             f"{'; '.join(problems)} do not split over {n} ranks")
+
+    def kv_heads(self, num_kv_heads: int) -> int:
+        """How many KV heads a rank holds: its share, or one (replicated) when there are
+        fewer KV heads than ranks."""
+        return max(1, num_kv_heads // self.size)
 
     def split(self, n: int) -> tuple[int, int]:
         """This rank's [start, end) of ``n`` things split evenly (``check`` made sure)."""
@@ -382,10 +398,11 @@ class ShardLayout:
         """This rank's query heads and KV heads, as [start, end). With fewer KV heads than
         ranks each rank holds the one KV head its query heads read (vLLM's rule)."""
         q = self.split(cfg.num_heads)
-        if cfg.num_kv_heads >= self.size:
-            return q, self.split(cfg.num_kv_heads)
-        kv = self.rank * cfg.num_kv_heads // self.size
-        return q, (kv, kv + 1)
+        per_rank = self.kv_heads(cfg.num_kv_heads)
+        # Below one KV head per rank, ranks r*Hkv//N share a head; else each its own share.
+        first = (self.rank * cfg.num_kv_heads // self.size if cfg.num_kv_heads < self.size
+                 else self.rank * per_rank)
+        return q, (first, first + per_rank)
 
     def rank_config(self, cfg: ModelConfig) -> ModelConfig:
         """``cfg`` with this rank's head counts: what sizes its KV pages and activations."""
