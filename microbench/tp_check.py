@@ -33,7 +33,7 @@ TIMED_TOKENS = 1024
 
 
 def _rank(rank: int, device: str, port: int, tiny: str, big: str | None, out) -> None:
-    from sangam.engine.tensor_parallel import TensorGroup
+    from sangam.engine.tensor_group import TensorGroup
     from sangam.models import ShardLayout, load_model
 
     cuda = device == "cuda"

@@ -1,4 +1,5 @@
-"""Sangam: a serving engine for diffusion language models (LLaDA, Dream).
+"""Sangam: a serving engine for diffusion language models (LLaDA, Dream, SDAR, LLaDA2.x,
+LLaDA-MoE).
 
 ``LLM`` is imported when first used: the policy core (``sangam.sched``) and the request types
 import without PyTorch.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from sangam.models.config import parse_config
+from sangam.models.checkpoint import parse_config
 from sangam.models.loader import ARCHITECTURES, save_checkpoint
 from sangam.models.registry import LAYOUTS, MODEL_SHAPES
 

@@ -180,18 +180,42 @@ _NO_TORCH = """
 import sys
 class NoTorch:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "triton", "numpy"):
-            raise ImportError(f"the policy core imported {name}")
+        if name.split(".")[0] in ("torch", "triton"{numpy}):
+            raise ImportError(f"{{what}} imported {{name}}")
 sys.meta_path.insert(0, NoTorch())
-import pkgutil, importlib, sangam.sched
-for m in pkgutil.iter_modules(sangam.sched.__path__):
-    importlib.import_module("sangam.sched." + m.name)
-from sangam import SamplingParams, EngineConfig
+import pkgutil, importlib
+{imports}
 print("ok")
 """
 
 
-def test_the_policy_core_imports_without_torch():
-    run = subprocess.run([sys.executable, "-c", _NO_TORCH], capture_output=True, text=True,
+def _imports_without(what: str, imports: str, numpy: bool) -> None:
+    code = _NO_TORCH.format(numpy=', "numpy"' if not numpy else "", what=what, imports=imports)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=PACKAGE.parent)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+def test_the_policy_core_imports_without_torch():
+    """The policy core: neither PyTorch nor numpy."""
+    _imports_without("the policy core", """import sangam.sched
+for m in pkgutil.iter_modules(sangam.sched.__path__):
+    importlib.import_module("sangam.sched." + m.name)
+from sangam import SamplingParams, EngineConfig""", numpy=False)
+
+
+def test_the_simulator_and_the_model_shapes_import_without_torch():
+    """The simulator (and the model shapes, checkpoint rules and sharding it reads): numpy, but
+    no PyTorch, so that studying a deployment needs no deep-learning stack."""
+    _imports_without("the simulator", """import sangam.bench.sim
+from sangam.bench.sim.simulator import Simulator
+from sangam.models import ModelConfig, ShardLayout, parse_config
+import sangam.models.registry""", numpy=True)
+
+
+def test_every_name_the_models_package_exports_resolves():
+    """``sangam.models`` imports its names when first used: each one it lists is there."""
+    import sangam.models
+
+    for name in sangam.models.__all__:
+        assert getattr(sangam.models, name) is not None, name

@@ -9,7 +9,7 @@ import pytest
 
 from sangam import testing
 from sangam.bench.cost_model import MODELS, ModelGeometry
-from sangam.models.config import parse_config
+from sangam.models.checkpoint import parse_config
 from sangam.models.registry import MODEL_SHAPES
 
 

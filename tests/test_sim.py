@@ -813,3 +813,12 @@ def test_tensor_parallel_experiment(tmp_path, capsys):
     out = capsys.readouterr().out
     assert all(label in out for label in ("TP1x8", "TP2x4", "TP8x1"))
     assert "chosen: all-reduce" in out
+
+
+def test_the_cost_model_counts_the_scoring_statistics_the_engine_gathers():
+    """The all-gather of vocabulary-parallel scoring carries SHARD_FIELDS per row; the cost
+    model counts them without importing the scoring (and PyTorch)."""
+    from sangam.bench.cost_model import LM_STATISTICS
+    from sangam.decoding.confidence import SHARD_FIELDS
+
+    assert LM_STATISTICS == len(SHARD_FIELDS)

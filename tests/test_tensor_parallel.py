@@ -108,7 +108,7 @@ def _bytes(model: torch.nn.Module) -> int:
 
 def _replicated_bytes(model: torch.nn.Module, layout: ShardLayout) -> int:
     """Bytes every rank holds whole: norms, the embedding, routers, a tied head."""
-    from sangam.models.tensor_parallel import shard_model
+    from sangam.models.sharding import shard_model
 
     cut = shard_model(model, layout)
     split_experts = layout.expert_parallel  # a rank's own experts are whole, yet a share

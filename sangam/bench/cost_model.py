@@ -46,9 +46,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from sangam.decoding.confidence import SHARD_FIELDS
-from sangam.models.config import ModelConfig, ShardLayout
+from sangam.models.config import ModelConfig
 from sangam.models.registry import MODEL_SHAPES, ModelShape
+from sangam.models.sharding import ShardLayout
 
 GIB = 1 << 30
 BF16_BYTES = 2
@@ -216,8 +216,9 @@ DEFAULT_PER_SEQUENCE_S = 8e-6
 
 
 # Numbers per logits row and rank that vocabulary-parallel scoring combines, in fp64 (exact for
-# token ids): decoding.confidence.SHARD_FIELDS.
-LM_STATISTICS = len(SHARD_FIELDS)
+# token ids): decoding.confidence.SHARD_FIELDS, counted here so that the simulator imports
+# without PyTorch (tests/test_sim.py checks the two agree).
+LM_STATISTICS = 5
 STATISTIC_BYTES = 8
 # How one MoE layer's experts communicate under expert parallelism
 # (CostModel.moe_communication), and the engine's choice: the layer's one all-reduce.

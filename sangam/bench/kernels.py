@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sangam.models.config import SDAR_BLOCK_SIZE
+from sangam.models.checkpoint import SDAR_BLOCK_SIZE
 from sangam.models.registry import MODEL_SHAPES, ModelShape
 
 # The H200 SXM's peaks, from NVIDIA's H200 datasheet: 4.8 TB/s of HBM3e bandwidth, and 1,979

@@ -27,7 +27,7 @@ from sangam.engine.loaded_model import LoadedModel, make_attention_backend
 from sangam.engine.memory_profile import GIB, GPUS, MemoryPlan, model_bytes, plan_for
 from sangam.engine.multi.data_plane import shard_layout
 from sangam.engine.worker import captures_graphs, graph_block_lengths
-from sangam.models.config import parse_config
+from sangam.models.checkpoint import parse_config
 from sangam.models.loader import dummy_model, resolve_dtype
 from sangam.models.registry import MODEL_SHAPES
 from sangam.testing import real_shape_config

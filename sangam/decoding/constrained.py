@@ -1,4 +1,4 @@
-"""The commit rule of a request with structured output (docs/design.md §2.11).
+"""The commit rule of a request with structured output (docs/design.md §2.10).
 
 A grammar reads left to right, while a diffusion step commits positions in any order. So a
 constrained request commits from its *frontier* f, the first masked position of the current

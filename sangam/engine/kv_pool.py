@@ -28,7 +28,7 @@ def pool_num_pages(loaded: LoadedModel, engine: EngineConfig,
         plan = plan_for(loaded, engine, total=total, free=free, graph_spans=graph_spans)
         logger.info("%s", plan.describe())
         return plan.num_pages
-    per_page = page_bytes(loaded.model.shard.rank_config(loaded.config), engine.page_size,
+    per_page = page_bytes(loaded.model.rank_config, engine.page_size,
                           loaded.dtype)
     n = int(engine.cpu_kv_cache_gb * GIB // per_page)
     if n < 1:

@@ -291,7 +291,7 @@ def plan_for(loaded: LoadedModel, engine: EngineConfig, *, total: int, free: int
     defaults and its context."""
     params = loaded.default_params()
     # A tensor-parallel rank's pages hold its KV heads, its activations its heads' share.
-    config = loaded.model.shard.rank_config(loaded.config)
+    config = loaded.model.rank_config
     return plan_memory(config, engine, loaded.dtype, total=total, free=free,
                        weights=model_bytes(loaded.model), context=loaded.context_length,
                        block_length=params.block_length, cache=params.cache,

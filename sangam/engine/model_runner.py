@@ -29,7 +29,7 @@ from sangam.engine.kv_pool import KVPool
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.memory_profile import rescore_chunk_rows
 from sangam.engine.stop_strings import apply_stop_strings
-from sangam.engine.tensor_parallel import Step, TensorGroup
+from sangam.engine.tensor_group import Step, TensorGroup
 from sangam.sched.request import BLOCK_DONE, CONTINUES, StepOutcome
 
 logger = logging.getLogger(__name__)

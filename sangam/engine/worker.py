@@ -20,7 +20,7 @@ from sangam.engine.cuda_graphs import DecodeGraphRunner
 from sangam.engine.kv_pool import KVPool, pool_num_pages
 from sangam.engine.loaded_model import LoadedModel, use_device
 from sangam.engine.model_runner import ModelRunner
-from sangam.engine.tensor_parallel import TensorGroup
+from sangam.engine.tensor_group import TensorGroup
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
 from sangam.sched.prefix_cache import PrefixCache, extend_page_keys, request_page_keys
 from sangam.sched.request import Request, StepOutcome
@@ -42,7 +42,7 @@ def build_worker_parts(config: EngineConfig, loaded: LoadedModel,
     if group is not None:
         loaded.model.all_reduce = group.all_reduce
         num_pages = group.agree_min(num_pages)
-    pool = KVPool(loaded.model.shard.rank_config(loaded.config), num_pages, config.page_size,
+    pool = KVPool(loaded.model.rank_config, num_pages, config.page_size,
                   loaded.dtype, loaded.device)
     cache = PrefixCache(pool.allocator) if prefix_caching(config, loaded) else None
     builder = BatchBuilder(pool.allocator, config.scheduler, cache)

@@ -11,12 +11,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 
-from sangam.models.config import CheckpointError, ModelConfig, ShardLayout, parse_config
+from sangam.models.checkpoint import read_config
+from sangam.models.config import CheckpointError, ModelConfig
 from sangam.models.dream import DreamModel
 from sangam.models.llada import LLaDAModel
 from sangam.models.llada2 import LLaDA2Model
 from sangam.models.llada_moe import LLaDAMoeModel
-from sangam.models.tensor_parallel import shard_model
+from sangam.models.sharding import ShardLayout, shard_model
 from sangam.models.transformer import DiffusionLM, compute_dtype
 
 ARCHITECTURES: dict[str, type[DiffusionLM]] = {
@@ -52,20 +53,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
     return DTYPES[dtype]
-
-
-def read_config(path: str | os.PathLike) -> ModelConfig:
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"model path {str(path)!r} is not a directory")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file} not found: a checkpoint needs a config.json")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
-    return parse_config(raw, str(path.resolve()))
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:

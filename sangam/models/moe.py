@@ -11,7 +11,7 @@ Routing and the experts run through ``sangam.kernels``: the Triton kernels (``mo
 ``fused_moe``) when the model's attention runs on Triton, else their PyTorch references.
 
 Under expert parallelism a rank holds only the experts ``local_experts`` (the others are left
-zero-width by ``models/tensor_parallel.py``): every rank routes every token alike, computes
+zero-width by ``models/sharding.py``): every rank routes every token alike, computes
 its own experts' share, and the layer's all-reduce sums the shares.
 """
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sangam.models.attention import AttentionBackend, AttentionMetadata, PagedKV
-from sangam.models.config import ModelConfig, ShardLayout
+from sangam.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from sangam.models.sharding import ShardLayout
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -89,7 +92,7 @@ class RotaryEmbedding:
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # Sums a row-parallel projection's partial outputs across the tensor-parallel group, in place
-# (``engine/tensor_parallel.py``'s all-reduce); None: the model is whole.
+# (``engine/tensor_group.py``'s all-reduce); None: the model is whole.
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -140,16 +143,22 @@ class DiffusionLM(nn.Module):
                                     config.rotary_dim)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.attention_backend: AttentionBackend | None = None
-        # The slice of the weights this process holds (``models/tensor_parallel.py`` cuts
-        # them), and the all-reduce that joins the ranks' partial sums.
-        self.shard = ShardLayout()
+        # The slice of the weights this process holds (``models/sharding.py`` cuts them;
+        # None: the whole model), and the all-reduce that joins the ranks' partial sums.
+        self.shard: ShardLayout | None = None
         self.all_reduce: AllReduce | None = None
+
+    @property
+    def rank_config(self) -> ModelConfig:
+        """The configuration with this rank's head counts: what sizes its KV pages and
+        activations (the model's own when whole)."""
+        return self.config if self.shard is None else self.shard.rank_config(self.config)
 
     @property
     def local_heads(self) -> tuple[int, int]:
         """(query heads, KV heads) this rank computes: all of them when whole."""
-        (q0, q1), (k0, k1) = self.shard.heads(self.config)
-        return q1 - q0, k1 - k0
+        cfg = self.rank_config
+        return cfg.num_heads, cfg.num_kv_heads
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.all_reduce is None else self.all_reduce(x)
@@ -236,7 +245,8 @@ class DiffusionLM(nn.Module):
         """The LM head's rows of this rank's vocabulary (``ShardLayout.vocab``): a sharded
         head holds only them, a tied one is the whole embedding, sliced."""
         w = self.output_head().weight
-        lo, hi = self.shard.vocab(self.config.vocab_size)
+        vocab = self.config.vocab_size
+        lo, hi = (0, vocab) if self.shard is None else self.shard.vocab(vocab)
         return w if w.shape[0] == hi - lo else w[lo:hi]
 
     @torch.inference_mode()

@@ -1,5 +1,5 @@
 """A worker process's torch.distributed side: joining the process group, its tensor-parallel
-group (``engine/tensor_parallel.py``), its K/V transport (``kv_transfer.py``), and rank 0's
+group (``engine/tensor_group.py``), its K/V transport (``kv_transfer.py``), and rank 0's
 mirror of that transport for the other ranks of its group (``MirroredTransport``).
 
 Every process of the deployment creates every group in one order: the default group (one
@@ -22,7 +22,7 @@ from sangam.config import EngineConfig
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi.kv_transfer import Done, KVTransport
 from sangam.engine.multi.launcher import WorkerSpec
-from sangam.engine.tensor_parallel import TensorGroup, global_rank
+from sangam.engine.tensor_group import TensorGroup, global_rank
 from sangam.models import ShardLayout
 
 STORE_TIMEOUT_S = 300  # joining the process group: every worker of every node must come up

@@ -22,7 +22,7 @@ from sangam.engine.model_runner import ModelRunner
 from sangam.engine.multi import data_plane
 from sangam.engine.multi.kv_transfer import Done, KVTransport, layer_hook
 from sangam.engine.multi.launcher import WorkerSpec
-from sangam.engine.tensor_parallel import Step, TensorGroup
+from sangam.engine.tensor_group import Step, TensorGroup
 from sangam.engine.worker import build_worker_parts
 
 _POLL_S = 0.001  # waiting for this rank's part of a receive rank 0 already has

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from sangam.engine.tensor_parallel import global_rank
+from sangam.engine.tensor_group import global_rank
 from sangam.models import AttentionBackend, AttentionMetadata, DiffusionLM
 
 

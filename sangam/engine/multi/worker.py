@@ -28,7 +28,7 @@ from sangam.engine.multi import data_plane
 from sangam.engine.multi.follower import run_follower
 from sangam.engine.multi.kv_transfer import KVTransport, layer_hook, layer_page_bytes
 from sangam.engine.multi.launcher import WorkerSpec, signature
-from sangam.engine.tensor_parallel import TensorGroup
+from sangam.engine.tensor_group import TensorGroup
 from sangam.engine.worker import Worker, build_worker_parts, scheduling_request
 from sangam.sched.batch_builder import BatchBuilder
 from sangam.sched.request import StepOutcome

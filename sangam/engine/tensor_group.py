@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from sangam.decoding.confidence import combine_shard_scores, shard_scores
 from sangam.kernels.platform import compiled
-from sangam.models.config import ShardLayout
+from sangam.models.sharding import ShardLayout
 
 # A follower waits for rank 0's next command for as long as the worker is idle; rank 0's
 # death ends the wait at once (its sockets close), so this only bounds a wedged rank 0.

@@ -1,4 +1,5 @@
-"""Cutting a model into one rank's shard of a tensor-parallel group (docs/design.md §4.10).
+"""Weight sharding for tensor parallelism (docs/design.md §4.10): which slice of a model one
+rank of a group holds (``ShardLayout``), and cutting a model into that slice (``shard_model``).
 
 Megatron's layout, read off each layer's ``LayerParts`` so that every architecture shares it:
 the query/key/value projections are column-parallel (each rank computes its heads; KV heads
@@ -11,20 +12,110 @@ row-parallel output across the group (``DiffusionLM.all_reduce``): two all-reduc
 ``shard_model`` turns a model built on the meta device into its rank's shapes and returns,
 per tensor name, which slices of the checkpoint's tensor this rank reads (``Cut``): the
 loader reads only those bytes.
+
+``ShardLayout`` is plain Python: the simulator's cost model applies the same rules without
+PyTorch, so this module imports PyTorch and the model classes only where a model is cut.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+from sangam.models.config import ModelConfig
 
-from sangam.models.config import ShardLayout
-from sangam.models.llada2 import FusedQKV
-from sangam.models.llada_moe import RoutedPlusShared
-from sangam.models.moe import Expert, SparseMoe
-from sangam.models.transformer import DiffusionLM, SplitQKV, SwiGLU
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from sangam.models.transformer import DiffusionLM
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which slice of a model one rank of a tensor-parallel group holds (Megatron sharding:
+    docs/design.md §4.10): attention heads split across the ``size`` ranks (KV heads split, or
+    one per rank, replicated, when there are fewer KV heads than ranks), MLP widths split, the
+    LM head's vocabulary split, the embedding and norms whole. With ``expert_parallel`` a
+    mixture of experts' experts are split instead of each expert's width."""
+
+    rank: int = 0
+    size: int = 1
+    expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.size >= 1 and 0 <= self.rank < self.size):
+            raise ValueError(f"tensor-parallel rank {self.rank} of {self.size}")
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Raise ValueError, naming the flag, when ``cfg`` cannot be split ``size`` ways."""
+        moe = cfg.moe
+        dense_layers = cfg.num_layers if moe is None else moe.first_dense_layers
+        self.check_split(cfg.architecture, cfg.num_heads, cfg.num_kv_heads,
+                         cfg.intermediate_size if dense_layers else 0,
+                         *((moe.num_experts, moe.intermediate_size, moe.shared_intermediate_size)
+                           if moe is not None else ()))
+
+    def check_split(self, name: str, heads: int, kv_heads: int, dense_width: int,
+                    experts: int = 0, expert_width: int = 0, shared_width: int = 0) -> None:
+        """:meth:`check` over a model's counts (the simulator's geometries have no config):
+        ``dense_width`` 0 without dense MLPs, ``experts`` 0 without experts."""
+        if self.expert_parallel and not experts:
+            raise ValueError(f"--enable-expert-parallel: {name} is not a mixture-of-experts "
+                             "model")
+        n = self.size
+        if n == 1:
+            return
+        problems = []
+        if heads % n:
+            problems.append(f"its {heads} attention heads")
+        if kv_heads % n and n % kv_heads:
+            problems.append(f"its {kv_heads} KV heads (neither divides the other)")
+        if dense_width % n:
+            problems.append(f"its MLP width {dense_width}")
+        if experts:
+            if self.expert_parallel and experts % n:
+                problems.append(f"its {experts} experts (--enable-expert-parallel)")
+            if not self.expert_parallel and expert_width % n:
+                problems.append(f"its expert width {expert_width}")
+            if shared_width % n:
+                problems.append(f"its shared experts' width {shared_width}")
+        if problems:
+            raise ValueError(f"--tensor-parallel-size {n} cannot split {name}: "
+                             f"{'; '.join(problems)} do not split over {n} ranks")
+
+    def kv_heads(self, num_kv_heads: int) -> int:
+        """How many KV heads a rank holds: its share, or one (replicated) when there are
+        fewer KV heads than ranks."""
+        return max(1, num_kv_heads // self.size)
+
+    def split(self, n: int) -> tuple[int, int]:
+        """This rank's [start, end) of ``n`` things split evenly (``check`` made sure)."""
+        k = n // self.size
+        return self.rank * k, (self.rank + 1) * k
+
+    def heads(self, cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+        """This rank's query heads and KV heads, as [start, end). With fewer KV heads than
+        ranks each rank holds the one KV head its query heads read (vLLM's rule)."""
+        q = self.split(cfg.num_heads)
+        per_rank = self.kv_heads(cfg.num_kv_heads)
+        # Below one KV head per rank, ranks r*Hkv//N share a head; else each its own share.
+        first = (self.rank * cfg.num_kv_heads // self.size if cfg.num_kv_heads < self.size
+                 else self.rank * per_rank)
+        return q, (first, first + per_rank)
+
+    def rank_config(self, cfg: ModelConfig) -> ModelConfig:
+        """``cfg`` with this rank's head counts: what sizes its KV pages and activations."""
+        if self.size == 1:
+            return cfg
+        (q0, q1), (k0, k1) = self.heads(cfg)
+        return dataclasses.replace(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0)
+
+    def vocab(self, vocab_size: int) -> tuple[int, int]:
+        """This rank's rows of the LM head: chunks of ceil(V / size), the last one shorter."""
+        k = -(-vocab_size // self.size)
+        return min(vocab_size, self.rank * k), min(vocab_size, (self.rank + 1) * k)
 
 
 @dataclass(frozen=True)
@@ -44,6 +135,8 @@ class Cut:
 
     def take(self, full: object) -> torch.Tensor:
         """This rank's part of ``full`` (a tensor, or a safetensors slice read lazily)."""
+        import torch
+
         parts = []
         for a, b in self.ranges:
             index = (slice(None),) * self.dim + (slice(a, b),)
@@ -55,6 +148,9 @@ class Cut:
 def shard_model(model: DiffusionLM, layout: ShardLayout) -> dict[str, Cut]:
     """Give ``model`` (on the meta device, not yet loaded) the shapes of ``layout``'s shard;
     returns the cut of every tensor that is not whole, by state-dict name."""
+    import torch
+    from torch import nn
+
     layout.check(model.config)
     model.shard = layout
     if layout.size == 1:
@@ -74,6 +170,13 @@ def shard_model(model: DiffusionLM, layout: ShardLayout) -> dict[str, Cut]:
 
 
 def _cuts(model: DiffusionLM, layout: ShardLayout) -> dict[str, Cut]:
+    from torch import nn
+
+    from sangam.models.llada2 import FusedQKV
+    from sangam.models.llada_moe import RoutedPlusShared
+    from sangam.models.moe import Expert, SparseMoe
+    from sangam.models.transformer import SplitQKV, SwiGLU
+
     cfg = model.config
     hd = cfg.head_dim
     (q0, q1), (k0, k1) = layout.heads(cfg)
