@@ -342,23 +342,6 @@ class SamplingParams:
                              f"{', '.join(unsupported)}: its finished blocks' K/V is exact and "
                              "never refreshed")
 
-    @property
-    def canvas_length(self) -> int:
-        """Response canvas G: max_tokens rounded up to whole blocks."""
-        return -(-self.max_tokens // self.block_length) * self.block_length
-
-    def canvas_after(self, prompt_len: int, block_causal: bool) -> int:
-        """The canvas after a prompt of ``prompt_len``: ``canvas_length``, or for a
-        block-causal model what ends prompt + max_tokens on the block grid from position 0."""
-        if not block_causal:
-            return self.canvas_length
-        return grid_canvas(prompt_len, self.max_tokens, self.block_length)
-
-
-def grid_canvas(prompt_len: int, max_tokens: int, block_length: int) -> int:
-    """A block-causal canvas: from the prompt's end to ceil((P + max_tokens) / B) * B."""
-    return -(-(prompt_len + max_tokens) // block_length) * block_length - prompt_len
-
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)

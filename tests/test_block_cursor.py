@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 
+from sangam.sampling_params import SamplingParams
 from sangam.sched.block_cursor import FULL_REFRESH, NO_REFRESH, RESPONSE_REFRESH, BlockCursor
 
 
@@ -77,3 +78,58 @@ def test_moves_and_copies():
                 dict(prompt_len=3, canvas_len=4, block_length=4, cache="paged")):
         with pytest.raises(ValueError):
             BlockCursor(**bad)
+
+
+def _cached_spans(c: BlockCursor) -> set[int]:
+    """Every span length a cached step (not a refresh) of ``c``'s request takes, by ``span``."""
+    out = set()
+    for block in range(c.num_blocks):
+        if c.block_refresh(block) == NO_REFRESH:  # a block that starts from cached K/V
+            start, end = c.span(0, block)
+            out.add(end - start)
+        if c.cache != "none":
+            start, end = c.span(1, block)
+            out.add(end - start)
+    return out
+
+
+@pytest.mark.parametrize("cache,cadence,shift,causal", [
+    (cache, cadence, shift, False) for cache, cadence, shift in itertools.product(
+        ["dual", "prefix", "none"], [(1, 1), (2, 1), (2, 3)], [0, 1])
+    if cache != "none" or cadence == (1, 1)] + [("dual", (1, 1), 0, True)])
+def test_the_memory_plan_and_graph_spans_are_the_spans_of_cached_steps(cache, cadence, shift,
+                                                                       causal):
+    """``longest_cached_span`` (the memory plan's bound) is at least every cached step's span,
+    and equals the longest for DualCache; ``graph_spans`` (what CUDA graphs capture) are the
+    spans of DualCache steps that start no block from a refresh."""
+    for prompt in (1, 13, 40):
+        c = BlockCursor.for_request(
+            SamplingParams(max_tokens=37, block_length=8, cache=cache,
+                           refresh_interval=cadence[0], prompt_refresh_interval=cadence[1]),
+            prompt, shift=shift, block_causal=causal)
+        spans = _cached_spans(c)
+        bound = BlockCursor.longest_cached_span(8, cache, c.total_len, shift, causal)
+        assert all(s <= bound for s in spans)
+        if cache == "dual":
+            assert bound == max(spans) or cadence == (1, 1) and bound == 8 + shift
+            graphed = set(BlockCursor.graph_spans(8, causal))
+            assert graphed <= spans and spans - graphed <= {8 + shift}
+
+
+def test_canvas_and_blocks_of_a_request():
+    """The canvas rules (bidirectional: max_tokens in whole blocks; block-causal: to the grid
+    from position 0), the blocks that hold a response, and the masks each block starts with."""
+    params = SamplingParams(max_tokens=30, block_length=8)
+    assert BlockCursor.canvas_len(5, 30, 8) == 32
+    assert BlockCursor.canvas_len(5, 30, 8, block_causal=True) == 35 and (5 + 35) % 8 == 0
+    for prompt, causal in itertools.product(range(1, 20), (False, True)):
+        c = BlockCursor.for_request(params, prompt, block_causal=causal)
+        assert c.canvas_end - c.prompt_len <= BlockCursor.max_canvas_len(30, 8, causal)
+        assert c.blocks_for(30) == c.num_blocks
+        for n in range(1, 31):  # the blocks up to the one holding response position n - 1
+            assert c.blocks_for(n) == c.block_of(prompt + n - 1) + 1
+            s, e = c.block_bounds(c.blocks_for(n) - 1)
+            assert s <= prompt + n - 1 < e
+        masks = [c.block_masks(b) for b in range(c.num_blocks)]
+        assert sum(masks) == c.canvas_end - c.prompt_len  # each canvas position once
+        assert masks[1:] == [8] * (c.num_blocks - 1)

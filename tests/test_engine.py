@@ -169,11 +169,12 @@ def test_refresh_cadence_matches_reference(loaded, arch, policy, budget):
         plan = st.plan
 
         def recording_plan(st=st, plan=plan, params=params):
-            start, end = st.span()
-            if st.step == 0 and end == st.total_len and start in (0, st.prompt_len):
+            c = st.cursor
+            start, end = c.span()
+            if c.step == 0 and end == c.total_len and start in (0, c.prompt_len):
                 kind = "full" if start == 0 else "response"
                 spans[kind] += end - start
-                spans["forced"] += st.cursor.block_refresh(st.block) != kind
+                spans["forced"] += st.cursor.block_refresh(st.cursor.block) != kind
             return plan()
 
         st.plan = recording_plan
@@ -202,18 +203,18 @@ def test_refresh_cadence_changes_tokens_and_forwards(loaded):
                       random.Random(0))
     firsts = []
     while not st.finished:
-        if st.step == 0:
-            firsts.append(st.span())
+        if st.cursor.step == 0:
+            firsts.append(st.cursor.span())
         plan = st.plan()
         st.apply(plan, np.full(len(plan.positions), 5), np.ones(len(plan.positions)))
     assert firsts == [(0, 33), (13, 17), (17, 21), (9, 33), (25, 29), (29, 33)]
     st = new_state(lm, prompts[0], dataclasses.replace(base, refresh_interval=2),
                       random.Random(0))
-    st.block, st.force_refresh = 1, True  # taken back after a failure: a full refresh
-    assert st.span() == (0, 33) and st.force_refresh
+    st.cursor.block, st.cursor.force_refresh = 1, True  # taken back after a failure: a full refresh
+    assert st.cursor.span() == (0, 33) and st.cursor.force_refresh
     plan = st.plan()
     st.apply(plan, np.full(len(plan.positions), 5), np.ones(len(plan.positions)))
-    assert not st.force_refresh
+    assert not st.cursor.force_refresh
 
 
 def test_load_adaptive_threshold_lowers_toward_its_floor_under_load(loaded):

@@ -10,6 +10,7 @@ import torch
 from sangam import LLM, SamplingParams
 from sangam.decoding import DecodeState
 from sangam.demo.tokenizer import write_tokenizer
+from sangam.sched.block_cursor import BlockCursor
 
 RULES = [dict(unmasking="threshold", threshold=0.9), dict(unmasking="factor", factor=1.0),
          dict(unmasking="topk", tokens_per_step=2)]
@@ -155,13 +156,13 @@ def test_dream_shift_and_first_position_rule(llms):
 
 def test_stop_at_eos_cuts_and_finishes_early():
     params = SamplingParams(max_tokens=30, block_length=8, unmasking="topk", tokens_per_step=8)
-    assert params.canvas_length == 32
+    assert BlockCursor.canvas_len(2, params.max_tokens, params.block_length) == 32
     st = DecodeState([3, 4], params, mask_token_id=99, stop_ids=frozenset({1, 2}),
                      shift_logits=False)
     plan = st.plan()
     assert (plan.span_start, plan.span_end) == (0, 34) and len(plan.positions) == 8
     st.apply(plan, np.array([10, 11, 12, 13, 14, 15, 16, 17]), np.ones(8))
-    assert st.block == 1 and st.step == 0 and not st.finished
+    assert st.cursor.block == 1 and st.cursor.step == 0 and not st.finished
     assert st.output_token_ids() == [10, 11, 12, 13, 14, 15, 16, 17]
     plan = st.plan()
     st.apply(plan, np.array([20, 21, 2, 23, 1, 25, 26, 27]), np.ones(8))
@@ -193,7 +194,7 @@ def test_cached_spans_per_mode():
         st = DecodeState([1] * 5, SamplingParams(max_tokens=24, block_length=8, cache=cache,
                                                  stop_at_eos=False),
                          99, frozenset(), False, suffix_ids=[4, 5, 6])
-        assert (st.total_len, st.plan().span_end, st.suffix_ids()) == (32, 32, [4, 5, 6])
+        assert (st.cursor.total_len, st.plan().span_end, st.suffix_ids()) == (32, 32, [4, 5, 6])
         st.apply(st.plan(), np.full(8, 7), np.ones(8))
         st.apply(st.plan(), np.full(8, 7), np.eye(8)[0])
         assert (st.plan().span_start, st.plan().span_end) == span

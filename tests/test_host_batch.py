@@ -94,15 +94,16 @@ def _maybe_chunk(rng: random.Random, copies: list[DecodeState]) -> None:
     its prompt's whole blocks (the same on every copy)."""
     st = copies[0]
     b = st.params.block_length
-    room = (st.block_origin - st.prefilled) // b
-    if st.block_causal and st.block == 0 and st.step == 0 and room and rng.random() < 0.5:
-        end = st.prefilled + b * rng.randint(1, room)
+    c = st.cursor
+    room = (c.block_origin - c.prefilled) // b
+    if c.block_causal and c.block == 0 and c.step == 0 and room and rng.random() < 0.5:
+        end = c.prefilled + b * rng.randint(1, room)
         for c in copies:
             c.chunk_end = end
 
 
 def _random_pages(rng: random.Random, st: DecodeState, page_size: int) -> list[int]:
-    n = -(-st.total_len // page_size) + rng.choice([0, 0, 3])
+    n = -(-st.cursor.total_len // page_size) + rng.choice([0, 0, 3])
     return rng.sample(range(100_000), n)
 
 
@@ -128,8 +129,10 @@ def _assert_same_state(a: DecodeState, b: DecodeState) -> None:
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.confidence, b.confidence)
     assert a.record == b.record  # the counters, post_steps among them
-    for name in ("block", "step", "num_forwards", "finished", "finish_reason", "force_refresh",
-                 "prefilled", "chunk_end", "num_chunks"):
+    for name in ("block", "step", "force_refresh", "prefilled", "chunk_end"):
+        x, y = getattr(a.cursor, name), getattr(b.cursor, name)
+        assert (x, type(x)) == (y, type(y)), name
+    for name in ("num_forwards", "finished", "finish_reason", "num_chunks"):
         x, y = getattr(a, name), getattr(b, name)
         assert (x, type(x)) == (y, type(y)), name
 
@@ -146,7 +149,7 @@ def _naive_pack(states, pages, page_size) -> PackedBatch:
         cols["input_ids"] += [st.tokens[p] for p in span]
         cols["slot_mapping"] += [pg[p // page_size] * page_size + p % page_size for p in span]
         tables.append(list(pg) + [0] * (width - len(pg)))
-        cols["kv_lens"].append(plan.span_end if st.block_causal else st.total_len)
+        cols["kv_lens"].append(plan.span_end if st.cursor.block_causal else st.cursor.total_len)
         cols["logits_indices"] += [cu_q[-1] + r for r in plan.rows]
         cols["row_keys"] += list(plan.row_keys)
         cols["temperatures"] += [st.params.temperature] * len(plan.rows)
@@ -223,18 +226,19 @@ def _scrambled_state(rng: random.Random) -> DecodeState:
     """A random state at any block and step, its current block masked at random: covers what
     driving from the start rarely reaches (e.g. Dream's first position masked mid-block)."""
     st = _random_state(rng)
-    st.block = rng.randrange(st.num_blocks)
-    st.step = rng.choice([0, 1, 2, 7])
+    st.cursor.block = rng.randrange(st.cursor.num_blocks)
+    st.cursor.step = rng.choice([0, 1, 2, 7])
     st.num_forwards = rng.randrange(50)
-    s, e = st.block_bounds()
-    st.tokens[st.prompt_len:s] = [rng.randrange(MASK) for _ in range(s - st.prompt_len)]
+    s, e = st.cursor.block_bounds()
+    p = st.cursor.prompt_len
+    st.tokens[p:s] = [rng.randrange(MASK) for _ in range(s - p)]
     st.tokens[s:e] = [rng.choice([MASK, MASK, 1, rng.randrange(MASK)]) for _ in range(e - s)]
     if rng.random() < 0.5:
         st.tokens[s] = MASK
-    st.force_refresh = rng.random() < 0.2  # taken back: the block refreshes fully
-    st.step, saved = 0, st.step
+    st.cursor.force_refresh = rng.random() < 0.2  # taken back: the block refreshes fully
+    st.cursor.step, saved = 0, st.cursor.step
     st.set_load(rng.random())  # a load-adaptive request's block threshold
-    st.step = saved
+    st.cursor.step = saved
     return st
 
 

@@ -24,7 +24,7 @@ def _state(response: list[int], prompt=(5, 6, 5), **kw) -> DecodeState:
     params = SamplingParams(max_tokens=len(response),
                             block_length=kw.pop("block_length", len(response)), **kw)
     st = DecodeState(list(prompt), params, MASK, frozenset({EOS}), shift_logits=False)
-    st.tokens[st.prompt_len:] = response
+    st.tokens[st.cursor.prompt_len:] = response
     return st
 
 
@@ -83,9 +83,9 @@ def test_min_tokens_bans_the_stop_ids_at_the_first_positions_only():
     # The engine scores its rows again only while its block holds one of those positions.
     for min_tokens, second_block in ((5, True), (4, False)):
         st = _state([MASK] * 8, block_length=4, min_tokens=min_tokens)
-        assert st.block < st.params.full_scoring_blocks
-        st.block = 1  # response offsets 4..7
-        assert (st.block < st.params.full_scoring_blocks) == second_block
+        assert st.cursor.block < st.params.full_scoring_blocks
+        st.cursor.block = 1  # response offsets 4..7
+        assert (st.cursor.block < st.params.full_scoring_blocks) == second_block
 
 
 def _request(add=(), ban=(), num_banned=0, rep=(), penalty=1.0) -> RequestEdits:

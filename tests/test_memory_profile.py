@@ -20,6 +20,7 @@ from sangam.engine import memory_profile as mp
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.model_runner import slice_edits
 from sangam.models import AttentionMetadata, PagedKV
+from sangam.sched.block_cursor import BlockCursor
 from sangam.testing import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,7 +155,8 @@ def test_reservation_covers_the_worst_forward(loaded):
     params = loaded.default_params()
     cfg, ctx = loaded.config, loaded.context_length
     worst = mp.worst_forward(cfg, engine, ctx, params.block_length, params.cache)
-    span = mp.decode_span(cfg, params.block_length, params.cache, ctx)
+    span = BlockCursor.longest_cached_span(params.block_length, params.cache, ctx,
+                                           int(cfg.shift_logits), cfg.block_causal)
     reqs = _worst_batch(loaded, worst, span, params.block_length)
     assert sum(q for q, _ in reqs) == worst.decode_tokens + worst.prefill_tokens
     measured = _run_forward(loaded, reqs, params.block_length)

@@ -207,7 +207,7 @@ def _check_transfers(engine, outs, reqs):
     page_bytes = PAGE_SIZE * cfg.num_kv_heads * cfg.head_dim * 8  # float64
     assert all(s.layer_page_bytes == page_bytes for s in engine.worker_states())
     per_page = cfg.num_layers * 2 * page_bytes
-    total = {rid: len(prompt) + params.canvas_length + len(suffix)
+    total = {rid: BlockCursor.for_request(params, len(prompt), suffix_len=len(suffix)).total_len
              for rid, prompt, params, _, suffix in reqs}
     records = [r for r in engine.transfers if not r.drained]
     assert records, "no K/V was transferred"
@@ -297,9 +297,9 @@ def test_block_progress_carries_all_a_block_changes():
     st = DecodeState(list(range(2, 12)), params, 159, frozenset([1]), False)
     for _ in range(2):  # two whole blocks, committed a few positions at a time
         start = copy.deepcopy(st)
-        block = st.block
-        while st.block == block:
-            s, e = st.block_bounds()
+        block = st.cursor.block
+        while st.cursor.block == block:
+            s, e = st.cursor.block_bounds()
             masked = s + (st.tokens[s:e] == 159).nonzero()[0][:3]
             st.commit(masked, len(masked), masked + 20, np.linspace(0.5, 0.9, len(masked)))
             st.record_top(masked, np.full((len(masked), 2), -0.5), np.stack([masked] * 2, 1))
@@ -326,7 +326,6 @@ def test_busy_worker_loop_reports_at_least_every_second():
     reports, so the front's watchdog only flags loops that stopped; an idle one stays quiet."""
     from sangam.engine import messages as msg
     from sangam.engine.multi import worker as worker_mod
-    from sangam.sched.worker_core import Task
 
     sent = []
     worker = worker_mod.TransferWorker(0, BatchBuilder(PageAllocator(8), SchedulerConfig()),
@@ -334,8 +333,7 @@ def test_busy_worker_loop_reports_at_least_every_second():
     w = worker_mod.WorkerProcess(worker, None)
     w._handled = 3
     w.send = lambda m: sent.append(msg.loads(msg.dumps(m)))
-    worker.core.take_block(Task(Request("a", 0.0, BlockCursor(4, 16, 16)), None, 0, None,
-                                False))  # work to do
+    worker.core.take_block(Request("a", 0.0, BlockCursor(4, 16, 16)))  # work to do
     w.flush()
     assert len(sent) == 1 and sent[0].busy and sent[0].handled == 3
     w.flush()

@@ -168,7 +168,7 @@ def test_property_hits_hold_the_right_kv_and_nothing_leaks(specs, page_size, blo
                 b.step_done(r, float(it), StepOutcome())
                 continue
             block_done = rng.random() < 0.5
-            finished = block_done and r.block + 1 == r.num_blocks
+            finished = block_done and r.cursor.block + 1 == r.cursor.num_blocks
             r.cursor.advance(block_done, finished)
             if block_done and not finished:  # as the worker does: the finished blocks' keys
                 extend_page_keys(r.page_keys, r.seq, r.cursor.block_bounds()[0], page_size,

@@ -5,18 +5,19 @@ from __future__ import annotations
 import pytest
 
 from sangam.sched.block_cursor import BlockCursor
-from sangam.sched.request import Request
+from sangam.sched.placement import Placed
 from sangam.sched.router import Router
 
 ROOMY = [10_000] * 4  # free pages per worker: room everywhere
 
 
-def mk(rid: str = "r", P: int = 8, G: int = 16, holder: int | None = None) -> Request:
-    """T = P + G tokens: ceil(T / 16) pages at the default page size. ``holder``: the worker
-    that already holds its canvas (a re-prefill)."""
-    r = Request(rid, 0.0, BlockCursor(P, G, 8))
-    if holder is not None:
-        r.pages, r.worker = [0, 1], holder
+def mk(rid: str = "r", P: int = 8, G: int = 16, holder: int | None = None,
+       pages: int | None = None) -> Placed:
+    """T = P + G tokens: ceil(T / 16) pages at the default page size, or ``pages``.
+    ``holder``: the worker that already holds its canvas (a re-prefill)."""
+    need = -(-(P + G) // 16) if pages is None else pages
+    r = Placed(rid, 0.0, BlockCursor(P, G, 8), pages_needed=need, attempt=0)
+    r.canvas_on = holder
     return r
 
 
@@ -43,7 +44,7 @@ def test_colocated_reprefill_stays_on_its_pages():
 
 
 def test_colocated_prefers_workers_with_room():
-    rt = Router("colocated", ["colocated"] * 3, page_size=16)
+    rt = Router("colocated", ["colocated"] * 3)
     rt.add(1, 50)
     rt.add(2, 90)
     r = mk(P=24, G=16)  # 40 tokens: 3 pages of 16
@@ -107,7 +108,7 @@ def test_dead_workers_are_never_chosen():
     assert rt.route_prefill(mk(), ROOMY[:3]) == 1
     with pytest.raises(RuntimeError):
         rt.route_prefill(mk(holder=0), ROOMY[:3])  # its pages died with worker 0
-    assert rt.route_decode(mk(), [100, 5, 6], 4) == 2
+    assert rt.route_decode(mk(pages=4), [100, 5, 6]) == 2
     hyb = Router("hybrid", ["prefill", "decode"], overflow_threshold=10)
     hyb.mark_dead(0)  # no live prefill worker: decode worker 1 takes it
     assert hyb.route_prefill(mk(), ROOMY[:2]) == 1
@@ -132,25 +133,25 @@ def test_workers_of_one_role_serve_as_colocated_ones(mode):
     assert no_prefill.prefill_capable() == no_prefill.canvas_capable() == [2, 3]
     assert no_prefill.route_prefill(mk(holder=3), ROOMY[:4]) == 3  # where its canvas is
     assert no_prefill.route_prefill(mk(), [0, 0, 50, 5]) == 2  # a new one: where it fits
-    assert no_prefill.route_decode(mk(), [0, 0, 5, 50], 8) == 3
+    assert no_prefill.route_decode(mk(pages=8), [0, 0, 5, 50]) == 3
     no_decode = Router(mode, roles, overflow_threshold=10)
     no_decode.mark_dead(2)
     no_decode.mark_dead(3)
     assert no_decode.one_role_left and no_decode.canvas_capable() == [0, 1]
-    assert no_decode.route_decode(mk(), [5, 50, 0, 0], 8) == 1  # a prefill worker holds it
+    assert no_decode.route_decode(mk(pages=8), [5, 50, 0, 0]) == 1  # a prefill worker holds it
     assert no_decode.route_prefill(mk(holder=0), ROOMY[:4]) == 0  # and runs its blocks
 
 
 def test_decode_placement_by_free_pages():
     rt = Router("disaggregated", ["prefill", "decode", "decode", "decode"], seed=3)
-    assert rt.route_decode(mk(), [999, 10, 30, 20], 5) == 2  # the prefill worker never holds
-    assert rt.route_decode(mk(), [999, 10, 3, 20], 5) == 3
-    assert rt.route_decode(mk(), [999, 4, 3, 4], 5) is None  # nobody fits now
-    assert rt.route_decode(mk(holder=1), [999, 0, 30, 20], 5) == 1  # never migrated
-    ties = {rt.route_decode(mk(), [0, 8, 8, 8], 5) for _ in range(30)}
+    assert rt.route_decode(mk(pages=5), [999, 10, 30, 20]) == 2  # the prefill worker never holds
+    assert rt.route_decode(mk(pages=5), [999, 10, 3, 20]) == 3
+    assert rt.route_decode(mk(pages=5), [999, 4, 3, 4]) is None  # nobody fits now
+    assert rt.route_decode(mk(holder=1, pages=5), [999, 0, 30, 20]) == 1  # never migrated
+    ties = {rt.route_decode(mk(pages=5), [0, 8, 8, 8]) for _ in range(30)}
     assert ties == {1, 2, 3}
     col = Router("colocated", ["colocated"] * 2)
-    assert col.route_decode(mk(), [7, 9], 5) == 1
+    assert col.route_decode(mk(pages=5), [7, 9]) == 1
 
 
 def test_invalid_configurations_raise():

@@ -74,12 +74,13 @@ def seat(b: BatchBuilder, *reqs: Request) -> None:
 # Request.
 def test_request_geometry_and_spans():
     r = mk("a", P=10, G=24, B=8, cache="dual")
-    assert (r.total_len, r.num_blocks, r.prefill_cost, r.decode_span) == (34, 3, 34, 8)
+    c = r.cursor
+    assert (c.total_len, c.num_blocks, c.span_len, c.decode_span) == (34, 3, 34, 8)
     p = mk("b", P=10, G=24, B=8, cache="prefix")
-    assert p.decode_span == 34 - 10  # span [s, T) with s = P
+    assert p.cursor.decode_span == 34 - 10  # span [s, T) with s = P
     p.cursor.block = 2
-    assert p.decode_span == 34 - (10 + 16)
-    assert mk("c", P=10, G=24, B=8, cache="none").decode_span == 34
+    assert p.cursor.decode_span == 34 - (10 + 16)
+    assert mk("c", P=10, G=24, B=8, cache="none").cursor.decode_span == 34
     assert r.pages_needed(16) == 3 and r.pages_needed(17) == 2 and r.pages_needed(1) == 34
     q = mk("d", t=0.0)
     assert r.queue_key < q.queue_key  # same arrival: creation order
@@ -102,7 +103,7 @@ def test_request_transitions_and_metrics():
     done(r, 3.0, False, False)
     assert r.status is DE
     done(r, 4.0, True, False)
-    assert (r.status, r.block) == (W, 1)
+    assert (r.status, r.cursor.block) == (W, 1)
     r.mark_admitted(6.0)
     done(r, 7.0, False, False)
     with pytest.raises(ValueError):  # the last block ended: the request must finish
@@ -131,16 +132,16 @@ def test_refresh_cadence_transitions_and_costs():
     """Four blocks, refreshes every 2nd, every 2nd of those full: full, none, response, none."""
     r = mk("a", P=10, G=16, B=4, refresh_interval=2, prompt_refresh_interval=2)
     assert [r.cursor.block_refresh(b) for b in range(4)] == ["full", "none", "response", "none"]
-    assert r.prefill_cost == 26
+    assert r.cursor.span_len == 26
     r.mark_admitted(1.0)
     done(r, 2.0, True, False)  # block 0 in its refresh
-    assert (r.status, r.block) == (DE, 1)  # block 1 starts without one: stays seated
+    assert (r.status, r.cursor.block) == (DE, 1)  # block 1 starts without one: stays seated
     done(r, 3.0, False, False)
     done(r, 4.0, True, False)
-    assert (r.status, r.block, r.prefill_cost) == (W, 2, 16)  # response-only: T - P
+    assert (r.status, r.cursor.block, r.cursor.span_len) == (W, 2, 16)  # response-only: T - P
     r.mark_admitted(5.0)
     done(r, 6.0, True, False)
-    assert (r.status, r.block) == (DE, 3)
+    assert (r.status, r.cursor.block) == (DE, 3)
     done(r, 8.0, True, True)
     m = r.metrics
     assert m.prefill_queued == [0.0, 4.0] and m.prefill_finished == [2.0, 6.0]
@@ -162,11 +163,11 @@ def test_refresh_cadence_transitions_and_costs():
     # resumes.
     lost = mk("l", P=4, G=12, B=4, refresh_interval=2)
     lost.cursor.block, lost.cursor.force_refresh = 1, True
-    assert (lost.cursor.block_refresh(1), lost.block_start, lost.prefill_cost) == (
+    assert (lost.cursor.block_refresh(1), lost.cursor.block_start, lost.cursor.span_len) == (
         "none", "full", 16)
     lost.mark_admitted(0.0)
     done(lost, 1.0, True, False)
-    assert not lost.cursor.force_refresh and (lost.status, lost.block) == (W, 2)
+    assert not lost.cursor.force_refresh and (lost.status, lost.cursor.block) == (W, 2)
 
 
 def test_adaptive_budget_follows_the_prefill_queue():
@@ -400,7 +401,7 @@ def test_reprefill_keeps_its_original_priority():
     step(b, 1.0, {"a": (True, False)})  # a's block 0 ends: a is queued again...
     assert a.queue_key == (0, 0.0, a.seq) and b.num_waiting == 2
     batch = step(b, 2.0)  # ... ahead of x: no decodes, the idle rule takes the head, a
-    assert ids(batch.prefills) == ["a"] and a.block == 1
+    assert ids(batch.prefills) == ["a"] and a.cursor.block == 1
 
 
 def test_priority_orders_admission_before_arrival():
@@ -495,7 +496,8 @@ def simulate(b: BatchBuilder, specs: list, seed: int, abort_prob: float = 0.0,
                 b.abort(r.request_id)
                 continue
             block_done = rng.random() < 0.4
-            finished = block_done and (r.block + 1 == r.num_blocks or rng.random() < 0.2)
+            finished = block_done and (r.cursor.block + 1 == r.cursor.num_blocks
+                                       or rng.random() < 0.2)
             b.step_done(r, float(it), ran(r, block_done, finished))
         held = [r for r in reqs if r.status is not FI]
         assert all(len(r.pages) == r.pages_needed(b.page_size) for r in held if r.pages)
@@ -537,8 +539,8 @@ def test_property_deficit_budget_is_never_exceeded(specs, tau, page_size, extra,
         assert not set(ids(batch.prefills)) & set(ids(batch.decodes))
         assert all(r.status is PF for r in batch.prefills)
         assert len(batch.prefills) + len(batch.decodes) <= max_batch
-        assert d_i == sum(r.decode_span for r in seated)
-        assert batch.prefill_tokens == sum(r.prefill_cost for r in batch.prefills)
+        assert d_i == sum(r.cursor.decode_span for r in seated)
+        assert batch.prefill_tokens == sum(r.cursor.span_len for r in batch.prefills)
         if not waiting:
             assert D_i == 0 and batch.prefills == []
         if batch.idle_admission:
@@ -571,7 +573,7 @@ def test_property_no_page_leak_with_random_aborts(specs, policy, tau, page_size,
     def check(batch: ScheduledBatch, deficit_before: int, waiting: list, seated: list) -> None:
         assert sorted(ids(batch.decodes)) == sorted(ids(seated)) and batch.deficit >= 0
         # The adaptive budget's input, kept incrementally, is the queue's exact sum.
-        assert b.waiting_tokens == sum(r.prefill_cost for r in waiting if r.status is W)
+        assert b.waiting_tokens == sum(r.cursor.span_len for r in waiting if r.status is W)
         if policy == "fastdllm":
             assert len(batch.prefills) + len(batch.decodes) <= 1 and batch.deficit == 0
 

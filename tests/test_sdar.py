@@ -112,10 +112,11 @@ def test_canvas_lies_on_the_block_grid(loaded):
     params = SamplingParams(max_tokens=6, block_length=4, stop_at_eos=False)
     st = new_state(loaded, [5] * 7, params, random.Random(0))
     # T = ceil((7 + 6) / 4) * 4 = 16; block 0 = [4, 8) holds the prompt's tail 4..6.
-    assert (st.total_len, st.block_origin, st.num_blocks, st.block_bounds()) == (16, 4, 3, (4, 8))
-    assert st.span() == (0, 8)  # the prompt's K/V and block 0's first step in one forward
+    c = st.cursor
+    assert (c.total_len, c.block_origin, c.num_blocks, c.block_bounds()) == (16, 4, 3, (4, 8))
+    assert st.cursor.span() == (0, 8)  # the prompt's K/V and block 0's first step in one forward
     st.commit(st.plan().positions, 0, np.array([9]), np.array([1.0]))  # 7: block 0 is done
-    assert st.block == 1 and st.span() == (4, 12)  # stores block 0, steps block 1
+    assert st.cursor.block == 1 and st.cursor.span() == (4, 12)  # stores block 0, steps block 1
     assert st.plan().rows.tolist() == [4, 5, 6, 7]  # unshifted: row p predicts position p
     ReferenceDecoder(loaded.model).run(st)
     assert st.finished and len(st.output_token_ids()) == 6
@@ -373,8 +374,9 @@ def test_abort_between_prefill_chunks_frees_its_pages(sdar_path, loaded):
             if o.finished:
                 got[o.request_id] = o.token_ids
         for rid, t in list(engine.requests.items()):
-            mid_chunk = 0 < t.state.prefilled < t.state.block_origin and t.state.block == 0
-            decoding = rid.startswith("r") and t.state.block == 1
+            c = t.state.cursor
+            mid_chunk = 0 < c.prefilled < c.block_origin and c.block == 0
+            decoding = rid.startswith("r") and t.state.cursor.block == 1
             if (mid_chunk and rid == "long1") or (decoding and len(aborted) == 1):
                 assert engine.abort_request(rid).finish_reason == "abort"
                 aborted.add(rid)

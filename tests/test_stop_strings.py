@@ -196,10 +196,11 @@ def test_the_searched_text_travels_with_the_state(llm):
     found = []
     while not state.finished:
         state = pickle.loads(pickle.dumps(state))  # to another worker and back
-        s, e = state.block_bounds()
-        state.tokens[s:e] = loaded.text.encode(text[s - state.prompt_len:e - state.prompt_len],
+        s, e = state.cursor.block_bounds()
+        p = state.cursor.prompt_len
+        state.tokens[s:e] = loaded.text.encode(text[s - p:e - p],
                                           add_special_tokens=False)
-        state.block += 1
+        state.cursor.block += 1
         found.append(apply_stop_strings(state, counting_decode))
     end = text.index(params.stop[0]) + len(params.stop[0])  # 50, in the seventh block
     assert found == [False] * 6 + [True]

@@ -98,7 +98,7 @@ def test_steps_commit_a_prefix_of_the_block_and_the_grammar_accepts_it(demo):
         fresh = demo.grammar_compiler().matcher(Constraint.of(params.structured_outputs))
         while not state.finished:
             plan = state.plan()
-            s, e = state.block_bounds()
+            s, e = state.cursor.block_bounds()
             before = int((state.tokens[s:e] != state.mask_token_id).sum())
             scale = [0.5, 20.0][trial % 3 == 0]
             logits = scale * torch.randn(len(plan.positions), VOCAB_SIZE, generator=gen,
@@ -108,7 +108,7 @@ def test_steps_commit_a_prefix_of_the_block_and_the_grammar_accepts_it(demo):
             assert block.sum() > before or block.all()
             assert not (~block[:-1] & block[1:]).any()  # a prefix
         assert state.finish_reason == "stop"
-        response = state.tokens[state.prompt_len:].tolist()
+        response = state.tokens[state.cursor.prompt_len:].tolist()
         text = demo.text.decode(state.output_token_ids())
         assert fresh.validate_tokens(response[:len(state.output_token_ids()) + 1]) >= len(
             state.output_token_ids())
@@ -275,7 +275,8 @@ def test_the_grammar_state_pickles_and_replays(demo):
     assert state.finish_reason == "stop" and state.grammar._matcher.is_stopped()
     moved = pickle.loads(pickle.dumps(state))
     assert moved.grammar._matcher is None  # rebuilt on first use, by replaying
-    assert moved.grammar.sync(moved.tokens[moved.prompt_len:], moved.mask_token_id).is_stopped()
+    response = moved.tokens[moved.cursor.prompt_len:]
+    assert moved.grammar.sync(response, moved.mask_token_id).is_stopped()
     assert moved.grammar.consumed == state.grammar.consumed
     assert np.array_equal(moved.tokens, state.tokens)
 

@@ -30,6 +30,7 @@ import time
 
 from sangam.demo.tasks import ANSWER_FORMATS, Task
 from sangam.sampling_params import RequestOutput, SamplingParams, StructuredOutputsParams
+from sangam.sched.block_cursor import BlockCursor
 
 DEFAULT_THRESHOLDS = (0.9, 0.5)
 ALL = "all"
@@ -40,10 +41,11 @@ WARM_ALONE = 4  # instances of each configuration decoded alone in the warm-up p
 
 def tokens_decoded(out: RequestOutput, params: SamplingParams) -> int:
     """Canvas tokens committed for ``out``: every block up to the one holding the first stop."""
+    canvas = BlockCursor.canvas_len(1, params.max_tokens, params.block_length)  # bidirectional
     if out.finish_reason == "stop":
         blocks = len(out.token_ids) // params.block_length + 1
-        return min(blocks * params.block_length, params.canvas_length)
-    return params.canvas_length
+        return min(blocks * params.block_length, canvas)
+    return canvas
 
 def params_for(task: Task, constrained: bool, threshold: float, max_tokens: int,
                block_length: int, cache: str) -> SamplingParams:

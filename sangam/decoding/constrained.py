@@ -45,7 +45,7 @@ def commit_constrained(state: DecodeState, positions: np.ndarray, logits: torch.
     if state.begin_step():  # a prefill chunk: nothing scored
         return False
     grammar, p = state.grammar, state.params
-    grammar.sync(state.tokens[state.prompt_len:state.canvas_end], state.mask_token_id)
+    grammar.sync(state.tokens[state.cursor.prompt_len:state.cursor.canvas_end], state.mask_token_id)
     vocab = logits.shape[-1]
     one = lambda value, dtype: torch.full((1,), value, dtype=dtype)
     for n, pos in enumerate(positions.tolist()):
@@ -63,7 +63,7 @@ def commit_constrained(state: DecodeState, positions: np.ndarray, logits: torch.
         if not allowed[token]:
             raise ConstraintError("no token satisfies both the constraint and the request's "
                                   "other options (min_tokens, logit_bias) at position "
-                                  f"{pos - state.prompt_len} of the response")
+                                  f"{pos - state.cursor.prompt_len} of the response")
         state.tokens[pos] = token
         state.confidence[pos] = c
         grammar.consume(token)  # the committed prefix grows by this position

@@ -67,7 +67,8 @@ class LogitEdits(NamedTuple):
 
 def response_token_counts(state: DecodeState) -> tuple[np.ndarray, np.ndarray]:
     """The distinct tokens the response holds so far and how often (see the module doc)."""
-    response = state.tokens[state.prompt_len:state.prompt_len + state.params.max_tokens]
+    p = state.cursor.prompt_len
+    response = state.tokens[p:p + state.params.max_tokens]
     response = response[:state.stop_index(response)]
     return np.unique(response[response != state.mask_token_id], return_counts=True)
 
@@ -96,7 +97,7 @@ def request_edits(state: DecodeState, positions: np.ndarray) -> RequestEdits | N
         add_ids, add_values = added[0] if added else (empty, np.zeros(0))
     ban_ids, num_banned = empty, 0
     if p.min_tokens and state.stop_ids:
-        num_banned = int(np.count_nonzero(positions < state.prompt_len + p.min_tokens))
+        num_banned = int(np.count_nonzero(positions < state.cursor.prompt_len + p.min_tokens))
         if num_banned:
             ban_ids = state.stop_array
     if not (add_ids.size or ban_ids.size or rep_ids.size):
@@ -180,7 +181,7 @@ def batch_edits(states: list[DecodeState], positions: list[np.ndarray],
         p = st.params
         banned = 0
         if p.min_tokens and st.stop_ids:
-            banned = int(np.count_nonzero(pos < st.prompt_len + p.min_tokens))
+            banned = int(np.count_nonzero(pos < st.cursor.prompt_len + p.min_tokens))
         if p.logit_bias or p.penalizes or banned:
             g = len(starts)
             starts.append(start)
@@ -189,7 +190,7 @@ def batch_edits(states: list[DecodeState], positions: list[np.ndarray],
                 add_keys.append((g << _ID_BITS) | np.array([t for t, _ in p.logit_bias]))
                 add_values.append(np.array([b for _, b in p.logit_bias], dtype=np.float64))
             if p.penalizes:
-                response = st.tokens[st.prompt_len:st.prompt_len + p.max_tokens]
+                response = st.tokens[st.cursor.prompt_len:st.cursor.prompt_len + p.max_tokens]
                 response = response[:st.stop_index(response)]
                 responses.append(response[response != st.mask_token_id])
                 penalized.append((g, st))

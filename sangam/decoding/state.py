@@ -92,19 +92,12 @@ class DecodeState:
         self.mask_token_id = mask_token_id
         self.stop_ids = stop_ids_of(params, stop_ids)
         self.stop_array = np.array(sorted(self.stop_ids), dtype=np.int64)  # the same, for numpy
-        self.shift = int(shift_logits)  # 1: row p - 1 predicts position p (Dream)
         self.seed = seed
-        self.prompt_len = len(prompt_ids)
-        self.block_causal = block_causal
-        canvas = params.canvas_after(self.prompt_len, block_causal)
-        # Which positions each forward covers (shared with the scheduler's Request).
-        self.cursor = BlockCursor(
-            self.prompt_len, canvas, params.block_length, suffix_len=len(suffix_ids),
-            cache=params.cache, refresh_interval=params.refresh_interval,
-            prompt_refresh_interval=params.prompt_refresh_interval, shift=self.shift,
-            block_causal=block_causal)
-        self.block_origin = self.cursor.block_origin
-        self.canvas_end = self.cursor.canvas_end  # where the suffix begins
+        # Which positions each forward covers, and where the request stands (shared with the
+        # scheduler's Request): the one place its geometry and position are read.
+        self.cursor = BlockCursor.for_request(params, len(prompt_ids), suffix_len=len(suffix_ids),
+                                              shift=int(shift_logits), block_causal=block_causal)
+        canvas = self.cursor.canvas_end - self.cursor.prompt_len
         self.tokens = np.array(
             list(prompt_ids) + [mask_token_id] * canvas + list(suffix_ids), dtype=np.int64)
         # Each response position's confidence (docs/design.md §2) at the step that committed it.
@@ -115,7 +108,7 @@ class DecodeState:
         self.top_logprobs = np.zeros((canvas, n), dtype=np.float64) if n else None
         # Each block's threshold: the request's, or for a load-adaptive one (min_threshold) what
         # the worker that started the block set (set_load).
-        self.block_thresholds = np.full(self.num_blocks, params.threshold, dtype=np.float64)
+        self.block_thresholds = np.full(self.cursor.num_blocks, params.threshold, dtype=np.float64)
         low = seed & (2**64 - 1)  # the noise key reads the seed's low 64 bits
         self.record = array("q", (mask_token_id, low - 2**64 if low >= 2**63 else low,
                                   RULE_IDS[params.unmasking], params.tokens_per_step,
@@ -133,44 +126,7 @@ class DecodeState:
         self.stop_text = (IncrementalDetokenizer(params.skip_special_tokens) if params.stop
                           else None)
 
-    # The cursor's position and the counters (kept in records the C++ host path shares).
-    @property
-    def block(self) -> int:
-        return self.cursor.record[_BLOCK]  # (BlockCursor.block, without a second call)
-
-    @block.setter
-    def block(self, value: int) -> None:
-        self.cursor.block = value
-
-    @property
-    def step(self) -> int:
-        """Steps taken in the current block; 0: the next is the block's first."""
-        return self.cursor.record[_STEP]
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.cursor.step = value
-
-    @property
-    def force_refresh(self) -> bool:
-        return self.cursor.force_refresh
-
-    @force_refresh.setter
-    def force_refresh(self, value: bool) -> None:
-        self.cursor.force_refresh = value
-
-    @property
-    def prefilled(self) -> int:
-        return self.cursor.prefilled
-
-    @property
-    def chunk_end(self) -> int | None:
-        return self.cursor.chunk_end
-
-    @chunk_end.setter
-    def chunk_end(self, value: int | None) -> None:
-        self.cursor.chunk_end = value
-
+    # The counters (kept in the record the C++ host path shares).
     @property
     def num_forwards(self) -> int:
         return self.record[_FORWARDS]
@@ -199,58 +155,40 @@ class DecodeState:
 
     def prompt_ids(self) -> list[int]:
         """The prompt's token ids (after any truncation)."""
-        return self.tokens[:self.prompt_len].tolist()
+        return self.tokens[:self.cursor.prompt_len].tolist()
 
     def suffix_ids(self) -> list[int]:
         """The infilling suffix's token ids (empty without one)."""
-        return self.tokens[self.canvas_end:].tolist()
+        return self.tokens[self.cursor.canvas_end:].tolist()
 
     @functools.cached_property
     def input_tokens(self) -> np.ndarray:
         """The distinct token ids of the prompt and suffix (for the repetition penalty)."""
-        return np.unique(np.concatenate([self.tokens[:self.prompt_len],
-                                         self.tokens[self.canvas_end:]]))
-
-    # Geometry.
-    @property
-    def total_len(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.cursor.num_blocks
-
-    def block_bounds(self) -> tuple[int, int]:
-        return self.cursor.block_bounds()
+        c = self.cursor
+        return np.unique(np.concatenate([self.tokens[:c.prompt_len], self.tokens[c.canvas_end:]]))
 
     @property
     def threshold(self) -> float:
         """The current block's threshold (what the threshold rule commits above)."""
-        return float(self.block_thresholds[self.block])
+        return float(self.block_thresholds[self.cursor.block])
 
     def set_load(self, load: float) -> None:
         """A worker at ``load`` (0 to 1) runs this request's next forward: if it starts a block
         of a load-adaptive request, that block's threshold is set from it."""
-        if self.step == 0 and self.params.min_threshold is not None and not self.finished:
-            self.block_thresholds[self.block] = self.params.threshold_under(load)
+        c = self.cursor
+        if c.step == 0 and self.params.min_threshold is not None and not self.finished:
+            self.block_thresholds[c.block] = self.params.threshold_under(load)
 
     def output_block_thresholds(self) -> list[float] | None:
         """The thresholds of the blocks decoded so far (a load-adaptive request's only)."""
         if self.params.min_threshold is None:
             return None
-        return self.block_thresholds[:self.block + self.finished].tolist()
-
-    def span(self) -> tuple[int, int]:
-        """The next forward's span of query positions (``BlockCursor.span``)."""
-        return self.cursor.span()
-
-    def keys_attended(self, span_end: int) -> int:
-        return self.cursor.keys_attended(span_end)
+        return self.block_thresholds[:self.cursor.block + self.finished].tolist()
 
     # One step.
     def plan(self) -> StepPlan:
-        start, end = self.span()
-        s, e = self.block_bounds()
+        start, end = self.cursor.span()
+        s, e = self.cursor.block_bounds()
         if end <= s:  # a prefill chunk: it stores K/V and predicts nothing
             empty = np.zeros(0, dtype=np.int64)
             return StepPlan(start, end, empty, 0, empty, empty)
@@ -259,23 +197,23 @@ class DecodeState:
         num_editable = 0
         if self.params.edit_threshold is not None:  # and the filled response positions
             filled = (block != self.mask_token_id).nonzero()[0]
-            filled = filled[filled >= self.prompt_len - s]
+            filled = filled[filled >= self.cursor.prompt_len - s]
             num_editable = len(filled)
             offsets = np.concatenate([offsets, filled])
         num_forced = 0
-        shift = 1 if self.shift else 0
+        shift = 1 if self.cursor.shift else 0
         if shift and offsets.size and offsets[0] == 0:
             # No row predicts position s in a block's later cached steps (its predictor is
             # s - 1), so it is no candidate there; a block's first step does predict it and
             # commits it outright: it stays first in the list, as the forced position.
-            if self.step == 0 or self.params.cache == "none":
+            if self.cursor.step == 0 or self.params.cache == "none":
                 num_forced = 1
             else:
                 offsets = offsets[1:]
         positions = offsets + s
         rows = positions - (start + shift)
         if self.params.temperature > 0:
-            keys = row_keys(noise_key(self.seed, self.block, self.step), offsets)
+            keys = row_keys(noise_key(self.seed, self.cursor.block, self.cursor.step), offsets)
         else:  # greedy: no noise is drawn
             keys = np.zeros(len(positions), dtype=np.int64)
         return StepPlan(start, end, positions, num_forced, rows, keys, num_editable)
@@ -331,7 +269,7 @@ class DecodeState:
         r[_POST] = 0
         # A stop id beyond max_tokens (the last block's padding) is no stop: the response
         # reached its length first.
-        response = self.tokens[self.prompt_len:min(e, self.prompt_len + p.max_tokens)]
+        response = self.tokens[self.cursor.prompt_len:min(e, self.cursor.prompt_len + p.max_tokens)]
         if self.stop_index(response) < len(response):
             self.finish("stop")
         elif c.block + 1 == c.num_blocks:
@@ -377,7 +315,8 @@ class DecodeState:
         response; None when something else did (EOS, the length) or it has not ended."""
         if self.finish_reason != "stop" or self.stop_string is not None:
             return self.stop_string
-        response = self.tokens[self.prompt_len:self.prompt_len + self.params.max_tokens]
+        p = self.cursor.prompt_len
+        response = self.tokens[p:p + self.params.max_tokens]
         token = int(response[self.stop_index(response)])
         return token if token in self.params.stop_token_ids else None
 
@@ -385,14 +324,14 @@ class DecodeState:
         """Log-probability of each of the first ``num_tokens`` response tokens under the model
         at the step that committed it (the log of its confidence; floored at the smallest
         normal double so that it stays finite)."""
-        conf = self.confidence[self.prompt_len:self.prompt_len + num_tokens]
+        conf = self.confidence[self.cursor.prompt_len:self.cursor.prompt_len + num_tokens]
         return np.log(np.maximum(conf, np.finfo(np.float64).tiny)).tolist()
 
     def record_top(self, positions: np.ndarray, logprobs: np.ndarray, ids: np.ndarray) -> None:
         """Keep, for the ``positions`` this step committed (call after :meth:`apply`), the most
         probable tokens of their rows (``logprobs``, ``ids``: ``[len(positions), n]``)."""
         done = self.tokens[positions] != self.mask_token_id
-        at = positions[done] - self.prompt_len
+        at = positions[done] - self.cursor.prompt_len
         self.top_ids[at] = ids[done]
         self.top_logprobs[at] = logprobs[done]
 
@@ -406,9 +345,9 @@ class DecodeState:
     def output_token_ids(self) -> list[int]:
         """The response decoded so far (whole blocks), cut before the first stop id, to a stop
         string's end and to max_tokens."""
-        s, _ = self.block_bounds()
-        end = self.canvas_end if self.finished else s
-        out = self.tokens[self.prompt_len:end]
+        s, _ = self.cursor.block_bounds()
+        end = self.cursor.canvas_end if self.finished else s
+        out = self.tokens[self.cursor.prompt_len:end]
         out = out[:self.stop_index(out)].tolist()
         limit = self.params.max_tokens
         return out[:limit if self.stop_len is None else min(limit, self.stop_len)]

@@ -115,7 +115,7 @@ class PackedBatch:
         return cls(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
-            kv_lens=np.array([st.keys_attended(p.span_end) for st, p in zip(states, plans)],
+            kv_lens=np.array([st.cursor.keys_attended(p.span_end) for st, p in zip(states, plans)],
                              dtype=np.int32),
             logits_indices=logits_indices, cu_rows=cu_rows,
             row_keys=np.concatenate([p.row_keys for p in plans]),

@@ -32,6 +32,7 @@ import torch
 from sangam.config import EngineConfig
 from sangam.engine.loaded_model import LoadedModel
 from sangam.models import ModelConfig
+from sangam.sched.block_cursor import BlockCursor
 
 GIB = 1 << 30
 # An H200 (141 GB of HBM3e nominal) as torch.cuda.mem_get_info reports it: about 139.8 GiB.
@@ -80,17 +81,6 @@ class WorstForward:
     longest: int  # the longest request's span, which it attends over whole: the context
 
 
-def decode_span(cfg: ModelConfig, block_length: int, cache: str, context: int) -> int:
-    """The longest cached step of a request of these defaults (``BlockCursor.span``): a
-    block-causal block's first step rewrites the block before; a dual-cache step spans its
-    block (one more with shifted logits); a prefix-cache step runs to the end."""
-    if cfg.block_causal:
-        return 2 * block_length
-    if cache == "dual":
-        return block_length + int(cfg.shift_logits)
-    return context
-
-
 def worst_forward(cfg: ModelConfig, engine: EngineConfig, context: int, block_length: int,
                   cache: str) -> WorstForward:
     """The scheduler's bounds on one forward. Decodes: every seat runs its cached step. A
@@ -100,7 +90,9 @@ def worst_forward(cfg: ModelConfig, engine: EngineConfig, context: int, block_le
     :func:`plan_memory`)."""
     sched = engine.scheduler
     seats = sched.batch_cap
-    decodes = seats * min(context, decode_span(cfg, block_length, cache, context))
+    span = BlockCursor.longest_cached_span(block_length, cache, context, int(cfg.shift_logits),
+                                           cfg.block_causal)
+    decodes = seats * min(context, span)
     prefills = seats * context
     if sched.policy != "adaptive" and not math.isinf(sched.budget):
         prefills = min(prefills, max(0, int(sched.budget) - decodes) + context)

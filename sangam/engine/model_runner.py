@@ -110,7 +110,7 @@ class ModelRunner:
         graph = -1
         if allow_graphs and self.graphs and batch.num_rows:
             block_length = None  # a block-causal batch's, when its requests share one
-            if states[0].block_causal:
+            if states[0].cursor.block_causal:
                 lengths = {st.params.block_length for st in states}
                 block_length = lengths.pop() if len(lengths) == 1 else 0
             graph = next((i for i, g in enumerate(self.graphs)
@@ -278,7 +278,7 @@ def _commit_alone(st: DecodeState, forwards: int, batch: PackedBatch, r: int,
     moved (then its block ended iff it finished or a new block began), else the reference
     commit of its rows (identical to the batched one), its error recorded."""
     if st.num_forwards != forwards or st.grammar is not None:
-        return st.finished or st.step == 0
+        return st.finished or st.cursor.step == 0
     a, b = int(batch.cu_rows[r]), int(batch.cu_rows[r + 1])
     try:
         return st.commit(batch.cand_positions[a:b], int(batch.num_forced[r]), tokens[a:b],
@@ -306,14 +306,14 @@ def pack_batch(host: HostBatcher, states: list[DecodeState], pages: list[list[in
     kernel's, or a vocabulary-parallel head's), and the rescoring."""
     batch = host.build(states, pages)
     arrays = batch.device_arrays()
-    if states and states[0].block_causal:  # one model per runner: all or none
+    if states and states[0].cursor.block_causal:  # one model per runner: all or none
         arrays["causal_blocks"] = np.array([st.params.block_length for st in states],
                                            dtype=np.int32)
     if device_scoring:  # the scoring's inputs beyond the logits, per row
         arrays.update(temperatures=batch.temperatures, row_keys=batch.row_keys)
     # Read for every request of every iteration: one attribute and one cached property.
     full = [i for i, st in enumerate(states)
-            if st.params.full_scoring_blocks and st.block < st.params.full_scoring_blocks]
+            if st.params.full_scoring_blocks and st.cursor.block < st.params.full_scoring_blocks]
     rescore = Rescore.build(batch, states, full, chunk_rows) if full else None
     if rescore is not None:
         arrays.update(rescore.arrays)

@@ -29,7 +29,7 @@ class ReferenceDecoder:
     def run(self, state: DecodeState) -> DecodeState:
         """Decode ``state`` to completion in place and return it."""
         cfg = self.model.config
-        n_pages = -(-state.total_len // self.page_size)
+        n_pages = -(-state.cursor.total_len // self.page_size)
         kv = PagedKV.allocate(cfg.num_layers, n_pages, self.page_size, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
         table = torch.arange(n_pages, dtype=torch.int32, device=self.device)[None]
@@ -37,7 +37,7 @@ class ReferenceDecoder:
             plan = state.plan()
             # Pages are numbered in order, so a position's slot is the position itself.
             positions = torch.arange(plan.span_start, plan.span_end, device=self.device)
-            kv_len = state.keys_attended(plan.span_end)
+            kv_len = state.cursor.keys_attended(plan.span_end)
             meta = AttentionMetadata(
                 cu_seqlens_q=torch.tensor([0, plan.span_len], dtype=torch.int32,
                                           device=self.device),
@@ -45,8 +45,8 @@ class ReferenceDecoder:
                 block_tables=table, slot_mapping=positions, query_lens=[plan.span_len],
                 kv_lens_host=[kv_len],
                 causal_blocks=(torch.tensor([state.params.block_length], dtype=torch.int32)
-                               if state.block_causal else None),
-                positions=positions if state.block_causal else None)
+                               if state.cursor.block_causal else None),
+                positions=positions if state.cursor.block_causal else None)
             ids = torch.from_numpy(state.tokens[plan.span_start:plan.span_end]).to(self.device)
             logits = self.model(ids, positions, meta, kv,
                                 torch.from_numpy(plan.rows).to(self.device))
@@ -103,16 +103,16 @@ class UpstreamBlockDiffusion:
     def run(self, state: DecodeState) -> tuple[list[int], int]:
         """Decode ``state`` (a fresh block-causal request) in place; returns its output tokens
         and the forwards upstream spends on it."""
-        if not state.block_causal or state.num_forwards:
+        if not state.cursor.block_causal or state.num_forwards:
             raise ValueError("needs a fresh block-causal request")
         b, p = state.params.block_length, state.params
-        forwards = int(state.block_origin > 0)  # the prompt's whole blocks, stored
+        forwards = int(state.cursor.block_origin > 0)  # the prompt's whole blocks, stored
         while not state.finished:
-            s, e = state.block_bounds()
+            s, e = state.cursor.block_bounds()
             offsets = (state.tokens[s:e] == state.mask_token_id).nonzero()[0]
             ids = torch.from_numpy(state.tokens[:e]).to(self.device)[None]
             logits = self.model.forward_dense(ids, block_size=b)[0, s + offsets]
-            keys = (row_keys(noise_key(state.seed, state.block, state.step), offsets)
+            keys = (row_keys(noise_key(state.seed, state.cursor.block, state.cursor.step), offsets)
                     if p.temperature > 0 else np.zeros(len(offsets), dtype=np.int64))
             tokens, conf, _ = score_rows(self.model, state, logits, s + offsets, keys)
             forwards += 1
@@ -126,7 +126,7 @@ def fused_savings(state: DecodeState) -> int:
     upstream loop: the prompt prefill (fused into block 0's first step) and every decoded
     block's store forward (fused into the next block's first step; the last one's is never
     needed)."""
-    return int(state.block_origin > 0) + state.block + 1
+    return int(state.cursor.block_origin > 0) + state.cursor.block + 1
 
 
 class UpstreamLLaDA2:
@@ -158,13 +158,13 @@ class UpstreamLLaDA2:
         block's). ``state`` only supplies the canvas, geometry and scoring; its own progress
         is left alone."""
         p = state.params
-        if not state.block_causal or p.unmasking != "threshold":
+        if not state.cursor.block_causal or p.unmasking != "threshold":
             raise ValueError("needs a block-causal request with the threshold rule")
         x, mask, b = state.tokens.copy(), state.mask_token_id, p.block_length
-        prompt, edit = state.prompt_len, p.edit_threshold
-        forwards = int(state.block_origin > 0)  # the prompt's whole blocks, stored
-        for block in range(state.num_blocks):
-            s = state.block_origin + block * b
+        prompt, edit = state.cursor.prompt_len, p.edit_threshold
+        forwards = int(state.cursor.block_origin > 0)  # the prompt's whole blocks, stored
+        for block in range(state.cursor.num_blocks):
+            s = state.cursor.block_origin + block * b
             e, step, post = s + b, 0, 0
             while True:
                 masked = [i for i in range(s, e) if x[i] == mask]
@@ -193,7 +193,7 @@ class UpstreamLLaDA2:
                 if not masked and not edits:
                     break
             forwards += 1  # the finished block's store forward
-            fused = int(state.block_origin > 0) + block + 1
+            fused = int(state.cursor.block_origin > 0) + block + 1
             response = x[prompt:min(e, prompt + p.max_tokens)]
             stops = [i for i, t in enumerate(response.tolist()) if t in state.stop_ids]
             if stops:

@@ -9,6 +9,7 @@ from sangam.decoding.grammar import Constraint, GrammarState
 from sangam.decoding.state import DecodeState, stop_ids_of
 from sangam.engine.loaded_model import LoadedModel
 from sangam.sampling_params import SamplingParams
+from sangam.sched.block_cursor import BlockCursor
 
 
 def new_state(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams,
@@ -26,10 +27,10 @@ def new_state(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams
         raise ValueError("edit_threshold (token editing) needs a block-causal model (LLaDA2.x): "
                          "only there is the current block's K/V recomputed at every step")
     keep = params.truncate_prompt_tokens
+    causal = loaded.config.block_causal
     if keep == -1:
-        # A block-causal canvas may reach B - 1 positions past the plain one.
-        slack = params.block_length - 1 if loaded.config.block_causal else 0
-        keep = max(1, loaded.context_length - params.canvas_length - slack - len(suffix_ids))
+        canvas = BlockCursor.max_canvas_len(params.max_tokens, params.block_length, causal)
+        keep = max(1, loaded.context_length - canvas - len(suffix_ids))
     if keep is not None:
         prompt_ids = prompt_ids[-keep:]
     vocab = loaded.config.vocab_size
@@ -38,7 +39,8 @@ def new_state(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams
         if bad:
             raise ValueError(f"{name} token ids must be integers in [0, {vocab}); got "
                              f"{bad[:5]}")
-    canvas = params.canvas_after(len(prompt_ids), loaded.config.block_causal)
+    canvas = BlockCursor.canvas_len(len(prompt_ids), params.max_tokens, params.block_length,
+                                    causal)
     total = len(prompt_ids) + canvas + len(suffix_ids)
     if total > loaded.context_length:
         suffix = f" plus suffix ({len(suffix_ids)} tokens)" if suffix_ids else ""

@@ -4,6 +4,7 @@ iteration over them (docs/design.md §1).
 The front tells it what to run (``Prefill``), what to receive (``ReceiveKV``) and what to forget
 (``Drop``) through ``handle``; ``iterate`` runs one iteration (``WorkerCore``: schedule, the
 forward, apply the outcomes) and collects what the front must hear (``events``, ``iterations``).
+Time is its ``clock`` (the differential test runs it on a simulated one).
 The same class serves in process (``Engine``: the front calls it directly) and in a worker
 process (``engine/multi/worker.py`` wraps it with a control socket and a K/V transport).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from sangam.config import EngineConfig
 from sangam.decoding.state import DecodeState
@@ -22,9 +24,10 @@ from sangam.engine.loaded_model import LoadedModel, use_device
 from sangam.engine.model_runner import ModelRunner
 from sangam.engine.tensor_group import TensorGroup
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
+from sangam.sched.block_cursor import BlockCursor
 from sangam.sched.prefix_cache import PrefixCache, extend_page_keys, request_page_keys
 from sangam.sched.request import Request, StepOutcome
-from sangam.sched.worker_core import BlockEnded, IterationStats, Ship, Task, WorkerCore
+from sangam.sched.worker_core import BlockEnded, IterationStats, Ship, WorkerCore
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +73,11 @@ def graph_block_lengths(config: EngineConfig, loaded: LoadedModel) -> tuple[int,
 
 
 def graph_plan(config: EngineConfig, loaded: LoadedModel) -> list[tuple[int, int]]:
-    """(block length, span) of each decode graph runner: a bidirectional model's DualCache
-    steps span the block; a block-causal model's span it (later steps) or twice it (a block's
-    first step, which stores the block before)."""
-    lengths = graph_block_lengths(config, loaded)
-    if loaded.config.block_causal:
-        return [(b, span) for b in lengths for span in (b, 2 * b)]
-    return [(b, b) for b in lengths]
+    """(block length, span) of each decode graph runner: one per DualCache step span of each
+    captured block length (``BlockCursor.graph_spans``)."""
+    causal = loaded.config.block_causal
+    return [(b, span) for b in graph_block_lengths(config, loaded)
+            for span in BlockCursor.graph_spans(b, causal)]
 
 
 def captures_graphs(config: EngineConfig, loaded: LoadedModel) -> bool:
@@ -111,15 +112,17 @@ def decode_graphs(config: EngineConfig, loaded: LoadedModel,
     return runners
 
 
-def scheduling_request(request_id: str, arrival_time: float, state: DecodeState,
-                       seq: int | None = None, page_size: int | None = None) -> Request:
-    """The scheduler's view of a request whose canvas is ``state``: the same cursor (``seq``:
-    the front's request's, so that a worker orders equal arrivals as it does). With
-    ``page_size`` (the worker caches prefixes), a block-causal request yet to store any of its
-    prompt gets the keys of its prompt's pages."""
+def scheduling_request(m: msg.Prefill | msg.ReceiveKV, state: DecodeState,
+                       page_size: int | None = None, **block: object) -> Request:
+    """A worker's record of the request that ``m`` orders, run with ``state`` (its cursor; the
+    front's arrival and place among equal arrivals, so that a worker orders them as the front
+    does), with what ``block`` says of this block. With ``page_size`` (the worker caches
+    prefixes), a block-causal request yet to store any of its prompt gets the keys of its
+    prompt's pages."""
     p = state.params
-    req = Request(request_id, arrival_time, state.cursor, priority=p.priority, seq=seq,
-                  load_adaptive=p.min_threshold is not None)
+    req = Request(m.request_id, m.arrival, state.cursor, priority=p.priority, seq=m.seq,
+                  load_adaptive=p.min_threshold is not None, state=state, attempt=m.attempt,
+                  **block)
     if page_size is not None:
         req.page_keys = request_page_keys(state.cursor, state.tokens, page_size)
     return req
@@ -132,23 +135,24 @@ class Worker:
 
     remote = False  # a worker process's reports carry copies of its requests' progress
 
-    def __init__(self, index: int, builder: BatchBuilder, runner: ModelRunner):
+    def __init__(self, index: int, builder: BatchBuilder, runner: ModelRunner,
+                 streaming: bool = False):
         self.index = index
         self.builder = builder
         self.runner = runner
-        self.core = WorkerCore(builder)  # tasks, seats, parked canvases, receives
+        self.core = WorkerCore(builder, streaming)  # tasks, seats, parked canvases, receives
+        self.clock: Callable[[], float] = time.monotonic
         self.events: list[msg.Event] = []
         self.iterations: list[IterationStats] = []
 
     # Control messages.
     def handle(self, m: object) -> None:
         if isinstance(m, msg.Prefill):
-            state = self.core.parked_payload(m.request_id) if m.state is None else m.state
+            state = self.core.parked_state(m.request_id) if m.state is None else m.state
             cached = self.builder.prefix_cache is not None
-            request = scheduling_request(m.request_id, m.arrival, state, m.seq,
-                                         self.builder.page_size if cached else None)
-            self.core.take_block(Task(request, state, m.attempt, m.kv_dest, m.keep_pages,
-                                      stays=m.stays))
+            self.core.take_block(scheduling_request(
+                m, state, self.builder.page_size if cached else None, kv_dest=m.kv_dest,
+                keep_pages=m.keep_pages, stays=m.stays))
         elif isinstance(m, msg.Drop):
             self.core.drop(m.request_id)
         else:
@@ -157,7 +161,7 @@ class Worker:
     # One iteration.
     def iterate(self) -> bool:
         """Schedule and run one iteration; False when there was nothing to run now."""
-        start = time.monotonic()
+        start = self.clock()
         batch = self.core.schedule(start)
         if batch is None:
             return False
@@ -166,41 +170,41 @@ class Worker:
 
     def run(self, batch: ScheduledBatch, start: float) -> None:
         """The batch's forward (scheduled at ``start``), then its outcomes and reports."""
-        tasks = self.core.batch_tasks(batch)
-        states = [t.payload for t in tasks]
+        reqs = batch.requests
+        states = [r.state for r in reqs]
         if self.builder.num_load_adaptive:  # those starting a block take the load's threshold
             load = self.builder.load
             for st in states:
                 if st.params.min_threshold is not None:
                     st.set_load(load)
-        outcomes = self._execute(tasks, states, [r.pages for r in batch.requests])
-        end = time.monotonic()
-        out = self.core.complete(batch, tasks, outcomes, start, end)
-        for t, chunk in out.refreshed:
-            self.events.append(msg.RefreshRan(t.request.request_id, t.attempt, end - start,
-                                              chunk, t.request.cached_tokens))
+        outcomes = self._execute(reqs, states, [r.pages for r in reqs])
+        end = self.clock()
+        out = self.core.complete(batch, outcomes, start, end)
+        for r, chunk in out.refreshed:
+            self.events.append(msg.RefreshRan(r.request_id, r.attempt, end - start, chunk,
+                                              r.cached_tokens))
         for ship in out.ships:
             self._ship(ship)
         for ev in out.ended:
-            rid, attempt = ev.task.request.request_id, ev.task.attempt
+            r = ev.request
             if isinstance(ev, BlockEnded):
-                keys = ev.task.request.page_keys
-                if keys is not None and not ev.finished:  # the next block's first step makes
-                    st = ev.task.payload  # the finished ones final: their keys join
-                    extend_page_keys(keys, st.tokens, st.cursor.block_bounds()[0],
-                                     self.builder.page_size, st.cursor.block_length)
-                progress = msg.block_progress(ev.task.payload, ev.block) if self.remote else None
-                self.events.append(msg.BlockDone(rid, attempt, progress, list(ev.kept or ()),
-                                                 continues=ev.kept is None))
+                st, c = r.state, r.cursor
+                if r.page_keys is not None and not ev.finished:  # the next block's first step
+                    extend_page_keys(r.page_keys, st.tokens, c.block_bounds()[0],  # makes the
+                                     self.builder.page_size, c.block_length)  # finished final
+                self.events.append(msg.BlockDone(
+                    r.request_id, r.attempt, c.block, c.step, c.force_refresh, st.num_forwards,
+                    ev.finished, list(ev.kept or ()), continues=ev.kept is None,
+                    progress=msg.block_progress(st, ev.block) if self.remote else None))
             else:
-                self.events.append(msg.RequestFailed(rid, attempt, ev.error))
+                self.events.append(msg.RequestFailed(r.request_id, r.attempt, ev.error))
         self.iterations.append(out.stats)
 
-    def _execute(self, tasks: list[Task], states: list[DecodeState],
+    def _execute(self, reqs: list[Request], states: list[DecodeState],
                  pages: list[list[int]]) -> list[StepOutcome]:
         """The forward (``TransferWorker`` streams refreshes' K/V out during it)."""
         return self.runner.execute(states, pages)
 
     def _ship(self, ship: Ship) -> None:
         raise RuntimeError(f"worker {self.index} moves no K/V: it cannot ship "
-                           f"{ship.task.request.request_id!r}")
+                           f"{ship.request.request_id!r}")

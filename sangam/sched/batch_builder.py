@@ -170,9 +170,9 @@ class BatchBuilder:
             raise ValueError(f"add: request id {req.request_id!r} is already scheduled here")
         if not req.pages and not self.fits_ever(req):
             raise ValueError(
-                f"request {req.request_id!r} can never fit: its {req.total_len} positions need "
-                f"{req.pages_needed(self.page_size)} KV pages of {self.page_size} tokens, the "
-                f"pool has {self.allocator.num_pages}")
+                f"request {req.request_id!r} can never fit: its {req.cursor.total_len} positions "
+                f"need {req.pages_needed(self.page_size)} KV pages of {self.page_size} tokens, "
+                f"the pool has {self.allocator.num_pages}")
         self._hold(req)
         self._enqueue(req)
 
@@ -280,11 +280,11 @@ class BatchBuilder:
             if hit is None:  # its prefix is being computed in this batch: share it next time
                 batch_full = True
                 break
-            by_budget = head.prefill_cost <= remaining - admitted
+            by_budget = head.cursor.span_len <= remaining - admitted
             chunk = 0
             if not by_budget and (decodes or prefills):
                 if self.config.chunked_prefill:
-                    chunk = head.chunk_room(remaining - admitted)
+                    chunk = head.cursor.chunk_room(remaining - admitted)
                 if not chunk:
                     self._set_prefilled(head, stored)
                     break  # strict head-of-line: nothing behind it may leapfrog
@@ -296,7 +296,7 @@ class BatchBuilder:
             if chunk:  # part of the head's prefill; what follows it waits behind the rest
                 admitted += chunk
                 break
-            admitted += head.prefill_cost
+            admitted += head.cursor.span_len
             idle = idle or not by_budget  # the idle rule: never leave the GPU idle
             head = self._head()
         if memory_blocked and not decodes and not prefills:
@@ -308,7 +308,7 @@ class BatchBuilder:
                 self._queue = [e for e in self._queue if e[2] is not holder]
                 heapq.heapify(self._queue)
                 self._admit(holder, now, prefills)
-                admitted += holder.prefill_cost
+                admitted += holder.cursor.span_len
                 idle = True
         if math.isinf(tau):
             self._deficit = 0
@@ -341,13 +341,13 @@ class BatchBuilder:
             self._admit(act, now, prefills)
         else:
             decodes.append(act)
-        return ScheduledBatch(prefills, decodes, sum(r.prefill_cost for r in prefills),
-                              sum(r.decode_span for r in decodes), 0, memory_blocked, False)
+        return ScheduledBatch(prefills, decodes, sum(r.cursor.span_len for r in prefills),
+                              sum(r.cursor.decode_span for r in decodes), 0, memory_blocked, False)
 
     # Queue.
     def _enqueue(self, req: Request) -> None:
         self._waiting[req.request_id] = req
-        self._waiting_tokens += req.prefill_cost
+        self._waiting_tokens += req.cursor.span_len
         if req is not self._active:  # fastdllm's active re-prefill bypasses the queue
             heapq.heappush(self._queue, (req.queue_key, next(self._pushes), req))
 
@@ -369,7 +369,7 @@ class BatchBuilder:
         """``req`` has left the heap (or never was in it) and holds its pages; ``chunk``: only
         that many tokens of its prefill are admitted."""
         del self._waiting[req.request_id]
-        self._waiting_tokens -= req.prefill_cost
+        self._waiting_tokens -= req.cursor.span_len
         req.mark_admitted(now, chunk)
         prefills.append(req)
         if req.page_keys is not None:
@@ -397,16 +397,16 @@ class BatchBuilder:
         if pending:
             return None
         # Prefilled is whole blocks, and whole pages: the prefill never writes a shared page.
-        unit = math.lcm(req.block_length, self.page_size)
+        unit = math.lcm(req.cursor.block_length, self.page_size)
         cached = len(pages) * self.page_size // unit * unit
         self._set_prefilled(req, cached)
         return pages[:cached // self.page_size]
 
     def _set_prefilled(self, req: Request, tokens: int) -> None:
         """A WAITING request's stored prompt K/V, its cost in the queue's sum updated."""
-        self._waiting_tokens -= req.prefill_cost
+        self._waiting_tokens -= req.cursor.span_len
         req.cursor.prefilled = tokens
-        self._waiting_tokens += req.prefill_cost
+        self._waiting_tokens += req.cursor.span_len
 
     def _take_pages(self, req: Request, hit: list[int]) -> bool:
         """Its first admission: share the cached ``hit`` and allocate the rest of the
@@ -422,7 +422,7 @@ class BatchBuilder:
         req.published = len(hit)
         if req.page_keys is not None:
             cache = self.prefix_cache
-            cache.queries += req.prompt_len
+            cache.queries += req.cursor.prompt_len
             req.cached_tokens = req.cursor.prefilled
             cache.hits += req.cached_tokens
         return True
@@ -437,7 +437,7 @@ class BatchBuilder:
         del self._requests[rid]
         self.num_load_adaptive -= req.load_adaptive
         if self._waiting.pop(rid, None) is not None:
-            self._waiting_tokens -= req.prefill_cost
+            self._waiting_tokens -= req.cursor.span_len
         self._seated.pop(rid, None)
         self._in_flight.pop(rid, None)
         if self._active is req:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from array import array
 
-from sangam.sampling_params import CACHE_MODES, MAX_INT32
+from sangam.sampling_params import CACHE_MODES, MAX_INT32, SamplingParams
 
 # How a block's first step runs: a full refresh, a response-only refresh, or a cached step.
 FULL_REFRESH, RESPONSE_REFRESH, NO_REFRESH = "full", "response", "none"
@@ -109,6 +109,57 @@ class BlockCursor:
         self._later_len = first[1] - first[0] if first[1] - first[0] == last[1] - last[0] \
             else None
 
+    # Constructors and the geometry of a request's options before it has a cursor.
+    @classmethod
+    def for_request(cls, params: SamplingParams, prompt_len: int, *, suffix_len: int = 0,
+                    shift: int = 0, block_causal: bool = False) -> BlockCursor:
+        """The cursor of a request with ``params`` after a prompt of ``prompt_len`` tokens:
+        its canvas (``canvas_len``), block length, cache mode and refresh cadence."""
+        return cls(prompt_len, cls.canvas_len(prompt_len, params.max_tokens,
+                                              params.block_length, block_causal),
+                   params.block_length, suffix_len=suffix_len, cache=params.cache,
+                   refresh_interval=params.refresh_interval,
+                   prompt_refresh_interval=params.prompt_refresh_interval, shift=shift,
+                   block_causal=block_causal)
+
+    @staticmethod
+    def canvas_len(prompt_len: int, max_tokens: int, block_length: int,
+                   block_causal: bool = False) -> int:
+        """The response canvas after a prompt of ``prompt_len``: ``max_tokens`` rounded up to
+        whole blocks, or for a block-causal model what ends prompt + max_tokens on the block
+        grid from position 0."""
+        if block_causal:
+            return -(-(prompt_len + max_tokens) // block_length) * block_length - prompt_len
+        return -(-max_tokens // block_length) * block_length
+
+    @staticmethod
+    def max_canvas_len(max_tokens: int, block_length: int, block_causal: bool = False) -> int:
+        """The longest ``canvas_len`` over every prompt length: a block-causal canvas may reach
+        B - 1 positions past the plain one."""
+        return BlockCursor.canvas_len(0, max_tokens, block_length) + (
+            block_length - 1 if block_causal else 0)
+
+    @staticmethod
+    def graph_spans(block_length: int, block_causal: bool = False) -> tuple[int, ...]:
+        """The span lengths of the DualCache steps a CUDA graph replays (``span``): a block's
+        later steps (B) and, for a block-causal model, a later block's first step (2B: it
+        stores the finished block). tests/test_block_cursor.py checks them against span."""
+        return (block_length, 2 * block_length) if block_causal else (block_length,)
+
+    @staticmethod
+    def longest_cached_span(block_length: int, cache: str, context: int, shift: int = 0,
+                            block_causal: bool = False) -> int:
+        """An upper bound on every cached step's span (``span``) of a request with these
+        options within ``context`` positions: a block-causal block's first step rewrites the
+        block before; a DualCache step spans its block (one more when it starts a block from
+        cache with shifted logits); a PrefixCache step runs to the end. Checked against span
+        by tests/test_block_cursor.py."""
+        if block_causal:
+            return 2 * block_length
+        if cache == "dual":
+            return block_length + shift
+        return context
+
     def __repr__(self) -> str:
         return (f"BlockCursor(block={self.block}/{self.num_blocks}, step={self.step}, "
                 f"T={self.total_len}, cache={self.cache})")
@@ -168,10 +219,25 @@ class BlockCursor:
         self.record[_CHUNK_END] = -1 if value is None else value
 
     # Rules.
-    def block_bounds(self) -> tuple[int, int]:
-        """The current block's positions [s, e)."""
-        s = self.block_origin + self.record[_BLOCK] * self.block_length
+    def block_bounds(self, block: int | None = None) -> tuple[int, int]:
+        """Block ``block``'s positions [s, e) (default: the current block's)."""
+        s = self.block_origin + (self.record[_BLOCK] if block is None else block) \
+            * self.block_length
         return s, s + self.block_length
+
+    def block_of(self, position: int) -> int:
+        """The block holding canvas position ``position``."""
+        return (position - self.block_origin) // self.block_length
+
+    def block_masks(self, block: int) -> int:
+        """The masked positions block ``block`` starts with: all B of it, but a block-causal
+        block 0 begins with the prompt's tail."""
+        s, e = self.block_bounds(block)
+        return e - max(s, self.prompt_len)
+
+    def blocks_for(self, response_len: int) -> int:
+        """How many blocks hold the first ``response_len`` (>= 1) response positions."""
+        return self.block_of(self.prompt_len + response_len - 1) + 1
 
     def block_refresh(self, block: int) -> str:
         """How ``block`` starts by the cadence (a block-causal request refreshes block 0 only:

@@ -34,7 +34,7 @@ Who runs what:
 - Failover: while workers of only one role survive (``Router.one_role_left``) they serve as
   colocated workers do. With none left, placing raises.
 
-The drivers keep each request's cursor at the start of its next block (the workers report
+The front keeps each request's cursor at the start of its next block (the workers report
 their progress); Placement moves it only when it takes a request back.
 
 Memory: every worker's page commitments (canvases held or promised, pages of refreshes for
@@ -52,10 +52,11 @@ import contextlib
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from sangam.sched.block_cursor import FULL_REFRESH
+from sangam.sched.block_cursor import FULL_REFRESH, NO_REFRESH, BlockCursor
 from sangam.sched.config import DeploymentConfig
-from sangam.sched.request import Request
+from sangam.sched.request import RequestMetrics, creation_order
 from sangam.sched.router import Router
 
 PENDING = "pending"  # waiting to be placed
@@ -67,13 +68,22 @@ class NeverFits(ValueError):
     """A request whose canvas no live worker's pool can ever hold."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Placed:
-    """One request's placement."""
+    """The front's one record of a request: who it is, where it stands (its cursor, at the
+    start of the block it runs next), where it is placed, its timeline as users see it, and
+    what its driver keeps of it (``state``: the engine's decode state, the simulator's draws;
+    Placement never reads it)."""
 
-    request: Request  # the router's view; pages/worker mirror the canvas holder's
+    request_id: str
+    arrival_time: float
+    cursor: BlockCursor
     pages_needed: int
     attempt: int  # unique over the placement's life: a reused request id never matches old news
+    priority: int = 0  # vLLM's: lower is served first; ties by arrival
+    seq: int = 0  # its place among equal arrivals (creation order), kept by the workers' copies
+    state: Any = None
+    prompt_ids: list[int] | None = None
     phase: str = PENDING
     worker: int | None = None
     holder: int | None = None  # holds (or, once admitted there, will hold) the canvas
@@ -82,11 +92,47 @@ class Placed:
     kv_dst: int | None = None
     load_worker: int | None = None  # router load outstanding there...
     load_tokens: int = 0  # ... this many tokens (what route_prefill charged)
+    canvas_on: int | None = None  # the worker that reported holding its canvas pages
     restarts: int = 0
+    # The worker that parked the canvas with its own copy of ``state`` (it ended the last block
+    # there and has not been sent the request since): it is sent no state, only progress.
+    parked_on: int | None = None
+    kv_bytes: int = 0
+    kv_transfers: int = 0
+    cached_tokens: int = 0  # prompt tokens its current attempt found in a prefix cache
+    text: Any = None  # the engine's detokenizer of its outputs (read on the caller's thread)
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(self.arrival_time, prefill_queued=[self.arrival_time])
 
     @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    def queue_key(self) -> tuple[int, float, int]:
+        """Placing order, smaller first: priority, then original arrival, then creation
+        order (``Request.queue_key``, which the workers' copies keep)."""
+        return (self.priority, self.arrival_time, self.seq)
+
+    # Its timeline as the workers report it (the only writers of ``metrics`` on the front).
+    def mark_refreshed(self, start: float, end: float, chunk: bool = False) -> None:
+        """A refresh ran from ``start`` to ``end`` (``chunk``: a chunk of it; the rest waits
+        again)."""
+        m = self.metrics
+        m.prefill_started.append(start)
+        m.prefill_finished.append(end)
+        (m.prefill_queued if chunk else m.decode_started).append(end)
+
+    def mark_block_done(self, now: float, forwards: int, finished: bool) -> None:
+        """A block ended at ``now`` (``forwards`` spent so far), the cursor at the next block;
+        ``finished``: the request ended there."""
+        m = self.metrics
+        m.block_finished.append(now)
+        m.num_steps = forwards
+        if finished:
+            m.finish_time = now
+        elif self.cursor.block_start == NO_REFRESH:
+            m.decode_started.append(now)
+        else:
+            m.prefill_queued.append(now)
 
 
 @dataclass(frozen=True)
@@ -137,15 +183,18 @@ class Placement:
 
         return min(biggest(self.router.prefill_capable()), biggest(self.router.canvas_capable()))
 
-    def add(self, req: Request) -> Placed:
+    def add(self, request_id: str, arrival_time: float, cursor: BlockCursor, *,
+            priority: int = 0, seq: int | None = None, state: Any = None,
+            prompt_ids: list[int] | None = None) -> Placed:
         """A new request, pending; NeverFits if no live worker could ever hold its canvas."""
-        need = req.pages_needed(self.page_size)
+        need = -(-cursor.total_len // self.page_size)
         if need > self.room():
-            raise NeverFits(f"request needs {need} KV pages for {req.total_len} tokens, more "
-                            f"than the pool's {self.room()}")
-        placed = Placed(req, need, next(self._attempts))
-        self.requests[req.request_id] = placed
-        self.pending[req.request_id] = placed
+            raise NeverFits(f"request needs {need} KV pages for {cursor.total_len} tokens, "
+                            f"more than the pool's {self.room()}")
+        placed = Placed(request_id, arrival_time, cursor, need, next(self._attempts), priority,
+                        creation_order() if seq is None else seq, state, prompt_ids)
+        self.requests[request_id] = placed
+        self.pending[request_id] = placed
         return placed
 
     def remove(self, request_id: str) -> set[int]:
@@ -167,11 +216,11 @@ class Placement:
             return []
         out = []
         blocked = False
-        for placed in sorted(self.pending.values(), key=lambda p: p.request.queue_key):
+        for placed in sorted(self.pending.values(), key=lambda p: p.queue_key):
             # A new canvas that finds no decode memory blocks later new canvases (strict
             # priority); blocks of requests that hold their canvas never wait for memory.
             needs_canvas = placed.holder is None and self.mode != "colocated" \
-                and placed.request.cache != "none" and not self.router.one_role_left
+                and placed.cursor.cache != "none" and not self.router.one_role_left
             dispatch = None if blocked and needs_canvas else self._place(placed)
             if dispatch is None:
                 blocked = blocked or needs_canvas
@@ -181,19 +230,19 @@ class Placement:
         return out
 
     def _place(self, p: Placed) -> Dispatch | None:
-        req = p.request
         free = self.free_pages()
-        if self.mode == "colocated" or (self.router.one_role_left and req.cache != "none"):
-            w = self.router.route_prefill(req, free)  # the holder, once it holds the canvas
+        cache = p.cursor.cache
+        if self.mode == "colocated" or (self.router.one_role_left and cache != "none"):
+            w = self.router.route_prefill(p, free)  # the holder, once it holds the canvas
             return self._dispatch(p, w, None, keep=True, holder=w, stays=True)
-        if req.cache == "none":
-            return self._dispatch(p, self.router.route_prefill(req, free), None, keep=False)
+        if cache == "none":
+            return self._dispatch(p, self.router.route_prefill(p, free), None, keep=False)
         dest = p.holder
         if dest is None:
-            dest = self.router.route_decode(req, free, p.pages_needed)
+            dest = self.router.route_decode(p, free)
             if dest is None:
                 return None
-        w = self.router.route_prefill(req, free)
+        w = self.router.route_prefill(p, free)
         if self.roles[w] == "decode":  # hybrid overflow: the block runs on its canvas
             self.counters.overflow_prefills += 1
             return self._dispatch(p, w, None, keep=True, holder=w)
@@ -205,7 +254,7 @@ class Placement:
                   stays: bool = False) -> Dispatch:
         with self._moving(p):
             p.phase, p.worker, p.holder, p.reserved = RUNNING, w, holder, reserved
-            p.load_worker, p.load_tokens = w, p.request.prefill_cost  # as route_prefill did
+            p.load_worker, p.load_tokens = w, p.cursor.span_len  # as route_prefill did
         self._count_prefill(w)
         return Dispatch(p.request_id, p.attempt, w, kv_dest, keep, stays)
 
@@ -221,7 +270,7 @@ class Placement:
         if p.load_worker == worker and not chunk:
             self.router.done(worker, p.load_tokens)
             p.load_worker = None
-        p.request.mark_refreshed(start, end, chunk)
+        p.mark_refreshed(start, end, chunk)
 
     def kv_sent(self, p: Placed | None, src: int, dest: int, drain: bool) -> bool:
         """``src`` posted a transfer to ``dest`` for ``p`` (None: for work taken back). Returns
@@ -242,7 +291,7 @@ class Placement:
         with self._moving(p):
             p.phase, p.worker, p.holder, p.reserved = RUNNING, dst, dst, None
             p.kv_src = p.kv_dst = None
-        p.request.pages, p.request.worker = list(pages), dst
+        p.canvas_on = dst
         return set()
 
     def block_done(self, p: Placed, worker: int, finished: bool, forwards: int,
@@ -253,7 +302,7 @@ class Placement:
         removed. Returns the live workers, other than ``worker``, that still hold some of it
         (to be told to drop it)."""
         rid = p.request_id
-        p.request.mark_block_done(now, forwards, finished)
+        p.mark_block_done(now, forwards, finished)
         if finished:
             stale = {p.holder, p.kv_dst} - {None, worker}
             with self._moving(p):
@@ -265,7 +314,7 @@ class Placement:
             if pages:
                 p.holder = worker
         if pages:
-            p.request.pages, p.request.worker = list(pages), worker
+            p.canvas_on = worker
         self.pending[rid] = p
         return set()
 
@@ -274,10 +323,9 @@ class Placement:
         runs on without being placed: it starts from cached K/V (its cadence), on the canvas
         holder or on its way there, or its request stays where it is (``Dispatch.stays``), whose
         next full refresh counts as that worker's load as a placed one would."""
-        req = p.request
-        req.mark_block_done(now, forwards, finished=False)
-        if req.block_start == FULL_REFRESH and p.worker is not None:  # stays: as if placed
-            p.load_worker, p.load_tokens = p.worker, req.prefill_cost
+        p.mark_block_done(now, forwards, finished=False)
+        if p.cursor.block_start == FULL_REFRESH and p.worker is not None:  # stays: as if placed
+            p.load_worker, p.load_tokens = p.worker, p.cursor.span_len
             self.router.add(p.worker, p.load_tokens)
             self._count_prefill(p.worker)
 
@@ -321,13 +369,13 @@ class Placement:
         with self._moving(p):
             p.phase = PENDING
             p.worker = p.holder = p.reserved = p.kv_src = p.kv_dst = p.load_worker = None
-        p.request.pages, p.request.worker = [], None
+        p.canvas_on = p.parked_on = None
         return drops
 
     def _restart(self, p: Placed) -> set[int]:
         """Take ``p`` back to the start of its current block, to be placed again."""
         drops = self._release(p)
-        p.request.cursor.lose_cache()  # whatever K/V it had is gone or discarded
+        p.cursor.lose_cache()  # whatever K/V it had is gone or discarded
         p.attempt = next(self._attempts)
         p.restarts += 1
         self.counters.restarts += 1

@@ -1,6 +1,7 @@
-"""A request as the scheduler sees it: its state machine and timeline (docs/design.md §4), around
-its ``BlockCursor`` (the block geometry and position, which the decoder of the same request
-shares).
+"""A request as a worker runs it: its state machine, its place in the scheduler and its timeline
+(docs/design.md §4), around its ``BlockCursor`` (the block geometry and position, which the
+decoder of the same request shares), with what the front asked of this block (its attempt, where
+its K/V goes, whether the worker keeps the canvas) and what the driver runs it with.
 
 Pure Python, no tensors: the engine and the simulator drive the same objects.
 
@@ -32,11 +33,17 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from sangam.sched.block_cursor import NO_REFRESH, BlockCursor
 
 # Creation order, the tie-break after arrival time. next() on a count is atomic under the GIL.
 _SEQ = itertools.count()
+
+
+def creation_order() -> int:
+    """The next request's place among equal arrivals (``Request.seq``, ``Placed.seq``)."""
+    return next(_SEQ)
 
 
 class RequestStatus(enum.Enum):
@@ -65,7 +72,8 @@ BLOCK_DONE = StepOutcome(block_done=True)
 @dataclass
 class RequestMetrics:
     """Timestamps on the driver's clock (wall time in the engine, simulated in the simulator),
-    written only by ``Request``'s transitions.
+    written only by transitions: a worker's ``Request`` records its own steps; the front's
+    ``Placed`` (``placement.py``) records what the workers report, which is what users see.
 
     Per-block lists are indexed by block; an entry is appended when the event happens, so an
     aborted request may have a queued time without a start.
@@ -104,8 +112,11 @@ class RequestMetrics:
 
 
 class Request:
-    """One generation request: its cursor (``cursor``: geometry and position), its place in the
-    scheduler (``status``, ``pages``) and its timeline (``metrics``).
+    """One generation request on a worker: its cursor (``cursor``: geometry and position), its
+    place in the scheduler (``status``, ``pages``), its timeline here (``metrics``), what the
+    front asked of its current block (``attempt``, ``kv_dest``, ``keep_pages``, ``stays``,
+    ``starts_block``) and what the driver runs it with (``state``: a ``DecodeState`` on a real
+    worker, the simulator's draws in the simulator).
 
     Invariants: ``pages`` is empty until the first admission and then covers all ``total_len``
     positions until the request finishes (the holder frees them); the status moves only through
@@ -113,18 +124,27 @@ class Request:
     """
 
     def __init__(self, request_id: str, arrival_time: float, cursor: BlockCursor, *,
-                 priority: int = 0, seq: int | None = None, load_adaptive: bool = False):
+                 priority: int = 0, seq: int | None = None, load_adaptive: bool = False,
+                 state: Any = None, attempt: int = 0, kv_dest: int | None = None,
+                 keep_pages: bool = False, stays: bool = False, starts_block: bool = False):
         self.request_id = request_id
         self.arrival_time = arrival_time
         self.cursor = cursor
         self.priority = priority  # vLLM's: lower is served first; ties by arrival
         # Its place among equal arrivals: kept by the copies a worker schedules (``seq``).
-        self.seq = next(_SEQ) if seq is None else seq
+        self.seq = creation_order() if seq is None else seq
         self.load_adaptive = load_adaptive  # its blocks' thresholds follow the worker's load
+        self.state = state
+        self.attempt = attempt
+        self.kv_dest = kv_dest  # a refresh for another worker: its K/V goes there
+        self.keep_pages = keep_pages  # this worker holds the canvas after the block
+        self.stays = stays  # every next block runs here too (colocated): it never leaves
+        # Received K/V of a refresh that ended its block: the request starts its next block here.
+        self.starts_block = starts_block
+        self.streamed = False  # its K/V goes out layer by layer during this forward
         self.status = RequestStatus.WAITING
         self.pages: list[int] = []
         self.finish_reason: str | None = None
-        self.worker: int | None = None
         self.chunk_admitted = False  # its prefill in flight is a chunk (the rest waits)
         self.metrics = RequestMetrics(arrival_time, prefill_queued=[arrival_time])
         # Prefix caching (block-causal models): the keys of its pages whose K/V is or will be
@@ -140,49 +160,6 @@ class Request:
         c = self.cursor
         return (f"Request({self.request_id!r}, status={self.status.name}, "
                 f"block={c.block}/{c.num_blocks}, T={c.total_len}, cache={c.cache})")
-
-    # The cursor's geometry, as the scheduler reads it.
-    @property
-    def block(self) -> int:
-        return self.cursor.block
-
-    @property
-    def num_blocks(self) -> int:
-        return self.cursor.num_blocks
-
-    @property
-    def total_len(self) -> int:
-        return self.cursor.total_len
-
-    @property
-    def prompt_len(self) -> int:
-        return self.cursor.prompt_len
-
-    @property
-    def block_length(self) -> int:
-        return self.cursor.block_length
-
-    @property
-    def cache(self) -> str:
-        return self.cursor.cache
-
-    @property
-    def block_start(self) -> str:
-        return self.cursor.block_start
-
-    # Costs, in tokens of forward span.
-    @property
-    def prefill_cost(self) -> int:
-        """The current block's refresh (or what is left of it): the next forward's span."""
-        return self.cursor.span_len
-
-    @property
-    def decode_span(self) -> int:
-        """The current block's next cached step."""
-        return self.cursor.decode_span
-
-    def chunk_room(self, budget: int | float) -> int:
-        return self.cursor.chunk_room(budget)
 
     @property
     def queue_key(self) -> tuple[int, float, int]:
@@ -242,28 +219,6 @@ class Request:
         self._expect("mark_aborted", RequestStatus.WAITING, RequestStatus.PREFILL,
                      RequestStatus.DECODE)
         self._finish(now, "abort")
-
-    # Transitions as a front sees them: the request's blocks run on workers, which report.
-    def mark_refreshed(self, start: float, end: float, chunk: bool = False) -> None:
-        """A refresh of this request ran from ``start`` to ``end`` (``chunk``: a chunk of it;
-        the rest waits again)."""
-        m = self.metrics
-        m.prefill_started.append(start)
-        m.prefill_finished.append(end)
-        (m.prefill_queued if chunk else m.decode_started).append(end)
-
-    def mark_block_done(self, now: float, forwards: int, finished: bool) -> None:
-        """A block ended at ``now`` (``forwards`` spent so far), the cursor at the next block;
-        ``finished``: the request ended there."""
-        m = self.metrics
-        m.block_finished.append(now)
-        m.num_steps = forwards
-        if finished:
-            m.finish_time = now
-        elif self.cursor.block_start == NO_REFRESH:
-            m.decode_started.append(now)
-        else:
-            m.prefill_queued.append(now)
 
     def _block_ended(self, now: float) -> None:
         self.metrics.block_finished.append(now)

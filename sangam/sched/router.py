@@ -1,15 +1,15 @@
 """Router: which worker runs each prefill, and which holds each canvas (docs/design.md §4, Modes).
 
-Pure Python, no tensors: the engine and the simulator drive the same object. It decides; the
-driver commits (allocates pages, sets ``req.worker``, moves K/V).
+Pure Python, no tensors: the engine and the simulator drive the same object, through
+``Placement``, over its records of requests (``Placed``). It decides; Placement commits.
 
 Load is the number of *outstanding prefill tokens* per worker: ``route_prefill`` records
-``req.prefill_cost`` on the worker it picks (through ``add``), and the driver calls
+``req.cursor.span_len`` on the worker it picks (through ``add``), and the driver calls
 ``done(worker, tokens)`` when that refresh's forward ends, or when the request is aborted
-before it. A request *holds its canvas* on ``req.worker`` when ``req.pages`` is non-empty.
+before it. A request *holds its canvas* on ``req.canvas_on`` once a worker reported its pages.
 A worker *has room* for a prefill when its free pages cover the pages the request would need
-there: none on the worker that holds its canvas, ``req.pages_needed(page_size)`` elsewhere (a
-new canvas, or a prefill worker's transient pages for the refresh).
+there: none on the worker that holds its canvas, ``req.pages_needed`` elsewhere (a new
+canvas, or a prefill worker's transient pages for the refresh).
 
 Policy (dead workers are never chosen; "least loaded" ties are broken by a seeded
 ``random.Random``, so a run is reproducible from ``seed`` and the sequence of calls):
@@ -35,16 +35,19 @@ Policy (dead workers are never chosen; "least loaded" ties are broken by a seede
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 from sangam.sched.config import MODES, ROLES, DeploymentConfig
-from sangam.sched.request import Request
+
+if TYPE_CHECKING:
+    from sangam.sched.placement import Placed
 
 
 class Router:
     """Invariants: ``load[w] >= 0`` for every worker; a dead worker stays dead."""
 
     def __init__(self, mode: str, roles: list[str], overflow_threshold: int | None = None,
-                 seed: int = 0, page_size: int = 16):
+                 seed: int = 0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not roles or any(r not in ROLES for r in roles):
@@ -57,12 +60,9 @@ class Router:
                              f"one of each, got {roles!r}")
         if mode == "hybrid" and (overflow_threshold is None or overflow_threshold < 0):
             raise ValueError("hybrid mode needs overflow_threshold >= 0 (theta, in tokens)")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.mode = mode
         self.roles = list(roles)
         self.overflow_threshold = overflow_threshold  # theta; used in hybrid mode only
-        self.page_size = page_size
         self._rng = random.Random(seed)
         self._load = [0] * len(roles)
         self._alive = [True] * len(roles)
@@ -72,7 +72,7 @@ class Router:
     @classmethod
     def for_deployment(cls, deployment: DeploymentConfig) -> Router:
         return cls(deployment.mode, list(deployment.roles), deployment.overflow_threshold,
-                   deployment.seed, deployment.scheduler.page_size)
+                   deployment.seed)
 
     @property
     def num_workers(self) -> int:
@@ -118,10 +118,10 @@ class Router:
         return self._live(self._decode_workers) or self._live(self._prefill_workers)
 
     # Placement.
-    def route_prefill(self, req: Request, free_pages: list[int]) -> int:
+    def route_prefill(self, req: Placed, free_pages: list[int]) -> int:
         """The worker that runs ``req``'s next refresh; records its cost there as load."""
         self._check(free_pages)
-        holder = req.worker if req.pages else None
+        holder = req.canvas_on
         if holder is not None and (self.mode == "colocated" or self.one_role_left):
             if not self._alive[holder]:
                 raise RuntimeError(f"request {req.request_id!r}: worker {holder}, which holds "
@@ -135,25 +135,25 @@ class Router:
                     raise RuntimeError("no worker is alive")
                 worker = self._least_loaded(self._with_room(req, holder, prefill, free_pages)
                                             or prefill)
-        self.add(worker, req.prefill_cost)
+        self.add(worker, req.cursor.span_len)
         return worker
 
-    def route_decode(self, req: Request, free_pages: list[int], pages_needed: int) -> int | None:
+    def route_decode(self, req: Placed, free_pages: list[int]) -> int | None:
         """The worker that holds ``req``'s canvas; None if no live one has room now."""
         self._check(free_pages)
-        if req.pages and req.worker is not None:  # never migrated
-            if not self._alive[req.worker]:
-                raise RuntimeError(f"request {req.request_id!r}: worker {req.worker}, which "
+        if req.canvas_on is not None:  # never migrated
+            if not self._alive[req.canvas_on]:
+                raise RuntimeError(f"request {req.request_id!r}: worker {req.canvas_on}, which "
                                    f"holds its pages, is dead")
-            return req.worker
-        fit = [w for w in self.canvas_capable() if free_pages[w] >= pages_needed]
+            return req.canvas_on
+        fit = [w for w in self.canvas_capable() if free_pages[w] >= req.pages_needed]
         if not fit:
             return None
         most = max(free_pages[w] for w in fit)
         return self._pick([w for w in fit if free_pages[w] == most])
 
     # Helpers.
-    def _overflow(self, req: Request, holder: int | None, free_pages: list[int]) -> int | None:
+    def _overflow(self, req: Placed, holder: int | None, free_pages: list[int]) -> int | None:
         """Hybrid: a decode worker for this prefill when every prefill worker is busy."""
         if self.mode != "hybrid" or self.one_role_left:
             return None
@@ -166,10 +166,9 @@ class Router:
         fit = self._with_room(req, holder, decode, free_pages)
         return self._least_loaded(fit) if fit else None
 
-    def _with_room(self, req: Request, holder: int | None, workers: list[int],
+    def _with_room(self, req: Placed, holder: int | None, workers: list[int],
                    free_pages: list[int]) -> list[int]:
-        need = req.pages_needed(self.page_size)
-        return [w for w in workers if w == holder or free_pages[w] >= need]
+        return [w for w in workers if w == holder or free_pages[w] >= req.pages_needed]
 
     def _live(self, workers: list[int]) -> list[int]:
         return [w for w in workers if self._alive[w]]

@@ -31,8 +31,8 @@ from sangam.engine.multi.launcher import WorkerSpec, signature
 from sangam.engine.tensor_group import TensorGroup
 from sangam.engine.worker import Worker, build_worker_parts, scheduling_request
 from sangam.sched.batch_builder import BatchBuilder
-from sangam.sched.request import StepOutcome
-from sangam.sched.worker_core import Ship, Task
+from sangam.sched.request import Request, StepOutcome
+from sangam.sched.worker_core import Ship
 
 HEARTBEAT_S = 0.5
 _IDLE_POLL_MS = 100
@@ -61,10 +61,11 @@ class TransferWorker(Worker):
     def __init__(self, index: int, builder: BatchBuilder, runner: ModelRunner,
                  transport: KVTransport | None, loaded: LoadedModel | None = None,
                  streaming: bool = False):
-        super().__init__(index, builder, runner)
+        """``streaming``: a forward's first refresh for each receiver sends its K/V layer by
+        layer while the forward runs (``WorkerCore.schedule`` picks them)."""
+        super().__init__(index, builder, runner, streaming)
         self.transport = transport
         self.loaded = loaded  # its model takes layer-wise streaming's hook
-        self.streaming = streaming
         self._streams: dict[str, _Stream] = {}  # this iteration's
 
     def handle(self, m: object) -> None:
@@ -77,13 +78,13 @@ class TransferWorker(Worker):
             super().handle(m)
 
     def _on_receive(self, m: msg.ReceiveKV) -> None:
-        task = None
+        req = None
         if not m.drain:
-            state = self.core.parked_payload(m.request_id) if m.state is None else m.state
+            state = self.core.parked_state(m.request_id) if m.state is None else m.state
             msg.catch_up(state, m.progress)
-            task = Task(scheduling_request(m.request_id, m.arrival, state, m.seq), state,
-                        m.attempt, None, True, starts_block=state.step == 0)
-        self.core.expect_kv((m.src, m.transfer_id), m.request_id, m.attempt, task, m.num_pages)
+            req = scheduling_request(m, state, keep_pages=True,
+                                     starts_block=state.cursor.step == 0)
+        self.core.expect_kv((m.src, m.transfer_id), m.request_id, m.attempt, req, m.num_pages)
         self.transport.receive(m.src, m.transfer_id, m.num_pages)
 
     def iterate(self) -> bool:
@@ -106,16 +107,15 @@ class TransferWorker(Worker):
             r = self.core.receiving[key]
             self.transport.scatter_received(d, list(r.pages) if d.ok and r.pages is not None
                                             else None)
-            r, seated = self.core.kv_arrived(key, d.ok, time.monotonic())
+            r, seated = self.core.kv_arrived(key, d.ok, self.clock())
             self.events.append(msg.KVReceived(r.request_id, r.attempt, d.peer, d.transfer_id,
                                               seated, d.nbytes, list(r.pages) if seated else [],
                                               d.waited))
         return bool(done)
 
-    def _execute(self, tasks: list[Task], states: list[DecodeState],
+    def _execute(self, reqs: list[Request], states: list[DecodeState],
                  pages: list[list[int]]) -> list[StepOutcome]:
-        senders = [t for t in tasks if t.kv_dest is not None]
-        self._streams = self._open_streams(senders) if self.streaming and senders else {}
+        self._streams = {r.request_id: self._open_stream(r) for r in reqs if r.streamed}
         if not self._streams:
             return self.runner.execute(states, pages)
         # The other ranks of a tensor-parallel group stream their shards of the same pages.
@@ -126,18 +126,11 @@ class TransferWorker(Worker):
         finally:
             self.runner.streams = []
 
-    def _open_streams(self, senders: list[Task]) -> dict[str, _Stream]:
-        """Layer-wise streaming: open a sender's transfer before the forward, the first one per
-        receiver only. Sends to one receiver match its receives in posting order, and it posts
-        a transfer's layers together: a second transfer to it goes whole after the forward."""
-        streams, dests = {}, set()
-        for t in senders:
-            if t.kv_dest not in dests:
-                dests.add(t.kv_dest)
-                streams[t.request.request_id] = _Stream(
-                    t.kv_dest, self.transport.open_send(t.kv_dest),
-                    self._page_ids(t.request.pages))
-        return streams
+    def _open_stream(self, req: Request) -> _Stream:
+        """Open a streamed refresh's transfer before the forward (``Request.streamed``: the
+        batch's first to its receiver)."""
+        return _Stream(req.kv_dest, self.transport.open_send(req.kv_dest),
+                       self._page_ids(req.pages))
 
     def _page_ids(self, pages: list[int]) -> torch.Tensor:
         """A request's pages on the device, once per transfer (not per layer, which would
@@ -167,17 +160,13 @@ class TransferWorker(Worker):
             return self.runner.execute(states, pages, allow_graphs=False)
 
     def _ship(self, ship: Ship) -> None:
-        """Send a refresh's K/V to the canvas holder (or finish the streamed send). A refresh
-        to drain (it failed, or completed its block and the next is placed again) leaves
-        nothing to decode: no send, or a streamed one (its last layers posted now) that the
-        receiver drains."""
-        t = ship.task
-        dest = t.kv_dest
+        """Send a refresh's K/V to the canvas holder, or finish its streamed send (a drained
+        one too: its last layers go now, and the receiver drains them)."""
+        r = ship.request
+        dest = r.kv_dest
         layers = self.transport.num_layers
-        stream = self._streams.pop(t.request.request_id, None)
+        stream = self._streams.pop(r.request_id, None)
         if stream is None:
-            if ship.drain:
-                return
             tid = self.transport.open_send(dest)
             self.transport.send_layers(dest, tid, self._page_ids(ship.pages), range(layers))
             streamed = 0
@@ -186,9 +175,9 @@ class TransferWorker(Worker):
             if streamed < layers:  # the streamed forward failed and the request ran again
                 self.transport.send_layers(dest, tid, stream.page_ids, range(streamed, layers))
         nbytes, ok = self.transport.close_send(dest, tid)
-        self.events.append(msg.KVSent(t.request.request_id, t.attempt, dest, tid,
-                                      len(ship.pages), nbytes, streamed,
-                                      msg.block_progress(t.payload, ship.block), ship.drain, ok))
+        self.events.append(msg.KVSent(r.request_id, r.attempt, dest, tid, len(ship.pages),
+                                      nbytes, streamed, msg.block_progress(r.state, ship.block),
+                                      ship.drain, ok))
 
 
 class WorkerProcess:
