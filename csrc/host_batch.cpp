@@ -5,11 +5,13 @@
 //       in Python: BlockCursor's CURSOR_FIELDS, DecodeState's DECODE_FIELDS, ...). Called once,
 //       at import, by sangam/engine/host_batch.py.
 //   build(requests, pages, page_size, arena) -> (fits, num_tokens, num_rows, width)
-//       Plans every request's next step (DecodeState.plan, BlockCursor.span) and packs the
-//       batch's arrays (PackedBatch.from_plans) into the arena's preallocated arrays.
+//       Plans every request's next step (MaskedDiffusion.plan, BlockCursor.span: every family
+//       Sangam serves plans so) and packs the batch's arrays (PackedBatch.from_plans) into the
+//       arena's preallocated arrays.
 //   apply(requests, tokens, conf, cand_positions, cu_rows, num_forced) -> list[bool]
-//       Commits each request's scored rows (DecodeState.commit + select_commits), in place,
-//       moving its cursor.
+//       Commits each request's scored rows (MaskedDiffusion.commit with the Unmasking selector
+//       and Editing, sangam/decoding/family.py), in place, moving its cursor; leaves the
+//       requests whose family it does not mirror (host_commits 0) to Python.
 //
 // A request is its DecodeState.host_buffers: a tuple of buffers (its cursor's record, the
 // decoder's integer and float records, its tokens, confidences, block thresholds and stop ids),
@@ -122,7 +124,7 @@ struct CursorLayout {
       force_refresh, prefilled, chunk_end;
 };
 struct DecodeLayout {
-  int64_t mask_token_id, seed, rule, tokens_per_step, max_tokens, max_post_steps, constrained,
+  int64_t mask_token_id, seed, rule, tokens_per_step, max_tokens, max_post_steps, host_commits,
       num_forwards, num_chunks, finished, finish_reason, post_steps;
 };
 struct FloatLayout {
@@ -202,7 +204,7 @@ PyObject* configure(PyObject*, PyObject* arg) {
       index_of(decode, "max_tokens", &d.max_tokens) &&
       index_of(decode, "max_post_steps", &d.max_post_steps) &&
       index_of(decode, "post_steps", &d.post_steps) &&
-      index_of(decode, "constrained", &d.constrained) &&
+      index_of(decode, "host_commits", &d.host_commits) &&
       index_of(decode, "num_forwards", &d.num_forwards) &&
       index_of(decode, "num_chunks", &d.num_chunks) &&
       index_of(decode, "finished", &d.finished) &&
@@ -564,9 +566,10 @@ bool commit_one(PyObject* buffers, const int64_t* cand, const int64_t* tok, cons
   const CursorLayout& c = layout.c;
   const DecodeLayout& d = layout.d;
   const Codes& code = layout.code;
-  // Structured output commits by the frontier rule over its rows' logits, in Python
-  // (sangam/decoding/constrained.py): this request is left as it is.
-  if (q.record[d.constrained]) return true;
+  // The decoding families this path mirrors commit here (host_commits 1: the masked family with
+  // an unmasking rule); the others (structured output's frontier, which reads its rows'
+  // logits) commit in Python (sangam/decoding/family.py): this request is left as it is.
+  if (!q.record[d.host_commits]) return true;
   q.record[d.num_forwards] += 1;
   if (q.at(c.chunk_end) >= 0) {  // the forward was a block-causal prefill chunk (no rows)
     q.at(c.prefilled) = q.at(c.chunk_end);

@@ -33,8 +33,10 @@ TIMED_TOKENS = 1024
 
 
 def _rank(rank: int, device: str, port: int, tiny: str, big: str | None, out) -> None:
+    from sangam.engine.scoring import make_scorer
     from sangam.engine.tensor_group import TensorGroup
     from sangam.models import ShardLayout, load_model
+    from sangam.models.kernel_table import backend_name, kernel_table
 
     cuda = device == "cuda"
     dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
@@ -52,8 +54,9 @@ def _rank(rank: int, device: str, port: int, tiny: str, big: str | None, out) ->
         rows = logits.shape[0]
         temps = torch.zeros(rows, dtype=torch.float64, device=dev)
         keys = torch.zeros(rows, dtype=torch.int64, device=dev)
-        tokens, _ = group.score(logits, model.config.mask_token_id, temps, keys,
-                                model.config.vocab_size)
+        scorer = make_scorer(kernel_table(backend_name(dev)), group,
+                             model.config.mask_token_id, model.config.vocab_size)
+        tokens, _ = scorer.score(logits, None, {"temperatures": temps, "row_keys": keys})
         whole = group.gather_vocab(logits, model.config.vocab_size)
     result = {"logits": whole.cpu(), "tokens": tokens.cpu()}
     if big is not None:

@@ -54,3 +54,13 @@ def test_sangam_serve_takes_the_model_positionally():
     assert parse_args(["serve"]).model is None  # the demo model
     with pytest.raises(SystemExit):
         parse_args(["serve", "/a", "--model", "/b"])
+
+
+def test_every_attention_backend_has_a_row_of_the_kernel_table():
+    """``--attention-backend`` names the row of the one table that picks Triton kernels or
+    their references (models/kernel_table.py)."""
+    from sangam.config import ATTENTION_BACKENDS
+    from sangam.models.kernel_table import KERNEL_TABLE
+
+    assert set(ATTENTION_BACKENDS) == set(KERNEL_TABLE)
+    assert all(row.name == name for name, row in KERNEL_TABLE.items())

@@ -211,3 +211,39 @@ def test_scoring_with_known_sampled_rows_needs_no_sync(device):
     # No sampled row: nothing is drawn.
     none = score_logits(logits, 49, *args, hot=torch.empty(0, dtype=torch.int64, device=device))
     assert torch.equal(none.tokens, greedy)
+
+
+def test_each_request_composes_its_decoding_family():
+    """A request's step rules follow its options: an unmasking rule or, with structured
+    output, the grammar frontier (which reads its rows' logits, and which the C++ host path
+    leaves to Python: its record says so); token editing beside either. The composition travels
+    with the state between processes as what it is made of."""
+    import pickle
+
+    import numpy as np
+
+    from sangam.decoding.family import EDITING, FRONTIER, UNMASKING
+    from sangam.decoding.state import DECODE_FIELDS, DecodeState
+
+    def state(**options) -> DecodeState:
+        grammar = options.pop("grammar", None)
+        return DecodeState([3, 4], SamplingParams(max_tokens=8, block_length=4, **options),
+                           mask_token_id=99, stop_ids=frozenset({1}), shift_logits=False,
+                           block_causal=True, grammar=grammar)
+
+    host = DECODE_FIELDS.index("host_commits")
+    plain, edits = state(), state(edit_threshold=0.5, max_post_steps=2)
+    assert (plain.family.selector, plain.family.editing) == (UNMASKING, None)
+    assert (edits.family.selector, edits.family.editing) == (UNMASKING, EDITING)
+    assert plain.record[host] == edits.record[host] == 1 and not plain.family.reads_logits
+    structured = state(grammar=object())  # the family reads only that there is a matcher
+    assert structured.family.selector is FRONTIER and structured.family.reads_logits
+    assert structured.record[host] == 0
+    moved = pickle.loads(pickle.dumps(edits.family))
+    assert (moved.selector, moved.editing) == (UNMASKING, EDITING)
+    # Editing adds the block's filled response positions to the plan, after the masked ones
+    # (block 0 is [0, 4): the prompt's two tokens, then the response's first two positions).
+    edits.tokens[2] = 7
+    plan = edits.plan()
+    assert plan.positions.tolist() == [3, 2] and plan.num_editable == 1
+    assert np.array_equal(plan.rows, plan.positions - plan.span_start)

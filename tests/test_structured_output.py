@@ -18,7 +18,6 @@ from test_engine import staggered_outputs
 
 from sangam import LLM, SamplingParams
 from sangam.config import EngineConfig
-from sangam.decoding.constrained import commit_constrained
 from sangam.decoding.grammar import Constraint, ConstraintError
 from sangam.demo.tokenizer import VOCAB_SIZE, write_tokenizer
 from sangam.engine.engine import Engine
@@ -103,7 +102,7 @@ def test_steps_commit_a_prefix_of_the_block_and_the_grammar_accepts_it(demo):
             scale = [0.5, 20.0][trial % 3 == 0]
             logits = scale * torch.randn(len(plan.positions), VOCAB_SIZE, generator=gen,
                                          dtype=torch.float64)
-            commit_constrained(state, plan.positions, logits, plan.row_keys)
+            state.commit(plan.positions, plan.num_forced, None, None, 0, logits, plan.row_keys)
             block = state.tokens[s:e] != state.mask_token_id
             assert block.sum() > before or block.all()
             assert not (~block[:-1] & block[1:]).any()  # a prefix

@@ -13,6 +13,7 @@ import torch
 
 from sangam.decoding import DecodeState
 from sangam.engine.reference_decoder import ReferenceDecoder
+from sangam.engine.scoring import FusedScorer
 from sangam.models import TorchAttentionBackend, load_model
 from sangam.models.triton_attention import TritonAttentionBackend
 from sangam.sampling_params import SamplingParams
@@ -105,7 +106,7 @@ def test_llm_triton_backend_matches_reference_backend(checkpoints, arch):
     for backend in ("torch", "triton"):
         llm = LLM(checkpoints[arch], device="cpu", dtype="float64", attention_backend=backend,
                   page_size=4, num_pages=64)
-        assert llm.engine.runner.fused_scoring == (backend == "triton")
+        assert isinstance(llm.engine.runner.scorer, FusedScorer) == (backend == "triton")
         outs[backend] = [(o.token_ids, o.num_forwards,
                           o.top_logprobs and [[t for t, _ in alt] for alt in o.top_logprobs])
                          for o in llm.generate(inputs, params)]

@@ -18,6 +18,7 @@ with an unmasking rule; it leaves the commits of a request whose record says oth
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,7 +32,26 @@ from sangam.decoding.rules import select_commits
 from sangam.sched.block_cursor import FULL_REFRESH
 
 if TYPE_CHECKING:
-    from sangam.decoding.state import DecodeState, StepPlan
+    from sangam.decoding.state import DecodeState
+
+
+@dataclass
+class StepPlan:
+    """What the next forward of one request computes."""
+
+    span_start: int
+    span_end: int
+    # Candidate positions: forced ones first, then the rule's (masked), then with token editing
+    # the block's filled response positions (the last num_editable).
+    positions: np.ndarray
+    num_forced: int  # Dream's refresh commits its block's first position regardless
+    rows: np.ndarray  # hidden-state row (within the span) whose logits predict each position
+    row_keys: np.ndarray  # uint32 noise key per row (used when temperature > 0)
+    num_editable: int = 0
+
+    @property
+    def span_len(self) -> int:
+        return self.span_end - self.span_start
 
 
 class Unmasking:
@@ -147,9 +167,11 @@ class MaskedDiffusion:
         self.selector = selector
         self.editing = editing
 
-    @classmethod
-    def for_request(cls, structured: bool, editing: bool) -> MaskedDiffusion:
-        return cls(FRONTIER if structured else UNMASKING, EDITING if editing else None)
+    @staticmethod
+    def for_request(structured: bool, editing: bool) -> MaskedDiffusion:
+        """The composition a request's options ask for: one of four, shared by every request
+        that asks for it (a family holds rules, not state)."""
+        return _MASKED[bool(structured), bool(editing)]
 
     def __reduce__(self) -> tuple:  # travels as what it is composed of (the rules are shared)
         return MaskedDiffusion.for_request, (self.selector is FRONTIER, self.editing is not None)
@@ -167,8 +189,6 @@ class MaskedDiffusion:
         positions, then (with editing) its filled response positions. With shifted logits
         (Dream) no row of a later cached step predicts the block's first position, and a
         block's first step commits it outright (the forced row)."""
-        from sangam.decoding.state import StepPlan
-
         c = st.cursor
         start, end = c.span()
         s, e = c.block_bounds()
@@ -208,7 +228,9 @@ class MaskedDiffusion:
         if st.begin_step():
             return False
         m = len(positions) - num_editable
-        changed = self.selector.write(st, positions[:m], num_forced, tokens, conf, logits, keys)
+        changed = self.selector.write(st, positions[:m], num_forced,
+                                      None if tokens is None else tokens[:m],
+                                      None if conf is None else conf[:m], logits, keys)
         if num_editable:  # disjoint from the masked positions: their order does not matter
             changed = self.editing.write(st, positions[m:], tokens[m:], conf[m:]) or changed
         return self.end_step(st, had_masks=m > 0, changed=changed)
@@ -239,3 +261,8 @@ class MaskedDiffusion:
                  and st.confidence[s:e].min() < p.refresh_confidence)
         c.advance(block_done=True, finished=st.finished, force_next=force)
         return True
+
+
+_MASKED = {(structured, editing): MaskedDiffusion(FRONTIER if structured else UNMASKING,
+                                                 EDITING if editing else None)
+           for structured in (False, True) for editing in (False, True)}

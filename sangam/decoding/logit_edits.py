@@ -22,12 +22,13 @@ with ``batch_edits``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
-from sangam.decoding.state import DecodeState
+if TYPE_CHECKING:
+    from sangam.decoding.state import DecodeState
 
 
 class RequestEdits(NamedTuple):

@@ -11,11 +11,13 @@ and the response is the canvas between the two.
 Which positions each forward covers, and where the request stands, is its ``BlockCursor``
 (sangam/sched/block_cursor.py), which the scheduler's ``Request`` of the same request shares; a
 commit moves it. Block-causal models (SDAR, ``block_causal=True``) lay their blocks on the grid
-from position 0, so block 0 may start with the prompt's tail.
+from position 0, so block 0 may start with the prompt's tail. What a step does with its rows
+is the request's decoding family (``family``, sangam/decoding/family.py), composed from its
+options: this object holds the request's state, the family its rules.
 
 The C++ host path (csrc/host_batch.cpp) reads ``host_buffers``: the cursor's record, this
 object's ``record`` and ``floats`` (fields ``DECODE_FIELDS`` and ``DECODE_FLOAT_FIELDS``) and
-its arrays, and mirrors ``plan`` and ``commit``.
+its arrays, and mirrors ``plan`` and ``commit`` of the family it mirrors (``host_commits``).
 """
 
 from __future__ import annotations
@@ -23,21 +25,22 @@ from __future__ import annotations
 import functools
 import math
 from array import array
-from dataclasses import dataclass
 
 import numpy as np
 
 from sangam.decoding.detokenizer import IncrementalDetokenizer
+from sangam.decoding.family import MaskedDiffusion, StepPlan
 from sangam.decoding.grammar import GrammarState
-from sangam.decoding.noise import noise_key, row_keys
-from sangam.decoding.rules import RULE_IDS, select_commits
+from sangam.decoding.rules import RULE_IDS
 from sangam.sampling_params import SamplingParams
-from sangam.sched.block_cursor import CURSOR_FIELDS, FULL_REFRESH, BlockCursor
+from sangam.sched.block_cursor import BlockCursor
 
 # The decoder's record (beside its cursor's): the request's fixed integer parameters, then its
-# counters. finish_reason is an index into FINISH_REASONS; seed is its low 64 bits.
+# counters. finish_reason is an index into FINISH_REASONS; seed is its low 64 bits;
+# host_commits is 1 when the C++ host path commits its steps (its family's, DecodingFamily
+# .host_commits), 0 when Python does.
 DECODE_FIELDS = ("mask_token_id", "seed", "rule", "tokens_per_step", "max_tokens",
-                 "max_post_steps", "constrained", "num_forwards", "num_chunks", "finished",
+                 "max_post_steps", "host_commits", "num_forwards", "num_chunks", "finished",
                  "finish_reason", "post_steps")
 # edit_threshold is +inf without editing (no probability exceeds it).
 DECODE_FLOAT_FIELDS = ("temperature", "factor", "refresh_confidence", "edit_threshold")
@@ -48,32 +51,12 @@ HOST_BUFFERS = ("cursor", "record", "floats", "tokens", "confidence", "block_thr
 _FORWARDS, _CHUNKS, _FINISHED, _REASON, _POST = (
     DECODE_FIELDS.index(n) for n in ("num_forwards", "num_chunks", "finished", "finish_reason",
                                      "post_steps"))
-_BLOCK, _STEP = CURSOR_FIELDS.index("block"), CURSOR_FIELDS.index("step")
 
 
 def stop_ids_of(params: SamplingParams, eos_ids: frozenset[int]) -> frozenset[int]:
     """The ids that end a request's response: the model's EOS ids under stop_at_eos, and the
     request's own stop_token_ids."""
     return (eos_ids if params.stop_at_eos else frozenset()) | frozenset(params.stop_token_ids)
-
-
-@dataclass
-class StepPlan:
-    """What the next forward of one request computes."""
-
-    span_start: int
-    span_end: int
-    # Candidate positions: forced ones first, then the rule's (masked), then with token editing
-    # the block's filled response positions (the last num_editable).
-    positions: np.ndarray
-    num_forced: int  # Dream's refresh commits its block's first position regardless
-    rows: np.ndarray  # hidden-state row (within the span) whose logits predict each position
-    row_keys: np.ndarray  # uint32 noise key per row (used when temperature > 0)
-    num_editable: int = 0
-
-    @property
-    def span_len(self) -> int:
-        return self.span_end - self.span_start
 
 
 class DecodeState:
@@ -86,9 +69,11 @@ class DecodeState:
         if block_causal and (suffix_ids or shift_logits):
             raise ValueError("a block-causal model has no infilling and no shifted logits")
         self.params = params
-        # Structured output: the request's matcher; its steps commit by the frontier rule
-        # (sangam/decoding/constrained.py), which the C++ host path leaves to Python.
+        # Structured output: the request's matcher; its steps commit by the frontier rule.
         self.grammar = grammar
+        # What its steps do with their rows (sangam/decoding/family.py).
+        self.family = MaskedDiffusion.for_request(structured=grammar is not None,
+                                                  editing=params.edit_threshold is not None)
         self.mask_token_id = mask_token_id
         self.stop_ids = stop_ids_of(params, stop_ids)
         self.stop_array = np.array(sorted(self.stop_ids), dtype=np.int64)  # the same, for numpy
@@ -113,7 +98,7 @@ class DecodeState:
         self.record = array("q", (mask_token_id, low - 2**64 if low >= 2**63 else low,
                                   RULE_IDS[params.unmasking], params.tokens_per_step,
                                   params.max_tokens, params.max_post_steps,
-                                  int(grammar is not None), 0, 0, 0, 0, 0))
+                                  int(self.family.host_commits), 0, 0, 0, 0, 0))
         edit = math.inf if params.edit_threshold is None else params.edit_threshold
         self.floats = array("d", (params.temperature, params.factor, params.refresh_confidence,
                                   edit))
@@ -139,6 +124,15 @@ class DecodeState:
     def num_chunks(self) -> int:
         """Forwards that only stored prompt K/V (block-causal chunked prefill)."""
         return self.record[_CHUNKS]
+
+    @property
+    def post_steps(self) -> int:
+        """The current block's editing-only steps so far (token editing)."""
+        return self.record[_POST]
+
+    @post_steps.setter
+    def post_steps(self, value: int) -> None:
+        self.record[_POST] = value
 
     @property
     def finished(self) -> bool:
@@ -185,63 +179,25 @@ class DecodeState:
             return None
         return self.block_thresholds[:self.cursor.block + self.finished].tolist()
 
-    # One step.
+    # One step, by the request's family.
     def plan(self) -> StepPlan:
-        start, end = self.cursor.span()
-        s, e = self.cursor.block_bounds()
-        if end <= s:  # a prefill chunk: it stores K/V and predicts nothing
-            empty = np.zeros(0, dtype=np.int64)
-            return StepPlan(start, end, empty, 0, empty, empty)
-        block = self.tokens[s:e]
-        offsets = (block == self.mask_token_id).nonzero()[0]  # masked, in-block
-        num_editable = 0
-        if self.params.edit_threshold is not None:  # and the filled response positions
-            filled = (block != self.mask_token_id).nonzero()[0]
-            filled = filled[filled >= self.cursor.prompt_len - s]
-            num_editable = len(filled)
-            offsets = np.concatenate([offsets, filled])
-        num_forced = 0
-        shift = 1 if self.cursor.shift else 0
-        if shift and offsets.size and offsets[0] == 0:
-            # No row predicts position s in a block's later cached steps (its predictor is
-            # s - 1), so it is no candidate there; a block's first step does predict it and
-            # commits it outright: it stays first in the list, as the forced position.
-            if self.cursor.step == 0 or self.params.cache == "none":
-                num_forced = 1
-            else:
-                offsets = offsets[1:]
-        positions = offsets + s
-        rows = positions - (start + shift)
-        if self.params.temperature > 0:
-            keys = row_keys(noise_key(self.seed, self.cursor.block, self.cursor.step), offsets)
-        else:  # greedy: no noise is drawn
-            keys = np.zeros(len(positions), dtype=np.int64)
-        return StepPlan(start, end, positions, num_forced, rows, keys, num_editable)
+        """The next forward's span and the positions its rows predict."""
+        return self.family.plan(self)
 
     def apply(self, plan: StepPlan, tokens: np.ndarray, conf: np.ndarray) -> bool:
         """Commit this step's tokens (aligned with ``plan.positions``); True if a block ended."""
         return self.commit(plan.positions, plan.num_forced, tokens, conf, plan.num_editable)
 
-    def commit(self, positions: np.ndarray, num_forced: int, tokens: np.ndarray,
-               conf: np.ndarray, num_editable: int = 0) -> bool:
-        """``apply`` on a plan's parts: the first ``num_forced`` positions are committed
-        regardless, the rule picks among the rest but the last ``num_editable`` (filled
-        positions, edited where their token is sure and different); moves the cursor; True if
-        a block ended."""
-        p = self.params
-        if self.begin_step():
-            return False
-        k, m = num_forced, len(positions) - num_editable
-        chosen = select_commits(conf[k:m].tolist(), p.unmasking, self.threshold, p.factor,
-                                p.tokens_per_step)
-        commit = list(range(k)) + [k + i for i in chosen]
-        if num_editable:  # strictly above edit_threshold, as LLaDA2.1 edits
-            at = positions[m:]
-            edit = (conf[m:] > p.edit_threshold) & (tokens[m:] != self.tokens[at])
-            commit += (m + edit.nonzero()[0]).tolist()
-        self.tokens[positions[commit]] = tokens[commit]
-        self.confidence[positions[commit]] = conf[commit]
-        return self.end_step(had_masks=m > 0, changed=len(commit) > 0)
+    def commit(self, positions: np.ndarray, num_forced: int, tokens: np.ndarray | None,
+               conf: np.ndarray | None, num_editable: int = 0, logits: object = None,
+               keys: np.ndarray | None = None) -> bool:
+        """``apply`` on a plan's parts (a family that reads its rows' whole ``logits`` takes
+        them and their noise ``keys`` instead of tokens and confidences): the first
+        ``num_forced`` positions are committed regardless, the selector picks among the rest
+        but the last ``num_editable`` (filled positions, edited where their token is sure and
+        different); moves the cursor; True if a block ended."""
+        return self.family.commit(self, positions, num_forced, tokens, conf, num_editable,
+                                  logits, keys)
 
     def begin_step(self) -> bool:
         """Count a forward; if it was a prefill chunk (it stored K/V and scored nothing), move
@@ -253,44 +209,6 @@ class DecodeState:
         c.store_chunk()
         r[_CHUNKS] += 1
         return True
-
-    def end_step(self, had_masks: bool, changed: bool) -> bool:
-        """After a step's tokens are written: end the block (and the request, at a stop id or
-        the canvas's end) or take another step; moves the cursor; True if a block ended.
-        ``had_masks``: the step began with masks; ``changed``: it wrote some token."""
-        p, c, r = self.params, self.cursor, self.record
-        s, e = c.block_bounds()
-        if self.mask_token_id in self.tokens[s:e]:
-            c.advance(block_done=False, finished=False)
-            return False
-        if p.edit_threshold is not None and self._edits_go_on(had_masks, edited=changed):
-            c.advance(block_done=False, finished=False)
-            return False
-        r[_POST] = 0
-        # A stop id beyond max_tokens (the last block's padding) is no stop: the response
-        # reached its length first.
-        response = self.tokens[self.cursor.prompt_len:min(e, self.cursor.prompt_len + p.max_tokens)]
-        if self.stop_index(response) < len(response):
-            self.finish("stop")
-        elif c.block + 1 == c.num_blocks:
-            self.finish("length")
-        # Adaptive refresh: an unsure block leaves the next one no stale cache to trust.
-        force = (not self.finished and p.refresh_confidence > 0
-                 and c.block_refresh(c.block + 1) != FULL_REFRESH
-                 and self.confidence[s:e].min() < p.refresh_confidence)
-        c.advance(block_done=True, finished=self.finished, force_next=force)
-        return True
-
-    def _edits_go_on(self, had_masks: bool, edited: bool) -> bool:
-        """Whether the block, whose masks are all filled, takes another editing-only step: after
-        the step that filled its last mask, if max_post_steps allows one; after an
-        editing-only step, if it changed something and the allowance is not spent."""
-        r = self.record
-        if not had_masks:
-            r[_POST] += 1
-            if not edited:
-                return False
-        return r[_POST] < self.params.max_post_steps
 
     def stop_index(self, response: np.ndarray) -> int:
         """Where ``response`` (response tokens) holds its first stop id; its length if none."""

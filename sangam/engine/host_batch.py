@@ -3,8 +3,9 @@ arrays, and commit the scored tokens back into the requests (docs/design.md §1,
 
 One API, two implementations:
 
-- ``PythonHostBatcher``: ``DecodeState.plan`` / ``DecodeState.commit`` and
-  ``PackedBatch.from_plans``. The readable reference, and what runs without a compiler.
+- ``PythonHostBatcher``: ``DecodeState.plan`` / ``DecodeState.commit`` (the request's decoding
+  family's) and ``PackedBatch.from_plans``. The readable reference, and what runs without a
+  compiler.
 - ``CHostBatcher``: the C++ extension ``sangam._host`` (csrc/host_batch.cpp), which mirrors the
   reference step for step and is an order of magnitude faster; used whenever it was built. It
   reads each request's ``DecodeState.host_buffers`` (its cursor's and decoder's records and its
@@ -22,6 +23,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from sangam.decoding.family import StepPlan
 from sangam.decoding.rules import RULE_IDS
 from sangam.decoding.state import (
     DECODE_FIELDS,
@@ -29,7 +31,6 @@ from sangam.decoding.state import (
     FINISH_REASONS,
     HOST_BUFFERS,
     DecodeState,
-    StepPlan,
 )
 from sangam.models import AttentionMetadata
 from sangam.sampling_params import CACHE_MODES
@@ -171,10 +172,11 @@ class PythonHostBatcher:
     def apply(self, states: list[DecodeState], batch: PackedBatch, tokens: np.ndarray,
               conf: np.ndarray) -> list[bool]:
         """Commit the scored rows (``tokens`` int64 and ``conf`` float64, ``[M]``) into each
-        request; returns, per request, whether its current block was completed. Requests with
-        structured output are left alone (False): ``commit_constrained`` commits them."""
+        request; returns, per request, whether its current block was completed. Requests whose
+        family reads its rows' logits are left alone (False): the runner commits them with
+        those."""
         cu = batch.cu_rows.tolist()
-        return [st.grammar is None and st.commit(
+        return [not st.family.reads_logits and st.commit(
                     batch.cand_positions[cu[r]:cu[r + 1]], k, tokens[cu[r]:cu[r + 1]],
                     conf[cu[r]:cu[r + 1]], ed)
                 for r, (st, k, ed) in enumerate(zip(states, batch.num_forced.tolist(),

@@ -17,11 +17,11 @@ from sangam.models import (
     DiffusionLM,
     ModelConfig,
     ShardLayout,
-    TorchAttentionBackend,
     load_model,
     load_tokenizer,
     stop_token_ids,
 )
+from sangam.models.kernel_table import backend_name, kernel_table
 from sangam.sampling_params import SamplingParams
 
 
@@ -64,12 +64,7 @@ def context_limit(cfg: EngineConfig, model_config: ModelConfig) -> int | None:
 
 def make_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
     """``None`` picks triton on GPU and the PyTorch reference on CPU (docs/design.md §5)."""
-    name = name or ("triton" if device.type == "cuda" else "torch")
-    if name == "torch":
-        return TorchAttentionBackend()
-    from sangam.models.triton_attention import TritonAttentionBackend
-
-    return TritonAttentionBackend()
+    return kernel_table(backend_name(device, name)).attention()
 
 
 GENERATION_CONFIG = "generation_config.json"

@@ -1,25 +1,25 @@
-"""One packed forward per iteration: batch assembly, the model, and unmasking.
+"""One packed forward per iteration: batch assembly, the model, scoring and the commits.
 
 Refresh spans (a whole sequence) and cached spans (a block, or block + suffix) of many requests
 are concatenated into one varlen batch; the LM head runs only on rows that predict a masked
 position of a request's current block (docs/design.md §2). The host work around the forward
 (planning, packing, committing) is the HostBatcher's: C++ when built, else Python; the packed
 arrays reach the device in one copy (``device_batch.py``), the inputs of rows scored again
-(``Rescore``) included. Decode
-batches of the default block length replay CUDA graphs on GPU (``cuda_graphs.py``).
+(``Rescore``) included. The rows are scored by the worker's scorer (``scoring.py``: chosen
+once), and committed by each request's decoding family (a family that reads its rows' whole
+logits gets them). Decode batches of the default block length replay CUDA graphs on GPU
+(``cuda_graphs.py``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from sangam.decoding.confidence import score_logits
-from sangam.decoding.constrained import commit_constrained
 from sangam.decoding.logit_edits import LogitEdits, batch_edits
 from sangam.decoding.state import DecodeState
 from sangam.engine.cuda_graphs import DecodeGraphRunner
@@ -28,8 +28,10 @@ from sangam.engine.host_batch import HostBatcher, PackedBatch, make_host_batcher
 from sangam.engine.kv_pool import KVPool
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.memory_profile import rescore_chunk_rows
+from sangam.engine.scoring import Rows, make_scorer
 from sangam.engine.stop_strings import apply_stop_strings
 from sangam.engine.tensor_group import Step, TensorGroup
+from sangam.models.kernel_table import kernel_table
 from sangam.sched.request import BLOCK_DONE, CONTINUES, StepOutcome
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """``group``: the worker's tensor-parallel group, when it has several ranks. Rank 0's
     runner broadcasts each forward's ``Step`` before running it; the other ranks' runners run
-    it (``follow``). Both sides run the same device code (``_device_step``)."""
+    it (``follow``). Both sides run the same device code (``_device_step``) and scorer."""
 
     def __init__(self, loaded: LoadedModel, pool: KVPool, host_impl: str | None = None,
                  graphs: list[DecodeGraphRunner] = (), group: TensorGroup | None = None):
@@ -51,19 +53,13 @@ class ModelRunner:
         self.group = group
         # Full rescoring runs this many rows at a time: what the memory profile reserved.
         self.rescore_rows = rescore_chunk_rows(loaded.config.vocab_size, loaded.dtype)
-        # With the Triton backend, scoring is the fused online-softmax kernel (no [rows, vocab]
-        # fp32 copy); the host then commits by the rules, as on the reference path (rows
-        # scored again included). A vocabulary-parallel head scores per shard instead.
-        self.fused_scoring = loaded.model.attention_backend.name == "triton" and group is None
-        self.device_scoring = self.fused_scoring or group is not None  # reads per-row inputs
+        cfg = loaded.config
+        self.scorer = make_scorer(kernel_table(loaded.model.attention_backend.name), group,
+                                  cfg.mask_token_id, cfg.vocab_size)
         # K/V streamed layer by layer during the next forward (TransferWorker sets them): the
         # other ranks stream their shards of it too.
         self.streams: list[tuple[int, int, list[int]]] = []
         self._stepped = False  # the group began this forward: a failure now is the group's
-        if self.fused_scoring:  # imported here: the CPU reference path never loads Triton
-            from sangam.kernels.unmask import fused_score
-
-            self._fused_score = fused_score
 
     @torch.inference_mode()
     def execute(self, states: list[DecodeState], pages: list[list[int]],
@@ -104,8 +100,8 @@ class ModelRunner:
                ) -> tuple[PackedBatch, np.ndarray, np.ndarray, Rescore | None, tuple | None,
                           dict[int, torch.Tensor]]:
         """The forward and the scoring, read back to the host; changes no request. The rows
-        of requests with structured output come back whole (their rule reads the logits)."""
-        batch, arrays, rescore = pack_batch(self.host, states, pages, self.device_scoring,
+        of requests whose family reads its logits come back whole."""
+        batch, arrays, rescore = pack_batch(self.host, states, pages, self.scorer.uploads_inputs,
                                             chunk_rows=self.rescore_rows)
         graph = -1
         if allow_graphs and self.graphs and batch.num_rows:
@@ -115,10 +111,10 @@ class ModelRunner:
                 block_length = lengths.pop() if len(lengths) == 1 else 0
             graph = next((i for i, g in enumerate(self.graphs)
                           if g.can_run(batch, block_length)), -1)
-        constrained = [r for r, st in enumerate(states) if st.grammar is not None]
+        whole = [r for r, st in enumerate(states) if st.family.reads_logits]
         if self.group is not None:
-            if constrained:  # the rows whose whole vocabulary the group gathers
-                arrays["constrained_rows"] = constrained_row_index(batch, constrained)
+            if whole:  # the rows whose whole vocabulary the group gathers
+                arrays["whole_rows"] = whole_row_index(batch, whole)
             self._stepped = True  # from here on a failure (even of the send) is the group's
             self.group.send(Step(arrays, graph, self.streams))
         dev = self.uploader.upload(arrays)
@@ -126,18 +122,18 @@ class ModelRunner:
         if logits is None:  # only block-causal prefill chunks: K/V stored, nothing scored
             empty = np.zeros(0, dtype=np.int64)
             return (batch, empty, empty.astype(np.float64), None, None,
-                    {r: _NO_ROWS for r in constrained})
+                    {r: _NO_ROWS for r in whole})
         top = None
         if rescore is not None:
-            top = rescore.score(self._rows(logits), dev, self.loaded.config.mask_token_id,
+            top = rescore.score(self.scorer.rows(logits), dev, self.loaded.config.mask_token_id,
                                 tokens, conf)
             if top is not None:
                 top = tuple(t.cpu().numpy() for t in top)
         rows = {}
-        if constrained:
-            index = (dev["constrained_rows"] if self.group is not None else
-                     torch.from_numpy(constrained_row_index(batch, constrained)).to(self.device))
-            rows = split_constrained(batch, constrained, self._rows(logits)(index).cpu())
+        if whole:
+            index = (dev["whole_rows"] if self.group is not None else
+                     torch.from_numpy(whole_row_index(batch, whole)).to(self.device))
+            rows = split_whole_rows(batch, whole, self.scorer.rows(logits)(index).cpu())
         return (batch, tokens.cpu().numpy(), conf.cpu().numpy().astype(np.float64), rescore,
                 top, rows)
 
@@ -157,26 +153,8 @@ class ModelRunner:
             hidden = model.hidden_states(dev["input_ids"], dev["positions"],
                                          batch.metadata(dev), self.pool.kv)
         logits = model.logits(hidden, dev["logits_indices"])
-        mask_id = self.loaded.config.mask_token_id
-        if self.group is not None:
-            tokens, conf = self.group.score(logits, mask_id, dev["temperatures"],
-                                            dev["row_keys"], self.loaded.config.vocab_size)
-        elif self.fused_scoring:
-            tokens, conf = self._fused_score(logits, mask_id, dev["temperatures"],
-                                             dev["row_keys"])
-        else:
-            tokens, conf, _ = score_logits(logits, mask_id,
-                                           torch.from_numpy(batch.temperatures),
-                                           torch.from_numpy(batch.row_keys))
+        tokens, conf = self.scorer.score(logits, batch, dev)
         return logits, tokens, conf
-
-    def _rows(self, logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        """Rows of the whole-vocabulary logits by index: gathered across a group's ranks
-        (each of which must ask for the same rows, in the same order)."""
-        if self.group is None:
-            return logits.__getitem__
-        vocab = self.loaded.config.vocab_size
-        return lambda index: self.group.gather_vocab(logits[index], vocab)
 
     def follow(self, step: Step) -> None:
         """A follower rank's part of the forward ``step`` rank 0 broadcast: the same device
@@ -187,13 +165,13 @@ class ModelRunner:
         logits, _, _ = self._device_step(batch, dev, step.graph)
         if logits is None:
             return
-        rows = self._rows(logits)
+        rows = self.scorer.rows(logits)  # the same gathers as rank 0, in the same order
         if "rescore_rows" in dev:
             total = len(arrays["rescore_rows"])
             for a, b in rescore_chunks(total, self.rescore_rows):
                 rows(dev["rescore_rows"][a:b])
-        if "constrained_rows" in dev:
-            rows(dev["constrained_rows"])
+        if "whole_rows" in dev:
+            rows(dev["whole_rows"])
 
     def _commit(self, states: list[DecodeState], batch: PackedBatch, tokens: np.ndarray,
                 conf: np.ndarray, rescore: Rescore | None, top: tuple | None,
@@ -207,12 +185,13 @@ class ModelRunner:
         except Exception:  # per request: those committed before the error keep their step
             block_done = [_commit_alone(st, forwards[r], batch, r, tokens, conf, errors)
                           for r, st in enumerate(states)]
-        for r, logits in rows.items():  # the requests with structured output, by index
+        for r, logits in rows.items():  # the requests whose family reads its logits, by index
             if r not in errors:
                 a, b = int(batch.cu_rows[r]), int(batch.cu_rows[r + 1])
                 try:
-                    block_done[r] = commit_constrained(states[r], batch.cand_positions[a:b],
-                                                       logits, batch.row_keys[a:b])
+                    block_done[r] = states[r].commit(
+                        batch.cand_positions[a:b], int(batch.num_forced[r]), None, None,
+                        int(batch.num_editable[r]), logits, batch.row_keys[a:b])
                 except Exception as e:
                     errors[r] = e
         if top is not None:
@@ -230,15 +209,16 @@ class ModelRunner:
 _NO_ROWS = torch.zeros(0, 0)
 
 
-def constrained_row_index(batch: PackedBatch, which: list[int]) -> np.ndarray:
-    """The logits rows of the requests ``which`` (those with structured output), in order."""
+def whole_row_index(batch: PackedBatch, which: list[int]) -> np.ndarray:
+    """The logits rows of the requests ``which`` (those whose family reads its logits), in
+    order."""
     return np.concatenate([np.arange(batch.cu_rows[r], batch.cu_rows[r + 1]) for r in which])
 
 
-def split_constrained(batch: PackedBatch, which: list[int], host: torch.Tensor
-                      ) -> dict[int, torch.Tensor]:
-    """``host``, the rows of :func:`constrained_row_index` read back in one copy, by request
-    index: every such request has an entry (its commit runs from it)."""
+def split_whole_rows(batch: PackedBatch, which: list[int], host: torch.Tensor
+                     ) -> dict[int, torch.Tensor]:
+    """``host``, the rows of :func:`whole_row_index` read back in one copy, by request index:
+    every such request has an entry (its commit runs from it)."""
     out, at = {}, 0
     for r in which:
         n = int(batch.cu_rows[r + 1] - batch.cu_rows[r])
@@ -277,7 +257,7 @@ def _commit_alone(st: DecodeState, forwards: int, batch: PackedBatch, r: int,
     """Request ``r``'s commit after a batched commit failed: done already if its forward count
     moved (then its block ended iff it finished or a new block began), else the reference
     commit of its rows (identical to the batched one), its error recorded."""
-    if st.num_forwards != forwards or st.grammar is not None:
+    if st.num_forwards != forwards or st.family.reads_logits:
         return st.finished or st.cursor.step == 0
     a, b = int(batch.cu_rows[r]), int(batch.cu_rows[r + 1])
     try:
@@ -390,7 +370,7 @@ class Rescore:
         return cls(picked, indices, arrays, chunks, hot_bounds, widths,
                    max(p.logprobs or 0 for p in params))
 
-    def score(self, rows: Callable[[torch.Tensor], torch.Tensor], dev: dict[str, torch.Tensor],
+    def score(self, rows: Rows, dev: dict[str, torch.Tensor],
               mask_token_id: int, tokens: torch.Tensor,
               conf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Score the rows again from ``dev`` (the uploaded arrays), chunk by chunk, writing

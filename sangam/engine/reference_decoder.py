@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from sangam.decoding.confidence import score_logits
-from sangam.decoding.constrained import commit_constrained
 from sangam.decoding.logit_edits import pack_edits, request_edits
 from sangam.decoding.noise import noise_key, row_keys
 from sangam.decoding.state import DecodeState
@@ -50,8 +49,9 @@ class ReferenceDecoder:
             ids = torch.from_numpy(state.tokens[plan.span_start:plan.span_end]).to(self.device)
             logits = self.model(ids, positions, meta, kv,
                                 torch.from_numpy(plan.rows).to(self.device))
-            if state.grammar is not None:  # structured output: the frontier rule
-                commit_constrained(state, plan.positions, logits, plan.row_keys)
+            if state.family.reads_logits:  # structured output: the frontier rule
+                state.commit(plan.positions, plan.num_forced, None, None, plan.num_editable,
+                             logits, plan.row_keys)
                 continue
             tokens, conf, top = score_rows(self.model, state, logits, plan.positions,
                                            plan.row_keys)

@@ -4,9 +4,9 @@ what rank 0 tells the others.
 Rank 0 is the worker: scheduler, page allocator, host batch, commits. Before every forward it
 broadcasts the forward's host arrays (``Step``: the arrays the device reads, not Python
 objects), and before every K/V transfer operation the operation (``MirroredTransport`` in
-``multi/worker.py``); the other ranks (``multi/worker.py``'s followers) replay them in order
-on their own shard, pool and transport. Inside the forward the ranks meet in the model's
-all-reduces and in the vocabulary-parallel scoring's all-gather.
+``multi/data_plane.py``); the other ranks (``multi/follower.py``) replay them in order on their
+own shard, pool and transport. Inside the forward the ranks meet in the model's all-reduces
+and in the vocabulary-parallel scoring's all-gather (``scoring.ShardScorer``).
 
 Host commands travel over a gloo group (CPU tensors); the model's collectives over the
 device's backend (NCCL on GPU, the same gloo group on CPU).
@@ -21,8 +21,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sangam.decoding.confidence import combine_shard_scores, shard_scores
-from sangam.kernels.platform import compiled
 from sangam.models.sharding import ShardLayout
 
 # A follower waits for rank 0's next command for as long as the worker is idle; rank 0's
@@ -93,23 +91,12 @@ class TensorGroup:
         dist.all_reduce(x, group=self.model_group)
         return x
 
-    def score(self, logits: torch.Tensor, mask_token_id: int, temperature: torch.Tensor,
-              row_keys: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """score_logits' tokens and confidences from this rank's vocabulary columns of the
-        logits: five numbers a row cross the group, never the logits."""
-        lo, _ = self.layout.vocab(vocab_size)
-        if compiled(logits.device):  # the fused kernel, a few splits of the shard's columns
-            from sangam.kernels.unmask import fused_shard_scores, score_splits
-
-            # The same split count on every rank (the last shard may be narrower).
-            splits = score_splits(len(logits), -(-vocab_size // self.size), logits.device)
-            mine = fused_shard_scores(logits, lo, mask_token_id, temperature, row_keys, splits)
-        else:
-            mine = shard_scores(logits, lo, mask_token_id, temperature, row_keys)[None]
-        shards = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(shards, mine, group=self.model_group)
-        cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        return combine_shard_scores(torch.cat(shards), cdt)
+    def all_gather_model(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x``, concatenated along the first dimension in rank order (the
+        vocabulary-parallel scoring's five numbers a row: ``scoring.ShardScorer``)."""
+        shards = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(shards, x, group=self.model_group)
+        return torch.cat(shards)
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """The whole vocabulary of these logits rows ``[R, V]`` (every rank gets it), for the

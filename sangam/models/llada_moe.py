@@ -20,8 +20,9 @@ from torch import nn
 
 from sangam.models.config import ModelConfig
 from sangam.models.dream import DreamModel
+from sangam.models.kernel_table import KernelTable
 from sangam.models.moe import Expert, SparseMoe
-from sangam.models.transformer import RMSNorm
+from sangam.models.transformer import TORCH, RMSNorm
 
 
 class LLaDAMoeAttention(nn.Module):
@@ -45,8 +46,8 @@ class RoutedPlusShared:
     def __init__(self, routed: SparseMoe, shared: Expert):
         self.routed, self.shared = routed, shared
 
-    def __call__(self, x: torch.Tensor, triton: bool = False) -> torch.Tensor:
-        return self.routed(x, triton) + self.shared(x)
+    def __call__(self, x: torch.Tensor, kernels: KernelTable = TORCH) -> torch.Tensor:
+        return self.routed(x, kernels) + self.shared(x)
 
 
 class LLaDAMoeLayer(nn.Module):

@@ -7,8 +7,8 @@ once into ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]`` and 
 expert's weights at views of those: no second copy stays in memory, and the state dict still
 reads under the real names.
 
-Routing and the experts run through ``sangam.kernels``: the Triton kernels (``moe_route``,
-``fused_moe``) when the model's attention runs on Triton, else their PyTorch references.
+Routing and the experts run through the worker's row of the kernel table (``kernel_table.py``):
+the Triton kernels (``moe_route``, ``fused_moe``) or their PyTorch references.
 
 Under expert parallelism a rank holds only the experts ``local_experts`` (the others are left
 zero-width by ``models/sharding.py``): every rank routes every token alike, computes
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sangam.kernels import reference
 from sangam.models.config import MoeConfig
-from sangam.models.transformer import compute_dtype
+from sangam.models.kernel_table import KernelTable
+from sangam.models.transformer import TORCH, compute_dtype
 
 
 class Expert(nn.Module):
@@ -35,7 +35,7 @@ class Expert(nn.Module):
         self.up_proj = nn.Linear(hidden, width, bias=False)
         self.down_proj = nn.Linear(width, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, triton: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: KernelTable = TORCH) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -88,31 +88,24 @@ class SparseMoe(nn.Module):
         self.__dict__["_stacked"] = (w13, w2)
         return w13, w2
 
-    def route(self, x: torch.Tensor, triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, kernels: KernelTable = TORCH
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[N, H]`` -> (combine weights ``[N, top_k]``, expert ids ``[N, top_k]``)."""
         m, cd = self.moe, compute_dtype(x.dtype)
         logits = F.linear(x.to(cd), self.gate.weight.to(cd))
         bias = self.gate.expert_bias.to(cd) if m.expert_bias else None
-        if triton:
-            from sangam.kernels.fused_moe import moe_route
-        else:
-            moe_route = reference.moe_route_ref
-        return moe_route(logits, top_k=m.top_k, score=m.score, bias=bias, n_group=m.n_group,
+        return kernels.moe_route(logits, top_k=m.top_k, score=m.score, bias=bias, n_group=m.n_group,
                          topk_group=m.topk_group, renormalize=m.renormalize, scale=m.scale)
 
-    def forward(self, x: torch.Tensor, triton: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: KernelTable = TORCH) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
-        weights, ids = self.route(flat, triton)
+        weights, ids = self.route(flat, kernels)
         lo, hi = self.local_experts
         if hi - lo < self.moe.num_experts:  # the experts of other ranks: id hi - lo, skipped
             ids = torch.where((ids >= lo) & (ids < hi), ids - lo, hi - lo)
         w13, w2 = self.stacked()
-        if triton:
-            from sangam.kernels.fused_moe import fused_moe
-        else:
-            fused_moe = reference.fused_moe_ref
-        out = fused_moe(flat, w13, w2, weights, ids, partial=hi - lo < self.moe.num_experts)
+        out = kernels.fused_moe(flat, w13, w2, weights, ids, partial=hi - lo < self.moe.num_experts)
         if self.moe.shared_intermediate_size:
             out = out + self.shared_experts(flat)
         return out.view(*lead, x.shape[-1])

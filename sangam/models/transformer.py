@@ -19,9 +19,12 @@ from torch import nn
 
 from sangam.models.attention import AttentionBackend, AttentionMetadata, PagedKV
 from sangam.models.config import ModelConfig
+from sangam.models.kernel_table import KernelTable, kernel_table
 
 if TYPE_CHECKING:
     from sangam.models.sharding import ShardLayout
+
+TORCH = kernel_table("torch")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -104,7 +107,7 @@ class LayerParts(NamedTuple):
     qk_norms: tuple[nn.Module, nn.Module] | None  # per-head RMSNorms on q and k, before RoPE
     o: nn.Module
     mlp_norm: nn.Module
-    # x -> MLP(x); ``triton``: use the Triton kernels where the MLP has some (MoE).
+    # (x, kernels) -> MLP(x), with the worker's kernels where the MLP has some (MoE).
     mlp: Callable[..., torch.Tensor]
 
 
@@ -124,7 +127,7 @@ class SwiGLU:
     def __init__(self, gate: nn.Module, up: nn.Module, down: nn.Module):
         self.gate, self.up, self.down = gate, up, down
 
-    def __call__(self, x: torch.Tensor, triton: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, kernels: KernelTable = TORCH) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
@@ -198,7 +201,7 @@ class DiffusionLM(nn.Module):
 
     # Shared computation.
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                triton: bool = False) -> torch.Tensor:
+                kernels: KernelTable = TORCH) -> torch.Tensor:
         head_dim = self.config.head_dim
         heads, kv_heads = self.local_heads
         lead = h.shape[:-1]
@@ -213,7 +216,7 @@ class DiffusionLM(nn.Module):
             v = v.view(*lead, kv_heads, head_dim)
             # o and the MLP's down projection are row-parallel: one all-reduce each.
             h = h + self._reduce(part.o(attend(i, q, k, v).reshape(*lead, heads * head_dim)))
-            h = h + self._reduce(part.mlp(part.mlp_norm(h), triton))
+            h = h + self._reduce(part.mlp(part.mlp_norm(h), kernels))
         return self.final_norm(h)
 
     @torch.inference_mode()
@@ -238,8 +241,7 @@ class DiffusionLM(nn.Module):
         def attend(i, q, k, v):
             return backend.forward(q, k, v, kv.k[i], kv.v[i], meta, self.scale)
 
-        return self._layers(self.embed(input_ids), positions, attend,
-                            triton=backend.name == "triton")
+        return self._layers(self.embed(input_ids), positions, attend, kernel_table(backend.name))
 
     def head_weight(self) -> torch.Tensor:
         """The LM head's rows of this rank's vocabulary (``ShardLayout.vocab``): a sharded

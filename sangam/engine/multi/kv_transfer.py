@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from sangam.engine.tensor_group import global_rank
 from sangam.models import AttentionBackend, AttentionMetadata, DiffusionLM
+from sangam.models.kernel_table import backend_name, kernel_table
 
 
 def layer_page_bytes(kv_buffer: torch.Tensor) -> int:
@@ -67,14 +68,10 @@ def layer_page_bytes(kv_buffer: torch.Tensor) -> int:
 
 
 def _page_ops(device: torch.device):
-    """The page gather/scatter kernels: Triton on GPU, their PyTorch references on CPU."""
-    if device.type == "cuda":
-        from sangam.kernels.page_copy import gather_pages, scatter_pages
-
-        return gather_pages, scatter_pages
-    from sangam.kernels.reference import gather_pages_ref, scatter_pages_ref
-
-    return gather_pages_ref, scatter_pages_ref
+    """The page gather/scatter kernels of the device's row of the kernel table: Triton on GPU,
+    their PyTorch references on CPU."""
+    table = kernel_table(backend_name(device))
+    return table.gather_pages, table.scatter_pages
 
 
 @contextmanager
