@@ -8,10 +8,13 @@
 //       Plans every request's next step (MaskedDiffusion.plan, BlockCursor.span: every family
 //       Sangam serves plans so) and packs the batch's arrays (PackedBatch.from_plans) into the
 //       arena's preallocated arrays.
-//   apply(requests, tokens, conf, cand_positions, cu_rows, num_forced) -> list[bool]
+//   apply(requests, tokens, conf, cand_positions, cu_rows, num_forced, num_editable)
+//       -> (list[bool], dict[int, Exception])
 //       Commits each request's scored rows (MaskedDiffusion.commit with the Unmasking selector
 //       and Editing, sangam/decoding/family.py), in place, moving its cursor; leaves the
-//       requests whose family it does not mirror (host_commits 0) to Python.
+//       requests whose family it does not mirror (host_commits 0) to Python. Returns whether
+//       each one's block ended, and the error of each one whose commit failed (the others
+//       commit all the same).
 //
 // A request is its DecodeState.host_buffers: a tuple of buffers (its cursor's record, the
 // decoder's integer and float records, its tokens, confidences, block thresholds and stop ids),
@@ -706,7 +709,8 @@ PyObject* apply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   Ref done(PyList_New(n));
-  if (!done) return nullptr;
+  Ref errors(PyDict_New());
+  if (!done || !errors) return nullptr;
   std::vector<int64_t> order;
   std::vector<uint8_t> chosen;
   for (Py_ssize_t r = 0; r < n; ++r) {
@@ -719,15 +723,22 @@ PyObject* apply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!commit_one(PySequence_Fast_GET_ITEM(requests.get(), r), cand.data() + a,
                     tokens.data() + a, conf.data() + a, b - a, k, ed, order, chosen,
                     &block_done)) {
-      return nullptr;
+      // A request's failure is its own: its error is returned, and the others commit.
+      PyObject *type, *value, *trace;
+      PyErr_Fetch(&type, &value, &trace);
+      PyErr_NormalizeException(&type, &value, &trace);
+      if (trace != nullptr) PyException_SetTraceback(value, trace);
+      Ref error(value), index(PyLong_FromSsize_t(r));
+      Py_XDECREF(type);
+      Py_XDECREF(trace);
+      if (!index || PyDict_SetItem(errors.get(), index.get(), error.get()) < 0) return nullptr;
+      block_done = false;
     }
     PyObject* flag = block_done ? Py_True : Py_False;
     Py_INCREF(flag);
     PyList_SET_ITEM(done.get(), r, flag);
   }
-  PyObject* result = done.get();
-  Py_INCREF(result);
-  return result;
+  return PyTuple_Pack(2, done.get(), errors.get());
 }
 
 PyMethodDef methods[] = {
@@ -739,8 +750,9 @@ PyMethodDef methods[] = {
      "are too small nothing is written and fits is False."},
     {"apply", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(apply)), METH_FASTCALL,
      "apply(requests, tokens, conf, cand_positions, cu_rows, num_forced, num_editable)\n"
-     "-> list[bool]\n\n"
-     "Commit each request's scored rows in place; returns whether each completed its block."},
+     "-> (list[bool], dict[int, Exception])\n\n"
+     "Commit each request's scored rows in place; returns whether each completed its block,\n"
+     "and the errors of those whose commit failed."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -297,6 +297,35 @@ def test_no_page_leaks_with_aborts(loaded):
     assert engine.pool.allocator.num_free == engine.pool.num_pages
 
 
+@pytest.mark.parametrize("impl", ["python", "cext"])
+def test_a_request_whose_commit_fails_ends_alone(loaded, impl):
+    """A commit that fails (here: a canvas the step cannot write) ends its request with an
+    error and frees its pages; the requests batched with it commit in the same forward and
+    finish with the tokens they have alone, in both host paths."""
+    from sangam.engine.host_batch import cext_available, make_host_batcher
+
+    if impl == "cext" and not cext_available():
+        pytest.skip("the C++ extension is not built")
+    lm = loaded["llada"]
+    engine = Engine(EngineConfig(model=lm.path, device="cpu", dtype="float64", page_size=4,
+                                 num_pages=120), lm)
+    engine.runner.host = make_host_batcher(4, impl)
+    reqs = _workload(3, seed=3, caches=("dual",))
+    for req in reqs:
+        engine.add_request(*req)
+    engine.step()  # the refreshes: every request is seated now
+    engine.requests[reqs[1][0]].state.tokens.flags.writeable = False
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    failed = outs[reqs[1][0]]
+    assert failed.finish_reason == "error" and "failed in the engine" in failed.error
+    assert engine.pool.allocator.num_free == engine.pool.num_pages
+    for req in (reqs[0], reqs[2]):
+        alone = _reference(lm, [req])[req[0]]
+        assert outs[req[0]].token_ids == alone[0] and outs[req[0]].finish_reason != "error"
+
+
 def test_rejections_change_nothing(loaded):
     lm = loaded["llada"]
     engine = Engine(EngineConfig(model=lm.path, device="cpu", dtype="float64", page_size=4,

@@ -227,13 +227,15 @@ class MaskedDiffusion:
         move the request on; whether its block ended."""
         if st.begin_step():
             return False
-        m = len(positions) - num_editable
-        changed = self.selector.write(st, positions[:m], num_forced,
-                                      None if tokens is None else tokens[:m],
-                                      None if conf is None else conf[:m], logits, keys)
-        if num_editable:  # disjoint from the masked positions: their order does not matter
-            changed = self.editing.write(st, positions[m:], tokens[m:], conf[m:]) or changed
-        return self.end_step(st, had_masks=m > 0, changed=changed)
+        if not num_editable:
+            changed = self.selector.write(st, positions, num_forced, tokens, conf, logits, keys)
+            return self.end_step(st, len(positions) > 0, changed)
+        m = len(positions) - num_editable  # the selector's rows, then the editable ones
+        changed = self.selector.write(st, positions[:m], num_forced, tokens[:m], conf[:m],
+                                      logits, keys)
+        # Disjoint from the masked positions: the order of the two writes does not matter.
+        changed = self.editing.write(st, positions[m:], tokens[m:], conf[m:]) or changed
+        return self.end_step(st, m > 0, changed)
 
     def end_step(self, st: DecodeState, had_masks: bool, changed: bool) -> bool:
         """After a step's tokens are written: end the block (and the request, at a stop id or

@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from sangam.config import EngineConfig
 from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.state import DecodeState
@@ -62,8 +64,8 @@ class EngineStats:
 def tokens_per_forward(state: DecodeState) -> float:
     """Canvas tokens committed per forward spent: the parallelism diffusion decoding got."""
     c = state.cursor
-    committed = int((state.tokens[c.prompt_len:c.canvas_end] != state.mask_token_id).sum())
-    return committed / max(1, state.num_forwards)
+    committed = np.count_nonzero(state.tokens[c.prompt_len:c.canvas_end] != state.mask_token_id)
+    return int(committed) / max(1, state.num_forwards)
 
 
 class Front:

@@ -170,17 +170,24 @@ class PythonHostBatcher:
         return PackedBatch.from_plans(states, plans, pages, self.page_size)
 
     def apply(self, states: list[DecodeState], batch: PackedBatch, tokens: np.ndarray,
-              conf: np.ndarray) -> list[bool]:
+              conf: np.ndarray) -> tuple[list[bool], dict[int, Exception]]:
         """Commit the scored rows (``tokens`` int64 and ``conf`` float64, ``[M]``) into each
-        request; returns, per request, whether its current block was completed. Requests whose
-        family reads its rows' logits are left alone (False): the runner commits them with
-        those."""
+        request; returns, per request, whether its current block was completed, and the error
+        of each request whose commit failed (its failure is its own: the others commit).
+        Requests whose family reads its rows' logits are left alone (False): the runner
+        commits them with those."""
         cu = batch.cu_rows.tolist()
-        return [not st.family.reads_logits and st.commit(
-                    batch.cand_positions[cu[r]:cu[r + 1]], k, tokens[cu[r]:cu[r + 1]],
-                    conf[cu[r]:cu[r + 1]], ed)
-                for r, (st, k, ed) in enumerate(zip(states, batch.num_forced.tolist(),
-                                                    batch.num_editable.tolist()))]
+        done, errors = [], {}
+        for r, (st, k, ed) in enumerate(zip(states, batch.num_forced.tolist(),
+                                            batch.num_editable.tolist())):
+            try:
+                done.append(not st.family.reads_logits and st.family.commit(
+                    st, batch.cand_positions[cu[r]:cu[r + 1]], k, tokens[cu[r]:cu[r + 1]],
+                    conf[cu[r]:cu[r + 1]], ed))
+            except Exception as e:
+                done.append(False)
+                errors[r] = e
+        return done, errors
 
 
 # The arena's arrays in the order sangam._host.build takes them: (name, dtype, sized by).
@@ -245,7 +252,7 @@ class CHostBatcher:
             num_editable[:n])
 
     def apply(self, states: list[DecodeState], batch: PackedBatch, tokens: np.ndarray,
-              conf: np.ndarray) -> list[bool]:
+              conf: np.ndarray) -> tuple[list[bool], dict[int, Exception]]:
         """As ``PythonHostBatcher.apply``."""
         return _host.apply([st.host_buffers for st in states],
                            np.ascontiguousarray(tokens, dtype=np.int64),

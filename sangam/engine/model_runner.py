@@ -178,13 +178,7 @@ class ModelRunner:
                 rows: dict[int, torch.Tensor]) -> list[StepOutcome]:
         """Commit the scored rows into each request, then its alternatives and stop strings;
         an error there ends only its request."""
-        errors: dict[int, Exception] = {}
-        forwards = [st.num_forwards for st in states]
-        try:
-            block_done = self.host.apply(states, batch, tokens, conf)
-        except Exception:  # per request: those committed before the error keep their step
-            block_done = [_commit_alone(st, forwards[r], batch, r, tokens, conf, errors)
-                          for r, st in enumerate(states)]
+        block_done, errors = self.host.apply(states, batch, tokens, conf)
         for r, logits in rows.items():  # the requests whose family reads its logits, by index
             if r not in errors:
                 a, b = int(batch.cu_rows[r]), int(batch.cu_rows[r + 1])
@@ -196,14 +190,18 @@ class ModelRunner:
                     errors[r] = e
         if top is not None:
             rescore.record_top(batch, *top, errors)
-        for r, (st, done) in enumerate(zip(states, block_done)):
-            if done and r not in errors:
+        outcomes = [CONTINUES] * len(states)  # most steps end no block
+        for r in [r for r, done in enumerate(block_done) if done]:
+            st = states[r]
+            if r not in errors:
                 try:
                     apply_stop_strings(st, self.loaded.text.decode)
                 except Exception as e:
                     errors[r] = e
-        return [_failed(errors[r]) if r in errors else step_outcome(st, done)
-                for r, (st, done) in enumerate(zip(states, block_done))]
+            outcomes[r] = step_outcome(st, True)
+        for r, e in errors.items():
+            outcomes[r] = _failed(e)
+        return outcomes
 
 
 _NO_ROWS = torch.zeros(0, 0)
@@ -250,22 +248,6 @@ class TensorGroupError(RuntimeError):
 # worker must not go on.
 FATAL_ERRORS = (TensorGroupError, *((torch.AcceleratorError,)
                                     if hasattr(torch, "AcceleratorError") else ()))
-
-
-def _commit_alone(st: DecodeState, forwards: int, batch: PackedBatch, r: int,
-                  tokens: np.ndarray, conf: np.ndarray, errors: dict[int, Exception]) -> bool:
-    """Request ``r``'s commit after a batched commit failed: done already if its forward count
-    moved (then its block ended iff it finished or a new block began), else the reference
-    commit of its rows (identical to the batched one), its error recorded."""
-    if st.num_forwards != forwards or st.family.reads_logits:
-        return st.finished or st.cursor.step == 0
-    a, b = int(batch.cu_rows[r]), int(batch.cu_rows[r + 1])
-    try:
-        return st.commit(batch.cand_positions[a:b], int(batch.num_forced[r]), tokens[a:b],
-                         conf[a:b], int(batch.num_editable[r]))
-    except Exception as e:
-        errors[r] = e
-        return False
 
 
 def stage_batch(host: HostBatcher, uploader: BatchUploader, states: list[DecodeState],

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from sangam.sched.config import SchedulerConfig
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.prefix_cache import PrefixCache
-from sangam.sched.request import Request, RequestStatus, StepOutcome
+from sangam.sched.request import CONTINUES, Request, RequestStatus, StepOutcome
 
 
 @dataclass
@@ -216,6 +216,17 @@ class BatchBuilder:
             self._enqueue(req)
         else:  # DECODE: (stays) seated; a fresh prefill runs its first cached step next time
             self._seated[req.request_id] = req
+
+    def decodes_stepped(self, reqs: list[Request], now: float) -> None:
+        """``step_done`` of seated decodes (status DECODE) of the last batch whose step did not
+        end their block (the common case, in one call): they stay seated."""
+        in_flight = self._in_flight
+        self._now = now
+        for req in reqs:
+            if req.pending_pages or in_flight.pop(req.request_id, None) is not req:
+                self.step_done(req, now, CONTINUES)  # (which raises for a stranger)
+            else:
+                req.metrics.num_steps += 1
 
     def abort(self, request_id: str, now: float | None = None) -> Request | None:
         """Remove a request wherever it is, free its pages, mark it aborted; None if unknown.

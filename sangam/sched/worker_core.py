@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
 from sangam.sched.block_cursor import FULL_REFRESH, NO_REFRESH
-from sangam.sched.request import Request, StepOutcome
+from sangam.sched.request import CONTINUES, Request, RequestStatus, StepOutcome
 
 
 @dataclass
@@ -107,6 +107,9 @@ class IterationEvents(NamedTuple):
     ships: list[Ship]
     ended: list[BlockEnded | Failed]  # in batch order
     stats: IterationStats
+
+
+DECODE = RequestStatus.DECODE
 
 
 class WorkerCore:
@@ -216,6 +219,11 @@ class WorkerCore:
         moved by it) at ``end``: each request goes back to the builder (seated, waiting for its
         next refresh, or done) or leaves; returns what to report and do."""
         reqs = batch.requests
+        stats = IterationStats(batch.prefill_tokens, batch.decode_tokens, batch.deficit,
+                               len(reqs), len(batch.prefills), end - start)
+        if not batch.prefills and outcomes.count(CONTINUES) == len(reqs):  # most iterations
+            self.builder.decodes_stepped(reqs, end)
+            return IterationEvents([], [], [], stats)
         refreshed: list[tuple[Request, bool]] = []
         ships: list[Ship] = []
         ended: list[BlockEnded | Failed] = []
@@ -228,11 +236,15 @@ class WorkerCore:
                 if req.streamed or not drain:  # a streamed send is under way: it ends
                     ships.append(Ship(req, _ran(req, o), list(req.pages), drain, req.streamed))
                 req.streamed = False
+        stepped = []  # decodes whose step did not end their block: most of the batch
         for req, o in zip(reqs, outcomes):
             if o.error is not None:
                 self.drop(req.request_id)
                 ended.append(Failed(req, o.error))
             elif not o.block_done:
+                if req.status is DECODE and req.kv_dest is None:
+                    stepped.append(req)
+                    continue
                 self.builder.step_done(req, end, o)
                 if req.kv_dest is not None:  # a refresh for another worker: pages were temporary
                     self.builder.abort(req.request_id)
@@ -240,9 +252,8 @@ class WorkerCore:
             else:
                 block = _ran(req, o)
                 ended.append(BlockEnded(req, block, o.finished, self._block_done(req, o, end)))
-        return IterationEvents(refreshed, ships, ended, IterationStats(
-            batch.prefill_tokens, batch.decode_tokens, batch.deficit, len(reqs),
-            len(batch.prefills), end - start))
+        self.builder.decodes_stepped(stepped, end)
+        return IterationEvents(refreshed, ships, ended, stats)
 
     def seat_ready(self) -> None:
         """Seat landed requests while the builder has room."""
