@@ -128,6 +128,10 @@ def scheduling_request(m: msg.Prefill | msg.ReceiveKV, state: DecodeState,
     return req
 
 
+def _block_progress(r: Request, block: int) -> msg.BlockProgress:
+    return msg.block_progress(r.state, block)
+
+
 class Worker:
     """The engine core's iteration around one worker's parts, in process: it runs whole blocks
     (colocated) and moves no K/V; ``engine/multi/worker.py``'s ``TransferWorker`` adds the K/V
@@ -180,24 +184,16 @@ class Worker:
         outcomes = self._execute(reqs, states, [r.pages for r in reqs])
         end = self.clock()
         out = self.core.complete(batch, outcomes, start, end)
-        for r, chunk in out.refreshed:
-            self.events.append(msg.RefreshRan(r.request_id, r.attempt, end - start, chunk,
-                                              r.cached_tokens))
+        self.events += out.refresh_reports(end - start)
         for ship in out.ships:
             self._ship(ship)
         for ev in out.ended:
             r = ev.request
-            if isinstance(ev, BlockEnded):
-                st, c = r.state, r.cursor
-                if r.page_keys is not None and not ev.finished:  # the next block's first step
-                    extend_page_keys(r.page_keys, st.tokens, c.block_bounds()[0],  # makes the
-                                     self.builder.page_size, c.block_length)  # finished final
-                self.events.append(msg.BlockDone(
-                    r.request_id, r.attempt, c.block, c.step, c.force_refresh, st.num_forwards,
-                    ev.finished, list(ev.kept or ()), continues=ev.kept is None,
-                    progress=msg.block_progress(st, ev.block) if self.remote else None))
-            else:
-                self.events.append(msg.RequestFailed(r.request_id, r.attempt, ev.error))
+            if isinstance(ev, BlockEnded) and r.page_keys is not None and not ev.finished:
+                # The next block's first step makes the finished ones final: their keys join.
+                extend_page_keys(r.page_keys, r.state.tokens, r.cursor.block_bounds()[0],
+                                 self.builder.page_size, r.cursor.block_length)
+        self.events += out.end_reports(_block_progress if self.remote else None)
         self.iterations.append(out.stats)
 
     def _execute(self, reqs: list[Request], states: list[DecodeState],

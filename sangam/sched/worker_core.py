@@ -37,11 +37,13 @@ real worker, the simulator's draws in the simulator).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
 from sangam.sched.block_cursor import FULL_REFRESH, NO_REFRESH
+from sangam.sched.messages import BlockDone, RefreshRan, RequestFailed
 from sangam.sched.request import CONTINUES, Request, RequestStatus, StepOutcome
 
 
@@ -107,6 +109,32 @@ class IterationEvents(NamedTuple):
     ships: list[Ship]
     ended: list[BlockEnded | Failed]  # in batch order
     stats: IterationStats
+
+    # The front's reports of them (sched/messages.py), as every driver sends them: the
+    # refreshes' first, then (after the driver's ``KVSent`` of each ship) the blocks' ends.
+    def refresh_reports(self, seconds: float) -> list[RefreshRan]:
+        """The refreshes that ran in this iteration's forward of ``seconds``."""
+        return [RefreshRan(r.request_id, r.attempt, seconds, chunk, r.cached_tokens)
+                for r, chunk in self.refreshed]
+
+    def end_reports(self, progress: Callable[[Request, int], Any] | None = None
+                    ) -> list[BlockDone | RequestFailed]:
+        """The blocks that ended (each request's cursor and ``state.num_forwards`` as they are
+        now; ``progress(request, block)``: what the block changed, for a front in another
+        process) and the requests that failed."""
+        out: list[BlockDone | RequestFailed] = []
+        for ev in self.ended:
+            r = ev.request
+            if isinstance(ev, BlockEnded):
+                c = r.cursor
+                out.append(BlockDone(
+                    r.request_id, r.attempt, c.block, c.step, c.force_refresh,
+                    r.state.num_forwards, ev.finished, list(ev.kept or ()),
+                    continues=ev.kept is None,
+                    progress=None if progress is None else progress(r, ev.block)))
+            else:
+                out.append(RequestFailed(r.request_id, r.attempt, ev.error))
+        return out
 
 
 DECODE = RequestStatus.DECODE

@@ -62,13 +62,12 @@ from sangam.sched.messages import (
     Order,
     Prefill,
     ReceiveKV,
-    RefreshRan,
 )
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.placement import NeverFits, Placed
 from sangam.sched.prefix_cache import PrefixCache, request_page_keys
 from sangam.sched.request import CONTINUES, Request, StepOutcome
-from sangam.sched.worker_core import BlockEnded, WorkerCore
+from sangam.sched.worker_core import WorkerCore
 
 
 @dataclass
@@ -112,10 +111,10 @@ class _State:
 
     cursor: BlockCursor
     draws: _Draws
-    forwards: int = 0
+    num_forwards: int = 0
 
     def copy(self) -> _State:
-        return _State(self.cursor.copy(), self.draws, self.forwards)
+        return _State(self.cursor.copy(), self.draws, self.num_forwards)
 
 
 @dataclass
@@ -325,8 +324,7 @@ class Simulator:
         w.in_flight = False
         self._load = w.load
         out = w.core.complete(batch, [self._advance(r) for r in batch.requests], w.started, now)
-        report = [RefreshRan(r.request_id, r.attempt, now - w.started, chunk)
-                  for r, chunk in out.refreshed]
+        report = out.refresh_reports(now - w.started)
         for ship in out.ships:
             r = ship.request
             tid = next(self._transfer_ids)
@@ -335,15 +333,10 @@ class Simulator:
             nbytes = int(self.cost.kv_bytes(len(ship.pages) * self.config.page_size))
             report.append(KVSent(r.request_id, r.attempt, r.kv_dest, tid, len(ship.pages),
                                  nbytes, 0, r.state.copy(), ship.drain, True))
-        report += [BlockDone(ev.request.request_id, ev.request.attempt, ev.request.cursor.block,
-                             ev.request.cursor.step, ev.request.cursor.force_refresh,
-                             ev.request.state.forwards, ev.finished, list(ev.kept or ()),
-                             continues=ev.kept is None)
-                   for ev in out.ended if isinstance(ev, BlockEnded)]  # no request fails here
-        for ev in report:
+        for ev in report + out.end_reports():
             p = self.front.report(w.index, ev, now)
             if isinstance(ev, BlockDone) and p is not None:
-                p.state.forwards = ev.forwards  # the front's state catches up
+                p.state.num_forwards = ev.forwards  # the front's state catches up
                 if ev.finished:
                     self._finish(p)
 
@@ -373,7 +366,7 @@ class Simulator:
         """One forward of a request's block, as the step model commits it: moves the worker's
         cursor (a prefill chunk commits nothing, and stores its K/V)."""
         c, st = r.cursor, r.state
-        st.forwards += 1
+        st.num_forwards += 1
         if r.chunk_admitted:
             c.store_chunk()
             return CONTINUES
