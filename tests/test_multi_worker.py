@@ -258,7 +258,7 @@ def test_builder_seat_and_detach():
     alloc = PageAllocator(16)
     b = BatchBuilder(alloc, SchedulerConfig(page_size=4, max_batch_size=1))
     req = Request("a", 0.0, BlockCursor(3, 8, 4))
-    req.pages = alloc.allocate(req.pages_needed(4))
+    req.pages = alloc.allocate(req.cursor.num_pages(4))
     with pytest.raises(ValueError, match="DECODE"):
         b.seat(req)
     req.mark_admitted(0.0)

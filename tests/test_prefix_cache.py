@@ -178,7 +178,7 @@ def test_property_hits_hold_the_right_kv_and_nothing_leaks(specs, page_size, blo
         holders: dict[int, int] = {}
         for r in held:
             if r.pages:
-                assert len(r.pages) == r.pages_needed(page_size)
+                assert len(r.pages) == r.cursor.num_pages(page_size)
             for p in r.pages:
                 holders[p] = holders.get(p, 0) + 1
         assert all(alloc.refs(p) == n for p, n in holders.items())

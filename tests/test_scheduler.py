@@ -81,7 +81,7 @@ def test_request_geometry_and_spans():
     p.cursor.block = 2
     assert p.cursor.decode_span == 34 - (10 + 16)
     assert mk("c", P=10, G=24, B=8, cache="none").cursor.decode_span == 34
-    assert r.pages_needed(16) == 3 and r.pages_needed(17) == 2 and r.pages_needed(1) == 34
+    assert (c.num_pages(16), c.num_pages(17), c.num_pages(1)) == (3, 2, 34)
     q = mk("d", t=0.0)
     assert r.queue_key < q.queue_key  # same arrival: creation order
     assert mk("h", t=5.0, priority=-1).queue_key < r.queue_key  # priority before arrival
@@ -500,7 +500,7 @@ def simulate(b: BatchBuilder, specs: list, seed: int, abort_prob: float = 0.0,
                                        or rng.random() < 0.2)
             b.step_done(r, float(it), ran(r, block_done, finished))
         held = [r for r in reqs if r.status is not FI]
-        assert all(len(r.pages) == r.pages_needed(b.page_size) for r in held if r.pages)
+        assert all(len(r.pages) == r.cursor.num_pages(b.page_size) for r in held if r.pages)
         assert b.allocator.num_used == sum(len(r.pages) for r in held)  # no page leaks
         it += 1
         assert it < 5000, "the builder stopped making progress"

@@ -28,7 +28,7 @@ class ReferenceDecoder:
     def run(self, state: DecodeState) -> DecodeState:
         """Decode ``state`` to completion in place and return it."""
         cfg = self.model.config
-        n_pages = -(-state.cursor.total_len // self.page_size)
+        n_pages = state.cursor.num_pages(self.page_size)
         kv = PagedKV.allocate(cfg.num_layers, n_pages, self.page_size, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
         table = torch.arange(n_pages, dtype=torch.int32, device=self.device)[None]

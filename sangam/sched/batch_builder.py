@@ -156,7 +156,7 @@ class BatchBuilder:
 
     def fits_ever(self, req: Request) -> bool:
         """Whether ``req``'s canvas fits the pool at all; check at submission."""
-        return req.pages_needed(self.page_size) <= self.allocator.num_pages
+        return req.cursor.num_pages(self.page_size) <= self.allocator.num_pages
 
     # Driver calls.
     def add(self, req: Request) -> None:
@@ -171,7 +171,7 @@ class BatchBuilder:
         if not req.pages and not self.fits_ever(req):
             raise ValueError(
                 f"request {req.request_id!r} can never fit: its {req.cursor.total_len} positions "
-                f"need {req.pages_needed(self.page_size)} KV pages of {self.page_size} tokens, "
+                f"need {req.cursor.num_pages(self.page_size)} KV pages of {self.page_size} tokens, "
                 f"the pool has {self.allocator.num_pages}")
         self._hold(req)
         self._enqueue(req)
@@ -423,7 +423,7 @@ class BatchBuilder:
         """Its first admission: share the cached ``hit`` and allocate the rest of the
         canvas; False (nothing taken, nothing cached assumed) when the rest does not fit."""
         self.allocator.share(hit)  # before counting: a hit page nobody held counted as free
-        n = req.pages_needed(self.page_size) - len(hit)
+        n = req.cursor.num_pages(self.page_size) - len(hit)
         if not self.allocator.can_allocate(n):
             self.allocator.free(hit)
             if hit:  # the look-up's doing: nothing of the prompt is stored after all

@@ -225,6 +225,10 @@ class BlockCursor:
             * self.block_length
         return s, s + self.block_length
 
+    def num_pages(self, page_size: int) -> int:
+        """KV pages that hold the whole sequence: ceil(T / page_size)."""
+        return -(-self.total_len // page_size)
+
     def block_of(self, position: int) -> int:
         """The block holding canvas position ``position``."""
         return (position - self.block_origin) // self.block_length

@@ -187,7 +187,7 @@ class Placement:
             priority: int = 0, seq: int | None = None, state: Any = None,
             prompt_ids: list[int] | None = None) -> Placed:
         """A new request, pending; NeverFits if no live worker could ever hold its canvas."""
-        need = -(-cursor.total_len // self.page_size)
+        need = cursor.num_pages(self.page_size)
         if need > self.room():
             raise NeverFits(f"request needs {need} KV pages for {cursor.total_len} tokens, "
                             f"more than the pool's {self.room()}")

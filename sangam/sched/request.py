@@ -167,10 +167,6 @@ class Request:
         Never changes."""
         return (self.priority, self.arrival_time, self.seq)
 
-    def pages_needed(self, page_size: int) -> int:
-        """Pages that hold the whole canvas: ceil(T / page_size)."""
-        return -(-self.cursor.total_len // page_size)
-
     # Transitions on a worker.
     def mark_admitted(self, now: float, chunk: int = 0) -> None:
         """Admitted for its refresh, or (``chunk`` > 0 tokens) for a chunk of it."""
