@@ -17,7 +17,7 @@ def mk(rid: str = "r", P: int = 8, G: int = 16, holder: int | None = None,
     ``holder``: the worker that already holds its canvas (a re-prefill)."""
     need = -(-(P + G) // 16) if pages is None else pages
     r = Placed(rid, 0.0, BlockCursor(P, G, 8), pages_needed=need, attempt=0)
-    r.canvas_on = holder
+    r.holder = holder
     return r
 
 

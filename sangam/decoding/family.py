@@ -161,11 +161,14 @@ class MaskedDiffusion:
     """The masked family: a ``selector`` (``UNMASKING`` or ``FRONTIER``) over the block's masked
     positions, with ``editing`` (``EDITING``) or without."""
 
-    __slots__ = ("selector", "editing")
+    __slots__ = ("selector", "editing", "reads_logits", "host_commits")
 
     def __init__(self, selector: Unmasking | Frontier, editing: Editing | None = None):
         self.selector = selector
         self.editing = editing
+        # Read for every request of every iteration: the selector's, kept as attributes.
+        self.reads_logits = selector.reads_logits
+        self.host_commits = selector.host_commits
 
     @staticmethod
     def for_request(structured: bool, editing: bool) -> MaskedDiffusion:
@@ -175,14 +178,6 @@ class MaskedDiffusion:
 
     def __reduce__(self) -> tuple:  # travels as what it is composed of (the rules are shared)
         return MaskedDiffusion.for_request, (self.selector is FRONTIER, self.editing is not None)
-
-    @property
-    def reads_logits(self) -> bool:
-        return self.selector.reads_logits
-
-    @property
-    def host_commits(self) -> bool:
-        return self.selector.host_commits
 
     def plan(self, st: DecodeState) -> StepPlan:
         """The next forward's span and the positions its rows predict: the block's masked

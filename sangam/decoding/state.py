@@ -37,8 +37,8 @@ from sangam.sched.block_cursor import BlockCursor
 
 # The decoder's record (beside its cursor's): the request's fixed integer parameters, then its
 # counters. finish_reason is an index into FINISH_REASONS; seed is its low 64 bits;
-# host_commits is 1 when the C++ host path commits its steps (its family's, DecodingFamily
-# .host_commits), 0 when Python does.
+# host_commits is 1 when the C++ host path commits its steps (its family's
+# ``MaskedDiffusion.host_commits``), 0 when Python does.
 DECODE_FIELDS = ("mask_token_id", "seed", "rule", "tokens_per_step", "max_tokens",
                  "max_post_steps", "host_commits", "num_forwards", "num_chunks", "finished",
                  "finish_reason", "post_steps")

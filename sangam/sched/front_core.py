@@ -89,10 +89,6 @@ class FrontCore:
         self._open_transfers: dict[tuple[int, int], TransferRecord] = {}
         self._send = send
 
-    @property
-    def dead(self) -> list[int]:
-        return self.placement.dead
-
     # Requests in and out.
     def add(self, request_id: str, arrival_time: float, cursor: BlockCursor, *,
             priority: int = 0, seq: int | None = None, state: Any = None,

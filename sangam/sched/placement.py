@@ -92,7 +92,6 @@ class Placed:
     kv_dst: int | None = None
     load_worker: int | None = None  # router load outstanding there...
     load_tokens: int = 0  # ... this many tokens (what route_prefill charged)
-    canvas_on: int | None = None  # the worker that reported holding its canvas pages
     restarts: int = 0
     # The worker that parked the canvas with its own copy of ``state`` (it ended the last block
     # there and has not been sent the request since): it is sent no state, only progress.
@@ -291,7 +290,6 @@ class Placement:
         with self._moving(p):
             p.phase, p.worker, p.holder, p.reserved = RUNNING, dst, dst, None
             p.kv_src = p.kv_dst = None
-        p.canvas_on = dst
         return set()
 
     def block_done(self, p: Placed, worker: int, finished: bool, forwards: int,
@@ -313,8 +311,6 @@ class Placement:
             p.phase, p.worker, p.reserved = PENDING, None, None
             if pages:
                 p.holder = worker
-        if pages:
-            p.canvas_on = worker
         self.pending[rid] = p
         return set()
 
@@ -369,7 +365,7 @@ class Placement:
         with self._moving(p):
             p.phase = PENDING
             p.worker = p.holder = p.reserved = p.kv_src = p.kv_dst = p.load_worker = None
-        p.canvas_on = p.parked_on = None
+        p.parked_on = None
         return drops
 
     def _restart(self, p: Placed) -> set[int]:

@@ -6,7 +6,7 @@ Pure Python, no tensors: the engine and the simulator drive the same object, thr
 Load is the number of *outstanding prefill tokens* per worker: ``route_prefill`` records
 ``req.cursor.span_len`` on the worker it picks (through ``add``), and the driver calls
 ``done(worker, tokens)`` when that refresh's forward ends, or when the request is aborted
-before it. A request *holds its canvas* on ``req.canvas_on`` once a worker reported its pages.
+before it. A request *holds its canvas* on ``req.holder`` (Placement's).
 A worker *has room* for a prefill when its free pages cover the pages the request would need
 there: none on the worker that holds its canvas, ``req.pages_needed`` elsewhere (a new
 canvas, or a prefill worker's transient pages for the refresh).
@@ -121,7 +121,7 @@ class Router:
     def route_prefill(self, req: Placed, free_pages: list[int]) -> int:
         """The worker that runs ``req``'s next refresh; records its cost there as load."""
         self._check(free_pages)
-        holder = req.canvas_on
+        holder = req.holder
         if holder is not None and (self.mode == "colocated" or self.one_role_left):
             if not self._alive[holder]:
                 raise RuntimeError(f"request {req.request_id!r}: worker {holder}, which holds "
@@ -141,11 +141,11 @@ class Router:
     def route_decode(self, req: Placed, free_pages: list[int]) -> int | None:
         """The worker that holds ``req``'s canvas; None if no live one has room now."""
         self._check(free_pages)
-        if req.canvas_on is not None:  # never migrated
-            if not self._alive[req.canvas_on]:
-                raise RuntimeError(f"request {req.request_id!r}: worker {req.canvas_on}, which "
+        if req.holder is not None:  # never migrated
+            if not self._alive[req.holder]:
+                raise RuntimeError(f"request {req.request_id!r}: worker {req.holder}, which "
                                    f"holds its pages, is dead")
-            return req.canvas_on
+            return req.holder
         fit = [w for w in self.canvas_capable() if free_pages[w] >= req.pages_needed]
         if not fit:
             return None
