@@ -59,9 +59,9 @@ def _random_routing(t, e, k, device, seed=2, experts=None):
     return weights.to(device), ids.to(device, torch.int32)
 
 
-def _check_moe(x, w13, w2, weights, ids, **kw):
-    out = fused_moe(x, w13, w2, weights, ids, **kw)
-    ref = fused_moe_ref(x, w13, w2, weights, ids)
+def _check_moe(x, w13, w2, weights, ids, activation="silu", **kw):
+    out = fused_moe(x, w13, w2, weights, ids, activation=activation, **kw)
+    ref = fused_moe_ref(x, w13, w2, weights, ids, activation=activation)
     assert out.dtype == x.dtype and out.shape == x.shape
     atol, rtol = TOL[x.dtype]
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
@@ -217,6 +217,24 @@ def test_random_routing(device, dtype):
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
+def test_gelu_tanh_experts(device, dtype):
+    """Gemma's GeGLU experts (DiffusionGemma): softmax top-2 of 8, odd widths."""
+    w13, w2 = _experts(8, 40, 24, device, dtype)
+    x = _tokens(13, 40, device, dtype)
+    weights, ids = moe_route_ref(_logits(13, 8, device, dtype), top_k=2, score="softmax")
+    _check_moe(x, w13, w2, weights, ids, activation="gelu_tanh")
+
+
+def test_unknown_activation_is_refused():
+    w13, w2 = _experts(4, 16, 16, "cpu", torch.float32)
+    x = _tokens(2, 16, "cpu", torch.float32)
+    ids = torch.tensor([[0, 2], [1, 3]], dtype=torch.int32)
+    for fn in (fused_moe, fused_moe_ref):
+        with pytest.raises(ValueError, match="activation"):
+            fn(x, w13, w2, torch.ones(2, 2), ids, activation="relu")
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
 def test_experts_without_tokens_and_odd_sizes(device, dtype):
     """Half the experts get no token (no tile); H and I are not multiples of the K tiles."""
     w13, w2 = _experts(16, 40, 24, device, dtype)
@@ -263,7 +281,11 @@ def test_no_tokens(device, dtype):
     assert out.shape == (0, 32)
 
 
-def _naive_moe(x, w13, w2, weights, ids):
+def _gelu_tanh(g):
+    return 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)))
+
+
+def _naive_moe(x, w13, w2, weights, ids, activation="silu"):
     """Token by token, expert by expert, in fp64."""
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64)
@@ -273,21 +295,22 @@ def _naive_moe(x, w13, w2, weights, ids):
             e = int(ids[t, k])
             gate = w13[e, :inter].double() @ xt
             up = w13[e, inter:].double() @ xt
-            act = gate * torch.sigmoid(gate) * up
+            act = (gate * torch.sigmoid(gate) if activation == "silu" else _gelu_tanh(gate)) * up
             out[t] += float(weights[t, k]) * (w2[e].double() @ act)
     return out
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_reference_matches_a_per_token_loop(dtype):
+def test_reference_matches_a_per_token_loop(dtype, activation):
     w13, w2 = _experts(8, 24, 20, "cpu", dtype)
     x = _tokens(11, 24, "cpu", dtype)
     weights, ids = _random_routing(11, 8, 3, "cpu", seed=9)
-    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    ref = fused_moe_ref(x, w13, w2, weights, ids, activation=activation)
     assert ref.dtype == dtype
     tol = 1e-12 if dtype == torch.float64 else 1e-5
-    torch.testing.assert_close(ref.double(), _naive_moe(x, w13, w2, weights, ids), atol=tol,
-                               rtol=tol)
+    torch.testing.assert_close(ref.double(), _naive_moe(x, w13, w2, weights, ids, activation),
+                               atol=tol, rtol=tol)
 
 
 def test_reference_rejects_a_token_routed_twice_to_one_expert():

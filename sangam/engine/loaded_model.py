@@ -14,11 +14,13 @@ from sangam.decoding.grammar import GrammarCompiler, compiler_for, register_toke
 from sangam.engine.text import TextCodec
 from sangam.models import (
     AttentionBackend,
+    CheckpointError,
     DiffusionLM,
     ModelConfig,
     ShardLayout,
     load_model,
     load_tokenizer,
+    read_config,
     stop_token_ids,
 )
 from sangam.models.kernel_table import backend_name, kernel_table
@@ -86,6 +88,15 @@ def read_generation_defaults(path: str | Path) -> dict:
     return defaults
 
 
+def check_served(model_config: ModelConfig, path: str | Path) -> None:
+    """Raise CheckpointError for a model that loads but the engine does not decode."""
+    if model_config.gemma is not None:
+        raise CheckpointError(
+            f"{path}: {model_config.architecture} (uniform-state diffusion) is not served by "
+            "the engine yet; it loads with sangam.models.load_model and decodes with "
+            "sangam.engine.reference_canvas.generate_canvases")
+
+
 @dataclass
 class LoadedModel:
     path: str
@@ -105,6 +116,7 @@ class LoadedModel:
         """The checkpoint of ``cfg`` on its device (``shard``: one rank's slice of it)."""
         path = checkpoint_path(cfg)
         device = torch.device(cfg.device or default_device())
+        check_served(read_config(path), path)  # before reading the weights
         model = load_model(path, device, None if cfg.dtype == "auto" else cfg.dtype,
                            cfg.load_format, shard)
         model.attention_backend = make_attention_backend(cfg.attention_backend, device)
@@ -117,6 +129,7 @@ class LoadedModel:
                ) -> LoadedModel:
         """``model`` (None on a front whose workers hold the weights) with the checkpoint's
         tokenizer (or ``cfg.tokenizer``'s), stop ids, request defaults and context limit."""
+        check_served(model_config, path)
         tokenizer = load_tokenizer(cfg.tokenizer or path, required=cfg.tokenizer is not None)
         if tokenizer is not None:  # for structured output, in this process
             register_tokenizer(str(cfg.tokenizer or path), tokenizer)

@@ -1,4 +1,5 @@
-"""Mixture-of-experts FFN: the router's grouped top-k and the experts' SwiGLU MLPs, fused.
+"""Mixture-of-experts FFN: the router's grouped top-k and the experts' gated MLPs (SwiGLU, or
+Gemma's GeGLU), fused.
 
 Routing (:func:`moe_route`) is one small kernel, one program per token: the scores (sigmoid plus
 the selection bias, or softmax), the expert groups' top-2 sums, the kept groups and the top-k
@@ -13,7 +14,7 @@ T*K + min(E, T*K) * (BLOCK_M - 1) rows, and programs whose tile lies past the re
 exit at once.
 
   1. gate+up: each program computes a [BLOCK_M, BLOCK_N] tile of gate and the matching tile of
-     up for its expert's rows and writes silu(gate) * up, in x's dtype, to an intermediate
+     up for its expert's rows and writes act(gate) * up, in x's dtype, to an intermediate
      ``[rows, I]`` (the sorted, padded order);
   2. down: each program multiplies its rows of the intermediate by the expert's down
      projection, scales each row by its routing weight and writes it to the row of its
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from sangam.kernels.platform import compiled, max_shared_bytes
-from sangam.kernels.reference import check_route_args
+from sangam.kernels.reference import MOE_ACTIVATIONS, check_route_args
 
 # ----------------------------------------------------------------------------- routing
 
@@ -142,7 +143,7 @@ def _gate_up_kernel(
     s_x, s_we, s_wn, s_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, GELU_TANH: tl.constexpr,
 ):
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
@@ -178,7 +179,11 @@ def _gate_up_kernel(
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
+        if GELU_TANH:  # gelu(g) = g * sigmoid(2 * sqrt(2/pi) * (g + 0.044715 g^3)): tanh's form
+            inner = 1.5957691216057308 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
+            h = acc_g / (1.0 + tl.exp(-inner)) * acc_u
+        else:
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
         out = out_ptr + offs_m.to(tl.int64)[:, None] * s_out + offs_n[None, :]
         tl.store(out, h.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -343,13 +348,17 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, block_m: int | None = None,
-              partial: bool = False) -> torch.Tensor:
+              partial: bool = False, activation: str = "silu") -> torch.Tensor:
     """The routed experts' output ``[T, H]`` in x's dtype, as
     :func:`sangam.kernels.reference.fused_moe_ref`: x ``[T, H]``; w13 ``[E, 2I, H]`` (gate rows,
     then up rows); w2 ``[E, H, I]``; topk_weights ``[T, K]`` (any float dtype) and topk_ids
     ``[T, K]`` (int, each row's experts distinct). ``block_m`` (a power of two >= 16) forces
     the rows per tile. ``partial`` (expert parallelism): ids equal to ``E`` name experts other
-    ranks hold, which contribute nothing here. No host sync: safe inside CUDA-graph capture."""
+    ranks hold, which contribute nothing here. ``activation``: the gate's, one of
+    ``MOE_ACTIVATIONS``. No host sync: safe inside CUDA-graph capture."""
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"expert activation must be one of {MOE_ACTIVATIONS}, got "
+                         f"{activation!r}")
     num_tokens, hidden = x.shape
     num_experts, two_i, w13_h = w13.shape
     inter = two_i // 2
@@ -392,7 +401,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         BLOCK_M=bm, BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k,
         EVEN_K=hidden % gate_up.block_k == 0, DOT_DTYPE=dot_dtype, DOT_PREC=prec,
-        ACC_DTYPE=acc_dtype, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
+        ACC_DTYPE=acc_dtype, GELU_TANH=activation == "gelu_tanh", num_warps=gate_up.num_warps,
+        num_stages=gate_up.num_stages,
     )
     # [T, K, H]; the rows of experts held elsewhere are never written: zeros for them.
     part = (torch.zeros if partial else torch.empty)(num_pairs, hidden, dtype=acc, device=dev)

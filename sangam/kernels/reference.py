@@ -171,12 +171,25 @@ def moe_route_ref(logits: torch.Tensor, *, top_k: int, score: str,
     return weights * scale, ids.to(torch.int32)
 
 
+MOE_ACTIVATIONS = ("silu", "gelu_tanh")  # an expert's gate activation (the kernels' ACT index)
+
+
+def moe_activation(name: str):
+    """The gate activation ``name`` (one of ``MOE_ACTIVATIONS``) as a torch function."""
+    if name == "silu":
+        return torch.nn.functional.silu
+    if name == "gelu_tanh":
+        return lambda g: torch.nn.functional.gelu(g, approximate="tanh")
+    raise ValueError(f"expert activation must be one of {MOE_ACTIVATIONS}, got {name!r}")
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  partial: bool = False) -> torch.Tensor:
+                  partial: bool = False, activation: str = "silu") -> torch.Tensor:
     """x ``[T, H]``; w13 ``[E, 2I, H]`` (rows 0..I-1: gate_proj, rows I..2I-1: up_proj); w2
     ``[E, H, I]`` (down_proj); topk_weights, topk_ids ``[T, K]`` -> ``[T, H]`` = sum_k w[t,k] *
-    w2[e] @ (silu(w13[e,:I] @ x[t]) * (w13[e,I:] @ x[t])), e = ids[t,k]. Output in x's dtype;
+    w2[e] @ (act(w13[e,:I] @ x[t]) * (w13[e,I:] @ x[t])), e = ids[t,k], act one of
+    ``MOE_ACTIVATIONS`` (silu: SwiGLU; gelu_tanh: Gemma's GeGLU). Output in x's dtype;
     accumulates in fp32 (fp64 for fp64 x).
 
     Experts run one at a time on the rows routed to them (one host sync reads how many each
@@ -189,6 +202,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
     k = topk_ids.shape[1]
+    act_fn = moe_activation(activation)
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if k > 1 and not capturing:
         ordered = torch.sort(topk_ids, dim=1).values
@@ -210,6 +224,6 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         pairs = order[start:start + n]
         start += n
         gate_up = xf[pairs // k] @ w13[e].to(cdt).T
-        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        act = act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
         per_pair[pairs] = (act @ w2[e].to(cdt).T) * topk_weights.reshape(-1)[pairs, None].to(cdt)
     return per_pair.view(num_tokens, k, hidden).sum(1).to(x.dtype)

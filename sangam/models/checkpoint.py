@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from sangam.models.config import CheckpointError, ModelConfig, MoeConfig
+from sangam.models.config import CheckpointError, GemmaLayout, ModelConfig, MoeConfig
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -90,9 +90,12 @@ def parse_config(cfg: dict[str, Any], source: str | None = None) -> ModelConfig:
         return _llada2_config(cfg, arch, source)
     if arch in LLADA_MOE_ARCHITECTURES:
         return _llada_moe_config(cfg, arch)
+    if arch == DIFFUSION_GEMMA_ARCHITECTURE:
+        return _diffusion_gemma_config(cfg, arch)
     raise CheckpointError(
         f"config.json: unknown architecture {arch!r}; Sangam serves 'LLaDAModelLM', "
-        "'DreamModel', 'SDARForCausalLM', 'LLaDA2MoeModelLM' and 'LLaDAMoEModelLM'")
+        "'DreamModel', 'SDARForCausalLM', 'LLaDA2MoeModelLM', 'LLaDAMoEModelLM' and "
+        f"{DIFFUSION_GEMMA_ARCHITECTURE!r}")
 
 
 LLADA2_MASK_TOKEN_ID = 156895  # <|mask|>
@@ -247,3 +250,108 @@ def sdar_block_size(cfg: dict[str, Any], source: str | None = None) -> int:
         if m:
             return int(m.group(1))
     return SDAR_BLOCK_SIZE
+
+
+DIFFUSION_GEMMA_ARCHITECTURE = "DiffusionGemmaForBlockDiffusion"
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of tanh-GELU
+GEMMA_LAYER_KEYS = ("head_dim", "num_key_value_heads")  # what per_layer_config may set
+
+
+def _diffusion_gemma_config(cfg: dict[str, Any], arch: str) -> ModelConfig:
+    """DiffusionGemma (transformers' ``models/diffusion_gemma``): the text model of
+    ``text_config`` — Gemma-4 layers, sliding-window ones (plain RoPE) and full-attention ones
+    with their own head_dim and KV heads (``per_layer_config``, or ``global_head_dim`` /
+    ``num_global_key_value_heads`` as transformers reads them), K = V and proportional RoPE;
+    a dense GeGLU MLP beside softmax-routed GeGLU experts in every layer; tied embeddings;
+    logits soft-capped. ``vision_config`` is read by no one: the vision tower is not loaded
+    (requests with images are refused). What transformers' code would run differently is
+    refused: a bidirectional encoder (``use_bidirectional_attention: "all"``), biases, another
+    activation, other RoPE types."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"config.json ({arch}) has no 'text_config' object")
+
+    def g(k, d=...):
+        return _get(text, k, f"{arch} text_config", d)
+
+    if text.get("use_bidirectional_attention") == "all":
+        raise CheckpointError(f"config.json ({arch}): use_bidirectional_attention 'all' (a "
+                              "bidirectional encoder) is not supported: Sangam caches a causal "
+                              "encoder's K/V")
+    if text.get("attention_bias"):
+        raise CheckpointError(f"config.json ({arch}): attention_bias is not supported")
+    if g("hidden_activation", "gelu_pytorch_tanh") not in GEMMA_ACTIVATIONS:
+        raise CheckpointError(f"config.json ({arch}): hidden_activation "
+                              f"{text['hidden_activation']!r} is not supported (tanh-GELU)")
+    if g("final_logit_softcapping", 30.0) is None:
+        raise CheckpointError(f"config.json ({arch}): final_logit_softcapping must be set")
+    layers = int(g("num_hidden_layers"))
+    types = list(g("layer_types", ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                   for i in range(layers)]))
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise CheckpointError(f"config.json ({arch}): layer_types {types} must name "
+                              f"'sliding_attention' or 'full_attention' for each of {layers} "
+                              "layers")
+    types[-1] = "full_attention"  # as transformers forces it
+    head_dim, kv_heads = int(g("head_dim", 256)), int(g("num_key_value_heads"))
+    full = {"head_dim": int(g("global_head_dim", 512)),
+            "num_key_value_heads": int(g("num_global_key_value_heads", kv_heads))}
+    per_layer = text.get("per_layer_config")
+    if per_layer:  # as written by transformers: {layer index: overrides}, full layers only
+        given = {int(i): v for i, v in per_layer.items()}
+        fulls = [i for i, t in enumerate(types) if t == "full_attention"]
+        bad = [i for i, v in given.items() if i not in fulls or set(v) - set(GEMMA_LAYER_KEYS)]
+        shapes = {tuple(given.get(i, {}).get(k, {"head_dim": head_dim,
+                                                  "num_key_value_heads": kv_heads}[k])
+                        for k in GEMMA_LAYER_KEYS) for i in fulls}
+        if bad or len(shapes) != 1:
+            raise CheckpointError(
+                f"config.json ({arch}): per_layer_config {per_layer} must give every full-"
+                f"attention layer the same {GEMMA_LAYER_KEYS} and nothing else")
+        full = dict(zip(GEMMA_LAYER_KEYS, shapes.pop()))
+    rope = g("rope_parameters", {})
+    slide_rope = rope.get("sliding_attention") or {"rope_type": "default", "rope_theta": 1e4}
+    full_rope = rope.get("full_attention") or {"rope_type": "proportional",
+                                               "partial_rotary_factor": 0.25,
+                                               "rope_theta": 1e6}
+    if (slide_rope.get("rope_type", "default") != "default"
+            or slide_rope.get("partial_rotary_factor", 1.0) != 1.0
+            or full_rope.get("rope_type") != "proportional" or full_rope.get("factor", 1.0) != 1.0):
+        raise CheckpointError(f"config.json ({arch}): rope_parameters {rope} are not supported "
+                              "(sliding layers: default RoPE; full layers: proportional, "
+                              "factor 1)")
+    hidden, experts = int(g("hidden_size")), int(g("num_experts"))
+    pad = int(g("pad_token_id", 0))
+    return ModelConfig(
+        architecture=arch,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=int(g("num_attention_heads")),
+        num_kv_heads=kv_heads,
+        intermediate_size=int(g("intermediate_size")),
+        vocab_size=int(g("vocab_size")),
+        mask_token_id=pad,  # uniform-state diffusion has no mask token; the pad id stands in
+        eos_token_id=_first(g("eos_token_id", 1)),
+        rope_theta=float(slide_rope.get("rope_theta", 1e4)),
+        rms_norm_eps=float(g("rms_norm_eps", 1e-6)),
+        max_position=int(g("max_position_embeddings", 131072)),
+        qkv_bias=False,
+        shift_logits=False,
+        head_dim=head_dim,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        moe=MoeConfig(num_experts=experts, top_k=int(g("top_k_experts")),
+                      intermediate_size=int(g("moe_intermediate_size")),
+                      shared_intermediate_size=0, score="softmax", renormalize=True,
+                      activation="gelu_tanh"),
+        gemma=GemmaLayout(
+            sliding=tuple(t == "sliding_attention" for t in types),
+            sliding_window=int(g("sliding_window", 512)),
+            full_head_dim=int(full["head_dim"]),
+            full_kv_heads=int(full["num_key_value_heads"]),
+            full_rope_theta=float(full_rope.get("rope_theta", 1e6)),
+            full_rope_fraction=float(full_rope.get("partial_rotary_factor", 1.0)),
+            logit_softcap=float(g("final_logit_softcapping", 30.0)),
+            canvas_length=int(_get(cfg, "canvas_length", arch, 256)),
+            pad_token_id=pad),
+    )

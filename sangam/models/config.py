@@ -25,6 +25,7 @@ class MoeConfig:
     n_group: int = 1  # experts in this many contiguous groups, of which...
     topk_group: int = 1  # ...the best this many are eligible
     renormalize: bool = True  # the chosen experts' weights sum to 1 (before scale)
+    activation: str = "silu"  # the experts' gate: silu (SwiGLU) | gelu_tanh (Gemma's GeGLU)
     scale: float = 1.0  # routed_scaling_factor
     expert_bias: bool = False  # a per-expert bias added to the scores for the choice only
     first_dense_layers: int = 0  # layers [0, this) have a dense SwiGLU MLP instead
@@ -32,6 +33,8 @@ class MoeConfig:
     def __post_init__(self) -> None:
         if self.score not in ("sigmoid", "softmax"):
             raise CheckpointError(f"config.json: unknown router score {self.score!r}")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise CheckpointError(f"config.json: unknown expert activation {self.activation!r}")
         if not (0 < self.top_k <= self.num_experts and self.intermediate_size > 0
                 and self.shared_intermediate_size >= 0 and self.first_dense_layers >= 0):
             raise CheckpointError(
@@ -48,6 +51,36 @@ class MoeConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_dense_layers
+
+
+@dataclass(frozen=True)
+class GemmaLayout:
+    """What a Gemma-4 decoder stack (DiffusionGemma) adds to ``ModelConfig``: sliding-window
+    and full-attention layers with shapes of their own, proportional RoPE on the full layers,
+    the parallel dense MLP beside the experts, soft-capped logits, and the uniform-state
+    canvas. ``ModelConfig``'s head_dim, num_kv_heads and rope_theta are the sliding layers'."""
+
+    sliding: tuple[bool, ...]  # per layer: a sliding-window layer (else full attention)
+    sliding_window: int  # a sliding layer's query sees this many positions, itself included
+    full_head_dim: int
+    full_kv_heads: int  # a full layer has no v_proj: its V is the normed K projection
+    full_rope_theta: float
+    full_rope_fraction: float  # proportional RoPE: the share of a full head's angles that turn
+    logit_softcap: float  # logits = cap * tanh(logits / cap), in fp32
+    canvas_length: int  # positions of one uniform-state canvas (a block)
+    pad_token_id: int
+
+    def __post_init__(self) -> None:
+        if not self.sliding or self.sliding[-1]:
+            raise CheckpointError("config.json: the last Gemma layer must be full attention")
+        if not (self.sliding_window > 0 and self.full_head_dim > 0 and self.full_kv_heads > 0
+                and self.canvas_length > 0 and self.logit_softcap > 0
+                and 0 < self.full_rope_fraction <= 1):
+            raise CheckpointError(
+                f"config.json: sliding window {self.sliding_window}, full head_dim "
+                f"{self.full_head_dim}, full KV heads {self.full_kv_heads}, canvas "
+                f"{self.canvas_length}, softcap {self.logit_softcap} and partial_rotary_factor "
+                f"{self.full_rope_fraction} must all be positive (the factor at most 1)")
 
 
 @dataclass(frozen=True)
@@ -78,13 +111,22 @@ class ModelConfig:
     # SamplingParams defaults of the model's own generate (LLaDA2: threshold 0.95), as
     # (field, value) pairs; the checkpoint's generation_config.json and the flags override them.
     request_defaults: tuple[tuple[str, Any], ...] = ()
+    gemma: GemmaLayout | None = None  # DiffusionGemma's layer layout; None: uniform layers
 
     @property
     def block_causal(self) -> bool:
         return self.causal_block_size > 0
 
+    def layer_kv_shape(self, i: int) -> tuple[int, int]:
+        """(KV heads, head_dim) of layer i (a Gemma full-attention layer has its own)."""
+        g = self.gemma
+        if g is not None and not g.sliding[i]:
+            return g.full_kv_heads, g.full_head_dim
+        return self.num_kv_heads, self.head_dim
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        return 2 * dtype_bytes * sum(h * d for h, d in map(self.layer_kv_shape,
+                                                           range(self.num_layers)))
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -101,6 +143,12 @@ class ModelConfig:
         if self.head_dim < 1 or self.causal_block_size < 0:
             raise CheckpointError(f"config.json: head_dim {self.head_dim} must be positive and "
                                   f"the block size {self.causal_block_size} not negative")
+        g = self.gemma
+        if g is not None and (len(g.sliding) != self.num_layers
+                              or self.num_heads % g.full_kv_heads):
+            raise CheckpointError(
+                f"config.json: {len(g.sliding)} layer types for {self.num_layers} layers, or "
+                f"{self.num_heads} heads not a multiple of {g.full_kv_heads} full-layer KV heads")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"config.json: {self.num_heads} attention heads are not a multiple of "

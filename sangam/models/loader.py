@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 from sangam.models.checkpoint import read_config
 from sangam.models.config import CheckpointError, ModelConfig
+from sangam.models.diffusion_gemma import DiffusionGemmaModel
 from sangam.models.dream import DreamModel
 from sangam.models.llada import LLaDAModel
 from sangam.models.llada2 import LLaDA2Model
@@ -30,6 +31,8 @@ ARCHITECTURES: dict[str, type[DiffusionLM]] = {
     # OLMoE's tree, bidirectional like LLaDA; LLaDAMoEModel: the name llama.cpp also accepts.
     "LLaDAMoEModelLM": LLaDAMoeModel,
     "LLaDAMoEModel": LLaDAMoeModel,
+    # Gemma-4 layers as a causal encoder and a canvas decoder: uniform-state diffusion.
+    "DiffusionGemmaForBlockDiffusion": DiffusionGemmaModel,
 }
 
 DTYPES = {

@@ -1,0 +1,185 @@
+"""Uniform-state diffusion (DiffusionGemma's decoding, docs/design.md §2.12): a canvas of
+uniformly random tokens, re-sampled every step, nothing committed until the canvas ends.
+
+One step of one canvas, from the decoder's fp32 logits ``[C, V]``:
+
+1. temperature: a linear schedule from ``t_max`` at the first step to ``t_min`` at the last
+   (transformers' ``LinearTemperatureScheduleLogitsProcessor``, computed as it is: in fp32
+   from the number of steps left);
+2. a denoised canvas sampled from softmax(logits / t) (:func:`categorical`), and its argmax;
+3. the entropy-bound sampler: the lowest-entropy positions are accepted while the sum of
+   their entropies minus the largest of them stays within ``entropy_bound``; accepted
+   positions take the sampled tokens, the others are renoised with uniform draws
+   (:func:`uniform_tokens`);
+4. adaptive stopping: the argmax canvas unchanged over the last ``stability_threshold`` steps
+   and the mean entropy below ``confidence_threshold`` (0 turns it off: an entropy is never
+   negative); else the canvas stops after ``max_denoising_steps``.
+
+The canvas ends as its last argmax. The processed logits become the next step's
+self-conditioning (the model's ``soft_embeddings``).
+
+Noise is a pure function of (seed, canvas, step or draw, position) — the seed being the
+request's — so a request's tokens do not depend on its batch, and an outside sampler (a test
+patching transformers' ``torch.multinomial`` and ``initialize_canvas``) can draw the same:
+
+- ``uniform_tokens(seed, canvas, draw, positions, V)``: draw 0 is the canvas's initial one,
+  draw j + 1 the renoise after step j (0-based). Token = (h * V) >> 32 for the 32-bit hash
+  h = row_key(mix32(noise_key(seed, canvas, draw) ^ UNIFORM_TAG), position).
+- ``categorical(probs, keys)``: step j's sample at a position is argmax_v(log p_v + G_v), G
+  the Gumbel noise ``gumbel_noise`` of row_key(noise_key(seed, canvas, j), position), in fp64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+import torch
+
+from sangam.decoding.noise import gumbel_noise, mix32, mix32_tensor, noise_key, row_keys
+
+UNIFORM_TAG = 0x5EED7A6E  # separates the uniform draws' keys from the Gumbel ones
+MAX_DENOISING_STEPS = 1024  # per canvas: far beyond use (the release's default is 48)
+MAX_TEMPERATURE = 1e4  # as sampling_params: beyond it the schedule's draws are uniform anyway
+MAX_ENTROPY_BOUND = 1e6  # an entropy is at most ln(V); any larger bound accepts everything
+_GUMBEL_ROWS = 32  # rows of [rows, V] fp64 noise made at a time: bounds the sampler's memory
+
+
+@dataclass(frozen=True)
+class UniformStateParams:
+    """A uniform-state request's denoising options; defaults: transformers' (a checkpoint's
+    ``generation_config.json`` overrides them)."""
+
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005  # 0: no adaptive stopping
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        def number(name: str) -> float:
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v),
+                 f"{name} must be a finite number, got {v!r}")
+            return float(v)
+
+        steps, stable = self.max_denoising_steps, self.stability_threshold
+        need(isinstance(steps, int) and not isinstance(steps, bool)
+             and 1 <= steps <= MAX_DENOISING_STEPS,
+             f"max_denoising_steps must be an integer in [1, {MAX_DENOISING_STEPS}], got "
+             f"{steps!r}")
+        need(isinstance(stable, int) and not isinstance(stable, bool)
+             and 0 <= stable <= MAX_DENOISING_STEPS,
+             f"stability_threshold must be an integer in [0, {MAX_DENOISING_STEPS}], got "
+             f"{stable!r}")
+        bound = number("entropy_bound")
+        need(0 < bound <= MAX_ENTROPY_BOUND,
+             f"entropy_bound must be in (0, {MAX_ENTROPY_BOUND:g}], got {bound}")
+        t_min, t_max = number("t_min"), number("t_max")
+        need(0 < t_min < t_max <= MAX_TEMPERATURE,
+             f"temperatures must satisfy 0 < t_min < t_max <= {MAX_TEMPERATURE:g}, got "
+             f"t_min {t_min}, t_max {t_max}")
+        conf = number("confidence_threshold")
+        need(0 <= conf <= MAX_ENTROPY_BOUND,
+             f"confidence_threshold must be in [0, {MAX_ENTROPY_BOUND:g}], got {conf}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def temperature(params: UniformStateParams, step: int, device: torch.device) -> torch.Tensor:
+    """Step ``step``'s (0-based) temperature, an fp32 scalar tensor: t_min + (t_max - t_min) *
+    (steps left / max_denoising_steps), with the division and products in fp32 as
+    transformers' schedule makes them (its step count is an int32 tensor)."""
+    left = torch.tensor(params.max_denoising_steps - step, dtype=torch.int32, device=device)
+    return params.t_min + (params.t_max - params.t_min) * (left / params.max_denoising_steps)
+
+
+def uniform_key(seed: int, canvas: int, draw: int) -> int:
+    return mix32(noise_key(seed, canvas, draw) ^ UNIFORM_TAG)
+
+
+def uniform_tokens(seed: int, canvas: int, draw: int, positions: torch.Tensor,
+                   vocab_size: int) -> torch.Tensor:
+    """Uniform tokens in [0, vocab_size) at canvas ``positions`` (int64): the module's
+    documented draw."""
+    key = uniform_key(seed, canvas, draw)
+    h = mix32_tensor(key ^ mix32_tensor(positions.to(torch.int64)))
+    return (h * vocab_size) >> 32
+
+
+def step_keys(seed: int, canvas: int, step: int, positions: np.ndarray) -> np.ndarray:
+    """The Gumbel row keys of one step's canvas positions."""
+    return row_keys(noise_key(seed, canvas, step), positions)
+
+
+def categorical(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One sample per row of ``probs`` ``[R, V]``: argmax(log p + G), G the Gumbel noise of
+    each row's key, in fp64 (rows in chunks, to bound the noise's memory)."""
+    out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+    for lo in range(0, probs.shape[0], _GUMBEL_ROWS):
+        p = probs[lo:lo + _GUMBEL_ROWS].to(torch.float64)
+        g = gumbel_noise(keys[lo:lo + _GUMBEL_ROWS], p.shape[1], torch.float64)
+        out[lo:lo + _GUMBEL_ROWS] = (p.log() + g).argmax(-1)
+    return out
+
+
+@dataclass
+class Canvas:
+    """One request's canvas in progress."""
+
+    index: int  # the request's canvas number (0: the first after the prompt)
+    tokens: torch.Tensor  # int64 [C]: the current (noisy) canvas
+    argmax: torch.Tensor | None = None  # the last step's argmax canvas
+    steps: int = 0  # steps (decoder forwards) taken
+    soft: torch.Tensor | None = None  # self-conditioning for the next step; None: zeros
+    history: list[torch.Tensor] = field(default_factory=list)  # the last argmax canvases
+    done: bool = False
+
+    @classmethod
+    def start(cls, seed: int, index: int, length: int, vocab_size: int,
+              device: torch.device) -> Canvas:
+        positions = torch.arange(length, device=device)
+        return cls(index, uniform_tokens(seed, index, 0, positions, vocab_size))
+
+
+@dataclass
+class StepResult:
+    processed: torch.Tensor  # fp32 [C, V]: logits / temperature (self-conditioning's input)
+    accepted: int  # positions the sampler accepted
+
+
+def denoise_step(canvas: Canvas, logits: torch.Tensor, params: UniformStateParams,
+                 seed: int) -> StepResult:
+    """Apply one step's logits (fp32 ``[C, V]``) to ``canvas`` in place (module docstring);
+    ``canvas.done`` when adaptive stopping fires or the steps run out."""
+    device = logits.device
+    length, vocab = logits.shape
+    j = canvas.steps
+    processed = logits / temperature(params, j, device)
+    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+    keys = torch.from_numpy(step_keys(seed, canvas.index, j, np.arange(length))).to(device)
+    sampled = categorical(probs, keys)
+    argmax = processed.argmax(-1)
+    entropy = torch.distributions.Categorical(logits=processed).entropy()
+    ordered, order = torch.sort(entropy, dim=-1, descending=False)
+    chosen = torch.cumsum(ordered, dim=-1) - ordered <= params.entropy_bound
+    accept = torch.zeros_like(chosen).scatter(0, order, chosen)
+    positions = torch.arange(length, device=device)
+    noise = uniform_tokens(seed, canvas.index, j + 1, positions, vocab)
+    canvas.tokens = torch.where(accept, sampled, noise)
+    stable = all(bool((h == argmax).all()) for h in canvas.history) and (
+        len(canvas.history) == params.stability_threshold)
+    if params.stability_threshold:
+        canvas.history = (canvas.history + [argmax])[-params.stability_threshold:]
+    confident = bool(entropy.mean() < params.confidence_threshold)
+    canvas.argmax = argmax
+    canvas.steps = j + 1
+    canvas.done = (stable and confident) or canvas.steps >= params.max_denoising_steps
+    return StepResult(processed, int(accept.sum()))

@@ -1,0 +1,310 @@
+"""DiffusionGemma against transformers' own implementation (``models/diffusion_gemma``), on
+tiny random checkpoints written by transformers' ``save_pretrained``, in float64:
+
+- the forward: the encoder over a prompt and a finished canvas, then the decoder over a
+  canvas, with and without self-conditioning, past the sliding window; hidden states to 1e-10,
+  the fp32 logits equal;
+- generation: ``generate_canvases`` against transformers' ``generate`` with its sampler patched
+  to draw Sangam's documented noise — token for token, several canvases, adaptive stopping on
+  and off, a stop id mid-canvas;
+- loading: the vision tower is not read; what Sangam does not serve is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+dg = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion  # noqa: E402
+from transformers.cache_utils import DynamicCache  # noqa: E402
+
+from sangam.decoding.uniform import (  # noqa: E402
+    UniformStateParams,
+    categorical,
+    step_keys,
+    uniform_tokens,
+)
+from sangam.engine.reference_canvas import generate_canvases  # noqa: E402
+from sangam.models import CheckpointError, load_model, read_config  # noqa: E402
+from sangam.models.diffusion_gemma import DenseKV  # noqa: E402
+from sangam.models.kernel_table import kernel_table  # noqa: E402
+
+VOCAB, CANVAS = 96, 8
+
+
+def write_checkpoint(path, seed=0, **text):
+    """A tiny DiffusionGemma by transformers' save_pretrained: sliding layers (window 6) and
+    full ones with their own head_dim and KV heads, alternating; four experts; every weight random,
+    norms and scalars included, the encoder's layer scalars unlike the decoder's."""
+    tc = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+              num_global_key_value_heads=1, sliding_window=6,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                           "full_attention"],
+              num_experts=4, top_k_experts=2, moe_intermediate_size=12,
+              max_position_embeddings=256, eos_token_id=1, pad_token_id=0)
+    tc.update(text)
+    vc = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32,
+              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(seed)
+    model = DiffusionGemmaForBlockDiffusion(
+        DiffusionGemmaConfig(text_config=tc, vision_config=vc, canvas_length=CANVAS))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "scale" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * 0.3 / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand_like(b))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("dgemma"))
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(
+        checkpoint, dtype=torch.float64, experts_implementation="eager").eval()
+    return ref, load_model(checkpoint, dtype="float64")
+
+
+def _ref_cache(ref):
+    return DynamicCache(config=ref.config.get_text_config(decoder=True))
+
+
+def test_config_reads_the_text_model(checkpoint):
+    cfg = read_config(checkpoint)
+    g = cfg.gemma
+    assert g.sliding == (True, False, True, False)
+    assert (g.full_head_dim, g.full_kv_heads, g.sliding_window) == (16, 1, 6)
+    assert (g.canvas_length, g.logit_softcap) == (CANVAS, 30.0)
+    assert cfg.moe.activation == "gelu_tanh" and cfg.moe.score == "softmax"
+    # KV bytes count each layer's own shape.
+    per_layer = [2 * 8, 1 * 16, 2 * 8, 1 * 16]
+    assert cfg.kv_bytes_per_token(8) == 2 * 8 * sum(per_layer)
+
+
+@pytest.mark.parametrize("self_conditioning", [False, True])
+def test_forward_equals_transformers(models, self_conditioning):
+    """Prompt of 9 (past the window of 6), a finished canvas encoded, then a canvas decoded."""
+    ref, ours = models
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (9,), generator=g)
+    first = torch.randint(0, VOCAB, (CANVAS,), generator=g)
+    canvas = torch.randint(0, VOCAB, (CANVAS,), generator=g)
+    sc = torch.randn(CANVAS, VOCAB, generator=g, dtype=torch.float64) if self_conditioning \
+        else None
+    cache = _ref_cache(ref)
+    with torch.no_grad():
+        ref.model.encoder(input_ids=prompt[None], cache=cache)
+        ref.model.encoder(input_ids=first[None], cache=cache,
+                          position_ids=torch.arange(9, 9 + CANVAS)[None])
+        out = ref.model(cache=cache, decoder_input_ids=canvas[None],
+                        self_conditioning_logits=None if sc is None else sc[None])
+        ref_hidden = out.last_hidden_state[0]
+        ref_logits = ref.lm_head(out.last_hidden_state).float()
+        ref_logits = (torch.tanh(ref_logits / 30.0) * 30.0)[0]
+    kv = DenseKV(ours)
+    ours.encode(prompt, kv)
+    ours.encode(first, kv)
+    soft = None if sc is None else ours.soft_embeddings(sc)
+    h = ours.run_layers(ours.decoder_inputs(canvas, soft),
+                        torch.arange(kv.length, kv.length + CANVAS),
+                        _decoder_attend(ours, kv), encoder=False)
+    torch.testing.assert_close(h, ref_hidden, atol=1e-10, rtol=1e-10)
+    logits = ours.decode(canvas, kv, soft)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, ref_logits, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU tensors need TRITON_INTERPRET=1")
+def test_triton_kernels_give_the_reference_forward(models):
+    """The worker's Triton row (softmax routing, GeGLU fused experts) against the torch one."""
+    _, ours = models
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, VOCAB, (7,), generator=g)
+    canvas = torch.randint(0, VOCAB, (CANVAS,), generator=g)
+    logits = {}
+    for name in ("torch", "triton"):
+        kv = DenseKV(ours)
+        ours.encode(prompt, kv, kernels=kernel_table(name))
+        logits[name] = ours.decode(canvas, kv, kernels=kernel_table(name))
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-6, rtol=0)
+
+
+def _decoder_attend(model, kv):
+    """``decode``'s attention, for reading the hidden states it feeds the head."""
+    from sangam.models.diffusion_gemma import _attention
+
+    n, window = kv.length, model.config.gemma.sliding_window
+
+    def attend(i, q, k, v):
+        ck, cv = kv.layers[i]
+        lo = max(0, n - (window - 1)) if model.config.gemma.sliding[i] else 0
+        return _attention(q, torch.cat([ck[lo:], k]), torch.cat([cv[lo:], v]), None)
+
+    return attend
+
+
+class _Noise:
+    """Patches transformers' sampler to draw Sangam's noise for one request (batch 1):
+    ``initialize_canvas`` (the canvas's first draw, then each step's renoise) and
+    ``torch.multinomial`` (each step's sample), counting canvases, steps and draws."""
+
+    def __init__(self, seed):
+        self.seed, self.canvas, self.step, self.draw = seed, -1, 0, 0
+
+    def install(self, monkeypatch):
+        mixin = dg.DiffusionGemmaGenerationMixin
+        prepare = mixin._prepare_denoiser_inputs
+
+        def prepare_denoiser_inputs(model, *args, **kwargs):
+            self.canvas, self.step, self.draw = self.canvas + 1, 0, 0
+            return prepare(model, *args, **kwargs)
+
+        def initialize_canvas(sampler, batch_size, device):
+            assert batch_size == 1
+            draw = uniform_tokens(self.seed, self.canvas, self.draw,
+                                  torch.arange(sampler.canvas_length), sampler.vocab_size)
+            self.draw += 1
+            return draw[None].to(device)
+
+        def multinomial(probs, num_samples):
+            keys = torch.from_numpy(step_keys(self.seed, self.canvas, self.step,
+                                              torch.arange(probs.shape[0]).numpy()))
+            self.step += 1
+            return categorical(probs, keys)[:, None]
+
+        monkeypatch.setattr(mixin, "_prepare_denoiser_inputs", prepare_denoiser_inputs)
+        monkeypatch.setattr(dg.EntropyBoundSampler, "initialize_canvas", initialize_canvas)
+        monkeypatch.setattr(dg.torch, "multinomial", multinomial)
+
+
+def _reference_generate(ref, prompt, params, seed, max_tokens, eos, monkeypatch):
+    with monkeypatch.context() as mp:
+        _Noise(seed).install(mp)
+        adaptive = params.confidence_threshold > 0
+        out = ref.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens,
+            max_denoising_steps=params.max_denoising_steps,
+            sampler_config=dg.EntropyBoundSamplerConfig(entropy_bound=params.entropy_bound),
+            t_min=params.t_min, t_max=params.t_max,
+            stability_threshold=params.stability_threshold if adaptive else None,
+            confidence_threshold=params.confidence_threshold if adaptive else None,
+            eos_token_id=eos, pad_token_id=-1)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    if -1 in tokens:
+        tokens = tokens[:tokens.index(-1)]
+    return tokens[:max_tokens]
+
+
+CASES = [  # (entropy_bound, steps, t_min, t_max, stability, confidence)
+    (0.1, 6, 0.4, 0.8, 1, 0.005),
+    (2.0, 5, 0.3, 0.9, 1, 5.0),  # always confident (ln 96 < 5): stops once the argmax holds
+    (2.0, 5, 0.3, 0.9, 0, 5.0),  # no stability wanted: every canvas stops after one step
+    (0.5, 4, 0.4, 0.8, 2, 0.0),  # adaptive stopping off: every canvas runs its 4 steps
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_generation_equals_transformers(models, monkeypatch, case):
+    ref, ours = models
+    bound, steps, t_min, t_max, stable, conf = case
+    params = UniformStateParams(steps, bound, t_min, t_max, stable, conf)
+    for seed, prompt in [(7, [5, 9, 11, 3]), (123, list(range(2, 13)))]:
+        got = generate_canvases(ours, prompt, params, seed, max_tokens=3 * CANVAS)
+        want = _reference_generate(ref, prompt, params, seed, 3 * CANVAS, None, monkeypatch)
+        assert got.tokens == want
+        assert got.finish_reason == "length" and len(got.forwards) == 3
+        if conf == 0.0:
+            assert got.forwards == [steps] * 3
+        if stable == 0:
+            assert got.forwards == [1] * 3
+
+
+def test_generation_stops_at_a_stop_id(models, monkeypatch):
+    """A token of the second canvas made the stop id: both end there, the stop id kept."""
+    ref, ours = models
+    params = UniformStateParams(5, 0.3, 0.4, 0.8, 1, 0.005)
+    prompt = [4, 8, 15, 16, 23, 42]
+    free = generate_canvases(ours, prompt, params, 3, max_tokens=3 * CANVAS)
+    stop = free.tokens[CANVAS + 3]
+    cut = free.tokens.index(stop) + 1
+    got = generate_canvases(ours, prompt, params, 3, 3 * CANVAS, stop_ids=[stop])
+    assert got.tokens == free.tokens[:cut] and got.finish_reason == "stop"
+    assert got.tokens == _reference_generate(ref, prompt, params, 3, 3 * CANVAS, stop,
+                                             monkeypatch)
+
+
+def test_noise_is_a_function_of_its_arguments():
+    pos = torch.arange(64)
+    a = uniform_tokens(1, 0, 0, pos, 1000)
+    assert torch.equal(a, uniform_tokens(1, 0, 0, pos, 1000))
+    assert ((0 <= a) & (a < 1000)).all() and len(set(a.tolist())) > 50
+    for other in (uniform_tokens(2, 0, 0, pos, 1000), uniform_tokens(1, 1, 0, pos, 1000),
+                  uniform_tokens(1, 0, 1, pos, 1000)):
+        assert not torch.equal(a, other)
+    # A position's draw does not depend on which other positions are drawn with it.
+    assert torch.equal(uniform_tokens(1, 0, 0, pos[10:20], 1000), a[10:20])
+
+
+def test_categorical_follows_the_distribution():
+    probs = torch.tensor([[0.7, 0.2, 0.1, 0.0]]).repeat(4000, 1)
+    keys = torch.from_numpy(step_keys(5, 0, 0, torch.arange(4000).numpy()))
+    counts = torch.bincount(categorical(probs, keys), minlength=4).double() / 4000
+    torch.testing.assert_close(counts, torch.tensor([0.7, 0.2, 0.1, 0.0], dtype=torch.float64),
+                               atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(max_denoising_steps=0), "max_denoising_steps"),
+    (dict(entropy_bound=0.0), "entropy_bound"),
+    (dict(t_min=0.9, t_max=0.5), "t_min"),
+    (dict(stability_threshold=-1), "stability_threshold"),
+    (dict(confidence_threshold=float("nan")), "confidence_threshold"),
+    (dict(max_denoising_steps=True), "max_denoising_steps"),
+])
+def test_params_are_bounded(bad, match):
+    with pytest.raises(ValueError, match=match):
+        UniformStateParams(**bad)
+
+
+def test_vision_tower_is_not_loaded(checkpoint, models):
+    _, ours = models
+    assert not any("vision" in k for k in ours.state_dict())
+
+
+def test_the_engine_refuses_it_by_name(checkpoint):
+    from sangam import LLM
+
+    with pytest.raises(CheckpointError, match="not served by the engine"):
+        LLM(model=str(checkpoint), dtype="float64")
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(use_bidirectional_attention="all"), "bidirectional"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(hidden_activation="relu"), "hidden_activation"),
+    (dict(rope_parameters={"sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4},
+                           "full_attention": {"rope_type": "proportional",
+                                              "rope_theta": 1e6}}), "rope_parameters"),
+])
+def test_unsupported_configs_are_refused(checkpoint, tmp_path, edit, match):
+    raw = json.loads((checkpoint / "config.json").read_text())
+    raw["text_config"].update(edit)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=match):
+        read_config(tmp_path)
