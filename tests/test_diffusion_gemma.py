@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -308,3 +309,76 @@ def test_unsupported_configs_are_refused(checkpoint, tmp_path, edit, match):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=match):
         read_config(tmp_path)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_paged_forward_equals_the_dense_passes(models, backend):
+    """Two packed forwards over paged K/V (two page shapes), as the engine runs them: first a
+    prompt with its first canvas step (A) beside two prompt prefills (B, C); then B's
+    finished canvas encoded in the same forward as its next canvas's first step, beside a
+    plain canvas step of C. Every canvas row equals the dense passes'."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1")
+    from sangam.models.attention import AttentionMetadata, PagedKV
+    from sangam.models.diffusion_gemma import CanvasRows, canvas_key_bounds
+
+    _, ours = models
+    cfg = ours.config
+    ours.attention_backend = kernel_table(backend).attention()
+    g = torch.Generator().manual_seed(5)
+    rand = lambda n: torch.randint(0, VOCAB, (n,), generator=g)  # noqa: E731
+    pa, pb, pc = rand(9), rand(5), rand(7)
+    ca, fb, cb, cc = rand(CANVAS), rand(CANVAS), rand(CANVAS), rand(CANVAS)
+    soft_b, soft_c = (torch.randn(CANVAS, 32, generator=g, dtype=torch.float64)
+                      for _ in range(2))
+    page = 4
+    kv = PagedKV.for_model(cfg, 32, page, torch.float64, "cpu")
+    assert len(kv.buffers) == 2
+    tables = [list(range(0, 6)), list(range(10, 16)), list(range(20, 26))]  # A, B, C
+
+    def forward(spans):  # (request, start, tokens, canvas [s, e) or None, soft)
+        ids = torch.cat([t for _, _, t, _, _ in spans])
+        pos = np.concatenate([np.arange(a, a + len(t)) for _, a, t, _, _ in spans])
+        starts, ends, rows, softs, at = [], [], [], [], 0
+        for _, a, t, c, soft in spans:
+            s, e = c or (0, 0)
+            dec = (np.arange(a, a + len(t)) >= s) & (e > 0)
+            starts.append(np.where(dec, s, 0))
+            ends.append(np.where(dec, e, 0))
+            rows += (at + np.flatnonzero(dec)).tolist()
+            if c:
+                softs.append(torch.zeros(CANVAS, 32, dtype=torch.float64) if soft is None
+                             else soft)
+            at += len(t)
+        lo, hi, win = canvas_key_bounds(pos, np.concatenate(starts), np.concatenate(ends),
+                                        cfg.gemma.sliding_window)
+        slots = [tables[r][p // page] * page + p % page
+                 for r, a, t, _, _ in spans for p in range(a, a + len(t))]
+        cu = np.cumsum([0] + [len(t) for _, _, t, _, _ in spans])
+        kv_lens = [a + len(t) for _, a, t, _, _ in spans]
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
+            block_tables=torch.tensor([tables[r] for r, *_ in spans], dtype=torch.int32),
+            slot_mapping=torch.tensor(slots), query_lens=np.diff(cu).tolist(),
+            kv_lens_host=kv_lens, key_lo=torch.from_numpy(lo), key_hi=torch.from_numpy(hi),
+            window_lo=torch.from_numpy(win))
+        canvas = CanvasRows(torch.tensor(rows, dtype=torch.int64), torch.cat(softs))
+        h = ours.hidden_states(ids, torch.from_numpy(pos), meta, kv, canvas)
+        return ours.logits(h, canvas.rows).split(CANVAS)
+
+    got_a, = forward([(0, 0, torch.cat([pa, ca]), (9, 9 + CANVAS), None),
+                      (1, 0, pb, None, None), (2, 0, pc, None, None)])
+    got_b, got_c = forward([(1, 5, torch.cat([fb, cb]), (5 + CANVAS, 5 + 2 * CANVAS), soft_b),
+                            (2, 7, cc, (7, 7 + CANVAS), soft_c)])
+
+    def dense(prompt, canvas, soft, *finished):
+        cache = DenseKV(ours)
+        for chunk in (prompt, *finished):
+            ours.encode(chunk, cache)
+        return ours.decode(canvas, cache, soft)
+
+    ours.attention_backend = None
+    for got, want in [(got_a, dense(pa, ca, None)), (got_b, dense(pb, cb, soft_b, fb)),
+                      (got_c, dense(pc, cc, soft_c))]:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

@@ -1,4 +1,5 @@
-"""The paged K/V pool of one worker: one tensor of pages for all layers, and its allocator."""
+"""The paged K/V pool of one worker: one tensor of pages for all layers (one per K/V shape of
+its layers), and its allocator."""
 
 from __future__ import annotations
 
@@ -44,8 +45,7 @@ class KVPool:
         (``ShardLayout.rank_config``: the KV heads that rank holds)."""
         # torch.empty: pages are always written (by a refresh) before they are read (a
         # block-causal request attends only up to the end of its span, all of it written).
-        shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = PagedKV(torch.empty(shape, dtype=dtype, device=device))
+        self.kv = PagedKV.for_model(cfg, num_pages, page_size, dtype, device, empty=True)
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
 

@@ -3,6 +3,9 @@
 Request r's query rows ``cu_seqlens_q[r]:cu_seqlens_q[r+1]`` attend, with no causal mask, over
 its first ``kv_lens[r]`` cached positions, which live in pages ``block_tables[r]``.
 
+DiffusionGemma: with ``key_bounds`` (per query, [lo, hi)) a query sees only those keys: its
+encoder rows causal (sliding-window layers windowed), its canvas rows the canvas and before.
+
 Block-causal models (SDAR): with ``causal_blocks`` (block size per request, 0 = bidirectional)
 and ``positions`` (each query's absolute position), a query at position q sees key k only if
 k // B <= q // B: bidirectional inside its block, causal across blocks. The bound is per row,
@@ -46,7 +49,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit(do_not_specialize=["num_requests", "search_steps", "num_splits", "s_bt"])
 def _attn_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, lse_ptr,
-    cu_q_ptr, cu_tiles_ptr, bt_ptr, kv_lens_ptr, pos_ptr, cblk_ptr,
+    cu_q_ptr, cu_tiles_ptr, bt_ptr, kv_lens_ptr, pos_ptr, cblk_ptr, klo_ptr, khi_ptr,
     num_requests, search_steps, group, head_dim, num_splits, qk_scale,
     s_q_n, s_q_h,
     s_kc_page, s_kc_off, s_kc_h, s_vc_page, s_vc_off, s_vc_h,
@@ -55,7 +58,8 @@ def _attn_kernel(
     s_lse_split, s_lse_n,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_CAUSAL: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    ROW_BOUNDS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
 ):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -98,6 +102,15 @@ def _attn_kernel(
             row_hi = tl.where(bs > 0, (pos // tl.maximum(bs, 1) + 1) * bs, kv_len)
             row_hi = tl.where(row_ok, tl.minimum(row_hi, kv_len), 0)
             kv_hi = tl.minimum(kv_hi, tl.max(row_hi, 0))
+        if ROW_BOUNDS:
+            # Each row's keys are [key_lo, key_hi) of its token (DiffusionGemma's encoder
+            # rows: causal, sliding layers windowed; its canvas rows: the canvas and before).
+            row_lo = tl.load(klo_ptr + tok, mask=row_ok, other=0)
+            row_hi = tl.load(khi_ptr + tok, mask=row_ok, other=0)
+            row_hi = tl.where(row_ok, tl.minimum(row_hi, kv_len), 0)
+            row_lo = tl.where(row_ok, row_lo, kv_len)
+            kv_hi = tl.minimum(kv_hi, tl.max(row_hi, 0))
+            kv_lo = tl.maximum(kv_lo, tl.min(row_lo, 0) // BLOCK_N * BLOCK_N)
 
         m_i = tl.full([BLOCK_M], float("-inf"), ACC_DTYPE)
         l_i = tl.zeros([BLOCK_M], ACC_DTYPE)
@@ -116,8 +129,11 @@ def _attn_kernel(
             s = tl.where(n_ok[None, :], s.to(ACC_DTYPE) * qk_scale, float("-inf"))
             if BLOCK_CAUSAL:
                 s = tl.where(offs_n[None, :] < row_hi[:, None], s, float("-inf"))
+            if ROW_BOUNDS:
+                s = tl.where((offs_n[None, :] < row_hi[:, None])
+                             & (offs_n[None, :] >= row_lo[:, None]), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            if BLOCK_CAUSAL:  # a row may have seen no key yet (a later split): keep it finite
+            if BLOCK_CAUSAL or ROW_BOUNDS:  # a row may have seen no key yet: keep it finite
                 m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -336,7 +352,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_m: int | None = None, block_n: int | None = None,
                     plan: AttentionPlan | None = None,
                     causal_blocks: torch.Tensor | None = None,
-                    positions: torch.Tensor | None = None) -> torch.Tensor:
+                    positions: torch.Tensor | None = None,
+                    key_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Bidirectional paged attention for packed spans; returns ``[N, Hq, D]`` in q's dtype.
 
     q ``[N, Hq, D]``; k_cache/v_cache ``[num_pages, page_size, Hkv, D]`` (head dim contiguous;
@@ -348,7 +365,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``plan`` (from :func:`plan_attention` for this batch) replaces those five and saves
     re-planning in every layer. Accumulates in fp32 (fp64 for fp64 inputs).
     ``causal_blocks`` int32 ``[R]`` with ``positions`` int ``[N]``: the block-causal mask (see
-    the module docstring).
+    the module docstring). ``key_bounds`` (int32 ``[N]`` each, instead): query i sees the keys
+    ``[lo[i], hi[i])`` of its request (within ``kv_lens``); a row with none outputs 0.
     """
     n_tok, hq, d = q.shape
     num_pages, page_size, hkv, dk = k_cache.shape
@@ -368,6 +386,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          or causal_blocks.numel() != num_requests):
         raise ValueError("causal_blocks needs one block size per request and positions one "
                          "position per query")
+    bounded = key_bounds is not None
+    if bounded and (block_causal or any(b.numel() != n_tok for b in key_bounds)):
+        raise ValueError("key_bounds needs a [lo, hi) per query, and no causal_blocks")
     out = torch.empty((n_tok, hq, d), dtype=q.dtype, device=q.device)
     if n_tok == 0 or num_requests == 0:
         return out
@@ -380,6 +401,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, part, lse,
         p.cu_q, p.cu_tiles, block_tables, kv_lens.to(torch.int32),
         positions if block_causal else kv_lens, causal_blocks if block_causal else kv_lens,
+        *(key_bounds if bounded else (kv_lens, kv_lens)),
         num_requests, num_requests.bit_length(), hq // hkv, d, p.num_splits, scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -388,7 +410,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part.stride(0) if split else 0, part.stride(-3), part.stride(-2),
         lse.stride(0) if split else 0, lse.stride(-2) if split else 0,
         PAGE_SIZE=page_size, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=max(16, d),
-        SPLIT=split, BLOCK_CAUSAL=block_causal, DOT_DTYPE=p.dot_dtype, ACC_DTYPE=p.acc_dtype,
+        SPLIT=split, BLOCK_CAUSAL=block_causal, ROW_BOUNDS=bounded, DOT_DTYPE=p.dot_dtype,
+        ACC_DTYPE=p.acc_dtype,
         # fp32/fp64 dots in full precision (no TF32); half types use the tensor cores as is.
         DOT_PREC="ieee" if p.dot_dtype in (tl.float32, tl.float64) else "tf32",
         num_warps=p.num_warps, num_stages=p.num_stages,

@@ -54,12 +54,16 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         query_lens: list[int] | None = None,
                         kv_lens_host: list[int] | None = None,
                         causal_blocks: torch.Tensor | None = None,
-                        positions: torch.Tensor | None = None) -> torch.Tensor:
+                        positions: torch.Tensor | None = None,
+                        key_bounds: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> torch.Tensor:
     """Each request's queries attend, without a causal mask, over its first ``kv_lens[r]`` cached
     positions: gather the pages, then softmax attention in fp32 (fp64 for fp64 inputs) through
     ``scaled_dot_product_attention`` (K/V heads shared by query heads are never repeated).
     With ``causal_blocks`` (block size B per request, 0 = none) and ``positions`` (each query's
-    absolute position), a query at q sees key k only if k // B <= q // B (block-causal)."""
+    absolute position), a query at q sees key k only if k // B <= q // B (block-causal). With
+    ``key_bounds`` (lo, hi: ``[N]`` each) query i sees keys lo[i] <= k < hi[i]; a query that
+    sees none outputs 0."""
     page_size = k_cache.shape[1]
     gqa = q.shape[1] != k_cache.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -84,8 +88,14 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             bs = blocks[r]
             q_block = positions[start:start + n].to(kk.device).long() // bs
             mask = (torch.arange(kv_len, device=kk.device) // bs)[None, :] <= q_block[:, None]
+        if key_bounds is not None:
+            keys = torch.arange(kv_len, device=kk.device)[None, :]
+            lo, hi = (b[start:start + n].to(kk.device).long()[:, None] for b in key_bounds)
+            mask = (keys >= lo) & (keys < hi)
         o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask,
                                                              scale=scale, enable_gqa=gqa)
+        if mask is not None:  # a row without keys: 0, as the kernel gives (not sdpa's NaN)
+            o = o.masked_fill(~mask.any(-1)[None, None, :, None], 0.0)
         out[start:start + n] = o[0].transpose(0, 1).to(q.dtype)
         start += n
     return out

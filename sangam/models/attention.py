@@ -13,33 +13,69 @@ from dataclasses import dataclass
 import torch
 
 from sangam.kernels.reference import paged_attention_ref, store_kv_ref
+from sangam.models.config import ModelConfig
 
 
 class PagedKV:
-    """All layers' K and V pages in one tensor ``[num_layers, 2, num_pages, page_size, Hkv, D]``.
+    """All layers' K and V pages: ``[layers, 2, num_pages, page_size, Hkv, D]`` per group of
+    layers that share a K/V shape — one group, one tensor, for every model but DiffusionGemma,
+    whose full-attention layers have heads of their own (two groups, one page numbering).
 
     One buffer lets the page gather/scatter kernel move every layer of a request in one launch;
     ``k[i]`` and ``v[i]`` are views of layer i's pages.
     """
 
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer = buffer
-        self.k = [buffer[i, 0] for i in range(buffer.shape[0])]
-        self.v = [buffer[i, 1] for i in range(buffer.shape[0])]
+    def __init__(self, buffer: torch.Tensor, *more: tuple[torch.Tensor, list[int]]):
+        """``buffer`` holds every layer, or with ``more`` ((tensor, its layers) pairs) the
+        layers none of those holds, in order."""
+        self.buffers = [buffer, *(t for t, _ in more)]
+        taken = {i for _, layers in more for i in layers}
+        rest = [i for i in range(buffer.shape[0] + len(taken)) if i not in taken]
+        where = {i: (buffer, j) for j, i in enumerate(rest)}
+        for t, layers in more:
+            where.update({i: (t, j) for j, i in enumerate(layers)})
+        order = sorted(where)
+        self.k = [where[i][0][where[i][1], 0] for i in order]
+        self.v = [where[i][0][where[i][1], 1] for i in order]
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The one tensor of every layer (what K/V transfers move)."""
+        if len(self.buffers) > 1:
+            raise ValueError("this pool's layers have K/V shapes of their own (DiffusionGemma): "
+                             "no single buffer holds them")
+        return self.buffers[0]
 
     @property
     def page_size(self) -> int:
-        return self.buffer.shape[3]
+        return self.buffers[0].shape[3]
 
     @property
     def num_pages(self) -> int:
-        return self.buffer.shape[2]
+        return self.buffers[0].shape[2]
 
     @classmethod
     def allocate(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> PagedKV:
         shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device))
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                  device: torch.device | str, empty: bool = False) -> PagedKV:
+        """Pages for every layer of ``cfg`` (each layer's own K/V shape: ``layer_kv_shape``);
+        ``empty``: uninitialised (pages are written before they are read)."""
+        make = torch.empty if empty else torch.zeros
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i in range(cfg.num_layers):
+            groups.setdefault(cfg.layer_kv_shape(i), []).append(i)
+        (first, *others) = groups.items()
+
+        def tensor(shape: tuple[int, int], layers: list[int]) -> torch.Tensor:
+            return make((len(layers), 2, num_pages, page_size, *shape), dtype=dtype,
+                        device=device)
+
+        return cls(tensor(*first), *((tensor(g, layers), layers) for g, layers in others))
 
 
 @dataclass
@@ -64,6 +100,18 @@ class AttentionMetadata:
     # The attention's KV split count, when fixed by the caller (a CUDA graph freezes it at
     # capture); None: planned from the lengths (kernels.paged_attention.kv_splits).
     num_kv_splits: int | None = None
+    # Per-query key bounds (DiffusionGemma, docs/design.md §2.12): query i sees its request's
+    # keys [key_lo[i], key_hi[i]), or in a sliding-window layer [window_lo[i], key_hi[i]).
+    # None: every key up to kv_lens.
+    key_lo: torch.Tensor | None = None  # int32 [N]
+    key_hi: torch.Tensor | None = None
+    window_lo: torch.Tensor | None = None
+
+    def key_bounds(self, sliding: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A layer's per-query key bounds (``sliding``: a sliding-window layer), if any."""
+        if self.key_hi is None:
+            return None
+        return (self.window_lo if sliding else self.key_lo), self.key_hi
 
     @property
     def num_requests(self) -> int:
@@ -77,8 +125,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
-                v_pages: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q ``[N, Hq, D]``, k/v ``[N, Hkv, D]`` (RoPE applied) -> output ``[N, Hq, D]``."""
+                v_pages: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding: bool = False) -> torch.Tensor:
+        """q ``[N, Hq, D]``, k/v ``[N, Hkv, D]`` (RoPE applied) -> output ``[N, Hq, D]``;
+        ``sliding``: a sliding-window layer (``AttentionMetadata.key_bounds``)."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -86,9 +136,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, q, k, v, k_pages, v_pages, meta, scale):
+    def forward(self, q, k, v, k_pages, v_pages, meta, scale, sliding=False):
         store_kv_ref(k, v, k_pages, v_pages, meta.slot_mapping)
         return paged_attention_ref(q, k_pages, v_pages, meta.cu_seqlens_q, meta.block_tables,
                                    meta.kv_lens, scale, query_lens=meta.query_lens,
                                    kv_lens_host=meta.kv_lens_host,
-                                   causal_blocks=meta.causal_blocks, positions=meta.positions)
+                                   causal_blocks=meta.causal_blocks, positions=meta.positions,
+                                   key_bounds=meta.key_bounds(sliding))

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sangam.models.attention import AttentionMetadata, PagedKV
 from sangam.models.config import ModelConfig
-from sangam.models.kernel_table import KernelTable
+from sangam.models.kernel_table import KernelTable, kernel_table
 from sangam.models.transformer import TORCH, DiffusionLM
 
 
@@ -239,13 +242,15 @@ class DiffusionGemmaModel(DiffusionLM):
                                                     else soft.to(e.dtype))
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, attend: GemmaAttend,
-                   encoder: bool, kernels: KernelTable = TORCH) -> torch.Tensor:
+                   encoder: bool | torch.Tensor, kernels: KernelTable = TORCH) -> torch.Tensor:
         """The layers over ``h`` ``[N, hidden]`` (final-normed). ``encoder`` picks whose
-        layer scalars apply; ``attend`` stores and attends (the caller's masks)."""
+        layer scalars apply: all rows the encoder's or the decoder's, or per row (a bool
+        ``[N]``, True: an encoder row); ``attend`` stores and attends (the caller's masks)."""
         cfg = self.config
         lead = h.shape[:-1]
         ropes = {s: self.rope_cos_sin(positions, s, h.dtype) for s in set(cfg.gemma.sliding)}
         enc = self.model.encoder.language_model.layers
+        mixed = isinstance(encoder, torch.Tensor)
         for i, layer in enumerate(self.model.decoder.layers):
             a = layer.self_attn
             x = layer.input_layernorm(h)
@@ -260,8 +265,37 @@ class DiffusionGemmaModel(DiffusionLM):
                 layer.mlp(layer.pre_feedforward_layernorm(h)))
             routed = layer.post_feedforward_layernorm_2(self._experts(layer, h, kernels))
             h = h + layer.post_feedforward_layernorm(dense + routed)
-            h = h * (enc[i] if encoder else layer).layer_scalar
+            if mixed:
+                h = h * torch.where(encoder[:, None], enc[i].layer_scalar, layer.layer_scalar)
+            else:
+                h = h * (enc[i] if encoder else layer).layer_scalar
         return self.final_norm(h)
+
+    # The paged pass: the engine's.
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, kv: PagedKV,
+                      canvas: CanvasRows | None = None) -> torch.Tensor:
+        """One packed forward: encoder rows (a prompt, a prefill chunk, a finished canvas)
+        and decoder rows (``canvas``: which rows, and their self-conditioning), each request's
+        K/V stored and attended as ``meta``'s per-row key bounds say (docs/design.md §2.12).
+        Final-normed hidden states ``[N, hidden]``."""
+        backend = self.attention_backend
+        if backend is None:
+            raise RuntimeError("no attention backend set on the model")
+        sliding = self.config.gemma.sliding
+
+        def attend(i, q, k, v):
+            return backend.forward(q, k, v, kv.k[i], kv.v[i], meta, 1.0, sliding=sliding[i])
+
+        h = self.embed(input_ids)
+        encoder: bool | torch.Tensor = True
+        if canvas is not None and canvas.rows.numel():
+            h = h.index_copy(0, canvas.rows, self.model.decoder.self_conditioning(
+                h[canvas.rows], canvas.soft.to(h.dtype)))
+            encoder = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
+            encoder[canvas.rows] = False
+        return self.run_layers(h, positions, attend, encoder, kernel_table(backend.name))
 
     def _experts(self, layer: GemmaLayer, h: torch.Tensor, kernels: KernelTable) -> torch.Tensor:
         """The routed experts over ``h`` (the residual stream): routed from it by the router's
@@ -319,6 +353,28 @@ class DiffusionGemmaModel(DiffusionLM):
         h = self.run_layers(self.decoder_inputs(canvas, soft), positions, attend, encoder=False,
                             kernels=kernels)
         return self.logits(h, torch.arange(h.shape[0], device=h.device))
+
+
+def canvas_key_bounds(positions: np.ndarray, canvas_start: np.ndarray, canvas_end: np.ndarray,
+                      window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's keys (``AttentionMetadata.key_lo/key_hi/window_lo``, int32): an encoder row
+    (``canvas_end`` 0) at p sees [0, p] causally, in a sliding layer the last ``window``
+    positions (p - window, p]; a decoder row of the canvas [s, e) sees [0, e), in a sliding
+    layer the last window - 1 positions before the canvas and the canvas: [s - window + 1,
+    e)."""
+    dec = canvas_end > 0
+    hi = np.where(dec, canvas_end, positions + 1)
+    lo = np.maximum(np.where(dec, canvas_start, positions) - window + 1, 0)
+    return (np.zeros(len(positions), dtype=np.int32), hi.astype(np.int32), lo.astype(np.int32))
+
+
+@dataclass
+class CanvasRows:
+    """The decoder rows of a packed forward: their indices (int64 ``[M]``) and their
+    self-conditioning (``soft_embeddings``, zeros at a canvas's first step; ``[M, hidden]``)."""
+
+    rows: torch.Tensor
+    soft: torch.Tensor
 
 
 class DenseKV:

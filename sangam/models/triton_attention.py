@@ -12,25 +12,30 @@ from sangam.models.attention import AttentionBackend, AttentionMetadata
 class TritonAttentionBackend(AttentionBackend):
     """Stores the span's K/V with one kernel and attends with the paged kernel.
 
-    The attention launch is planned once per forward (its metadata object) and reused by every
-    layer. Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (slow; for
-    tests).
+    The attention launch is planned once per forward (its metadata object) and layer shape,
+    and reused by every layer of that shape. Runs on CUDA tensors, or on CPU tensors under
+    ``TRITON_INTERPRET=1`` (slow; for tests).
     """
 
     name = "triton"
 
     def __init__(self) -> None:
-        self._planned: tuple[AttentionMetadata, AttentionPlan] | None = None
+        self._meta: AttentionMetadata | None = None
+        self._plans: dict[tuple[int, ...], AttentionPlan] = {}  # by (Hq, D, Hkv), for _meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
-                v_pages: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_pages: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding: bool = False) -> torch.Tensor:
         store_kv(k, v, k_pages, v_pages, meta.slot_mapping)
-        if self._planned is None or self._planned[0] is not meta:
-            plan = plan_attention(q, k_pages, meta.cu_seqlens_q, meta.block_tables,
-                                  max_kv_len=max(meta.kv_lens_host, default=0),
-                                  max_query_len=max(meta.query_lens, default=0),
-                                  num_splits=meta.num_kv_splits)
-            self._planned = (meta, plan)
+        if self._meta is not meta:
+            self._meta, self._plans = meta, {}
+        shape = (*q.shape[1:], k_pages.shape[2])
+        plan = self._plans.get(shape)
+        if plan is None:
+            plan = self._plans[shape] = plan_attention(
+                q, k_pages, meta.cu_seqlens_q, meta.block_tables,
+                max_kv_len=max(meta.kv_lens_host, default=0),
+                max_query_len=max(meta.query_lens, default=0), num_splits=meta.num_kv_splits)
         return paged_attention(q, k_pages, v_pages, meta.cu_seqlens_q, meta.block_tables,
-                               meta.kv_lens, scale, plan=self._planned[1],
-                               causal_blocks=meta.causal_blocks, positions=meta.positions)
+                               meta.kv_lens, scale, plan=plan, causal_blocks=meta.causal_blocks,
+                               positions=meta.positions, key_bounds=meta.key_bounds(sliding))

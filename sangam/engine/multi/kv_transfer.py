@@ -96,8 +96,9 @@ class LayerHook(AttentionBackend):
         self.layer = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
-                v_pages: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = self.inner.forward(q, k, v, k_pages, v_pages, meta, scale)
+                v_pages: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding: bool = False) -> torch.Tensor:
+        out = self.inner.forward(q, k, v, k_pages, v_pages, meta, scale, sliding)
         self.on_layer(self.layer)
         self.layer += 1
         return out
