@@ -32,6 +32,64 @@ SEED_BITS = 63  # a seed is in [0, 2**SEED_BITS): a non-negative int64
 MAX_POST_STEPS = 1024  # editing-only forwards per block (LLaDA2.1's default is 16)
 
 
+MAX_DENOISING_STEPS = 1024  # a uniform-state canvas's steps: far beyond use (the release: 48)
+MAX_ENTROPY = 1e6  # an entropy is at most ln(vocab): a larger bound accepts everything anyway
+
+
+@dataclass(frozen=True)
+class UniformStateParams:
+    """A uniform-state request's denoising options (DiffusionGemma, docs/design.md §2.12);
+    defaults: transformers' (a checkpoint's generation_config.json and the request's fields
+    override them). ``confidence_threshold`` 0 turns adaptive stopping off."""
+
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_uniform_field(f.name, getattr(self, f.name))
+        if not self.t_min < self.t_max:
+            raise ValueError(f"t_min ({self.t_min}) must be below t_max ({self.t_max})")
+
+
+UNIFORM_FIELDS = tuple(f.name for f in fields(UniformStateParams))
+
+
+def check_uniform_field(name: str, value: object) -> None:
+    """Raise ValueError unless ``value`` is within ``name``'s bounds (``UNIFORM_FIELDS``)."""
+    if name in ("max_denoising_steps", "stability_threshold"):
+        low = 1 if name == "max_denoising_steps" else 0
+        ok = _is_int(value) and low <= value <= MAX_DENOISING_STEPS
+        what = f"an integer in [{low}, {MAX_DENOISING_STEPS}]"
+    elif name in ("t_min", "t_max"):
+        ok = _is_num(value) and 0 < value <= MAX_TEMPERATURE
+        what = f"in (0, {MAX_TEMPERATURE:g}]"
+    elif name == "entropy_bound":
+        ok = _is_num(value) and 0 < value <= MAX_ENTROPY
+        what = f"in (0, {MAX_ENTROPY:g}]"
+    elif name == "confidence_threshold":
+        ok = _is_num(value) and 0 <= value <= MAX_ENTROPY
+        what = f"in [0, {MAX_ENTROPY:g}] (0: no adaptive stopping)"
+    else:
+        raise ValueError(f"{name!r} is not a uniform-state option; those are {UNIFORM_FIELDS}")
+    if not ok:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+# What a uniform-state request (DiffusionGemma) cannot take: the masked family's decoding
+# options, and those its canvases do not implement (refused when set, never ignored).
+MASKED_ONLY_FIELDS = (
+    "block_length", "unmasking", "threshold", "factor", "tokens_per_step", "cache",
+    "temperature", "top_p", "top_k", "min_p", "logit_bias", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "refresh_interval",
+    "prompt_refresh_interval", "refresh_confidence", "min_threshold", "edit_threshold",
+    "max_post_steps", "structured_outputs")
+
+
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's names
 MAX_CHOICES = 1024  # a choice constraint's options
 MAX_CONSTRAINT_CHARS = 100_000  # a schema's JSON, a regex or a grammar
@@ -161,6 +219,19 @@ class SamplingParams:
     # Structured output: the response must match this constraint (docs/decoding.md); a step
     # then commits left to right from the block's first masked position.
     structured_outputs: StructuredOutputsParams | None = None
+    # Streamed drafts (``stream_options.include_drafts``): after every step that does not end
+    # its block, an output whose ``draft_token_ids`` are the block's provisional content (a
+    # uniform-state canvas's argmax; a masked block's committed tokens with each masked
+    # position's token as the step predicted it). The response itself never changes.
+    include_drafts: bool = False
+    # Uniform-state models only (DiffusionGemma, UniformStateParams): None takes the model's
+    # default (its generation_config.json, else transformers').
+    max_denoising_steps: int | None = None
+    entropy_bound: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -228,6 +299,7 @@ class SamplingParams:
         need(isinstance(self.include_stop_str_in_output, bool),
              "include_stop_str_in_output must be a bool")
         need(isinstance(self.skip_special_tokens, bool), "skip_special_tokens must be a bool")
+        need(isinstance(self.include_drafts, bool), "include_drafts must be a bool")
         ids = self.stop_token_ids or ()
         need(isinstance(ids, (list, tuple)) and len(ids) <= MAX_STOP_TOKEN_IDS
              and all(_is_int(t) and 0 <= t <= MAX_INT32 for t in ids),
@@ -274,10 +346,25 @@ class SamplingParams:
         need(_is_int(self.priority) and abs(self.priority) <= MAX_INT32,
              f"priority must be an integer in [-{MAX_INT32}, {MAX_INT32}], got "
              f"{self.priority!r}")
+        for name in UNIFORM_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    check_uniform_field(name, value)
+                except ValueError as e:
+                    need(False, str(e))
         k = self.truncate_prompt_tokens
         need(k is None or (_is_int(k) and (1 <= k <= MAX_INT32 or k == -1)),
              f"truncate_prompt_tokens must be None, -1 or an integer in [1, {MAX_INT32}], got "
              f"{k!r}")
+
+    def uniform_given(self) -> dict[str, object]:
+        """The uniform-state options this request sets (not None)."""
+        return {n: getattr(self, n) for n in UNIFORM_FIELDS if getattr(self, n) is not None}
+
+    def masked_given(self) -> list[str]:
+        """The masked-family options this request sets away from their defaults."""
+        return [n for n in MASKED_ONLY_FIELDS if getattr(self, n) != _DEFAULTS[n]]
 
     def for_sample(self, j: int) -> SamplingParams:
         """The ``j``-th of this request's ``n`` samples, as one request (n=1): with a seed, its
@@ -341,6 +428,9 @@ class SamplingParams:
             raise ValueError(f"a block-causal model (SDAR) does not take "
                              f"{', '.join(unsupported)}: its finished blocks' K/V is exact and "
                              "never refreshed")
+
+
+_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 
 
 def _is_int(x: object) -> bool:
@@ -411,6 +501,10 @@ class RequestOutput:
     # vLLM's: prompt tokens whose K/V came from the prefix cache (None: the engine caches no
     # prefixes; a bidirectional model's never does).
     num_cached_tokens: int | None = None
+    # A draft (SamplingParams.include_drafts): the block in progress as it stands, provisional,
+    # after ``token_ids`` (which a draft never changes); None in every other output.
+    draft_token_ids: list[int] | None = None
+    draft_text: str | None = None
 
     @functools.cached_property
     def text(self) -> str | None:

@@ -288,11 +288,36 @@ def test_vision_tower_is_not_loaded(checkpoint, models):
     assert not any("vision" in k for k in ours.state_dict())
 
 
-def test_the_engine_refuses_it_by_name(checkpoint):
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_workers=2), "one in-process worker"),
+    (dict(tensor_parallel_size=2), "one in-process worker"),
+    (dict(enable_prefix_caching=True), "prefix-caching"),
+    (dict(block_length=32), "block_length"),
+])
+def test_deployments_it_cannot_have_are_refused(checkpoint, kw, match):
     from sangam import LLM
 
-    with pytest.raises(CheckpointError, match="not served by the engine"):
-        LLM(model=str(checkpoint), dtype="float64")
+    with pytest.raises(CheckpointError, match=match):
+        LLM(model=str(checkpoint), dtype="float64", **kw)
+
+
+def test_options_of_the_other_family_are_refused(checkpoint, tmp_path):
+    """A masked option on a uniform-state request, a uniform option on a masked one: each
+    refused with a message, never ignored."""
+    from sangam import LLM, SamplingParams
+    from sangam.testing import make_tiny_checkpoint
+
+    llm = LLM(model=str(checkpoint), dtype="float64")
+    ids = [{"prompt_token_ids": [3, 4, 5]}]
+    for bad, name in [(dict(threshold=0.5), "threshold"), (dict(temperature=1.0), "temperature"),
+                      (dict(block_length=8), "block_length"), (dict(logprobs=1), "logprobs")]:
+        with pytest.raises(ValueError, match=name):
+            llm.generate(ids, SamplingParams(max_tokens=8, **bad))
+    with pytest.raises(ValueError, match="t_min"):
+        llm.generate(ids, SamplingParams(max_tokens=8, t_min=0.9, t_max=0.5))
+    masked = LLM(model=str(make_tiny_checkpoint(tmp_path / "llada")), dtype="float64")
+    with pytest.raises(ValueError, match="entropy_bound apply to uniform-state"):
+        masked.generate(ids, SamplingParams(max_tokens=8, entropy_bound=0.5))
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -382,3 +407,123 @@ def test_paged_forward_equals_the_dense_passes(models, backend):
     for got, want in [(got_a, dense(pa, ca, None)), (got_b, dense(pb, cb, soft_b, fb)),
                       (got_c, dense(pc, cc, soft_c))]:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_the_engine_equals_the_reference_decoder(checkpoint, models, backend):
+    """The engine over 12 requests batched with staggered arrivals (a step per arrival),
+    several canvases each, adaptive stopping on and off, stop ids, prompts longer than a
+    prefill chunk: each request's tokens equal generate_canvases' (and so transformers'), with
+    the reference kernels and with the Triton ones."""
+    from sangam import LLM, SamplingParams
+
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1")
+    _, ours = models
+    llm = LLM(model=str(checkpoint), dtype="float64", page_size=4, token_budget=24,
+              max_batch_size=8, attention_backend=backend)
+    g = torch.Generator().manual_seed(9)
+    cases = []
+    for i in range(12):
+        prompt = torch.randint(2, VOCAB, (int(torch.randint(3, 30, (1,), generator=g)),),
+                               generator=g).tolist()
+        params = SamplingParams(max_tokens=[8, 17, 24][i % 3], seed=100 + i,
+                                max_denoising_steps=[4, 6][i % 2],
+                                entropy_bound=[0.1, 1.0, 3.0][i % 3],
+                                confidence_threshold=[0.005, 0.0, 5.0][i % 3],
+                                stability_threshold=i % 2, stop_token_ids=[7 + i % 5],
+                                stop_at_eos=False)
+        cases.append((prompt, params))
+    engine, outs = llm.engine, {}
+
+    def step():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+
+    for i, (prompt, params) in enumerate(cases):
+        engine.add_request(str(i), prompt, params)
+        step()
+    while engine.has_unfinished_requests():
+        step()
+    reasons = set()
+    for i, (prompt, params) in enumerate(cases):
+        want = generate_canvases(ours, prompt, UniformStateParams(**params.uniform_given()),
+                                 params.seed, params.max_tokens, params.stop_token_ids)
+        got = outs[str(i)].outputs[0]
+        # The engine's token_ids end before the stop id (Sangam's outputs), transformers' with it.
+        assert got.token_ids == want.tokens[:len(want.tokens) - (want.finish_reason == "stop")], i
+        assert got.finish_reason == want.finish_reason, i
+        reasons.add(want.finish_reason)
+    assert reasons == {"stop", "length"}
+    # They shared forwards: fewer iterations than their steps one by one.
+    assert len(engine.stats.iterations) < sum(o.num_forwards for o in outs.values())
+
+
+# ----------------------------------------------------------------------------- the server
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory):
+    """The tiny checkpoint with a Gemma-layout tokenizer and chat template (<pad> 0, <eos> 1,
+    <bos> 2, <start_of_turn>/<end_of_turn>) and a generation_config.json of its own."""
+    from sangam.demo.tokenizer import GEMMA_VOCAB, write_tokenizer
+
+    path = write_checkpoint(tmp_path_factory.mktemp("dgemma-chat"), seed=3,
+                            vocab_size=len(GEMMA_VOCAB))
+    write_tokenizer(path, layout="gemma")
+    (path / "generation_config.json").write_text(json.dumps({
+        "max_denoising_steps": 5, "sampler_config": {"entropy_bound": 0.5,
+                                                     "_cls_name": "EntropyBoundSamplerConfig"},
+        "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1, "confidence_threshold": 0.005,
+        "eos_token_id": [1, GEMMA_VOCAB.index("<end_of_turn>")]}))
+    return path
+
+
+def test_chat_through_the_openai_client(chat_checkpoint, tmp_path):
+    """The server answers the official client: /tokenize of chat messages equals the
+    tokenizer's apply_chat_template; a chat completion and its stream (one chunk per canvas;
+    with drafts, a provisional canvas per step between) equal LLM.chat's, with the
+    checkpoint's denoising defaults and a request's own."""
+    import httpx
+    import openai
+
+    from sangam import LLM, SamplingParams
+    from tests.test_serve_openai import serve_subprocess
+
+    llm = LLM(str(chat_checkpoint), dtype="float64")
+    assert llm.loaded.uniform_defaults() == dict(max_denoising_steps=5, entropy_bound=0.5,
+                                                 t_min=0.4, t_max=0.8, stability_threshold=1,
+                                                 confidence_threshold=0.005)
+    from sangam.demo.tokenizer import GEMMA_VOCAB
+
+    assert GEMMA_VOCAB.index("<end_of_turn>") in llm.loaded.stop_ids
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    args = ["--model", str(chat_checkpoint), "--device", "cpu", "--dtype", "float64",
+            "--served-model-name", "dg", "--num-pages", "256"]
+    with serve_subprocess(args, tmp_path / "server.log") as (_, base):
+        ids = httpx.post(f"{base}/tokenize", json={"messages": messages, "model": "dg"}).json()
+        want_ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     return_dict=True)["input_ids"]
+        assert ids["tokens"] == list(want_ids)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        for extra in ({}, {"entropy_bound": 2.0, "max_denoising_steps": 3}):
+            res = client.chat.completions.create(model="dg", messages=messages, max_tokens=20,
+                                                 seed=4, extra_body=extra)
+            ref = llm.chat(messages, SamplingParams(max_tokens=20, seed=4, **extra))[0]
+            assert res.choices[0].message.content == ref.text
+            assert res.usage.completion_tokens == len(ref.token_ids)
+            chunks = list(client.chat.completions.create(
+                model="dg", messages=messages, max_tokens=20, seed=4, stream=True,
+                extra_body=extra))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text == ref.text
+            drafted = list(client.chat.completions.create(
+                model="dg", messages=messages, max_tokens=20, seed=4, stream=True,
+                stream_options={"include_drafts": True}, extra_body=extra))
+            assert "".join(c.choices[0].delta.content or "" for c in drafted) == ref.text
+            drafts = [c.choices[0].model_extra["draft"] for c in drafted
+                      if c.choices[0].model_extra.get("draft") is not None]
+            # A draft per step that leaves its canvas open: each canvas's last step ends it.
+            assert len(drafts) == ref.num_forwards - ref.metrics["num_blocks"] > 0
+        with pytest.raises(openai.BadRequestError, match="threshold"):
+            client.chat.completions.create(model="dg", messages=messages,
+                                           extra_body={"threshold": 0.5})

@@ -19,6 +19,8 @@ from sangam.sampling_params import (
     MAX_BIAS,
     MAX_CHOICES,
     MAX_CONSTRAINT_CHARS,
+    MAX_DENOISING_STEPS,
+    MAX_ENTROPY,
     MAX_INT32,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -46,7 +48,9 @@ BODIES: dict[type[BaseModel], dict[str, Any]] = {
     ResponsesRequest: {"input": "x"},
 }
 # SamplingParams fields no body sets, and why. (None at present.)
-NOT_EXPOSED: dict[str, str] = {}
+NOT_EXPOSED: dict[str, str] = {
+    "include_drafts": "a stream option: stream_options.include_drafts sets it (tests/"
+                      "test_drafts.py)"}
 # SamplingParams fields a body sets under another name only (OpenAI's), with the body fields
 # that name needs: chat's own "logprobs" is a flag, its count top_logprobs.
 RENAMED = {(ChatCompletionRequest, "logprobs"): ("top_logprobs", {"logprobs": True})}
@@ -160,6 +164,18 @@ PROBES: dict[str, list[tuple[Any, bool]]] = {
     "max_post_steps": [(0, True), (-1, False), (MAX_POST_STEPS, True),
                        (MAX_POST_STEPS + 1, False)],
     "structured_outputs": _constraints(),
+    "max_denoising_steps": [(1, True), (0, False), (MAX_DENOISING_STEPS, True),
+                            (MAX_DENOISING_STEPS + 1, False)],
+    "stability_threshold": [(0, True), (-1, False), (MAX_DENOISING_STEPS, True),
+                            (MAX_DENOISING_STEPS + 1, False)],
+    "entropy_bound": [(0.0, False), (_above(0.0), True), (MAX_ENTROPY, True),
+                      (_above(MAX_ENTROPY), False)],
+    "confidence_threshold": [(0.0, True), (_below(0.0), False), (MAX_ENTROPY, True),
+                             (_above(MAX_ENTROPY), False)],
+    "t_min": [(0.0, False), (_above(0.0), True), (MAX_TEMPERATURE, True),
+              (_above(MAX_TEMPERATURE), False)],
+    "t_max": [(0.0, False), (_above(0.0), True), (MAX_TEMPERATURE, True),
+              (_above(MAX_TEMPERATURE), False)],
 }
 CONTEXT: dict[str, dict[str, Any]] = {
     "min_tokens": {"max_tokens": MAX_INT32},  # min_tokens <= max_tokens

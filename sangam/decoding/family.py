@@ -162,6 +162,7 @@ class MaskedDiffusion:
     positions, with ``editing`` (``EDITING``) or without."""
 
     __slots__ = ("selector", "editing", "reads_logits", "host_commits")
+    device_logits = False  # rows it reads whole come to the host
 
     def __init__(self, selector: Unmasking | Frontier, editing: Editing | None = None):
         self.selector = selector

@@ -32,6 +32,7 @@ from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.family import MaskedDiffusion, StepPlan
 from sangam.decoding.grammar import GrammarState
 from sangam.decoding.rules import RULE_IDS
+from sangam.decoding.uniform import UNIFORM_STATE, Canvas, CanvasSpec
 from sangam.sampling_params import SamplingParams
 from sangam.sched.block_cursor import BlockCursor
 
@@ -63,7 +64,7 @@ class DecodeState:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, mask_token_id: int,
                  stop_ids: frozenset[int], shift_logits: bool, seed: int = 0,
                  suffix_ids: list[int] | tuple[int, ...] = (), block_causal: bool = False,
-                 grammar: GrammarState | None = None):
+                 grammar: GrammarState | None = None, canvas: CanvasSpec | None = None):
         if not prompt_ids:
             raise ValueError("the prompt is empty: a request needs at least one prompt token")
         if block_causal and (suffix_ids or shift_logits):
@@ -72,16 +73,28 @@ class DecodeState:
         # Structured output: the request's matcher; its steps commit by the frontier rule.
         self.grammar = grammar
         # What its steps do with their rows (sangam/decoding/family.py).
-        self.family = MaskedDiffusion.for_request(structured=grammar is not None,
-                                                  editing=params.edit_threshold is not None)
+        self.family = UNIFORM_STATE if canvas is not None else MaskedDiffusion.for_request(
+            structured=grammar is not None, editing=params.edit_threshold is not None)
+        # Uniform-state requests (DiffusionGemma): what their canvases are, and the current one.
+        self.canvas_spec = canvas
+        self.canvas: Canvas | None = None
+        # With include_drafts: the current block's provisional content after a step that did
+        # not end it (the runner sets it, the worker reports it and clears it).
+        self.draft: np.ndarray | None = None
         self.mask_token_id = mask_token_id
         self.stop_ids = stop_ids_of(params, stop_ids)
         self.stop_array = np.array(sorted(self.stop_ids), dtype=np.int64)  # the same, for numpy
         self.seed = seed
         # Which positions each forward covers, and where the request stands (shared with the
         # scheduler's Request): the one place its geometry and position are read.
-        self.cursor = BlockCursor.for_request(params, len(prompt_ids), suffix_len=len(suffix_ids),
-                                              shift=int(shift_logits), block_causal=block_causal)
+        if canvas is None:
+            self.cursor = BlockCursor.for_request(params, len(prompt_ids),
+                                                  suffix_len=len(suffix_ids),
+                                                  shift=int(shift_logits),
+                                                  block_causal=block_causal)
+        else:
+            self.cursor = BlockCursor(len(prompt_ids), BlockCursor.canvas_len(
+                len(prompt_ids), params.max_tokens, canvas.length), canvas.length, uniform=True)
         canvas = self.cursor.canvas_end - self.cursor.prompt_len
         self.tokens = np.array(
             list(prompt_ids) + [mask_token_id] * canvas + list(suffix_ids), dtype=np.int64)
@@ -259,6 +272,21 @@ class DecodeState:
         return [[(t, lp) for t, lp in zip(ids, lps, strict=True) if lp != -np.inf]
                 for ids, lps in zip(self.top_ids[:num_tokens].tolist(),
                                     self.top_logprobs[:num_tokens].tolist(), strict=True)]
+
+    def make_draft(self, positions: np.ndarray, predicted: np.ndarray) -> None:
+        """Set ``draft`` from a step that did not end the block: its response positions'
+        tokens, masked ones as ``predicted`` at ``positions`` (a uniform-state canvas: its
+        argmax, all committed nowhere yet)."""
+        c = self.cursor
+        s, e = c.block_bounds()
+        start, end = max(s, c.prompt_len), min(e, c.prompt_len + self.params.max_tokens)
+        block = self.tokens[s:e].copy()
+        if self.canvas is not None:
+            block[:] = self.canvas.argmax.cpu().numpy()
+        else:
+            open_ = block[positions - s] == self.mask_token_id
+            block[positions[open_] - s] = predicted[open_]
+        self.draft = block[start - s:end - s]
 
     def output_token_ids(self) -> list[int]:
         """The response decoded so far (whole blocks), cut before the first stop id, to a stop

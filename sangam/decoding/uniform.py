@@ -31,66 +31,21 @@ patching transformers' ``torch.multinomial`` and ``initialize_canvas``) can draw
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from sangam.decoding.family import StepPlan
 from sangam.decoding.noise import gumbel_noise, mix32, mix32_tensor, noise_key, row_keys
+from sangam.sampling_params import UniformStateParams
+
+if TYPE_CHECKING:
+    from sangam.decoding.state import DecodeState
 
 UNIFORM_TAG = 0x5EED7A6E  # separates the uniform draws' keys from the Gumbel ones
-MAX_DENOISING_STEPS = 1024  # per canvas: far beyond use (the release's default is 48)
-MAX_TEMPERATURE = 1e4  # as sampling_params: beyond it the schedule's draws are uniform anyway
-MAX_ENTROPY_BOUND = 1e6  # an entropy is at most ln(V); any larger bound accepts everything
 _GUMBEL_ROWS = 32  # rows of [rows, V] fp64 noise made at a time: bounds the sampler's memory
-
-
-@dataclass(frozen=True)
-class UniformStateParams:
-    """A uniform-state request's denoising options; defaults: transformers' (a checkpoint's
-    ``generation_config.json`` overrides them)."""
-
-    max_denoising_steps: int = 48
-    entropy_bound: float = 0.1
-    t_min: float = 0.4
-    t_max: float = 0.8
-    stability_threshold: int = 1
-    confidence_threshold: float = 0.005  # 0: no adaptive stopping
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(msg)
-
-        def number(name: str) -> float:
-            v = getattr(self, name)
-            need(isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v),
-                 f"{name} must be a finite number, got {v!r}")
-            return float(v)
-
-        steps, stable = self.max_denoising_steps, self.stability_threshold
-        need(isinstance(steps, int) and not isinstance(steps, bool)
-             and 1 <= steps <= MAX_DENOISING_STEPS,
-             f"max_denoising_steps must be an integer in [1, {MAX_DENOISING_STEPS}], got "
-             f"{steps!r}")
-        need(isinstance(stable, int) and not isinstance(stable, bool)
-             and 0 <= stable <= MAX_DENOISING_STEPS,
-             f"stability_threshold must be an integer in [0, {MAX_DENOISING_STEPS}], got "
-             f"{stable!r}")
-        bound = number("entropy_bound")
-        need(0 < bound <= MAX_ENTROPY_BOUND,
-             f"entropy_bound must be in (0, {MAX_ENTROPY_BOUND:g}], got {bound}")
-        t_min, t_max = number("t_min"), number("t_max")
-        need(0 < t_min < t_max <= MAX_TEMPERATURE,
-             f"temperatures must satisfy 0 < t_min < t_max <= {MAX_TEMPERATURE:g}, got "
-             f"t_min {t_min}, t_max {t_max}")
-        conf = number("confidence_threshold")
-        need(0 <= conf <= MAX_ENTROPY_BOUND,
-             f"confidence_threshold must be in [0, {MAX_ENTROPY_BOUND:g}], got {conf}")
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
 
 
 def temperature(params: UniformStateParams, step: int, device: torch.device) -> torch.Tensor:
@@ -130,6 +85,16 @@ def categorical(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class CanvasSpec:
+    """What a uniform-state request's canvases are: its options and the model's canvas."""
+
+    params: UniformStateParams
+    length: int  # canvas_length: positions per canvas (a block)
+    vocab_size: int
+    window: int  # the model's sliding window (what its attention's key bounds read)
+
+
 @dataclass
 class Canvas:
     """One request's canvas in progress."""
@@ -141,6 +106,9 @@ class Canvas:
     soft: torch.Tensor | None = None  # self-conditioning for the next step; None: zeros
     history: list[torch.Tensor] = field(default_factory=list)  # the last argmax canvases
     done: bool = False
+    # The last step's processed logits, until the runner turns them into ``soft`` (the model's
+    # soft_embeddings): a [C, V] tensor is not kept longer than that.
+    processed: torch.Tensor | None = None
 
     @classmethod
     def start(cls, seed: int, index: int, length: int, vocab_size: int,
@@ -183,3 +151,71 @@ def denoise_step(canvas: Canvas, logits: torch.Tensor, params: UniformStateParam
     canvas.steps = j + 1
     canvas.done = (stable and confident) or canvas.steps >= params.max_denoising_steps
     return StepResult(processed, int(accept.sum()))
+
+
+class UniformState:
+    """The uniform-state family (docs/design.md §2.12): a step is a decoder forward over the
+    request's canvas whose rows all come back whole; nothing is committed until the canvas
+    ends, as its last argmax; the request then stops at a stop id or its length, else the
+    next canvas starts (its first step fused with the encoder over the finished one)."""
+
+    __slots__ = ()
+    reads_logits = True  # every canvas row comes back whole...
+    device_logits = True  # ...and stays on the device
+    host_commits = False
+
+    def __reduce__(self) -> tuple:
+        return _uniform_state, ()
+
+    def plan(self, st: DecodeState) -> StepPlan:
+        """The span (``BlockCursor``'s) and the canvas rows; a canvas starts here, with the
+        request's uniform draw 0 for it."""
+        c = st.cursor
+        start, end = c.span()
+        s, e = c.block_bounds()
+        if end <= s:  # a prefill chunk: encoder rows only
+            empty = np.zeros(0, dtype=np.int64)
+            return StepPlan(start, end, empty, 0, empty, empty)
+        if st.canvas is None or st.canvas.index != c.block:
+            spec = st.canvas_spec
+            st.canvas = Canvas(c.block, uniform_tokens(st.seed, c.block, 0,
+                                                       torch.arange(spec.length),
+                                                       spec.vocab_size))
+            st.tokens[s:e] = st.canvas.tokens.numpy()
+        positions = np.arange(s, e, dtype=np.int64)
+        return StepPlan(start, end, positions, 0, positions - start,
+                        np.zeros(len(positions), dtype=np.int64))
+
+    def commit(self, st: DecodeState, positions: np.ndarray, num_forced: int,
+               tokens: np.ndarray | None, conf: np.ndarray | None, num_editable: int = 0,
+               logits: torch.Tensor | None = None, keys: np.ndarray | None = None) -> bool:
+        """One denoising step from the canvas rows' fp32 ``logits`` ``[C, V]``; whether the
+        canvas (the block) ended."""
+        if st.begin_step():
+            return False
+        c, canvas = st.cursor, st.canvas
+        if canvas.tokens.device != logits.device:
+            canvas.tokens = canvas.tokens.to(logits.device)
+        canvas.processed = denoise_step(canvas, logits, st.canvas_spec.params,
+                                        st.seed).processed
+        s, e = c.block_bounds()
+        if not canvas.done:
+            st.tokens[s:e] = canvas.tokens.cpu().numpy()
+            c.advance(block_done=False, finished=False)
+            return False
+        st.tokens[s:e] = canvas.argmax.cpu().numpy()
+        canvas.processed = None  # the canvas is over: nothing conditions on it
+        response = st.tokens[c.prompt_len:min(e, c.prompt_len + st.params.max_tokens)]
+        if st.stop_index(response) < len(response):
+            st.finish("stop")
+        elif c.block + 1 == c.num_blocks:
+            st.finish("length")
+        c.advance(block_done=True, finished=st.finished)
+        return True
+
+
+UNIFORM_STATE = UniformState()
+
+
+def _uniform_state() -> UniformState:
+    return UNIFORM_STATE

@@ -175,6 +175,8 @@ class Front:
                 if ev.finished:
                     self.stats.finished.append(p.metrics)
                 self._outputs.append(self._output(p, ev.finished, p.state.finish_reason))
+            elif isinstance(ev, msg.Draft):
+                self._outputs.append(self._output(p, False, None, draft=ev.tokens))
             elif isinstance(ev, msg.RequestFailed):
                 logger.error("request %s failed and was ended: %s", ev.request_id, ev.error)
                 self._outputs.append(self._output(p, True, "error", ev.error))
@@ -194,10 +196,10 @@ class Front:
 
     # Outputs.
     def _output(self, p: Placed, finished: bool, reason: str | None,
-                error: str | None = None) -> RequestOutput:
+                error: str | None = None, draft: list[int] | None = None) -> RequestOutput:
         return request_output(self.loaded.text, p.request_id, p.prompt_ids, p.state, finished,
                               reason, self._metrics(p), p.text, error,
-                              p.cached_tokens if self.prefix_caching else None)
+                              p.cached_tokens if self.prefix_caching else None, draft)
 
     @staticmethod
     def _metrics(p: Placed) -> dict:

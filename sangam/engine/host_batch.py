@@ -147,13 +147,15 @@ class PackedBatch:
 
     def metadata(self, dev: dict[str, torch.Tensor]) -> AttentionMetadata:
         """The attention metadata over ``dev``, the uploaded ``device_arrays()`` (and, for a
-        block-causal model, ``causal_blocks``: each request's block size)."""
+        block-causal model, ``causal_blocks``: each request's block size; for a uniform-state
+        one, each row's key bounds)."""
         causal = dev.get("causal_blocks")
         return AttentionMetadata(
             cu_seqlens_q=dev["cu_seqlens_q"], kv_lens=dev["kv_lens"],
             block_tables=dev["block_tables"], slot_mapping=dev["slot_mapping"],
             query_lens=np.diff(self.cu_seqlens_q).tolist(), kv_lens_host=self.kv_lens.tolist(),
-            causal_blocks=causal, positions=None if causal is None else dev["positions"])
+            causal_blocks=causal, positions=None if causal is None else dev["positions"],
+            key_lo=dev.get("key_lo"), key_hi=dev.get("key_hi"), window_lo=dev.get("window_lo"))
 
 
 class PythonHostBatcher:

@@ -12,6 +12,7 @@ import torch
 from sangam.config import EngineConfig
 from sangam.decoding.grammar import GrammarCompiler, compiler_for, register_tokenizer
 from sangam.engine.text import TextCodec
+from sangam.kernels.paged_attention import MAX_HEAD_DIM as MAX_TRITON_HEAD_DIM
 from sangam.models import (
     AttentionBackend,
     CheckpointError,
@@ -24,7 +25,7 @@ from sangam.models import (
     stop_token_ids,
 )
 from sangam.models.kernel_table import backend_name, kernel_table
-from sangam.sampling_params import SamplingParams
+from sangam.sampling_params import MASKED_ONLY_FIELDS, UNIFORM_FIELDS, SamplingParams
 
 
 def default_device() -> str:
@@ -73,7 +74,20 @@ GENERATION_CONFIG = "generation_config.json"
 # generation_config.json keys that become SamplingParams defaults (HF name -> ours).
 GENERATION_KEYS = {"max_new_tokens": "max_tokens", "block_length": "block_length",
                    "unmasking": "unmasking", "threshold": "threshold", "factor": "factor",
-                   "tokens_per_step": "tokens_per_step", "cache": "cache"}
+                   "tokens_per_step": "tokens_per_step", "cache": "cache",
+                   **{name: name for name in UNIFORM_FIELDS}}
+
+
+def generation_eos_ids(path: str | Path) -> frozenset[int]:
+    """The ``eos_token_id`` (one, or a list) of a checkpoint's ``generation_config.json``:
+    transformers' generate stops at each (DiffusionGemma lists its end of turn there)."""
+    f = Path(path) / GENERATION_CONFIG
+    if not f.is_file():
+        return frozenset()
+    ids = json.loads(f.read_text()).get("eos_token_id")
+    ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
+    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool)
+                     and 0 <= i < 2**31)
 
 
 def read_generation_defaults(path: str | Path) -> dict:
@@ -83,18 +97,40 @@ def read_generation_defaults(path: str | Path) -> dict:
     if not f.is_file():
         return {}
     raw = json.loads(f.read_text())
-    defaults = {ours: raw[theirs] for theirs, ours in GENERATION_KEYS.items() if theirs in raw}
+    # DiffusionGemma's entropy bound sits in its sampler's config; a null is transformers'
+    # "unset" (its own default applies).
+    sampler = raw.get("sampler_config")
+    if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+        raw = {**raw, "entropy_bound": sampler["entropy_bound"]}
+    defaults = {ours: raw[theirs] for theirs, ours in GENERATION_KEYS.items()
+                if raw.get(theirs) is not None}
     SamplingParams(**defaults)  # a broken file fails at load time, naming the key
     return defaults
 
 
-def check_served(model_config: ModelConfig, path: str | Path) -> None:
-    """Raise CheckpointError for a model that loads but the engine does not decode."""
-    if model_config.gemma is not None:
-        raise CheckpointError(
-            f"{path}: {model_config.architecture} (uniform-state diffusion) is not served by "
-            "the engine yet; it loads with sangam.models.load_model and decodes with "
-            "sangam.engine.reference_canvas.generate_canvases")
+def check_deployment(cfg: EngineConfig, model_config: ModelConfig, device: torch.device,
+                     path: str | Path) -> None:
+    """Raise for what this deployment cannot do with this model: DiffusionGemma (uniform-state)
+    is served by one in-process worker for now, with the attention the references run where
+    the Triton kernel does not take its 512-wide heads."""
+    g = model_config.gemma
+    if g is None:
+        return
+    what = f"{path}: {model_config.architecture} (uniform-state diffusion)"
+    if cfg.is_multi_worker or cfg.tensor_parallel_size > 1 or cfg.enable_expert_parallel:
+        raise CheckpointError(f"{what} is served by one in-process worker: no multi-worker "
+                              "modes, tensor or expert parallelism yet")
+    if cfg.enable_prefix_caching:
+        raise CheckpointError(f"{what}: --enable-prefix-caching is not supported for it yet")
+    masked = sorted(set(cfg.request_defaults()) & set(MASKED_ONLY_FIELDS))
+    if masked:
+        raise CheckpointError(f"{what}: the masked-diffusion options {masked} do not apply to it")
+    widest = max(model_config.head_dim, g.full_head_dim)
+    if kernel_table(backend_name(device, cfg.attention_backend)).name == "triton" and \
+            widest > MAX_TRITON_HEAD_DIM:
+        raise CheckpointError(f"{what}: its {widest}-wide attention heads are beyond the Triton "
+                              f"attention kernel's {MAX_TRITON_HEAD_DIM}; use "
+                              "--attention-backend torch")
 
 
 @dataclass
@@ -116,7 +152,7 @@ class LoadedModel:
         """The checkpoint of ``cfg`` on its device (``shard``: one rank's slice of it)."""
         path = checkpoint_path(cfg)
         device = torch.device(cfg.device or default_device())
-        check_served(read_config(path), path)  # before reading the weights
+        check_deployment(cfg, read_config(path), device, path)  # before reading the weights
         model = load_model(path, device, None if cfg.dtype == "auto" else cfg.dtype,
                            cfg.load_format, shard)
         model.attention_backend = make_attention_backend(cfg.attention_backend, device)
@@ -129,7 +165,7 @@ class LoadedModel:
                ) -> LoadedModel:
         """``model`` (None on a front whose workers hold the weights) with the checkpoint's
         tokenizer (or ``cfg.tokenizer``'s), stop ids, request defaults and context limit."""
-        check_served(model_config, path)
+        check_deployment(cfg, model_config, device, path)
         tokenizer = load_tokenizer(cfg.tokenizer or path, required=cfg.tokenizer is not None)
         if tokenizer is not None:  # for structured output, in this process
             register_tokenizer(str(cfg.tokenizer or path), tokenizer)
@@ -139,7 +175,8 @@ class LoadedModel:
                    if model_config.block_causal else {})
         trained.update(model_config.request_defaults)
         return cls(str(path), model, model_config, TextCodec(tokenizer),
-                   stop_token_ids(model_config.eos_token_id, tokenizer), device, dtype,
+                   stop_token_ids(model_config.eos_token_id, tokenizer)
+                   | generation_eos_ids(path), device, dtype,
                    {**trained, **read_generation_defaults(path), **cfg.request_defaults()},
                    context_limit(cfg, model_config),
                    None if tokenizer is None else str(cfg.tokenizer or path))
@@ -151,6 +188,10 @@ class LoadedModel:
             raise ValueError("structured output needs a tokenizer and this checkpoint has none")
         return compiler_for(self.tokenizer_path, self.config.vocab_size,
                             self.config.eos_token_id)
+
+    def uniform_defaults(self) -> dict:
+        """A uniform-state model's denoising defaults (its generation_config.json's)."""
+        return {k: v for k, v in self.request_defaults.items() if k in UNIFORM_FIELDS}
 
     def default_params(self, **overrides) -> SamplingParams:
         """A request's SamplingParams: the one place its defaults merge. The checkpoint's

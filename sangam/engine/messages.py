@@ -21,6 +21,7 @@ from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.state import DecodeState
 from sangam.sched.messages import (
     BlockDone,
+    Draft,
     Drop,
     Event,
     KVReceived,
@@ -34,8 +35,8 @@ from sangam.sched.messages import (
 from sangam.sched.worker_core import IterationStats
 
 __all__ = [  # with the policy core's messages, as engine code names them (msg.Prefill, ...)
-    "BlockDone", "BlockProgress", "Drop", "Event", "Heartbeat", "Hello", "KVReceived", "KVSent",
-    "Kill", "PeerDead", "Prefill", "ReceiveKV", "RefreshRan", "Report", "RequestFailed",
+    "BlockDone", "BlockProgress", "Draft", "Drop", "Event", "Heartbeat", "Hello", "KVReceived",
+    "KVSent", "Kill", "PeerDead", "Prefill", "ReceiveKV", "RefreshRan", "Report", "RequestFailed",
     "Shutdown", "WorkerFailed", "block_progress", "catch_up", "dumps", "loads",
 ]
 

@@ -31,6 +31,7 @@ from sangam.engine.memory_profile import rescore_chunk_rows
 from sangam.engine.scoring import Rows, make_scorer
 from sangam.engine.stop_strings import apply_stop_strings
 from sangam.engine.tensor_group import Step, TensorGroup
+from sangam.models.diffusion_gemma import CanvasRows, canvas_key_bounds
 from sangam.models.kernel_table import kernel_table
 from sangam.sched.request import BLOCK_DONE, CONTINUES, StepOutcome
 
@@ -47,7 +48,10 @@ class ModelRunner:
         self.loaded = loaded
         self.pool = pool
         self.device = loaded.device
-        self.host = make_host_batcher(pool.page_size, host_impl)
+        # A uniform-state model's requests plan and commit in Python (the C++ host path
+        # mirrors the masked family only).
+        self.host = make_host_batcher(pool.page_size, "python" if loaded.config.gemma is not None
+                                      else host_impl)
         self.graphs = list(graphs)
         self.uploader = BatchUploader(self.device)
         self.group = group
@@ -112,13 +116,16 @@ class ModelRunner:
             graph = next((i for i, g in enumerate(self.graphs)
                           if g.can_run(batch, block_length)), -1)
         whole = [r for r, st in enumerate(states) if st.family.reads_logits]
+        canvas = canvas_rows(states, arrays, self.loaded.model, self.device)
         if self.group is not None:
             if whole:  # the rows whose whole vocabulary the group gathers
                 arrays["whole_rows"] = whole_row_index(batch, whole)
             self._stepped = True  # from here on a failure (even of the send) is the group's
             self.group.send(Step(arrays, graph, self.streams))
         dev = self.uploader.upload(arrays)
-        logits, tokens, conf = self._device_step(batch, dev, graph)
+        if canvas is not None:
+            canvas.rows = dev["canvas_rows"]
+        logits, tokens, conf = self._device_step(batch, dev, graph, canvas)
         if logits is None:  # only block-causal prefill chunks: K/V stored, nothing scored
             empty = np.zeros(0, dtype=np.int64)
             return (batch, empty, empty.astype(np.float64), None, None,
@@ -133,25 +140,32 @@ class ModelRunner:
         if whole:
             index = (dev["whole_rows"] if self.group is not None else
                      torch.from_numpy(whole_row_index(batch, whole)).to(self.device))
-            rows = split_whole_rows(batch, whole, self.scorer.rows(logits)(index).cpu())
+            gathered = self.scorer.rows(logits)(index)
+            rows = split_whole_rows(batch, whole, gathered)
+            on_host = [r for r in whole if not states[r].family.device_logits]
+            if on_host:  # one copy for the families that commit from host rows
+                host = gathered.cpu()
+                rows.update(split_whole_rows(batch, whole, host, on_host))
         return (batch, tokens.cpu().numpy(), conf.cpu().numpy().astype(np.float64), rescore,
                 top, rows)
 
-    def _device_step(self, batch: PackedBatch, dev: dict[str, torch.Tensor], graph: int
+    def _device_step(self, batch: PackedBatch, dev: dict[str, torch.Tensor], graph: int,
+                     canvas: CanvasRows | None = None
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The forward and its first scoring, on every rank of a group alike: (logits —
         this rank's vocabulary columns of them —, tokens, confidences); all None for a batch
-        with no logits rows."""
+        with no logits rows. ``canvas``: a uniform-state model's decoder rows."""
         model = self.loaded.model
+        extra = {} if canvas is None else {"canvas": canvas}
         if batch.num_rows == 0:
             model.hidden_states(dev["input_ids"], dev["positions"], batch.metadata(dev),
-                                self.pool.kv)
+                                self.pool.kv, **extra)
             return None, None, None
         if graph >= 0:
             hidden = self.graphs[graph].run(batch, dev)
         else:
             hidden = model.hidden_states(dev["input_ids"], dev["positions"],
-                                         batch.metadata(dev), self.pool.kv)
+                                         batch.metadata(dev), self.pool.kv, **extra)
         logits = model.logits(hidden, dev["logits_indices"])
         tokens, conf = self.scorer.score(logits, batch, dev)
         return logits, tokens, conf
@@ -186,10 +200,20 @@ class ModelRunner:
                     block_done[r] = states[r].commit(
                         batch.cand_positions[a:b], int(batch.num_forced[r]), None, None,
                         int(batch.num_editable[r]), logits, batch.row_keys[a:b])
+                    canvas = states[r].canvas
+                    if canvas is not None and canvas.processed is not None:
+                        # The next step's self-conditioning, [C, hidden] (not [C, V]).
+                        canvas.soft = self.loaded.model.soft_embeddings(canvas.processed)
+                        canvas.processed = None
                 except Exception as e:
                     errors[r] = e
         if top is not None:
             rescore.record_top(batch, *top, errors)
+        for r, st in enumerate(states):  # drafts of the blocks that go on
+            if st.params.include_drafts and not block_done[r] and r not in errors \
+                    and batch.cu_rows[r + 1] > batch.cu_rows[r]:
+                a, b = int(batch.cu_rows[r]), int(batch.cu_rows[r + 1])
+                st.make_draft(batch.cand_positions[a:b], tokens[a:b])
         outcomes = [CONTINUES] * len(states)  # most steps end no block
         for r in [r for r, done in enumerate(block_done) if done]:
             st = states[r]
@@ -213,16 +237,56 @@ def whole_row_index(batch: PackedBatch, which: list[int]) -> np.ndarray:
     return np.concatenate([np.arange(batch.cu_rows[r], batch.cu_rows[r + 1]) for r in which])
 
 
-def split_whole_rows(batch: PackedBatch, which: list[int], host: torch.Tensor
-                     ) -> dict[int, torch.Tensor]:
-    """``host``, the rows of :func:`whole_row_index` read back in one copy, by request index:
-    every such request has an entry (its commit runs from it)."""
+def split_whole_rows(batch: PackedBatch, which: list[int], rows: torch.Tensor,
+                     keep: list[int] | None = None) -> dict[int, torch.Tensor]:
+    """``rows``, the rows of :func:`whole_row_index` (gathered in one go), by request index:
+    every such request has an entry (its commit runs from it); ``keep``: only those."""
     out, at = {}, 0
     for r in which:
         n = int(batch.cu_rows[r + 1] - batch.cu_rows[r])
-        out[r] = host[at:at + n]
+        if keep is None or r in keep:
+            out[r] = rows[at:at + n]
         at += n
     return out
+
+
+def canvas_rows(states: list[DecodeState], arrays: dict[str, np.ndarray], model: object,
+                device: torch.device) -> CanvasRows | None:
+    """A uniform-state batch's decoder rows (their indices, uploaded as ``canvas_rows``, are
+    filled in after the upload) and their self-conditioning, zeros at a canvas's first step;
+    None for a masked model's batch."""
+    if "canvas_rows" not in arrays:
+        return None
+    width = model.config.hidden_size
+    soft = [st.canvas.soft if st.canvas.soft is not None else
+            torch.zeros(st.canvas_spec.length, width, device=device)
+            for st in states if _decodes(st)]
+    return CanvasRows(None, torch.cat(soft) if soft else torch.zeros(0, width, device=device))
+
+
+def _decodes(st: DecodeState) -> bool:
+    """Whether the request's next forward has canvas rows (not a prefill chunk alone)."""
+    c = st.cursor
+    return c.span()[1] > c.block_bounds()[0]
+
+
+def canvas_arrays(states: list[DecodeState], batch: PackedBatch, window: int
+                  ) -> dict[str, np.ndarray]:
+    """A uniform-state batch's attention bounds (``canvas_key_bounds``) and decoder rows, from
+    each request's span and canvas (``PackedBatch.metadata`` reads the bounds)."""
+    positions = batch.positions
+    starts = np.zeros(len(positions), dtype=np.int64)
+    ends = np.zeros(len(positions), dtype=np.int64)
+    cu = batch.cu_seqlens_q
+    for r, st in enumerate(states):
+        if _decodes(st):
+            s, e = st.cursor.block_bounds()
+            a, b = int(cu[r]), int(cu[r + 1])
+            dec = positions[a:b] >= s
+            starts[a:b][dec], ends[a:b][dec] = s, e
+    lo, hi, win = canvas_key_bounds(positions, starts, ends, window)
+    return {"key_lo": lo, "key_hi": hi, "window_lo": win,
+            "canvas_rows": np.flatnonzero(ends > 0).astype(np.int64)}
 
 
 def step_outcome(state: DecodeState, block_done: bool) -> StepOutcome:
@@ -268,6 +332,8 @@ def pack_batch(host: HostBatcher, states: list[DecodeState], pages: list[list[in
     kernel's, or a vocabulary-parallel head's), and the rescoring."""
     batch = host.build(states, pages)
     arrays = batch.device_arrays()
+    if states and states[0].canvas_spec is not None:  # uniform-state: one model per runner
+        arrays.update(canvas_arrays(states, batch, states[0].canvas_spec.window))
     if states and states[0].cursor.block_causal:  # one model per runner: all or none
         arrays["causal_blocks"] = np.array([st.params.block_length for st in states],
                                            dtype=np.int32)

@@ -15,11 +15,12 @@ def request_output(codec: TextCodec, request_id: str, prompt_ids: list[int],
                    state: DecodeState, finished: bool, reason: str | None, metrics: dict,
                    text: IncrementalDetokenizer | None = None,
                    error: str | None = None,
-                   num_cached_tokens: int | None = None) -> RequestOutput:
+                   num_cached_tokens: int | None = None,
+                   draft: list[int] | None = None) -> RequestOutput:
     """What the caller sees of a request now: its tokens, their text (which, while the
     request runs, holds back what could still become a stop string), their logprobs when
     asked for. ``text``, the request's own, makes reading its outputs in order decode each
-    block once."""
+    block once. ``draft``: the block in progress, provisional (a draft output)."""
     tokens = state.output_token_ids()
     decode = codec.decode if text is None else functools.partial(text, codec.decode)
     return RequestOutput(
@@ -33,4 +34,6 @@ def request_output(codec: TextCodec, request_id: str, prompt_ids: list[int],
         finished=finished, finish_reason=reason if finished else None,
         stop_reason=state.stop_reason() if finished and reason == "stop" else None,
         block_thresholds=state.output_block_thresholds(), metrics=metrics, error=error,
-        num_cached_tokens=num_cached_tokens)
+        num_cached_tokens=num_cached_tokens, draft_token_ids=draft,
+        draft_text=None if draft is None or codec.tokenizer is None else codec.decode(
+            draft, skip_special_tokens=state.params.skip_special_tokens))

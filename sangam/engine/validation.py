@@ -7,8 +7,15 @@ import random
 
 from sangam.decoding.grammar import Constraint, GrammarState
 from sangam.decoding.state import DecodeState, stop_ids_of
+from sangam.decoding.uniform import CanvasSpec
 from sangam.engine.loaded_model import LoadedModel
-from sangam.sampling_params import SamplingParams
+from sangam.models import ModelConfig
+from sangam.sampling_params import (
+    MASKED_ONLY_FIELDS,
+    UNIFORM_FIELDS,
+    SamplingParams,
+    UniformStateParams,
+)
 from sangam.sched.block_cursor import BlockCursor
 
 
@@ -20,6 +27,13 @@ def new_state(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams
         raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty")
+    cfg = loaded.config
+    if cfg.gemma is not None:
+        return _canvas_state(loaded, list(prompt_ids), params, rng, list(suffix_ids))
+    given = sorted(params.uniform_given())
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to uniform-state models (DiffusionGemma); "
+                         f"{cfg.architecture} is a masked-diffusion model")
     suffix_ids = list(suffix_ids)
     if loaded.config.block_causal:
         params.check_block_causal(len(suffix_ids))
@@ -70,3 +84,54 @@ def new_state(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams
     return DecodeState(list(prompt_ids), params, loaded.config.mask_token_id, loaded.stop_ids,
                        loaded.config.shift_logits, seed, suffix_ids, loaded.config.block_causal,
                        grammar)
+
+
+def family_refusals(cfg: ModelConfig) -> dict[str, str]:
+    """The request fields a model of ``cfg`` refuses whatever their value, with why: the
+    other decoding family's (a uniform-state model takes a masked option at its default)."""
+    if cfg.gemma is None:
+        why = f"uniform-state models only; {cfg.architecture} is masked diffusion"
+        return dict.fromkeys(UNIFORM_FIELDS, why)
+    why = f"masked-diffusion models only; {cfg.architecture} is uniform-state"
+    return dict.fromkeys(MASKED_ONLY_FIELDS, why)
+
+
+def _canvas_state(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams,
+                  rng: random.Random, suffix_ids: list[int]) -> DecodeState:
+    """``new_state`` for a uniform-state model (DiffusionGemma): its options are the
+    denoising ones (the request's, else the checkpoint's, else transformers'); the masked
+    family's are refused, never ignored."""
+    cfg = loaded.config
+    masked = params.masked_given()
+    if masked:
+        raise ValueError(f"{', '.join(masked)} do not apply to {cfg.architecture} (uniform-state "
+                         "diffusion: its options are " + ", ".join(UNIFORM_FIELDS) + ")")
+    if suffix_ids:
+        raise ValueError(f"{cfg.architecture} has no infilling (suffix)")
+    options = UniformStateParams(**{**loaded.uniform_defaults(), **params.uniform_given()})
+    length = cfg.gemma.canvas_length
+    keep = params.truncate_prompt_tokens
+    if keep == -1:
+        keep = max(1, loaded.context_length - BlockCursor.canvas_len(0, params.max_tokens, length))
+    if keep is not None:
+        prompt_ids = prompt_ids[-keep:]
+    vocab = cfg.vocab_size
+    bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+    bad = [t for t in params.stop_token_ids if t >= vocab]
+    if bad:
+        raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab}); got {bad[:5]}")
+    total = len(prompt_ids) + BlockCursor.canvas_len(len(prompt_ids), params.max_tokens, length)
+    if total > loaded.context_length:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) plus response canvases "
+                         f"({total - len(prompt_ids)} tokens, whole canvases of {length}) is "
+                         f"{total} tokens, beyond the model's context of "
+                         f"{loaded.context_length}")
+    if params.stop and loaded.text.tokenizer is None:
+        raise ValueError("stop strings need a tokenizer and this checkpoint has none: use "
+                         "stop_token_ids")
+    seed = params.seed if params.seed is not None else rng.getrandbits(63)
+    spec = CanvasSpec(options, length, vocab, cfg.gemma.sliding_window)
+    return DecodeState(prompt_ids, params, cfg.mask_token_id, loaded.stop_ids, False, seed,
+                       canvas=spec)

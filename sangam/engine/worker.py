@@ -82,9 +82,10 @@ def graph_plan(config: EngineConfig, loaded: LoadedModel) -> list[tuple[int, int
 
 def captures_graphs(config: EngineConfig, loaded: LoadedModel) -> bool:
     """Whether decode steps get CUDA graphs: on a GPU, with the Triton backend (the reference
-    backend reads host-side lengths), unless ``enforce_eager``."""
+    backend reads host-side lengths), unless ``enforce_eager``; not for DiffusionGemma yet
+    (its canvas rows' self-conditioning is an input the graphs do not take)."""
     return (not config.enforce_eager and loaded.device.type == "cuda"
-            and loaded.model.attention_backend.name == "triton")
+            and loaded.model.attention_backend.name == "triton" and loaded.config.gemma is None)
 
 
 def decode_graphs(config: EngineConfig, loaded: LoadedModel,
@@ -194,6 +195,11 @@ class Worker:
                 extend_page_keys(r.page_keys, r.state.tokens, r.cursor.block_bounds()[0],
                                  self.builder.page_size, r.cursor.block_length)
         self.events += out.end_reports(_block_progress if self.remote else None)
+        for r, st in zip(reqs, states):
+            if st.draft is not None:  # a step of a request that streams drafts
+                self.events.append(msg.Draft(r.request_id, r.attempt, r.cursor.block,
+                                             st.draft.tolist()))
+                st.draft = None
         self.iterations.append(out.stats)
 
     def _execute(self, reqs: list[Request], states: list[DecodeState],

@@ -44,6 +44,7 @@ import triton.language as tl
 from sangam.kernels.platform import compiled, max_shared_bytes, num_sms
 
 _LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256  # a head's dims live in one tile
 
 
 @triton.jit(do_not_specialize=["num_requests", "search_steps", "num_splits", "s_bt"])
@@ -373,9 +374,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if v_cache.shape != k_cache.shape or dk != d or hq % hkv:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
                          f"v_cache {tuple(v_cache.shape)}")
-    if page_size & (page_size - 1) or d & (d - 1) or d > 256:
-        raise ValueError(f"page_size and head_dim must be powers of two (head_dim <= 256), "
-                         f"got {page_size} and {d}")
+    if page_size & (page_size - 1) or d & (d - 1) or d > MAX_HEAD_DIM:
+        raise ValueError(f"page_size and head_dim must be powers of two (head_dim <= "
+                         f"{MAX_HEAD_DIM}), got {page_size} and {d}")
     if q.stride(2) != 1:
         q = q.contiguous()
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:

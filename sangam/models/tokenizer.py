@@ -10,8 +10,9 @@ logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # <|role_end|>: the end of a turn in LLaDA-MoE's and LLaDA2's chat format
-# (<role>HUMAN</role>...<|role_end|><role>ASSISTANT</role>).
-END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>", "<|role_end|>")
+# (<role>HUMAN</role>...<|role_end|><role>ASSISTANT</role>); <end_of_turn>: Gemma's.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>", "<|role_end|>",
+                      "<end_of_turn>")
 
 
 def load_tokenizer(path: str | os.PathLike, required: bool = False):

@@ -19,6 +19,11 @@ Geometry (P prompt tokens, a canvas, S suffix tokens; T = P + canvas + S; blocks
   scheduler spans [prefilled, chunk_end) and scores nothing. A later block's first step spans
   [s - B, e) (it stores the finished block's final K/V), other steps [s, e). Keys: up to the
   span's end (nothing after it is visible, or written yet).
+- uniform-state models (DiffusionGemma, ``uniform``): blocks are canvases from the prompt's
+  end, [P + bB, P + (b+1)B); the spans are the block-causal ones (block 0's first step: the
+  prompt's encoder rows not stored yet and the canvas; a later canvas's first step: the
+  finished canvas's encoder rows and the canvas), and so are the keys. Which rows are the
+  encoder's and what each sees is the attention's matter (docs/design.md §2.12).
 
 The C++ host path (csrc/host_batch.cpp) reads the cursor's ``record`` (laid out as
 ``CURSOR_FIELDS``, handed to it at import) and mirrors these rules; tests/test_host_batch.py
@@ -61,11 +66,12 @@ class BlockCursor:
 
     __slots__ = ("prompt_len", "canvas_end", "total_len", "block_length", "block_origin",
                  "num_blocks", "cache", "refresh_interval", "prompt_refresh_interval", "shift",
-                 "block_causal", "record", "_later_len")
+                 "block_causal", "uniform", "exact", "record", "_later_len")
 
     def __init__(self, prompt_len: int, canvas_len: int, block_length: int, *,
                  suffix_len: int = 0, cache: str = "dual", refresh_interval: int = 1,
-                 prompt_refresh_interval: int = 1, shift: int = 0, block_causal: bool = False):
+                 prompt_refresh_interval: int = 1, shift: int = 0, block_causal: bool = False,
+                 uniform: bool = False):
         if prompt_len < 1:
             raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
         if not 1 <= block_length <= MAX_INT32 or canvas_len < 1:
@@ -75,6 +81,10 @@ class BlockCursor:
             raise ValueError(f"a block-causal canvas ({canvas_len}) must end the prompt "
                              f"({prompt_len}) on the grid of block_length ({block_length}), "
                              "with no suffix and no shifted logits")
+        if uniform and (block_causal or suffix_len or shift or cache != "dual"
+                        or refresh_interval != 1 or prompt_refresh_interval != 1):
+            raise ValueError("a uniform-state request has no infilling, shift, cache mode or "
+                             "refresh cadence")
         if not block_causal and canvas_len % block_length:
             raise ValueError(f"canvas_len ({canvas_len}) must be a multiple of block_length "
                              f"({block_length})")
@@ -98,6 +108,9 @@ class BlockCursor:
         self.prompt_refresh_interval = prompt_refresh_interval
         self.shift = shift
         self.block_causal = block_causal
+        self.uniform = uniform
+        # The cache is exact (finished blocks' K/V never changes): the block-causal spans.
+        self.exact = block_causal or uniform
         self.record = array("q", (
             prompt_len, self.canvas_end, self.total_len, block_length, self.block_origin,
             self.num_blocks, CACHE_MODES.index(cache), refresh_interval, prompt_refresh_interval,
@@ -244,9 +257,9 @@ class BlockCursor:
         return self.block_of(self.prompt_len + response_len - 1) + 1
 
     def block_refresh(self, block: int) -> str:
-        """How ``block`` starts by the cadence (a block-causal request refreshes block 0 only:
-        its finished blocks' K/V is exact)."""
-        if self.block_causal:
+        """How ``block`` starts by the cadence (a block-causal or uniform-state request
+        refreshes block 0 only: its finished blocks' K/V is exact)."""
+        if self.exact:
             return FULL_REFRESH if block == 0 else NO_REFRESH
         return cadence(block, self.refresh_interval, self.prompt_refresh_interval)
 
@@ -264,7 +277,7 @@ class BlockCursor:
         block = r[_BLOCK] if block is None else block
         s = self.block_origin + block * b
         e = s + b
-        if self.block_causal:  # the cache is exact: nothing after a block ever attends to it
+        if self.exact:  # the cache is exact: nothing after a block ever attends to it
             if step:
                 return s, e
             if block == 0 or r[_FORCE]:  # the prompt's K/V (what is left of it) and the block
@@ -302,12 +315,12 @@ class BlockCursor:
     def keys_attended(self, span_end: int) -> int:
         """Cached positions a forward ending at ``span_end`` attends over: all T, or for a
         block-causal model those up to its span's end."""
-        return span_end if self.block_causal else self.total_len
+        return span_end if self.exact else self.total_len
 
     def chunk_room(self, budget: int | float) -> int:
         """The longest prefill chunk within ``budget`` tokens: whole blocks of the prompt not
         stored yet (the block with the first masks is never split off); 0 if none fits."""
-        if not self.block_causal or self.block_start != FULL_REFRESH:
+        if not self.exact or self.block_start != FULL_REFRESH:
             return 0
         room = self.block_origin - self.record[_PREFILLED]
         if budget < room:

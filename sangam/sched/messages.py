@@ -151,6 +151,19 @@ class BlockDone:
 
 
 @dataclass
+class Draft:
+    """A step of a request that asked for drafts (``SamplingParams.include_drafts``) ran
+    without ending its block: ``tokens`` is the block's provisional content now (from the
+    response's start of the block): a uniform-state canvas's argmax, or a masked block's
+    committed tokens with each masked position's token as this step predicted it."""
+
+    request_id: str
+    attempt: int
+    block: int
+    tokens: list[int]
+
+
+@dataclass
 class RequestFailed:
     """A request's step failed here (the others of its batch went on): it is dropped here, and
     the front ends it with ``error``."""
@@ -161,4 +174,4 @@ class RequestFailed:
 
 
 Order = Prefill | ReceiveKV | Drop | PeerDead
-Event = RefreshRan | KVSent | KVReceived | BlockDone | RequestFailed
+Event = RefreshRan | KVSent | KVReceived | BlockDone | Draft | RequestFailed

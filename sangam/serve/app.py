@@ -29,6 +29,7 @@ from starlette.convertors import Convertor, register_url_convertor
 
 from sangam import __version__
 from sangam.engine.async_engine import AsyncEngine
+from sangam.engine.validation import family_refusals
 from sangam.serve.config import ServerConfig
 from sangam.serve.engine_requests import EngineRequests
 from sangam.serve.errors import ApiError, ApiKeyMiddleware, install_error_handlers
@@ -137,7 +138,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     install_schema(app, api_key=server_config.api_key is not None,
                    vocab_size=prompts.vocab_size, responses_store=store is not None,
-                   events=(ChatCompletionChunk,))
+                   events=(ChatCompletionChunk,), refused=family_refusals(loaded.config))
     body_errors = errors(400, 404, 413, 500)  # a route with a body that names a model
     generation_errors = errors(400, 404, 413, 500, 503)
 

@@ -32,6 +32,8 @@ class Step:
     top: list[list[tuple[str, float]]]  # per token, its alternatives' texts and logprobs
     stop_reason: int | str | None  # the output's
     block_thresholds: list[float] | None  # of the blocks these tokens complete (min_threshold)
+    draft: str | None = None  # a draft output's provisional block (it adds nothing else)
+    draft_token_ids: list[int] | None = None
 
 
 class Delta:
@@ -48,6 +50,9 @@ class Delta:
 
     def advance(self, out: RequestOutput) -> Step:
         self.num_chunks += 1
+        if out.draft_token_ids is not None:  # provisional: nothing is committed by it
+            return Step("", [], None if out.logprobs is None else [], [], self.offset, [],
+                        None, None, out.draft_text or "", out.draft_token_ids)
         text = out.text or ""
         if not out.finished:
             # An unfinished multi-byte character decodes to U+FFFD: send it once complete.

@@ -53,11 +53,13 @@ def _ref(name: str) -> dict[str, str]:
 
 
 def install_schema(app: FastAPI, api_key: bool, vocab_size: int, responses_store: bool,
-                   events: tuple[type[BaseModel], ...] = ()) -> None:
+                   events: tuple[type[BaseModel], ...] = (),
+                   refused: dict[str, str] | None = None) -> None:
     """Make ``app.openapi()`` return the schema described above; ``events`` are the models
     streamed events hold (``json_or_events``), which no route returns whole. Without a
     responses store (``responses_store``) no ``previous_response_id`` can be served: the
-    schema allows only null there."""
+    schema allows only null there; nor in the request fields ``refused`` names (field: why),
+    those of the other decoding family than the served model's."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -87,6 +89,12 @@ def install_schema(app: FastAPI, api_key: bool, vocab_size: int, responses_store
             schemas["ResponsesRequest"]["properties"]["previous_response_id"] = {
                 "type": "null", "default": None,
                 "description": "Needs stored responses (--responses-store-size)"}
+        for name, definition in schemas.items():
+            props = definition.get("properties", {})
+            if name.endswith("Request"):
+                for field, why in (refused or {}).items():
+                    if field in props:
+                        props[field] = {"type": "null", "default": None, "description": why}
         app.openapi_schema = schema
         return schema
 

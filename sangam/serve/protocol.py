@@ -27,6 +27,8 @@ from sangam.sampling_params import (
     MAX_BIAS,
     MAX_CHOICES,
     MAX_CONSTRAINT_CHARS,
+    MAX_DENOISING_STEPS,
+    MAX_ENTROPY,
     MAX_INT32,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -79,6 +81,10 @@ class RequestBody(BaseModel):
 class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too
+    # Sangam's: after each step that does not end a block, a chunk whose ``draft`` is the block
+    # in progress as it stands (provisional: the next draft or block replaces it; ``content``
+    # stays empty in such chunks). transformers' streamer calls it put_draft.
+    include_drafts: bool = False
 
 
 # Bounds the engine enforces (SamplingParams), stated in the schema too, from SamplingParams'
@@ -195,6 +201,13 @@ class _GenerationRequest(RequestBody):
     min_threshold: Probability | None = None  # opt-in: load-adaptive
     edit_threshold: Probability | None = None  # opt-in: token editing (LLaDA2.1)
     max_post_steps: int | None = Field(default=None, ge=0, le=MAX_POST_STEPS)
+    # Uniform-state models' options (DiffusionGemma, docs/design.md §2.12).
+    max_denoising_steps: int | None = Field(default=None, ge=1, le=MAX_DENOISING_STEPS)
+    entropy_bound: float | None = Field(default=None, gt=0, le=MAX_ENTROPY)
+    t_min: float | None = Field(default=None, gt=0, le=MAX_TEMPERATURE)
+    t_max: float | None = Field(default=None, gt=0, le=MAX_TEMPERATURE)
+    stability_threshold: int | None = Field(default=None, ge=0, le=MAX_DENOISING_STEPS)
+    confidence_threshold: float | None = Field(default=None, ge=0, le=MAX_ENTROPY)
     stop_at_eos: bool | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None \
         = None
@@ -266,6 +279,8 @@ class _GenerationRequest(RequestBody):
             out["stop_at_eos"] = not self.ignore_eos
         if self.logit_bias:
             out["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        if self.stream and self.stream_options is not None and self.stream_options.include_drafts:
+            out["include_drafts"] = True
         return out
 
 
@@ -543,6 +558,10 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     # Sangam: with min_threshold, the threshold each block used (a stream chunk: its block's)
     block_thresholds: list[float] | None = None
+    # Sangam: with stream_options.include_drafts, a draft chunk's provisional block in progress
+    # (its text and token ids); None in every other chunk.
+    draft: str | None = None
+    draft_token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -616,6 +635,10 @@ class ChatChunkChoice(BaseModel):
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     # Sangam: with min_threshold, the threshold each block used (a stream chunk: its block's)
     block_thresholds: list[float] | None = None
+    # Sangam: with stream_options.include_drafts, a draft chunk's provisional block in progress
+    # (its text and token ids); None in every other chunk.
+    draft: str | None = None
+    draft_token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -62,7 +62,8 @@ class ServingChat:
             return ChatChunkChoice(index=i, delta=delta, token_ids=step.token_ids,
                                    logprobs=chat_logprobs(step), finish_reason=reason,
                                    stop_reason=step.stop_reason,
-                                   block_thresholds=step.block_thresholds)
+                                   block_thresholds=step.block_thresholds, draft=step.draft,
+                                   draft_token_ids=step.draft_token_ids)
 
         return await self.responder.respond(
             request, body, streams, request_id, params.n, ChatCompletionChunk, choice,

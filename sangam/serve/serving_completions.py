@@ -44,7 +44,8 @@ class ServingCompletions:
                                     step.text, token_ids=step.token_ids,
                                     logprobs=completion_logprobs(step), finish_reason=reason,
                                     stop_reason=step.stop_reason,
-                                    block_thresholds=step.block_thresholds)
+                                    block_thresholds=step.block_thresholds, draft=step.draft,
+                                    draft_token_ids=step.draft_token_ids)
 
         return await self.responder.respond(
             request, body, streams, request_id, n, CompletionResponse, choice,
