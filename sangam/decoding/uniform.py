@@ -110,6 +110,25 @@ class Canvas:
     # soft_embeddings): a [C, V] tensor is not kept longer than that.
     processed: torch.Tensor | None = None
 
+    def to(self, device: torch.device) -> Canvas:
+        """This canvas with its tensors on ``device`` (in place; a canvas that crossed
+        processes arrives on the CPU)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        self.tokens, self.argmax, self.soft = (move(t) for t in (self.tokens, self.argmax,
+                                                                 self.soft))
+        self.history = [h.to(device) for h in self.history]
+        return self
+
+    def __getstate__(self) -> dict:
+        """Pickled (a request moving between workers) with its tensors on the CPU."""
+        if self.processed is not None:
+            raise RuntimeError("a canvas is pickled between a step and its self-conditioning")
+        state = dict(self.__dict__)
+        state.update(tokens=self.tokens.cpu(), history=[h.cpu() for h in self.history],
+                     argmax=None if self.argmax is None else self.argmax.cpu(),
+                     soft=None if self.soft is None else self.soft.cpu())
+        return state
+
     @classmethod
     def start(cls, seed: int, index: int, length: int, vocab_size: int,
               device: torch.device) -> Canvas:
@@ -195,7 +214,7 @@ class UniformState:
             return False
         c, canvas = st.cursor, st.canvas
         if canvas.tokens.device != logits.device:
-            canvas.tokens = canvas.tokens.to(logits.device)
+            canvas.to(logits.device)
         canvas.processed = denoise_step(canvas, logits, st.canvas_spec.params,
                                         st.seed).processed
         s, e = c.block_bounds()

@@ -19,6 +19,7 @@ import numpy as np
 
 from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.state import DecodeState
+from sangam.decoding.uniform import Canvas
 from sangam.sched.messages import (
     BlockDone,
     Draft,
@@ -61,6 +62,7 @@ class BlockProgress:
     stop_text: IncrementalDetokenizer | None
     force_refresh: bool  # the next block refreshes fully (the adaptive trigger fired)
     threshold: float  # the threshold the block used (load-adaptive)
+    canvas: Canvas | None = None  # a uniform-state request's canvas in progress
 
 
 def block_progress(state: DecodeState, block: int) -> BlockProgress:
@@ -75,7 +77,7 @@ def block_progress(state: DecodeState, block: int) -> BlockProgress:
         None if state.top_logprobs is None else state.top_logprobs[top].copy(),
         c.block, c.step, state.num_forwards, state.finish_reason, state.stop_len,
         state.stop_string, state.stop_text, c.force_refresh,
-        float(state.block_thresholds[block]))
+        float(state.block_thresholds[block]), state.canvas)
 
 
 def catch_up(state: DecodeState, p: BlockProgress) -> None:
@@ -93,6 +95,7 @@ def catch_up(state: DecodeState, p: BlockProgress) -> None:
     state.finish(p.finish_reason)
     state.stop_len, state.stop_string, state.stop_text = p.stop_len, p.stop_string, p.stop_text
     state.block_thresholds[c.block_of(p.start)] = p.threshold
+    state.canvas = p.canvas
 
 # Front -> worker.
 
@@ -121,7 +124,9 @@ class Hello:
     host: str
     device: str
     num_pages: int
-    layer_page_bytes: int  # one page of one layer's K (or V): a transfer moves L * 2 per page
+    # One page of one layer's K (or V), averaged over layers whose shapes differ: a transfer
+    # moves L * 2 per page.
+    layer_page_bytes: int
     signature: tuple  # the deployment as this worker understands it; must match the front's
 
 

@@ -258,7 +258,7 @@ def canvas_rows(states: list[DecodeState], arrays: dict[str, np.ndarray], model:
     if "canvas_rows" not in arrays:
         return None
     width = model.config.hidden_size
-    soft = [st.canvas.soft if st.canvas.soft is not None else
+    soft = [st.canvas.soft.to(device) if st.canvas.soft is not None else
             torch.zeros(st.canvas_spec.length, width, device=device)
             for st in states if _decodes(st)]
     return CanvasRows(None, torch.cat(soft) if soft else torch.zeros(0, width, device=device))

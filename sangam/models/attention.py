@@ -37,6 +37,9 @@ class PagedKV:
         order = sorted(where)
         self.k = [where[i][0][where[i][1], 0] for i in order]
         self.v = [where[i][0][where[i][1], 1] for i in order]
+        ids = {id(t): b for b, t in enumerate(self.buffers)}
+        # Layer i lives at buffers[b][j]: (b, j) per layer (what K/V transfers walk).
+        self.layer_slots = [(ids[id(where[i][0])], where[i][1]) for i in order]
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -45,6 +48,11 @@ class PagedKV:
             raise ValueError("this pool's layers have K/V shapes of their own (DiffusionGemma): "
                              "no single buffer holds them")
         return self.buffers[0]
+
+    def page_bytes(self) -> int:
+        """One page of every layer's K and V."""
+        return sum(2 * t[0, 0, 0].numel() * t.element_size() * t.shape[0]
+                   for t in self.buffers)
 
     @property
     def page_size(self) -> int:

@@ -23,7 +23,7 @@ from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi.kv_transfer import Done, KVTransport
 from sangam.engine.multi.launcher import WorkerSpec
 from sangam.engine.tensor_group import TensorGroup, global_rank
-from sangam.models import ShardLayout
+from sangam.models import PagedKV, ShardLayout
 
 STORE_TIMEOUT_S = 300  # joining the process group: every worker of every node must come up
 # NCCL: a wait blocks the waiting thread and raises on a timeout or an aborted communicator
@@ -52,10 +52,10 @@ def load_rank(spec: WorkerSpec) -> tuple[EngineConfig, torch.device, LoadedModel
 
 
 def join(spec: WorkerSpec, device: torch.device,
-         build: Callable[[TensorGroup | None], tuple[Parts, torch.Tensor]]
+         build: Callable[[TensorGroup | None], tuple[Parts, PagedKV]]
          ) -> tuple[Parts, TensorGroup | None, KVTransport | None]:
     """Join the deployment's process group (when it has one), build this rank's parts with
-    ``build(group)`` (which returns them and their KV pool's buffer), and connect its K/V
+    ``build(group)`` (which returns them and their KV pool's pages), and connect its K/V
     transport (disaggregated and hybrid modes)."""
     config = spec.config
     if spec.store_addr is None:
@@ -76,10 +76,10 @@ def join(spec: WorkerSpec, device: torch.device,
         group = TensorGroup(spec.worker, shard_layout(config, spec.tp_rank), len(spec.roles),
                             device,
                             datetime.timedelta(seconds=config.transfer_timeout))
-    parts, kv_buffer = build(group)
+    parts, kv = build(group)
     transport = None
     if config.mode != "colocated":
-        transport = KVTransport(kv_buffer, config.transfer_buffer_bytes,
+        transport = KVTransport(kv, config.transfer_buffer_bytes,
                                 config.watchdog_timeout)
         transport.connect(spec.worker, _ranks(spec.roles, "prefill"),
                           _ranks(spec.roles, "decode"), config.transfer_timeout,

@@ -24,6 +24,7 @@ from sangam.engine.multi.kv_transfer import Done, KVTransport, layer_hook
 from sangam.engine.multi.launcher import WorkerSpec
 from sangam.engine.tensor_group import Step, TensorGroup
 from sangam.engine.worker import build_worker_parts
+from sangam.models import PagedKV
 
 _POLL_S = 0.001  # waiting for this rank's part of a receive rank 0 already has
 
@@ -108,9 +109,9 @@ def start_follower(spec: WorkerSpec) -> Follower:
     """Load this rank's shard, build its pool and runner, and join its group."""
     config, device, loaded = data_plane.load_rank(spec)
 
-    def build(group: TensorGroup | None) -> tuple[ModelRunner, torch.Tensor]:
+    def build(group: TensorGroup | None) -> tuple[ModelRunner, PagedKV]:
         pool, _, runner = build_worker_parts(config, loaded, group)
-        return runner, pool.kv.buffer
+        return runner, pool.kv
 
     runner, group, transport = data_plane.join(spec, device, build)
     return Follower(runner, group, transport, config.transfer_timeout)

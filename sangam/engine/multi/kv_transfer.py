@@ -4,7 +4,9 @@ One transfer moves one request's pages, every layer, K and V. Per layer ``l`` th
 layer ``l`` of the request's pages into a contiguous buffer ``[2, n, page_size, Hkv, D]`` (the
 page kernel; its PyTorch reference on CPU) and posts a send; the receiver posts a receive of the
 same shape per layer and, once all arrived, scatters them into its own pages (page ids differ
-between the two pools). NCCL carries it on GPU, gloo on CPU.
+between the two pools). NCCL carries it on GPU, gloo on CPU. A pool whose layers have K/V
+shapes of their own (DiffusionGemma: one tensor per shape, ``PagedKV.buffers``) moves each
+layer in its own shape, gathered and scattered per tensor.
 
 Each sender-receiver pair has its own process group (``connect`` creates them all at startup,
 every worker in one order, and opens each with one message: NCCL opens a communicator at its
@@ -58,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from sangam.engine.tensor_group import global_rank
-from sangam.models import AttentionBackend, AttentionMetadata, DiffusionLM
+from sangam.models import AttentionBackend, AttentionMetadata, DiffusionLM, PagedKV
 from sangam.models.kernel_table import backend_name, kernel_table
 
 
@@ -113,7 +115,9 @@ class Done:
     is_send: bool
     ok: bool
     nbytes: int
-    buffer: torch.Tensor | None  # a receive's data, [L, 2, n, page_size, Hkv, D]
+    # A receive's data, per tensor of the pool (PagedKV.buffers): [layers, 2, n, page_size,
+    # Hkv, D] each.
+    buffer: tuple[torch.Tensor, ...] | None
     error: str | None = None
     waited: bool = False  # a receive that found the budget full and waited its turn
 
@@ -138,10 +142,13 @@ class KVTransport:
     touch nothing but their transfer's works and the two queues (completions, released
     bytes)."""
 
-    def __init__(self, kv_buffer: torch.Tensor, budget_bytes: int, give_up_s: float):
-        self.kv_buffer = kv_buffer
-        self.device = kv_buffer.device
-        self.num_layers = kv_buffer.shape[0]
+    def __init__(self, kv: PagedKV | torch.Tensor, budget_bytes: int, give_up_s: float):
+        kv = kv if isinstance(kv, PagedKV) else PagedKV(kv)
+        self.buffers = kv.buffers
+        self.slots = kv.layer_slots  # layer -> (tensor, index in it)
+        self.kv_buffer = kv.buffers[0]
+        self.device = self.kv_buffer.device
+        self.num_layers = len(self.slots)
         self.gather, self.scatter = _page_ops(self.device)
         self.budget = budget_bytes
         self.give_up_s = give_up_s  # after a pair with a live peer failed
@@ -216,14 +223,21 @@ class KVTransport:
             t.error = t.error or refusal
             return
         try:
-            buf = self.gather(self.kv_buffer, pages, layers)
-            views = list(buf)
+            if len(self.buffers) == 1:
+                bufs = [self.gather(self.kv_buffer, pages, layers)]
+                views = list(bufs[0])
+            else:  # layers of different shapes: one gather each
+                bufs = [self.gather(self.buffers[b], pages, range(j, j + 1))
+                        for b, j in (self.slots[layer] for layer in layers)]
+                views = [buf[0] for buf in bufs]
         except torch.OutOfMemoryError:
-            buf = torch.zeros((1, 2, len(pages), *self.kv_buffer.shape[3:]),
-                              dtype=self.kv_buffer.dtype, device=self.device)
-            views = [buf[0]] * len(layers)
+            fillers = {b: torch.zeros((1, 2, len(pages), *t.shape[3:]), dtype=t.dtype,
+                                      device=self.device) for b, t in enumerate(self.buffers)}
+            bufs = list(fillers.values())
+            views = [fillers[self.slots[layer][0]][0] for layer in layers]
             t.error = t.error or "out of memory gathering the K/V"
-        self._hold(t, buf)
+        for buf in bufs:
+            self._hold(t, buf)
         t.nbytes += sum(v.numel() * v.element_size() for v in views)
         try:
             for v in views:
@@ -254,7 +268,8 @@ class KVTransport:
         """Receive a transfer of ``num_pages`` pages from ``src``, posted as soon as the
         transfers before it are and the budget allows."""
         t = _Transfer(transfer_id, src, False, num_pages=num_pages)
-        t.nbytes = self.num_layers * self._layer_bytes(num_pages)
+        t.nbytes = sum(self._layer_bytes(b, num_pages) * buf.shape[0]
+                       for b, buf in enumerate(self.buffers))
         self._open[(src, transfer_id, False)] = t
         self._waiting.append(t)
         self._pump()
@@ -280,16 +295,17 @@ class KVTransport:
             self._waiting.popleft()
 
     def _post_receive(self, t: _Transfer) -> bool:
-        shape = (1 if t.drain else self.num_layers, 2, t.num_pages, *self.kv_buffer.shape[3:])
         try:
-            buf = torch.empty(shape, dtype=self.kv_buffer.dtype, device=self.device)
+            bufs = [torch.empty((1 if t.drain else kv.shape[0], 2, t.num_pages, *kv.shape[3:]),
+                                dtype=kv.dtype, device=self.device) for kv in self.buffers]
         except torch.OutOfMemoryError:
             if self.held_recv or t.drain:
                 return False
             t.drain, t.error = True, "out of memory receiving the K/V"
-            return self._post_receive(t)  # drained through one layer's buffer
-        self._hold(t, buf)
-        layers = [buf[0]] * self.num_layers if t.drain else list(buf)
+            return self._post_receive(t)  # drained through one layer's buffer per shape
+        for buf in bufs:
+            self._hold(t, buf)
+        layers = [bufs[b][0 if t.drain else j] for b, j in self.slots]
         try:
             for v in layers:
                 t.works.append(dist.irecv(v, self._ranks[t.peer], group=self._groups[t.peer]))
@@ -303,7 +319,9 @@ class KVTransport:
     def scatter_received(self, done: Done, pages: list[int] | None) -> None:
         """Scatter a finished receive into ``pages`` of the pool (None: it is not wanted)."""
         if pages is not None:
-            self.scatter(done.buffer, self.kv_buffer, torch.tensor(pages, dtype=torch.int64))
+            ids = torch.tensor(pages, dtype=torch.int64)
+            for buf, kv in zip(done.buffer, self.buffers, strict=True):
+                self.scatter(buf, kv, ids)
 
     # Completion.
     def poll(self) -> list[Done]:
@@ -359,8 +377,9 @@ class KVTransport:
             return f"the K/V connection with worker {peer} failed"
         return None
 
-    def _layer_bytes(self, num_pages: int) -> int:
-        return 2 * num_pages * layer_page_bytes(self.kv_buffer)
+    def _layer_bytes(self, tensor: int, num_pages: int) -> int:
+        """One layer's K and V of ``num_pages`` pages, in pool tensor ``tensor``."""
+        return 2 * num_pages * layer_page_bytes(self.buffers[tensor])
 
     def _hold(self, t: _Transfer, buf: torch.Tensor) -> None:
         n = buf.numel() * buf.element_size()
@@ -410,6 +429,6 @@ class KVTransport:
         if self._open.pop((t.peer, t.transfer_id, t.is_send), None) is None:
             return
         ok = error is None
-        buf = None if t.is_send or not ok else t.buffers[0]
+        buf = None if t.is_send or not ok else tuple(t.buffers)
         self._done.put(Done(t.transfer_id, t.peer, t.is_send, ok, t.nbytes, buf, error,
                             t.waited))

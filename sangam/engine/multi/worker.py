@@ -26,7 +26,7 @@ from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.model_runner import FATAL_ERRORS, ModelRunner
 from sangam.engine.multi import data_plane
 from sangam.engine.multi.follower import run_follower
-from sangam.engine.multi.kv_transfer import KVTransport, layer_hook, layer_page_bytes
+from sangam.engine.multi.kv_transfer import KVTransport, layer_hook
 from sangam.engine.multi.launcher import WorkerSpec, signature
 from sangam.engine.tensor_group import TensorGroup
 from sangam.engine.worker import Worker, build_worker_parts, scheduling_request
@@ -244,7 +244,7 @@ def start_worker(spec: WorkerSpec, sock: zmq.Socket) -> WorkerProcess:
 
     def build(group: TensorGroup | None):
         pool, builder, runner = build_worker_parts(config, loaded, group)
-        return (pool, builder, runner), pool.kv.buffer
+        return (pool, builder, runner), pool.kv
 
     (pool, builder, runner), group, transport = data_plane.join(spec, device, build)
     if group is not None and transport is not None:
@@ -254,7 +254,8 @@ def start_worker(spec: WorkerSpec, sock: zmq.Socket) -> WorkerProcess:
     process = WorkerProcess(worker, sock)
     process.send(msg.Hello(
         spec.worker, os.getpid(), socket.gethostname(), spec.device, pool.num_pages,
-        layer_page_bytes(pool.kv.buffer), signature(spec.roles, spec.config, loaded.config)))
+        pool.kv.page_bytes() // (2 * len(pool.kv.k)),
+        signature(spec.roles, spec.config, loaded.config)))
     return process
 
 
