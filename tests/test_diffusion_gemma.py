@@ -289,14 +289,21 @@ def test_vision_tower_is_not_loaded(checkpoint, models):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(num_workers=2), "one in-process worker"),
-    (dict(tensor_parallel_size=2), "one in-process worker"),
     (dict(enable_prefix_caching=True), "prefix-caching"),
+    (dict(attention_backend="triton", device="cpu"), None),
     (dict(block_length=32), "block_length"),
 ])
-def test_deployments_it_cannot_have_are_refused(checkpoint, kw, match):
+def test_deployments_it_cannot_have_are_refused(checkpoint, tmp_path, kw, match):
+    """Prefix caching and a masked option as a server flag are refused at start-up; so is the
+    Triton attention for heads wider than its kernel takes (a real checkpoint's 512)."""
     from sangam import LLM
 
+    if match is None:  # the Triton attention, with global_head_dim 512
+        raw = json.loads((checkpoint / "config.json").read_text())
+        raw["text_config"]["per_layer_config"] = {
+            str(i): {"head_dim": 512, "num_key_value_heads": 1} for i in (1, 3)}
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        checkpoint, match = tmp_path, "use --attention-backend torch"
     with pytest.raises(CheckpointError, match=match):
         LLM(model=str(checkpoint), dtype="float64", **kw)
 
@@ -538,6 +545,11 @@ GEMMA_LAYOUTS = {
                            layerwise_kv_streaming=True),
     "hybrid-1P2C": dict(mode="hybrid", prefill_workers=1, decode_workers=2,
                         overflow_threshold=8),
+    # Tensor parallelism: heads split (the full layers' one KV head replicated), the MLPs by
+    # width; expert parallelism: the experts split.
+    "tp2": dict(tensor_parallel_size=2),
+    "ep2-1P1D": dict(tensor_parallel_size=2, enable_expert_parallel=True,
+                     mode="disaggregated", prefill_workers=1, decode_workers=1),
 }
 
 
@@ -580,5 +592,5 @@ def test_every_mode_equals_the_reference_decoder(checkpoint, gemma_workload, lay
     outs = run["outs"]
     assert {r: o.token_ids for r, o in outs.items()} == want
     assert run["dead"] == ([] if kill is None else [kill])
-    if layout != "colocated-2" and kill is None:
+    if GEMMA_LAYOUTS[layout].get("mode") and kill is None:
         assert max(o.metrics["kv_transfers"] for o in outs.values()) == 1

@@ -111,14 +111,12 @@ def read_generation_defaults(path: str | Path) -> dict:
 def check_deployment(cfg: EngineConfig, model_config: ModelConfig, device: torch.device,
                      path: str | Path) -> None:
     """Raise for what this deployment cannot do with this model: DiffusionGemma (uniform-state)
-    is served without tensor or expert parallelism and prefix caching for now, with the
-    attention the references run where the Triton kernel does not take its 512-wide heads."""
+    is served without prefix caching for now, with the attention the references run where
+    the Triton kernel does not take its 512-wide heads."""
     g = model_config.gemma
     if g is None:
         return
     what = f"{path}: {model_config.architecture} (uniform-state diffusion)"
-    if cfg.tensor_parallel_size > 1 or cfg.enable_expert_parallel:
-        raise CheckpointError(f"{what}: no tensor or expert parallelism for it yet")
     if cfg.enable_prefix_caching:
         raise CheckpointError(f"{what}: --enable-prefix-caching is not supported for it yet")
     masked = sorted(set(cfg.request_defaults()) & set(MASKED_ONLY_FIELDS))

@@ -117,6 +117,8 @@ class ModelRunner:
                           if g.can_run(batch, block_length)), -1)
         whole = [r for r, st in enumerate(states) if st.family.reads_logits]
         canvas = canvas_rows(states, arrays, self.loaded.model, self.device)
+        if canvas is not None and self.group is not None:  # the other ranks condition too
+            arrays["canvas_soft"] = canvas.soft.to(_HOST_FLOAT[canvas.soft.dtype]).cpu().numpy()
         if self.group is not None:
             if whole:  # the rows whose whole vocabulary the group gathers
                 arrays["whole_rows"] = whole_row_index(batch, whole)
@@ -176,7 +178,9 @@ class ModelRunner:
         arrays = step.arrays
         dev = self.uploader.upload(arrays)
         batch = PackedBatch.from_device_arrays(arrays)
-        logits, _, _ = self._device_step(batch, dev, step.graph)
+        canvas = (CanvasRows(dev["canvas_rows"], dev["canvas_soft"]) if "canvas_rows" in dev
+                  else None)
+        logits, _, _ = self._device_step(batch, dev, step.graph, canvas)
         if logits is None:
             return
         rows = self.scorer.rows(logits)  # the same gathers as rank 0, in the same order
@@ -229,6 +233,9 @@ class ModelRunner:
 
 
 _NO_ROWS = torch.zeros(0, 0)
+# Self-conditioning's host dtype between ranks: what holds the model's values exactly.
+_HOST_FLOAT = {torch.float64: torch.float64, torch.float32: torch.float32,
+               torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
 def whole_row_index(batch: PackedBatch, which: list[int]) -> np.ndarray:

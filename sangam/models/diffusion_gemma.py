@@ -107,6 +107,7 @@ class GemmaExperts(nn.Module):
                                                      cfg.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size,
                                                   m.intermediate_size))
+        self.local_experts = (0, m.num_experts)  # [start, end): those this rank holds (EP)
 
 
 class GemmaLayer(nn.Module):
@@ -259,11 +260,14 @@ class DiffusionGemmaModel(DiffusionLM):
             k_raw = a.k_proj(x).view(*lead, -1, a.head_dim)
             v = a.v_norm(a.v_proj(x).view(*lead, -1, a.head_dim) if a.sliding else k_raw)
             k = apply_rope(a.k_norm(k_raw), cos, sin)
-            out = a.o_proj(attend(i, q, k, v).reshape(*lead, -1))
+            # o, the dense down projection and the experts are row-parallel under tensor
+            # parallelism: each sum is whole before its norm (three all-reduces a layer).
+            out = self._reduce(a.o_proj(attend(i, q, k, v).reshape(*lead, -1)))
             h = h + layer.post_attention_layernorm(out)
             dense = layer.post_feedforward_layernorm_1(
-                layer.mlp(layer.pre_feedforward_layernorm(h)))
-            routed = layer.post_feedforward_layernorm_2(self._experts(layer, h, kernels))
+                self._reduce(layer.mlp(layer.pre_feedforward_layernorm(h))))
+            routed = layer.post_feedforward_layernorm_2(
+                self._reduce(self._experts(layer, h, kernels)))
             h = h + layer.post_feedforward_layernorm(dense + routed)
             if mixed:
                 h = h * torch.where(encoder[:, None], enc[i].layer_scalar, layer.layer_scalar)
@@ -308,8 +312,12 @@ class DiffusionGemmaModel(DiffusionLM):
         weights = weights * r.per_expert_scale[ids.long()]
         x = layer.pre_feedforward_layernorm_2(flat)
         e = layer.experts
+        lo, hi = e.local_experts
+        partial = hi - lo < m.num_experts
+        if partial:  # expert parallelism: the others' experts are id hi - lo, skipped
+            ids = torch.where((ids >= lo) & (ids < hi), ids - lo, hi - lo)
         out = kernels.fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids,
-                                activation=m.activation)
+                                partial=partial, activation=m.activation)
         return out.view(h.shape)
 
     # The dense passes (no pages): the oracle of the paged ones, and the reference decoder's.

@@ -52,6 +52,10 @@ class ShardLayout:
         """Raise ValueError, naming the flag, when ``cfg`` cannot be split ``size`` ways."""
         moe = cfg.moe
         dense_layers = cfg.num_layers if moe is None else moe.first_dense_layers
+        if cfg.gemma is not None:  # a dense MLP beside the experts in every layer
+            dense_layers = cfg.num_layers
+            self.check_split(cfg.architecture, cfg.num_heads, cfg.gemma.full_kv_heads, 0,
+                             moe.num_experts, moe.intermediate_size)
         self.check_split(cfg.architecture, cfg.num_heads, cfg.num_kv_heads,
                          cfg.intermediate_size if dense_layers else 0,
                          *((moe.num_experts, moe.intermediate_size, moe.shared_intermediate_size)
@@ -95,14 +99,16 @@ class ShardLayout:
         k = n // self.size
         return self.rank * k, (self.rank + 1) * k
 
-    def heads(self, cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
-        """This rank's query heads and KV heads, as [start, end). With fewer KV heads than
-        ranks each rank holds the one KV head its query heads read (vLLM's rule)."""
+    def heads(self, cfg: ModelConfig, num_kv_heads: int | None = None
+              ) -> tuple[tuple[int, int], tuple[int, int]]:
+        """This rank's query heads and KV heads (of ``num_kv_heads``: default the model's;
+        a Gemma full layer has its own), as [start, end). With fewer KV heads than ranks each
+        rank holds the one KV head its query heads read (vLLM's rule)."""
         q = self.split(cfg.num_heads)
-        per_rank = self.kv_heads(cfg.num_kv_heads)
+        kv = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
+        per_rank = self.kv_heads(kv)
         # Below one KV head per rank, ranks r*Hkv//N share a head; else each its own share.
-        first = (self.rank * cfg.num_kv_heads // self.size if cfg.num_kv_heads < self.size
-                 else self.rank * per_rank)
+        first = self.rank * kv // self.size if kv < self.size else self.rank * per_rank
         return q, (first, first + per_rank)
 
     def rank_config(self, cfg: ModelConfig) -> ModelConfig:
@@ -110,7 +116,10 @@ class ShardLayout:
         if self.size == 1:
             return cfg
         (q0, q1), (k0, k1) = self.heads(cfg)
-        return dataclasses.replace(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0)
+        g = cfg.gemma
+        if g is not None:
+            g = dataclasses.replace(g, full_kv_heads=self.kv_heads(g.full_kv_heads))
+        return dataclasses.replace(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, gemma=g)
 
     def vocab(self, vocab_size: int) -> tuple[int, int]:
         """This rank's rows of the LM head: chunks of ceil(V / size), the last one shorter."""
@@ -182,6 +191,8 @@ def _cuts(model: DiffusionLM, layout: ShardLayout) -> dict[str, Cut]:
     (q0, q1), (k0, k1) = layout.heads(cfg)
     names = {id(m): n for n, m in model.named_modules()}
     cuts: dict[str, Cut] = {}
+    if cfg.gemma is not None:
+        return _gemma_cuts(model, layout, names)
 
     def put(module: nn.Module, weight: Cut, bias: Cut | None = None) -> None:
         cuts[f"{names[id(module)]}.weight"] = weight
@@ -244,4 +255,42 @@ def _cuts(model: DiffusionLM, layout: ShardLayout) -> dict[str, Cut]:
     if isinstance(head, nn.Linear):  # a tied head is the embedding: whole, sliced in logits
         lo, hi = layout.vocab(cfg.vocab_size)
         column(head, ((lo, hi),))
+    return cuts
+
+
+def _gemma_cuts(model: DiffusionLM, layout: ShardLayout, names: dict[int, str]
+                ) -> dict[str, Cut]:
+    """DiffusionGemma's shard: per layer, its heads (each layer type its own head_dim and KV
+    heads; a full layer's V is its K, so it has no v_proj), the dense MLP split by width,
+    the experts by width or, under expert parallelism, by expert; router, norms, scalars,
+    self-conditioning and the embedding whole (the tied head is sliced in ``logits``)."""
+    cfg = model.config
+    cuts: dict[str, Cut] = {}
+
+    def name(module: object, attr: str = "weight") -> str:
+        return f"{names[id(module)]}.{attr}"
+
+    for i, layer in enumerate(model.model.decoder.layers):
+        a = layer.self_attn
+        kv_heads, hd = cfg.layer_kv_shape(i)
+        (q0, q1), (k0, k1) = layout.heads(cfg, kv_heads)
+        cuts[name(a.q_proj)] = Cut(0, ((q0 * hd, q1 * hd),))
+        cuts[name(a.k_proj)] = Cut(0, ((k0 * hd, k1 * hd),))
+        if a.sliding:
+            cuts[name(a.v_proj)] = Cut(0, ((k0 * hd, k1 * hd),))
+        cuts[name(a.o_proj)] = Cut(1, ((q0 * hd, q1 * hd),))
+        lo, hi = layout.split(cfg.intermediate_size)
+        cuts[name(layer.mlp.gate_proj)] = Cut(0, ((lo, hi),))
+        cuts[name(layer.mlp.up_proj)] = Cut(0, ((lo, hi),))
+        cuts[name(layer.mlp.down_proj)] = Cut(1, ((lo, hi),))
+        e, width = layer.experts, cfg.moe.intermediate_size
+        if layout.expert_parallel:
+            lo, hi = layout.split(cfg.moe.num_experts)
+            e.local_experts = (lo, hi)
+            cuts[name(e, "gate_up_proj")] = Cut(0, ((lo, hi),))
+            cuts[name(e, "down_proj")] = Cut(0, ((lo, hi),))
+        else:
+            lo, hi = layout.split(width)
+            cuts[name(e, "gate_up_proj")] = Cut(1, ((lo, hi), (width + lo, width + hi)))
+            cuts[name(e, "down_proj")] = Cut(2, ((lo, hi),))
     return cuts
