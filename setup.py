@@ -22,7 +22,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["sangam", "sangam.*"]),
-    package_data={"sangam.demo": ["model/*", "model_long/*"]},
+    package_data={"sangam.demo": ["model/*", "model_long/*", "model_gemma/*"]},
     ext_modules=[HOST_EXT],
     install_requires=[
         "torch>=2.5",  # scaled_dot_product_attention(enable_gqa=...)

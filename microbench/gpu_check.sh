@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU run, in one script: the kernel and CUDA-graph tests in bf16 on CUDA (the
-# mixture-of-experts kernels' among them), `sangam-bench kernels` (with its MoE rows) and
+# mixture-of-experts kernels' among them, GeGLU experts and per-query key bounds too),
+# DiffusionGemma's demo decoded on the device, `sangam-bench kernels` (with its MoE rows) and
 # `graphs`, a receiving worker killed mid-transfer under NCCL and tensor parallelism over two
 # GPUs (two GPUs only: each skips in seconds on one), `sangam-bench calibrate` (the simulator's coefficients), an end-to-end `sangam-bench serve` on a
 # random-weight model of LLaDA-8B's shape (deficit tau=1024 against fastdllm on a short
@@ -8,7 +9,7 @@
 # calibration and the serve run's step profile, against the measured latencies.
 #
 # Usage: microbench/gpu_check.sh [--dry-run] [OUTDIR]   (default OUTDIR ./gpu-results)
-# On the GPU it takes at most 10 minutes: each step is cut by `timeout`, 560 s in all, and
+# On the GPU it takes at most 10 minutes: each step is cut by `timeout`, 570 s in all, and
 # building the C++ extension 30 s (on one GPU, about 90 s less: the two-GPU steps skip).
 # --dry-run runs every step on the CPU at tiny shapes (the Triton interpreter; the tests
 # collected, not run) with the serving extras the GPU machine lacks made unimportable: what
@@ -45,6 +46,7 @@ if [ "$DRY" = 1 ]; then
           --max-batch-size 16)
   SIM_ENGINE=(--block-length 8 --token-budget 64 --num-pages 512 --max-batch-size 16)
   TP_DEVICE=(--device cpu)
+  GEMMA=(--device cpu --dtype float32 --torch-threads 1)
 else
   unset TRITON_INTERPRET  # compiled kernels on CUDA tensors
   # The C++ host extension (an ignored build output, so not in a fresh copy): built in place
@@ -60,6 +62,7 @@ else
   ENGINE=(--block-length 32 --token-budget 1024 --num-pages 4096 --max-batch-size 16)
   SIM_ENGINE=("${ENGINE[@]}")
   TP_DEVICE=()
+  GEMMA=(--device cuda --dtype bfloat16)
 fi
 
 {
@@ -122,7 +125,7 @@ done
 
 # Each benchmark rewrites its JSON after each suite or run, so a cut one keeps what it measured.
 # The kernels' suites include moe: LLaDA2.0-mini's and -flash's experts (--moe-models).
-step kernels 90 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
+step kernels 80 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
 step graphs 45 "${BENCH[@]}" graphs --json "$OUT/graphs.json"
 # A receiving worker killed mid-transfer under NCCL: the survivor goes on (two GPUs and pyzmq
 # needed; on one GPU it prints why it skips and exits 0).
@@ -131,6 +134,10 @@ step nccl-fault 55 "$PY" microbench/nccl_transfer_fault.py
 # TP1 against TP2 forward time at LLaDA-8B's shape, and the engine at TP2 where pyzmq is (two
 # GPUs; on one it prints why it skips; the dry run checks the same on CPU over gloo).
 step tp 45 "$PY" microbench/tp_check.py "${TP_DEVICE[@]}"
+# DiffusionGemma end to end (uniform-state): the shipped Gemma-layout demo on the device, its
+# canvas rows' per-query key bounds in the Triton attention, its GeGLU experts in fused_moe.
+step gemma 20 "${BENCH[@]}" quality --model sangam-demo-gemma "${GEMMA[@]}" \
+  --num-instances 24 --entropy-bounds 0.5 --denoising-steps 16 --json "$OUT/gemma.json"
 step model 20 "$PY" -m sangam.testing "$OUT/model" "${SHAPE[@]}"
 step calibrate 40 "${BENCH[@]}" calibrate --model "$OUT/model" --load-format dummy \
   "${CALIBRATE[@]}" --out "$OUT/calibration.json"

@@ -47,6 +47,9 @@ from sangam.models import load_model, load_tokenizer, read_config, stop_token_id
 from sangam.models.llada import LLaDAModel
 
 ROOT = Path(__file__).resolve().parents[1]
+LLADA_DEMOS = ("sangam-demo", "sangam-demo-long")  # DEMO_MODELS' masked-diffusion ones
+# sangam-demo-gemma's share right at its defaults (`sangam-bench quality`: 97.5% of 240).
+GEMMA_DEMO_MIN_RIGHT = 0.9
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,11 @@ def trainer():
     return module
 
 
-@pytest.mark.parametrize("name", list(DEMO_MODELS))
+def test_the_demos_are_the_two_llada_and_one_gemma():
+    assert set(DEMO_MODELS) == {*LLADA_DEMOS, "sangam-demo-gemma"}
+
+
+@pytest.mark.parametrize("name", LLADA_DEMOS)
 def test_demo_checkpoint_loads_as_llada(tokenizer, name):
     path = demo_model_path(name)
     cfg = read_config(path)
@@ -106,9 +113,10 @@ def test_missing_demo_files_raise_a_clear_error(monkeypatch, tmp_path):
         LLM(model="sangam-demo", device="cpu")  # by name
 
 
-@pytest.mark.parametrize("model_dir", list(DEMO_MODELS.values()), ids=list(DEMO_MODELS))
-def test_shipped_tokenizer_files_match_the_code(tmp_path, model_dir):
-    write_tokenizer(tmp_path)
+@pytest.mark.parametrize("name", list(DEMO_MODELS))
+def test_shipped_tokenizer_files_match_the_code(tmp_path, name):
+    model_dir = DEMO_MODELS[name]
+    write_tokenizer(tmp_path, layout="gemma" if name == "sangam-demo-gemma" else "llada")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert json.loads((tmp_path / name).read_text()) == \
             json.loads((model_dir / name).read_text()), name
@@ -269,3 +277,52 @@ def test_training_is_bit_reproducible(trainer):
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
     other = trainer.train(dataclasses.replace(cfg, seed=1), log=lambda s: None)[0].state_dict()
     assert not all(torch.equal(runs[0][k], other[k]) for k in runs[0])
+
+
+# ----------------------------------------------------------------------------- sangam-demo-gemma
+
+
+@pytest.fixture(scope="module")
+def gemma_trainer():
+    spec = importlib.util.spec_from_file_location(
+        "train_demo_gemma", ROOT / "scripts" / "train_demo_gemma.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gemma_demo_loads_in_its_layout(gemma_trainer):
+    """The uniform-state demo: DiffusionGemma's config (as transformers writes it), every tensor
+    by its name, Gemma's token ids, and the chat template rendering the prompt it was trained
+    on (the training script's own encoding)."""
+    from transformers import AutoTokenizer, DiffusionGemmaConfig
+
+    from sangam.models.diffusion_gemma import DiffusionGemmaModel
+
+    path = demo_model_path("sangam-demo-gemma")
+    raw = json.loads((Path(path) / "config.json").read_text())
+    assert DiffusionGemmaConfig(**raw).text_config.num_experts == 4
+    cfg = read_config(path)
+    assert cfg.gemma is not None and cfg.gemma.canvas_length == DEMO_MAX_TOKENS
+    assert isinstance(load_model(path, "cpu", "float32"), DiffusionGemmaModel)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    task = eval_set(1, families=("reverse",))[0]
+    ids = tok.apply_chat_template([{"role": "user", "content": task.prompt}],
+                                  add_generation_prompt=True, return_dict=True)["input_ids"]
+    prompts, _, _ = gemma_trainer.encode_batch([task], DEMO_MAX_TOKENS)
+    assert list(ids) == prompts[0].tolist()
+
+
+def test_gemma_demo_answers_held_out_tasks():
+    """At its generation_config.json's denoising options; `sangam-bench quality --model
+    sangam-demo-gemma` sweeps them over 240 instances."""
+    llm = LLM(model="sangam-demo-gemma", device="cpu", dtype="float32")
+    tasks = eval_set(6, families=DEMO_FAMILIES)
+    prompts = [llm.loaded.text.encode_chat([{"role": "user", "content": t.prompt}])
+               for t in tasks]
+    outs = llm.generate(prompt_token_ids=prompts,
+                        sampling_params=SamplingParams(max_tokens=DEMO_MAX_TOKENS, seed=0))
+    right = [o.text == t.answer for o, t in zip(outs, tasks)]
+    assert sum(right) >= GEMMA_DEMO_MIN_RIGHT * len(tasks), \
+        [(t.answer, o.text) for o, t in zip(outs, tasks)]

@@ -12,6 +12,7 @@ tiny random checkpoints written by transformers' ``save_pretrained``, in float64
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -288,24 +289,11 @@ def test_vision_tower_is_not_loaded(checkpoint, models):
     assert not any("vision" in k for k in ours.state_dict())
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(enable_prefix_caching=True), "prefix-caching"),
-    (dict(attention_backend="triton", device="cpu"), None),
-    (dict(block_length=32), "block_length"),
-])
-def test_deployments_it_cannot_have_are_refused(checkpoint, tmp_path, kw, match):
-    """Prefix caching and a masked option as a server flag are refused at start-up; so is the
-    Triton attention for heads wider than its kernel takes (a real checkpoint's 512)."""
+def test_a_masked_option_as_a_flag_is_refused_at_start_up(checkpoint):
     from sangam import LLM
 
-    if match is None:  # the Triton attention, with global_head_dim 512
-        raw = json.loads((checkpoint / "config.json").read_text())
-        raw["text_config"]["per_layer_config"] = {
-            str(i): {"head_dim": 512, "num_key_value_heads": 1} for i in (1, 3)}
-        (tmp_path / "config.json").write_text(json.dumps(raw))
-        checkpoint, match = tmp_path, "use --attention-backend torch"
-    with pytest.raises(CheckpointError, match=match):
-        LLM(model=str(checkpoint), dtype="float64", **kw)
+    with pytest.raises(CheckpointError, match="block_length"):
+        LLM(model=str(checkpoint), dtype="float64", block_length=32)
 
 
 def test_options_of_the_other_family_are_refused(checkpoint, tmp_path):
@@ -463,6 +451,31 @@ def test_the_engine_equals_the_reference_decoder(checkpoint, models, backend):
     assert reasons == {"stop", "length"}
     # They shared forwards: fewer iterations than their steps one by one.
     assert len(engine.stats.iterations) < sum(o.num_forwards for o in outs.values())
+
+
+def test_prefix_caching_of_the_encoder(checkpoint, models):
+    """The causal encoder's K/V of a prompt and of finished canvases is cached by whole pages
+    (on by default): a second request with the same prompt, and a next turn holding the first
+    one's prompt and first canvas, start from cached pages, with the reference's tokens."""
+    from sangam import LLM, SamplingParams
+
+    _, ours = models
+    llm = LLM(model=str(checkpoint), dtype="float64", page_size=4)
+    assert llm.engine.prefix_caching
+    prompt = list(range(3, 33))  # 30 tokens: 7 whole pages
+    params = SamplingParams(max_tokens=3 * CANVAS, seed=5, max_denoising_steps=3,
+                            confidence_threshold=0.0, stop_at_eos=False)
+    first = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    assert first.num_cached_tokens == 0
+    turn = prompt + first.token_ids[:CANVAS] + [7, 8, 9]
+    outs = llm.generate(prompt_token_ids=[prompt, turn],
+                        sampling_params=[dataclasses.replace(params, seed=6)] * 2)
+    assert outs[0].num_cached_tokens == 28
+    assert outs[1].num_cached_tokens == (30 + CANVAS) // 4 * 4
+    for p, out in zip([prompt, turn], outs):
+        want = generate_canvases(ours, p, UniformStateParams(3, confidence_threshold=0.0), 6,
+                                 3 * CANVAS)
+        assert out.token_ids == want.tokens
 
 
 # ----------------------------------------------------------------------------- the server

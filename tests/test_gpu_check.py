@@ -10,8 +10,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_SHARDS = ("tests-attention", "tests-moe", "tests-kernels", "tests-engine")
-STEPS = (*TEST_SHARDS, "kernels", "graphs", "nccl-fault", "tp", "model", "calibrate", "serve",
-         "sim")
+STEPS = (*TEST_SHARDS, "kernels", "graphs", "nccl-fault", "tp", "gemma", "model", "calibrate",
+         "serve", "sim")
 
 
 def test_gpu_check_dry_run_runs_every_step(tmp_path):
@@ -23,6 +23,9 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert (out / "summary.txt").read_text().split("\n")[:-1] == [f"{s} rc=0" for s in STEPS]
     # The GPU machine's missing packages were missing here too: the plots were skipped.
     assert "matplotlib is not installed" in (out / "serve.log").read_text()
+    # DiffusionGemma's demo decoded its held-out tasks.
+    gemma = json.loads((out / "gemma.json").read_text())
+    assert gemma["num_instances"] == 24 and len(gemma["modes"]) == 1
     # The test lists name tests that exist (a renamed test would be 'not found' on the GPU),
     # and every kernel test file is in one shard.
     logs = {name: (out / f"{name}.log").read_text() for name in TEST_SHARDS}

@@ -120,7 +120,7 @@ def test_query_tile_sizes(device, dtype, block_m):
 
 
 @pytest.mark.parametrize("device,dtype", FAST_CASES)
-@pytest.mark.parametrize("d", [8, 64, 128])
+@pytest.mark.parametrize("d", [8, 64, 128, 512])  # 512: DiffusionGemma's full layers
 def test_head_dims(device, dtype, d):
     check([6, 3], [19, 33], 4, 1, d, 16, device, dtype)
 

@@ -94,3 +94,38 @@ def test_wide_dtype_attention_fits_shared_memory():
     assert {b["target"] for b in builds} == {"H200", "A100"}
     for b in builds:
         assert b["shared_bytes"] <= TARGETS[b["target"]].max_shared_bytes, b["text"]
+
+
+_GEMMA_HEADS = """
+import dataclasses, json, sys, torch
+from sangam.kernels import paged_attention
+from sangam.kernels.cross_compile import TARGETS, cross_compiling
+
+meta = torch.device("meta")
+i32 = dict(dtype=torch.int32, device=meta)
+with cross_compiling(TARGETS["H200"]) as builds:
+    for q_len in (1, 256, 512):  # a short step; a canvas; a finished canvas and the next
+        for bounded in (False, True):
+            q = torch.empty(q_len, 16, 512, dtype=torch.bfloat16, device=meta)
+            kc = torch.empty(128, 16, 2, 512, dtype=torch.bfloat16, device=meta)
+            bounds = (torch.empty(q_len, **i32),) * 2 if bounded else None
+            paged_attention(q, kc, kc, torch.empty(2, **i32), torch.empty(1, 128, **i32),
+                            torch.empty(1, **i32), 1.0, max_query_len=q_len, key_bounds=bounds)
+json.dump([dataclasses.asdict(b) | {"text": b.describe()} for b in builds], sys.stdout,
+          default=str)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU launches these for real")
+def test_gemma_heads_compile_for_h200_without_spills():
+    """DiffusionGemma's full layers: 512-wide heads (GQA 8), with and without per-query key
+    bounds, in one tile of the head dim without register spills or too much shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _GEMMA_HEADS], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    builds = [b for b in json.loads(proc.stdout) if b["kernel"] == "_attn_kernel"]
+    assert {str(b["constants"]["ROW_BOUNDS"]) for b in builds} == {"True", "False"}
+    for b in builds:
+        assert str(b["constants"]["BLOCK_D"]) == "512"
+        assert b["spill_bytes"] == 0 and b["shared_bytes"] <= H200.max_shared_bytes, b["text"]

@@ -37,6 +37,11 @@ rule, vanilla as a point.
 
 ``--structured`` runs another comparison instead of the sweep: each instance without and with
 its family's answer format as structured output (:mod:`sangam.bench.structured`).
+
+A uniform-state model (DiffusionGemma, ``sangam-demo-gemma``) has no masks, blocks or caches
+to sweep: its sweep is ``--entropy-bounds`` x ``--denoising-steps`` (``entropy_bound`` x
+``max_denoising_steps``, the model's other denoising options as its generation_config.json
+says), reporting exact match, forwards per canvas and tokens per forward.
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ DEFAULT_CADENCES = (*REFRESH_CADENCES, (NEVER, 1))  # NEVER: a deliberately bad 
 # Adaptive refresh, with no cadence refresh after block 0 (refresh_interval NEVER). High: a
 # trained model's least confident commit of a block is rarely below 0.9 (sangam-demo-long's).
 DEFAULT_REFRESH_CONFIDENCES = (0.99, 0.999)
+# Uniform-state models: entropy_bound x max_denoising_steps.
+DEFAULT_ENTROPY_BOUNDS = (0.1, 0.5, 2.0, 8.0)
+DEFAULT_DENOISING_STEPS = (1, 2, 4, 16)
 CADENCE_THRESHOLD = 0.9
 VANILLA = "vanilla"
 _REQUEST_IDS = itertools.count()
@@ -379,6 +387,8 @@ def run(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
         return 0
+    if llm.loaded.config.gemma is not None:
+        return run_uniform(llm, args, tasks, prompt_ids, model, families, max_tokens)
     modes = sweep(tuple(parse_float_list(args.thresholds or
                                          ",".join(f"{v:g}" for v in DEFAULT_THRESHOLDS))),
                   tuple(parse_float_list(args.factors)),
@@ -408,6 +418,62 @@ def run(args: argparse.Namespace) -> int:
         title = (f"{os.path.basename(str(model).rstrip('/'))}: {len(tasks)} held-out tasks, "
                  f"{max_tokens}-token canvas, blocks of {block_length}")
         plot(args.plot, results, title)
+    return 0
+
+
+def evaluate_uniform(llm, tasks: list[Task], prompt_ids: list[list[int]],
+                     params: SamplingParams) -> dict:
+    """One uniform-state setting over every task: exact match (overall, per family), the
+    decoder forwards each canvas took, tokens per forward (canvas positions over forwards)."""
+    start = time.perf_counter()
+    outs, _ = decode_observed(llm, prompt_ids, params)
+    correct: dict[str, list[int]] = {f: [] for f in dict.fromkeys(t.family for t in tasks)}
+    for task, out in zip(tasks, outs):
+        correct[task.family].append(int((out.text or "") == task.answer))
+    forwards = sum(o.num_forwards for o in outs)
+    canvases = sum(o.metrics["num_blocks"] for o in outs)
+    length = llm.loaded.config.gemma.canvas_length
+    return {"options": llm.loaded.uniform_defaults() | params.uniform_given(),
+            "accuracy": sum(map(sum, correct.values())) / len(tasks),
+            "accuracy_by_family": {f: sum(c) / len(c) for f, c in correct.items()},
+            "forwards_per_canvas": forwards / canvases,
+            "tokens_per_forward": canvases * length / forwards,
+            "seconds": time.perf_counter() - start}
+
+
+def run_uniform(llm, args: argparse.Namespace, tasks: list[Task], prompt_ids: list[list[int]],
+                model: str, families: tuple[str, ...], max_tokens: int) -> int:
+    """The uniform-state sweep (module docstring): a table, and ``--json``."""
+    bounds = parse_float_list(args.entropy_bounds)
+    steps = [int(v) for v in parse_float_list(args.denoising_steps)]
+    results = {}
+    for bound, n in itertools.product(bounds, steps):
+        name = f"entropy_bound={bound:g}/steps={n}"
+        params = SamplingParams(max_tokens=max_tokens, seed=0, entropy_bound=bound,
+                                max_denoising_steps=n,
+                                confidence_threshold=args.confidence_threshold)
+        results[name] = evaluate_uniform(llm, tasks, prompt_ids, params)
+        if args.verbose:
+            r = results[name]
+            print(f"{name}: exact {r['accuracy']:.3f}, {r['forwards_per_canvas']:.1f} "
+                  f"forwards/canvas, {r['seconds']:.1f}s", file=sys.stderr, flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": model, "families": families, "num_instances": len(tasks),
+                           "seed": args.seed, "max_tokens": max_tokens, "modes": results}, f,
+                          indent=2)
+    stopping = ("model default" if args.confidence_threshold is None
+                else f"{args.confidence_threshold:g}")
+    print(f"{model}: {len(tasks)} held-out instances of {','.join(families)} (seed {args.seed}),"
+          f" max_tokens {max_tokens}, uniform-state decoding (seed 0), confidence_threshold "
+          f"{stopping}")
+    head = ["entropy_bound", *(f"steps={n}" for n in steps)]
+    rows = [[f"{b:g}", *(f"{results[f'entropy_bound={b:g}/steps={n}']['accuracy']:.3f} "
+                         f"({results[f'entropy_bound={b:g}/steps={n}']['forwards_per_canvas']:.1f})"
+                         for n in steps)] for b in bounds]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    print("exact match (forwards per canvas)")
+    print("\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in [head, *rows]))
     return 0
 
 
@@ -441,6 +507,15 @@ def register(subparsers) -> None:
                    default=",".join(f"{v:g}" for v in DEFAULT_REFRESH_CONFIDENCES),
                    help="refresh_confidence values (adaptive refresh) under DualCache and no "
                         "cadence refresh after the first block")
+    p.add_argument("--entropy-bounds",
+                   default=",".join(f"{v:g}" for v in DEFAULT_ENTROPY_BOUNDS),
+                   help="uniform-state models: entropy_bound values of the sweep")
+    p.add_argument("--denoising-steps",
+                   default=",".join(str(v) for v in DEFAULT_DENOISING_STEPS),
+                   help="uniform-state models: max_denoising_steps values of the sweep")
+    p.add_argument("--confidence-threshold", type=float, default=None,
+                   help="uniform-state models: adaptive stopping's threshold (0: off; default: "
+                        "the model's)")
     p.add_argument("--modes", default=None,
                    help="only these modes of the sweep (and vanilla), e.g. dual/threshold=0.9")
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="seed of the held-out instances")

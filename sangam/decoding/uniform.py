@@ -197,9 +197,8 @@ class UniformState:
             return StepPlan(start, end, empty, 0, empty, empty)
         if st.canvas is None or st.canvas.index != c.block:
             spec = st.canvas_spec
-            st.canvas = Canvas(c.block, uniform_tokens(st.seed, c.block, 0,
-                                                       torch.arange(spec.length),
-                                                       spec.vocab_size))
+            st.canvas = Canvas.start(st.seed, c.block, spec.length, spec.vocab_size,
+                                     torch.device("cpu"))
             st.tokens[s:e] = st.canvas.tokens.numpy()
         positions = np.arange(s, e, dtype=np.int64)
         return StepPlan(start, end, positions, 0, positions - start,

@@ -16,6 +16,12 @@ long task families (``LONG_FAMILIES``: copying, Caesar-shifting and tallying 64-
 strings): a 160-token canvas of 16-token blocks, answers over 4-10 of them, later blocks
 depending on earlier ones (a tally) and on a long prompt. It is the testbed of what the speed
 knobs (thresholds, caches, refresh cadences) cost in quality.
+
+``sangam-demo-gemma`` is uniform-state diffusion in DiffusionGemma's layout (transformers'
+config, Gemma-layout tokenizer), trained by ``scripts/train_demo_gemma.py`` on the short
+tasks: one 24-token canvas per answer, re-sampled every step (its generation_config.json sets
+the denoising options). ``sangam-bench quality --model sangam-demo-gemma`` sweeps its
+``entropy_bound`` and ``max_denoising_steps``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from pathlib import Path
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "model"
 DEMO_LONG_MODEL_DIR = Path(__file__).resolve().parent / "model_long"
-DEMO_MODELS = {"sangam-demo": DEMO_MODEL_DIR, "sangam-demo-long": DEMO_LONG_MODEL_DIR}
+DEMO_GEMMA_MODEL_DIR = Path(__file__).resolve().parent / "model_gemma"
+DEMO_MODELS = {"sangam-demo": DEMO_MODEL_DIR, "sangam-demo-long": DEMO_LONG_MODEL_DIR,
+               "sangam-demo-gemma": DEMO_GEMMA_MODEL_DIR}
 DEMO_MAX_TOKENS = 24  # the response length it was trained with
 DEMO_BLOCK_LENGTH = 8  # three blocks per response
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

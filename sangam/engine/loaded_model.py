@@ -12,7 +12,6 @@ import torch
 from sangam.config import EngineConfig
 from sangam.decoding.grammar import GrammarCompiler, compiler_for, register_tokenizer
 from sangam.engine.text import TextCodec
-from sangam.kernels.paged_attention import MAX_HEAD_DIM as MAX_TRITON_HEAD_DIM
 from sangam.models import (
     AttentionBackend,
     CheckpointError,
@@ -108,26 +107,13 @@ def read_generation_defaults(path: str | Path) -> dict:
     return defaults
 
 
-def check_deployment(cfg: EngineConfig, model_config: ModelConfig, device: torch.device,
-                     path: str | Path) -> None:
-    """Raise for what this deployment cannot do with this model: DiffusionGemma (uniform-state)
-    is served without prefix caching for now, with the attention the references run where
-    the Triton kernel does not take its 512-wide heads."""
-    g = model_config.gemma
-    if g is None:
-        return
-    what = f"{path}: {model_config.architecture} (uniform-state diffusion)"
-    if cfg.enable_prefix_caching:
-        raise CheckpointError(f"{what}: --enable-prefix-caching is not supported for it yet")
+def check_deployment(cfg: EngineConfig, model_config: ModelConfig, path: str | Path) -> None:
+    """Raise for a server flag this model cannot take: a uniform-state model (DiffusionGemma)
+    has no masked-diffusion options."""
     masked = sorted(set(cfg.request_defaults()) & set(MASKED_ONLY_FIELDS))
-    if masked:
-        raise CheckpointError(f"{what}: the masked-diffusion options {masked} do not apply to it")
-    widest = max(model_config.head_dim, g.full_head_dim)
-    if kernel_table(backend_name(device, cfg.attention_backend)).name == "triton" and \
-            widest > MAX_TRITON_HEAD_DIM:
-        raise CheckpointError(f"{what}: its {widest}-wide attention heads are beyond the Triton "
-                              f"attention kernel's {MAX_TRITON_HEAD_DIM}; use "
-                              "--attention-backend torch")
+    if model_config.gemma is not None and masked:
+        raise CheckpointError(f"{path}: {model_config.architecture} (uniform-state diffusion): "
+                              f"the masked-diffusion options {masked} do not apply to it")
 
 
 @dataclass
@@ -149,7 +135,7 @@ class LoadedModel:
         """The checkpoint of ``cfg`` on its device (``shard``: one rank's slice of it)."""
         path = checkpoint_path(cfg)
         device = torch.device(cfg.device or default_device())
-        check_deployment(cfg, read_config(path), device, path)  # before reading the weights
+        check_deployment(cfg, read_config(path), path)  # before reading the weights
         model = load_model(path, device, None if cfg.dtype == "auto" else cfg.dtype,
                            cfg.load_format, shard)
         model.attention_backend = make_attention_backend(cfg.attention_backend, device)
@@ -162,7 +148,7 @@ class LoadedModel:
                ) -> LoadedModel:
         """``model`` (None on a front whose workers hold the weights) with the checkpoint's
         tokenizer (or ``cfg.tokenizer``'s), stop ids, request defaults and context limit."""
-        check_deployment(cfg, model_config, device, path)
+        check_deployment(cfg, model_config, path)
         tokenizer = load_tokenizer(cfg.tokenizer or path, required=cfg.tokenizer is not None)
         if tokenizer is not None:  # for structured output, in this process
             register_tokenizer(str(cfg.tokenizer or path), tokenizer)

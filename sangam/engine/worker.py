@@ -55,14 +55,15 @@ def build_worker_parts(config: EngineConfig, loaded: LoadedModel,
 
 def prefix_caching(config: EngineConfig, loaded: LoadedModel) -> bool:
     """Whether the workers cache prompt blocks' K/V (``--enable-prefix-caching``): by default
-    for a block-causal model, whose finished blocks' K/V is exact; refused for a bidirectional
-    one, whose prompt K/V depends on the response."""
-    block_causal = loaded.config.block_causal
-    if config.enable_prefix_caching and not block_causal:
-        raise ValueError("--enable-prefix-caching needs a block-causal model (SDAR, LLaDA2): "
-                         "a bidirectional model's prompt K/V depends on the response, so no "
-                         "prompt block can be reused")
-    return block_causal if config.enable_prefix_caching is None else config.enable_prefix_caching
+    for a block-causal model, whose finished blocks' K/V is exact, and a uniform-state one
+    (its causal encoder's); refused for a bidirectional one, whose prompt K/V depends on the
+    response."""
+    exact = loaded.config.block_causal or loaded.config.gemma is not None
+    if config.enable_prefix_caching and not exact:
+        raise ValueError("--enable-prefix-caching needs a block-causal model (SDAR, LLaDA2) or "
+                         "a uniform-state one (DiffusionGemma): a bidirectional model's prompt "
+                         "K/V depends on the response, so no prompt block can be reused")
+    return exact if config.enable_prefix_caching is None else config.enable_prefix_caching
 
 
 def graph_block_lengths(config: EngineConfig, loaded: LoadedModel) -> tuple[int, ...]:
@@ -193,7 +194,7 @@ class Worker:
             if isinstance(ev, BlockEnded) and r.page_keys is not None and not ev.finished:
                 # The next block's first step makes the finished ones final: their keys join.
                 extend_page_keys(r.page_keys, r.state.tokens, r.cursor.block_bounds()[0],
-                                 self.builder.page_size, r.cursor.block_length)
+                                 self.builder.page_size, r.cursor.key_block)
         self.events += out.end_reports(_block_progress if self.remote else None)
         for r, st in zip(reqs, states):
             if st.draft is not None:  # a step of a request that streams drafts

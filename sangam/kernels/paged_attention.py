@@ -44,7 +44,7 @@ import triton.language as tl
 from sangam.kernels.platform import compiled, max_shared_bytes, num_sms
 
 _LOG2E = 1.4426950408889634
-MAX_HEAD_DIM = 256  # a head's dims live in one tile
+MAX_HEAD_DIM = 512  # a head's dims live in one tile (DiffusionGemma's full layers: 512)
 
 
 @triton.jit(do_not_specialize=["num_requests", "search_steps", "num_splits", "s_bt"])
@@ -191,6 +191,8 @@ def _tile_config(rows: int, head_dim: int, on_gpu: bool) -> tuple[int, int]:
     if not on_gpu:
         # Interpreter: numpy cost is per program and op, so moderate tiles are fastest.
         return min(block_m, 32), 32
+    if head_dim > 256:  # 512-wide heads: the accumulator alone is 16 rows x 512 fp32
+        return min(block_m, 16), 16
     if head_dim > 128:  # keep the fp32 accumulator and the K/V tiles within registers/smem
         return min(block_m, 64), 32
     return block_m, 64 if block_m >= 64 else 32
@@ -200,6 +202,8 @@ def _launch_config(block_m: int, head_dim: int, on_gpu: bool) -> tuple[int, int]
     """(num_warps, num_stages) for the chosen tiles."""
     if not on_gpu:
         return 1, 1
+    if head_dim > 256:  # 16 x 512 tiles: four warps, whose registers hold them unspilled
+        return 4, 2
     num_warps = 8 if block_m >= 128 or head_dim > 128 else 4
     return num_warps, 2 if head_dim > 64 else 3
 

@@ -270,7 +270,7 @@ class DiffusionGemmaModel(DiffusionLM):
                 self._reduce(self._experts(layer, h, kernels)))
             h = h + layer.post_feedforward_layernorm(dense + routed)
             if mixed:
-                h = h * torch.where(encoder[:, None], enc[i].layer_scalar, layer.layer_scalar)
+                h = h * torch.where(encoder[..., None], enc[i].layer_scalar, layer.layer_scalar)
             else:
                 h = h * (enc[i] if encoder else layer).layer_scalar
         return self.final_norm(h)

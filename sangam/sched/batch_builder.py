@@ -407,8 +407,9 @@ class BatchBuilder:
         pages, pending = self.prefix_cache.match(req.page_keys)
         if pending:
             return None
-        # Prefilled is whole blocks, and whole pages: the prefill never writes a shared page.
-        unit = math.lcm(req.cursor.block_length, self.page_size)
+        # Prefilled is whole blocks (uniform-state: positions), and whole pages: the prefill
+        # never writes a shared page.
+        unit = math.lcm(req.cursor.key_block, self.page_size)
         cached = len(pages) * self.page_size // unit * unit
         self._set_prefilled(req, cached)
         return pages[:cached // self.page_size]

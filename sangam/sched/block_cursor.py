@@ -231,6 +231,13 @@ class BlockCursor:
     def chunk_end(self, value: int | None) -> None:
         self.record[_CHUNK_END] = -1 if value is None else value
 
+    @property
+    def key_block(self) -> int:
+        """The span a cached page's K/V depends on is rounded out to (prefix caching's keys):
+        a block-causal block (its mask sees the whole block), a single position for a
+        uniform-state model's causal encoder."""
+        return 1 if self.uniform else self.block_length
+
     # Rules.
     def block_bounds(self, block: int | None = None) -> tuple[int, int]:
         """Block ``block``'s positions [s, e) (default: the current block's)."""

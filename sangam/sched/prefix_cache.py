@@ -1,10 +1,12 @@
-"""Prefix caching for block-causal models (docs/design.md §4, Prefix caching).
+"""Prefix caching for block-causal and uniform-state models (docs/design.md §4, Prefix caching).
 
 A block-causal model's K/V of a finished block never changes: nothing after a block is visible
 to it. So the pages of a prompt's whole blocks can serve every later request whose prompt starts
 with the same tokens, and that request's prefill starts at the first block not cached
-(``BlockCursor.prefilled``). A bidirectional model has no such pages: every prompt position
-attends to the response, so nothing is cached for it.
+(``BlockCursor.prefilled``). A uniform-state model's (DiffusionGemma's) causal encoder is the
+same at the grain of one position: its K/V of a prompt or a finished canvas depends on the
+tokens up to there only, so every whole page of them is cacheable. A bidirectional model has no
+such pages: every prompt position attends to the response, so nothing is cached for it.
 
 Keys: page ``i`` of a request is keyed by a digest chained over the pages before it and its own
 tokens, extended to the end of the block that holds its last position (a page that ends inside
@@ -47,11 +49,11 @@ def prefix_page_keys(tokens: Sequence[int], cached_len: int, page_size: int,
 def request_page_keys(cursor: BlockCursor, tokens: Sequence[int], page_size: int
                       ) -> list[bytes] | None:
     """The keys a worker gives a request it takes (the engine's and the simulator's alike): a
-    block-causal request yet to store any of its prompt gets its prompt's pages'; None for any
-    other (nothing to look up)."""
-    if not cursor.block_causal or cursor.block or cursor.prefilled:
+    block-causal or uniform-state request yet to store any of its prompt gets its prompt's
+    pages'; None for any other (nothing to look up)."""
+    if not cursor.exact or cursor.block or cursor.prefilled:
         return None
-    return prefix_page_keys(tokens, cursor.block_origin, page_size, cursor.block_length)
+    return prefix_page_keys(tokens, cursor.block_origin, page_size, cursor.key_block)
 
 
 def extend_page_keys(keys: list[bytes], tokens: Sequence[int], cached_len: int,
