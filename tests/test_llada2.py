@@ -382,21 +382,31 @@ def test_real_shapes_parse(tmp_path):
 
 
 def test_colocated_workers_equal_the_upstream_loop(path, loaded):
-    """Two worker processes, editing on and off, a long prompt admitted in chunks."""
+    """Two worker processes, editing on and off, a long prompt admitted in chunks. A prompt is
+    chunked only while its worker runs other work (else the idle rule admits it whole): the
+    long one comes once both workers decode requests of three blocks or more."""
     rng = random.Random(4)
-    reqs = [_request(rng, i, edit=i % 2 == 0) for i in range(6)]
+    reqs = [(r, p, dataclasses.replace(s, max_tokens=max(s.max_tokens, 17)))
+            for r, p, s in (_request(rng, i, edit=i % 2 == 0) for i in range(6))]
     reqs += [("long", [rng.randrange(2, 150) for _ in range(90)],
               SamplingParams(max_tokens=10, block_length=8, threshold=0.6, seed=1,
                              edit_threshold=0.5))]
     want = _upstream(loaded, reqs)
     llm = LLM(path, device="cpu", dtype="float64", num_workers=2, page_size=4,
               num_pages=200, token_budget=64, enable_chunked_prefill=True)
+    engine, outs = llm.engine, {}
     try:
-        outs = llm.generate(prompt_token_ids=[p for _, p, _ in reqs],
-                            sampling_params=[s for _, _, s in reqs])
-        got = [(o.token_ids, o.num_forwards - (o.metrics["num_refreshes"] - 1)) for o in outs]
-        assert got == [want[r] for r, _, _ in reqs]
-        assert max(o.metrics["num_refreshes"] for o in outs) > 1  # the long prompt in chunks
+        for rid, prompt, params in reqs[:-1]:
+            engine.add_request(rid, prompt, params)
+        while not outs:  # the first block is done somewhere: both workers are decoding
+            outs.update((o.request_id, o) for o in engine.step())
+        engine.add_request(*reqs[-1])
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in engine.step())
+        got = {r: (o.token_ids, o.num_forwards - (o.metrics["num_refreshes"] - 1))
+               for r, o in outs.items()}
+        assert got == {r: want[r] for r, _, _ in reqs}
+        assert outs["long"].metrics["num_refreshes"] > 1  # the long prompt in chunks
     finally:
         llm.shutdown()
 
