@@ -822,3 +822,50 @@ def test_the_cost_model_counts_the_scoring_statistics_the_engine_gathers():
     from sangam.decoding.confidence import SHARD_FIELDS
 
     assert LM_STATISTICS == len(SHARD_FIELDS)
+
+
+def test_a_uniform_state_model_from_its_config(tmp_path, monkeypatch):
+    """DiffusionGemma's shape read from a checkpoint's config.json (the shipped Gemma-layout
+    demo): its K/V bytes are the engine's pool's (each layer its own shape); requests run as
+    canvases after the prompt, each taking the profile's forwards with every canvas row through
+    the LM head, the first canvas's first forward holding the prompt; prefix caching on by
+    default, as in the engine; and the command line runs it from a quality sweep's profile."""
+    from sangam.bench.cost_model import ModelGeometry
+    from sangam.demo import demo_model_path
+    from sangam.models import read_config
+
+    cfg = read_config(demo_model_path("sangam-demo-gemma"))
+    geom = ModelGeometry.of("demo-gemma", cfg)
+    canvas = cfg.gemma.canvas_length
+    assert geom.canvas == canvas and geom.full_layers == 1 and geom.parallel_mlp
+    assert geom.kv_bytes_per_token(2) == cfg.kv_bytes_per_token(2)
+    sim = SimConfig(model="calibrated", page_size=4, num_pages=4096)
+    trace = [TraceRequest(0.0, 30, 40), TraceRequest(5.0, 30, 10)]
+    res = simulate(sim, trace, coefficients=CONSTANT, steps=ProfileSteps({3: 1}),
+                   geometry=(geom, 2))
+    r = by_id(res)
+    # 40 tokens: two canvases of 24, three forwards each; 10: one canvas.
+    assert r[0]["forwards"] == 6 and r[0]["canvas_tokens"] == 2 * canvas
+    assert r[1]["forwards"] == 3 and r[1]["canvas_tokens"] == canvas
+    # The second request's prompt is another's (no shared tokens in the trace): all prefilled.
+    assert res.workers[0]["prefill_tokens"] == 2 * (30 + canvas)
+    spans = []
+    real = CostModel.iteration_time
+
+    def spy(self, s):
+        spans.extend(s)
+        return real(self, s)
+
+    monkeypatch.setattr(CostModel, "iteration_time", spy)
+    simulate(sim, trace[:1], coefficients=CONSTANT, steps=ProfileSteps({3: 1}),
+             geometry=(geom, 2))
+    monkeypatch.undo()
+    assert [(s.q_len, s.lm_rows) for s in spans] == [
+        (30 + canvas, canvas), (canvas, canvas), (canvas, canvas),  # the prompt and canvas 0
+        (2 * canvas, canvas), (canvas, canvas), (canvas, canvas)]  # canvas 0 encoded, canvas 1
+    quality = tmp_path / "q.json"
+    quality.write_text(json.dumps({"modes": {"m": {"block_length": canvas,
+                                                   "steps_per_block": {"2": 9, "3": 1}}}}))
+    assert main(["sim", "--model", "calibrated", "--model-config",
+                 demo_model_path("sangam-demo-gemma"), "--block-length", str(canvas),
+                 "--step-profile", f"{quality}#m", "--num-requests", "8", "--qps", "4"]) == 0

@@ -11,7 +11,8 @@ traffic (a roofline per part), plus host overheads:
 - linear FLOPs: 2 x tokens x parameters of the transformer layers (every span token goes
   through every projection);
 - attention FLOPs: 4 x span x KV length x heads x head_dim per layer (QK^T and PV, no causal
-  mask: every query sees every cached position of its request);
+  mask: every query sees every cached position of its request; a DiffusionGemma
+  sliding-window layer's query at most its window and its span);
 - K/V bytes: each span reads its request's whole cache (KV length x KV bytes per token) and
   writes its own fresh K/V;
 - LM head: only the rows that predict masked positions of the current block (docs/design.md §2).
@@ -77,6 +78,18 @@ class ModelGeometry:
     expert_intermediate: int = 0
     shared_intermediate: int = 0
     dense_layers: int = 0
+    # DiffusionGemma (docs/design.md §2.12): ``full_layers`` of the layers are full attention
+    # with heads of ``full_head_size`` and ``full_kv_heads`` K/V heads (no V projection: V is
+    # K), the others sliding-window layers (``sliding_window`` keys); a dense MLP of width
+    # ``intermediate`` beside the experts in every layer (``parallel_mlp``); canvases of
+    # ``canvas`` positions re-sampled every step (uniform-state: every canvas row takes the
+    # LM head). All 0 / False for the other models.
+    full_layers: int = 0
+    full_head_size: int = 0
+    full_kv_heads: int = 0
+    sliding_window: int = 0
+    parallel_mlp: bool = False
+    canvas: int = 0
 
     @classmethod
     def of(cls, name: str, config: ModelConfig | ModelShape) -> ModelGeometry:
@@ -87,10 +100,15 @@ class ModelGeometry:
             expert_intermediate=moe.intermediate_size,
             shared_intermediate=moe.shared_intermediate_size,
             dense_layers=moe.first_dense_layers)
+        g = getattr(config, "gemma", None)
+        gemma = {} if g is None else dict(
+            full_layers=g.sliding.count(False), full_head_size=g.full_head_dim,
+            full_kv_heads=g.full_kv_heads, sliding_window=g.sliding_window, parallel_mlp=True,
+            canvas=g.canvas_length)
         return cls(name, config.hidden_size, config.num_layers, config.num_heads,
                    config.num_kv_heads, config.intermediate_size, config.vocab_size,
                    config.block_causal, config.head_dim, config.tie_word_embeddings,
-                   **experts)
+                   **experts, **gemma)
 
     @property
     def head_dim(self) -> int:
@@ -101,22 +119,40 @@ class ModelGeometry:
         return self.layers - self.dense_layers if self.experts else 0
 
     @property
-    def attention_params(self) -> int:
-        """q and o (hidden x heads x head_dim each), k and v (GQA), per layer."""
+    def attention_params(self) -> float:
+        """q and o (hidden x heads x head_dim each), k and v (GQA), per layer (the mean over
+        DiffusionGemma's two kinds of layer: a full one has no v)."""
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return 2 * h * q + 2 * h * kv
+        if not self.full_layers:
+            return 2 * h * q + 2 * h * kv
+        full = 2 * h * self.heads * self.full_head_size + h * self.full_kv_heads \
+            * self.full_head_size
+        sliding = self.layers - self.full_layers
+        return (sliding * (2 * h * q + 2 * h * kv) + self.full_layers * full) / self.layers
 
     @property
-    def layer_params(self) -> int:
+    def layer_params(self) -> float:
         """Weights of one dense block: attention and the SwiGLU gate/up/down."""
         return self.attention_params + 3 * self.hidden * self.intermediate
 
     def _moe_params(self, routed: float) -> float:
         """One MoE block's weights with ``routed`` routed experts: attention, router, shared
-        and routed experts."""
+        and routed experts (and DiffusionGemma's dense MLP beside them)."""
         h = self.hidden
-        return (self.attention_params + h * self.experts
+        dense = 3 * h * self.intermediate if self.parallel_mlp else 0
+        return (self.attention_params + h * self.experts + dense
                 + 3 * h * (self.shared_intermediate + routed * self.expert_intermediate))
+
+    def attention_flops(self, spans: Sequence[Span]) -> float:
+        """QK^T and PV FLOPs of a forward over every layer: a sliding-window layer's query
+        sees at most its window and its span (DiffusionGemma's canvas rows: the window before
+        the canvas and the canvas)."""
+        pairs = sum(s.attention_pairs for s in spans)
+        if not self.full_layers:
+            return 4.0 * pairs * self.heads * self.head_dim * self.layers
+        window = sum(s.q_len * min(s.kv_len, self.sliding_window + s.q_len) for s in spans)
+        return 4.0 * self.heads * ((self.layers - self.full_layers) * self.head_dim * window
+                                   + self.full_layers * self.full_head_size * pairs)
 
     @property
     def active_params(self) -> float:
@@ -149,9 +185,13 @@ class ModelGeometry:
         return int(layers / tp + head + self.head_params) * dtype_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int = BF16_BYTES, tp: int = 1) -> int:
-        """K/V bytes of one position, on one rank of a TP group of ``tp``."""
-        kv_heads = ShardLayout(0, tp).kv_heads(self.kv_heads)  # the engine's rule
-        return 2 * self.layers * kv_heads * self.head_dim * dtype_bytes
+        """K/V bytes of one position, on one rank of a TP group of ``tp`` (each layer's own
+        shape: the engine's pool)."""
+        rank = ShardLayout(0, tp)  # the engine's rule for KV heads
+        sliding = self.layers - self.full_layers
+        return 2 * dtype_bytes * (
+            sliding * rank.kv_heads(self.kv_heads) * self.head_dim
+            + self.full_layers * rank.kv_heads(self.full_kv_heads) * self.full_head_size)
 
     def check_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> None:
         """The engine's sharding rules (``ShardLayout.check_split``)."""
@@ -325,12 +365,11 @@ def batch_features(geom: ModelGeometry, spans: Sequence[Span], dtype_bytes: int 
     """
     tokens = sum(s.q_len for s in spans)
     rows = sum(s.lm_rows for s in spans)
-    attn_pairs = sum(s.attention_pairs for s in spans)
     kv_tokens = sum(s.kv_len + s.q_len for s in spans)
     return np.array([
         2.0 * tokens * geom.active_params / tp,
         geom.weights_read(tokens) * dtype_bytes / tp,
-        4.0 * attn_pairs * geom.heads * geom.head_dim * geom.layers / tp,
+        geom.attention_flops(spans) / tp,
         float(kv_tokens * geom.kv_bytes_per_token(dtype_bytes, tp)),
         2.0 * rows * geom.head_params / tp,
         float(geom.head_params * dtype_bytes) / tp if rows else 0.0,

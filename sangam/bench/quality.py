@@ -426,14 +426,20 @@ def evaluate_uniform(llm, tasks: list[Task], prompt_ids: list[list[int]],
     """One uniform-state setting over every task: exact match (overall, per family), the
     decoder forwards each canvas took, tokens per forward (canvas positions over forwards)."""
     start = time.perf_counter()
-    outs, _ = decode_observed(llm, prompt_ids, params)
+    outs, observed = decode_observed(llm, prompt_ids, params)
     correct: dict[str, list[int]] = {f: [] for f in dict.fromkeys(t.family for t in tasks)}
     for task, out in zip(tasks, outs):
         correct[task.family].append(int((out.text or "") == task.answer))
     forwards = sum(o.num_forwards for o in outs)
     canvases = sum(o.metrics["num_blocks"] for o in outs)
     length = llm.loaded.config.gemma.canvas_length
+    hist: dict[str, int] = {}  # forwards per canvas (what sangam-bench sim --step-profile reads)
+    for blocks in observed:
+        for f, _ in blocks:
+            hist[str(f)] = hist.get(str(f), 0) + 1
     return {"options": llm.loaded.uniform_defaults() | params.uniform_given(),
+            "block_length": length, "steps_per_block": dict(sorted(hist.items(),
+                                                                   key=lambda kv: int(kv[0]))),
             "accuracy": sum(map(sum, correct.values())) / len(tasks),
             "accuracy_by_family": {f: sum(c) / len(c) for f, c in correct.items()},
             "forwards_per_canvas": forwards / canvases,

@@ -117,6 +117,9 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
                    help="shorthand for --compare token_budget=A ...: comma-separated")
     g.add_argument("--calibration", default=None,
                    help="JSON of measured cost coefficients (sangam-bench calibrate)")
+    g.add_argument("--model-config", default=None, metavar="CHECKPOINT",
+                   help="with --model calibrated: the model's shape from this checkpoint's "
+                        "config.json (e.g. a DiffusionGemma one) instead of --calibration's")
     t = p.add_argument_group("workload")
     t.add_argument("--trace", default="sharegpt",
                    help="sharegpt, arxiv or chat (seeded synthetic), or a ShareGPT .json / .csv "
@@ -134,7 +137,8 @@ def add_sim_args(p: argparse.ArgumentParser, for_capacity: bool = False) -> None
                    help="mean tokens committed per forward (geometric)")
     t.add_argument("--step-profile", default=None,
                    help="forwards-per-block histogram recorded by sangam-bench serve "
-                        "(profile.json); replaces --tokens-per-step")
+                        "(profile.json), or FILE#MODE: a uniform-state mode's forwards per "
+                        "canvas from sangam-bench quality --json; replaces --tokens-per-step")
     if not for_capacity:
         t.add_argument("--profiles", default=None,
                        help="refresh-cadence experiment: the commit profiles of sangam-bench "

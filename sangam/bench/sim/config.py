@@ -82,7 +82,8 @@ class SimConfig:
                                 threshold=self.threshold, min_threshold=self.min_threshold)
         if self.block_causal:
             params.check_block_causal()
-        elif self.enable_prefix_caching:
+        elif self.enable_prefix_caching and self.model in MODELS:
+            # (a calibrated geometry may be a uniform-state model's, which caches prefixes)
             raise ValueError("enable_prefix_caching needs a block-causal model (sdar)")
 
     @property

@@ -8,6 +8,7 @@ import argparse
 from collections.abc import Sequence
 
 from sangam.bench.cost_model import (
+    BF16_BYTES,
     CALIBRATED,
     GPUS,
     Coefficients,
@@ -45,10 +46,18 @@ def coefficients_from_args(args: argparse.Namespace, config: SimConfig) -> Coeff
 
 def geometry_from_args(args: argparse.Namespace, config: SimConfig
                        ) -> tuple[ModelGeometry, int] | None:
+    """The shape of ``--model calibrated``: a checkpoint's config.json (``--model-config``,
+    bf16), else what ``--calibration`` was measured on."""
     if config.model != CALIBRATED:
         return None
+    if getattr(args, "model_config", None):
+        from sangam.models.checkpoint import read_config
+
+        path = args.model_config
+        return ModelGeometry.of(str(path).rstrip("/").rsplit("/", 1)[-1], read_config(path)), \
+            BF16_BYTES
     if not args.calibration:
-        raise ValueError("--model calibrated needs --calibration")
+        raise ValueError("--model calibrated needs --calibration or --model-config")
     return load_calibrated_geometry(args.calibration)
 
 

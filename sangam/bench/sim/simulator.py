@@ -10,11 +10,12 @@ order reaches a simulated worker at once; a worker's report reaches the front at
 its iteration), a clock (the event queue's), and the forward and the link, replaced: an
 iteration lasts what the cost model (:mod:`sangam.bench.cost_model`) says for its batch
 composition, the tokens each forward commits are drawn from a distribution (:class:`StepModel`,
-per request and block), and a K/V transfer takes its whole pages' bytes over the link's
-bandwidth, one transfer at a time per sender and per receiver. A worker may be a
-tensor-parallel group of GPUs (``tensor_parallel_size``): its forwards cost a rank's share plus
-the group's collectives, its KV pool is every rank's memory left after its share of the
-weights, and its ranks send their shares of a transfer at once, each over its own link.
+per request and block; for a uniform-state model, DiffusionGemma, the forwards each canvas
+takes, every canvas row through the LM head), and a K/V transfer takes its whole pages'
+bytes over the link's bandwidth, one transfer at a time per sender and per receiver. A worker
+may be a tensor-parallel group of GPUs (``tensor_parallel_size``): its forwards cost a rank's
+share plus the group's collectives, its KV pool is every rank's memory left after its share of
+the weights, and its ranks send their shares of a transfer at once, each over its own link.
 
 With layer-wise streaming, a forward's first transfer to each receiver (``Request.streamed``,
 as the engine's worker picks it) sends layer l while layer l+1 computes: it starts when the
@@ -197,9 +198,18 @@ class Simulator:
         return SimResult(cfg, qps, sorted(self._records, key=lambda r: r["id"]), workers,
                          makespan)
 
+    @property
+    def prefix_caching(self) -> bool:
+        """As the engine decides: the configuration's, or on by default for a uniform-state
+        model (its causal encoder's K/V is exact)."""
+        cfg = self.config
+        if cfg.enable_prefix_caching is None and self.geom.canvas:
+            return True
+        return cfg.prefix_caching
+
     def _builder(self, deployment) -> BatchBuilder:
         allocator = PageAllocator(self.num_pages)
-        cache = PrefixCache(allocator) if self.config.prefix_caching else None
+        cache = PrefixCache(allocator) if self.prefix_caching else None
         return BatchBuilder(allocator, deployment.scheduler, cache)
 
     def _push(self, t: float, kind: int, payload) -> None:
@@ -213,10 +223,16 @@ class Simulator:
         out = t.gen_len if cfg.max_tokens is None else min(t.gen_len, cfg.max_tokens)
         want = out if cfg.max_tokens is None else cfg.max_tokens
         causal = cfg.block_causal  # the block grid from position 0; no refresh after block 0
-        cursor = BlockCursor(t.prompt_len, BlockCursor.canvas_len(t.prompt_len, want, b, causal),
-                             b, cache=cfg.cache, refresh_interval=cfg.refresh_interval,
-                             prompt_refresh_interval=cfg.prompt_refresh_interval,
-                             block_causal=causal)
+        if self.geom.canvas:  # uniform-state: canvases after the prompt, as the engine's
+            b = self.geom.canvas
+            cursor = BlockCursor(t.prompt_len, BlockCursor.canvas_len(t.prompt_len, want, b), b,
+                                 uniform=True)
+        else:
+            cursor = BlockCursor(t.prompt_len,
+                                 BlockCursor.canvas_len(t.prompt_len, want, b, causal), b,
+                                 cache=cfg.cache, refresh_interval=cfg.refresh_interval,
+                                 prompt_refresh_interval=cfg.prompt_refresh_interval,
+                                 block_causal=causal)
         draws = _Draws(index, out, cursor.blocks_for(out),
                        prompt=t.prompt if isinstance(t.prompt, list) else None)
         try:
@@ -233,7 +249,7 @@ class Simulator:
             req = Request(m.request_id, m.arrival, st.cursor, seq=m.seq, state=st,
                           attempt=m.attempt, kv_dest=m.kv_dest, keep_pages=m.keep_pages,
                           stays=m.stays)
-            if self.config.prefix_caching and st.draws.prompt is not None:
+            if self.prefix_caching and st.draws.prompt is not None:
                 req.page_keys = request_page_keys(st.cursor, st.draws.prompt,
                                                   self.config.page_size)
             core.take_block(req)
@@ -312,7 +328,12 @@ class Simulator:
         row per mask left in its block (none for a prefill chunk)."""
         c = r.cursor
         start, end = c.span()
-        rows = 0 if r.chunk_admitted else sum(self.block_plan(r.state.draws, c)[c.step:])
+        if r.chunk_admitted:
+            rows = 0
+        elif c.uniform:  # every canvas row, every step
+            rows = c.block_length
+        else:
+            rows = sum(self.block_plan(r.state.draws, c)[c.step:])
         return Span(end - start, c.keys_attended(end), rows,
                     c.block_length if c.block_causal else 0)
 

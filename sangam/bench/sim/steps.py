@@ -201,9 +201,18 @@ class ThresholdSteps(StepModel):
 
 def load_step_profile(path: str, block_length: int | None = None) -> ProfileSteps:
     """A ``profile.json`` of ``sangam-bench serve``; it must have been recorded at
-    ``block_length`` when one is given (forwards per block depend on it)."""
+    ``block_length`` when one is given (forwards per block depend on it). ``FILE#MODE``: the
+    mode MODE of a ``sangam-bench quality --json`` of a uniform-state model (its forwards per
+    canvas, at the model's canvas length)."""
+    path, _, mode = path.partition("#")
     with open(path) as f:
         data = json.load(f)
+    if mode:
+        entry = data.get("modes", {}).get(mode)
+        if entry is None:
+            raise ValueError(f"{path} has no mode {mode!r} (its modes: "
+                             f"{sorted(data.get('modes', {}))})")
+        return ProfileSteps({int(k): int(v) for k, v in entry["steps_per_block"].items()})
     hist = data.get("steps_per_block")
     if not isinstance(hist, dict):
         raise ValueError(f"{path}: no 'steps_per_block' histogram")
