@@ -108,9 +108,10 @@ class EngineConfig:
         "Block-causal models (SDAR): admit a prompt's prefill in chunks of whole blocks within "
         "the token budget, instead of whole when the budget covers it"))
     enable_prefix_caching: bool | None = field(default=None, metadata=flag_meta(
-        "Block-causal models (SDAR, LLaDA2): reuse the K/V pages of prompt blocks an earlier "
-        "request computed (default: on for them; a bidirectional model has no exact prompt "
-        "K/V, so it is refused there)", action=argparse.BooleanOptionalAction))
+        "Block-causal models (SDAR, LLaDA2) and uniform-state ones (DiffusionGemma): reuse "
+        "the K/V pages of prompt blocks an earlier request computed (default: on for them; a "
+        "bidirectional model has no exact prompt K/V, so it is refused there)",
+        action=argparse.BooleanOptionalAction))
     max_model_len: int | None = field(default=None, metadata=flag_meta(
         "Longest prompt + response canvas a request may have (default: the model's context); "
         "CUDA-graph block tables are sized for it"))

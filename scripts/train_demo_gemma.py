@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 
 from sangam.demo.tasks import Task, eval_set, training_stream
 from sangam.demo.tokenizer import GEMMA_VOCAB, build_tokenizer, write_tokenizer
+from sangam.demo.training import lr_at, make_optimizer
 from sangam.models import parse_config, save_checkpoint
 from sangam.models.diffusion_gemma import DiffusionGemmaModel
 
@@ -144,9 +144,7 @@ def forward(model: DiffusionGemmaModel, prompt: torch.Tensor, lens: torch.Tensor
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[g.sliding[i]], scale=1.0)
         return out.transpose(1, 2)
 
-    hidden = model.run_layers(h, positions, attend, ~is_canvas)[:, plen:]
-    raw = F.linear(hidden, model.head_weight()).float()
-    return torch.tanh(raw / g.logit_softcap) * g.logit_softcap
+    return model.head(model.run_layers(h, positions, attend, ~is_canvas)[:, plen:])
 
 
 def loss_on(model: DiffusionGemmaModel, batch: tuple, gen: torch.Generator,
@@ -176,12 +174,6 @@ def canvas_accuracy(model: DiffusionGemmaModel, batch: tuple) -> float:
     return (pred == clean)[answer].float().mean().item()
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5
-                     * (1 + math.cos(math.pi * progress)))
 
 
 def train(cfg: TrainConfig, log=print) -> tuple[DiffusionGemmaModel, dict]:
@@ -190,11 +182,7 @@ def train(cfg: TrainConfig, log=print) -> tuple[DiffusionGemmaModel, dict]:
     raw = model_config(cfg)
     model = DiffusionGemmaModel(parse_config(raw))
     init_weights(model)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr,
-                            betas=(0.9, 0.95))
+    opt = make_optimizer(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     families = tuple(cfg.families.split(","))
     data = training_stream(cfg.seed, families)

@@ -39,6 +39,7 @@ from sangam.demo.tokenizer import (
     encode,
     write_tokenizer,
 )
+from sangam.demo.training import lr_at, make_optimizer
 from sangam.models import parse_config, save_checkpoint
 from sangam.models.llada import LLaDAModel
 from sangam.testing import tiny_config
@@ -155,13 +156,6 @@ def answer_accuracy(model: LLaDAModel, ids: torch.Tensor, prompt_lens: torch.Ten
     return (pred == ids)[answer].float().mean().item()
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio * lr``."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5
-                     * (1 + math.cos(math.pi * progress)))
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print,
@@ -172,11 +166,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print,
     raw = model_config(cfg)
     model = LLaDAModel(parse_config(raw))
     init_weights(model, cfg.num_layers)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = make_optimizer(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     data = training_stream(cfg.seed, tuple(cfg.families.split(",")))
     families = tuple(dict.fromkeys(cfg.families.split(",")))

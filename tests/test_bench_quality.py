@@ -139,3 +139,30 @@ def test_quality_writes_each_modes_commit_profile(tmp_path, capsys):
     assert adaptive.refresh_interval == 1000 and adaptive.refresh_confidence == 0.999
     entry = json.loads(prof.read_text())["modes"]["dual/threshold=0.9"]
     assert entry["refreshed_per_block"][0][0] == entry["refreshed_per_block"][0][1] == 4
+
+
+def test_the_uniform_sweep_reports_exact_match_and_forwards_per_canvas(tmp_path, capsys):
+    out = tmp_path / "g.json"
+    assert main(["quality", "--model", "sangam-demo-gemma", "--num-instances", "4",
+                 "--entropy-bounds", "0.1", "--denoising-steps", "1,4",
+                 "--json", str(out)]) == 0
+    assert "exact match (forwards per canvas)" in capsys.readouterr().out
+    modes = json.loads(out.read_text())["modes"]
+    assert list(modes) == ["entropy_bound=0.1/steps=1", "entropy_bound=0.1/steps=4"]
+    one, four = modes.values()
+    assert one["forwards_per_canvas"] == 1.0 and one["options"]["max_denoising_steps"] == 1
+    assert 1.0 <= four["forwards_per_canvas"] <= 4.0
+    assert sum(map(int, four["steps_per_block"])) > 0
+    for r in modes.values():
+        assert 0 <= r["accuracy"] <= 1
+        per_forward = r["block_length"] / r["forwards_per_canvas"]
+        assert r["tokens_per_forward"] == pytest.approx(per_forward)
+
+
+@pytest.mark.parametrize("model, flag", [("sangam-demo-gemma", ["--thresholds", "0.9"]),
+                                          ("sangam-demo-gemma", ["--structured"]),
+                                          (None, ["--entropy-bounds", "0.5"]),
+                                          (None, ["--confidence-threshold", "0"])])
+def test_the_other_familys_flags_are_refused(model, flag):
+    with pytest.raises(SystemExit, match=flag[0]):
+        main(["quality", "--num-instances", "1", *(["--model", model] if model else []), *flag])

@@ -36,6 +36,7 @@ from sangam.engine.reference_canvas import generate_canvases  # noqa: E402
 from sangam.models import CheckpointError, load_model, read_config  # noqa: E402
 from sangam.models.diffusion_gemma import DenseKV  # noqa: E402
 from sangam.models.kernel_table import kernel_table  # noqa: E402
+from tests.test_sdar import BLOCK_CAUSAL_LAYOUTS, run_in_mode  # noqa: E402
 
 VOCAB, CANVAS = 96, 8
 
@@ -122,9 +123,7 @@ def test_forward_equals_transformers(models, self_conditioning):
     ours.encode(prompt, kv)
     ours.encode(first, kv)
     soft = None if sc is None else ours.soft_embeddings(sc)
-    h = ours.run_layers(ours.decoder_inputs(canvas, soft),
-                        torch.arange(kv.length, kv.length + CANVAS),
-                        _decoder_attend(ours, kv), encoder=False)
+    h = ours.decode_hidden(canvas, kv, soft)
     torch.testing.assert_close(h, ref_hidden, atol=1e-10, rtol=1e-10)
     logits = ours.decode(canvas, kv, soft)
     assert logits.dtype == torch.float32
@@ -145,20 +144,6 @@ def test_triton_kernels_give_the_reference_forward(models):
         ours.encode(prompt, kv, kernels=kernel_table(name))
         logits[name] = ours.decode(canvas, kv, kernels=kernel_table(name))
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-6, rtol=0)
-
-
-def _decoder_attend(model, kv):
-    """``decode``'s attention, for reading the hidden states it feeds the head."""
-    from sangam.models.diffusion_gemma import _attention
-
-    n, window = kv.length, model.config.gemma.sliding_window
-
-    def attend(i, q, k, v):
-        ck, cv = kv.layers[i]
-        lo = max(0, n - (window - 1)) if model.config.gemma.sliding[i] else 0
-        return _attention(q, torch.cat([ck[lo:], k]), torch.cat([cv[lo:], v]), None)
-
-    return attend
 
 
 class _Noise:
@@ -319,6 +304,7 @@ def test_options_of_the_other_family_are_refused(checkpoint, tmp_path):
     (dict(use_bidirectional_attention="all"), "bidirectional"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(hidden_activation="relu"), "hidden_activation"),
+    (dict(tie_word_embeddings=False), "tie_word_embeddings"),
     (dict(rope_parameters={"sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4},
                            "full_attention": {"rope_type": "proportional",
                                               "rope_theta": 1e6}}), "rope_parameters"),
@@ -328,6 +314,11 @@ def test_unsupported_configs_are_refused(checkpoint, tmp_path, edit, match):
     raw["text_config"].update(edit)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=match):
+        read_config(tmp_path)
+    raw = json.loads((checkpoint / "config.json").read_text())
+    raw["tie_word_embeddings"] = False  # untied encoder, decoder and head: not what we load
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="tie_word_embeddings"):
         read_config(tmp_path)
 
 
@@ -447,6 +438,10 @@ def test_the_engine_equals_the_reference_decoder(checkpoint, models, backend):
         # The engine's token_ids end before the stop id (Sangam's outputs), transformers' with it.
         assert got.token_ids == want.tokens[:len(want.tokens) - (want.finish_reason == "stop")], i
         assert got.finish_reason == want.finish_reason, i
+        # Its canvases count as committed once finished; its forwards are the oracle's.
+        out = outs[str(i)]
+        assert out.num_forwards - (out.metrics["num_refreshes"] - 1) == sum(want.forwards), i
+        assert out.metrics["tokens_per_forward"] == len(want.forwards) * CANVAS / out.num_forwards
         reasons.add(want.finish_reason)
     assert reasons == {"stop", "length"}
     # They shared forwards: fewer iterations than their steps one by one.
@@ -547,17 +542,21 @@ def test_chat_through_the_openai_client(chat_checkpoint, tmp_path):
         with pytest.raises(openai.BadRequestError, match="threshold"):
             client.chat.completions.create(model="dg", messages=messages,
                                            extra_body={"threshold": 0.5})
+        image = [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+        with pytest.raises(openai.BadRequestError, match="no vision or audio tower"):
+            client.chat.completions.create(model="dg", messages=image)
+        with pytest.raises(openai.BadRequestError, match="no vision or audio tower"):
+            client.responses.create(model="dg", input=[{"role": "user", "content": [
+                {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}])
 
 
 # ----------------------------------------------------------------------------- every mode
 
 GEMMA_LAYOUTS = {
     "colocated-2": dict(num_workers=2),
-    "1P2D": dict(mode="disaggregated", prefill_workers=1, decode_workers=2),
-    "2P1D-streaming": dict(mode="disaggregated", prefill_workers=2, decode_workers=1,
-                           layerwise_kv_streaming=True),
-    "hybrid-1P2C": dict(mode="hybrid", prefill_workers=1, decode_workers=2,
-                        overflow_threshold=8),
+    **BLOCK_CAUSAL_LAYOUTS,  # 1P2D, 2P1D with layer-wise streaming, hybrid: SDAR's
     # Tensor parallelism: heads split (the full layers' one KV head replicated), the MLPs by
     # width; expert parallelism: the experts split.
     "tp2": dict(tensor_parallel_size=2),
@@ -598,8 +597,6 @@ def test_every_mode_equals_the_reference_decoder(checkpoint, gemma_workload, lay
     processes (the K/V once: a finished canvas's K/V is exact, as a block-causal block's);
     with a worker SIGKILLed mid-run, the requests it held restart their canvas elsewhere and
     end with the same tokens (its noise is a function of the canvas and step)."""
-    from tests.test_sdar import run_in_mode
-
     reqs, want = gemma_workload
     run = run_in_mode(str(checkpoint), reqs, GEMMA_LAYOUTS[layout], kill)
     outs = run["outs"]

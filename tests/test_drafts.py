@@ -75,3 +75,44 @@ def test_uniform_state_drafts(monkeypatch, tmp_path):
     drafts = [o.draft_token_ids for o in outs if o.draft_token_ids is not None]
     assert drafts == [argmax for done, argmax in seen if not done]
     assert len(drafts) == 2 * 3 and torch.is_tensor(torch.tensor(drafts))
+
+
+def _gemma_drafts(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[list, list]:
+    outs = _run(llm, prompt, params)
+    return outs[-1].token_ids, [o.draft_token_ids for o in outs if o.draft_token_ids is not None]
+
+
+def test_drafts_from_worker_processes_and_an_abort(tmp_path):
+    """Drafts are reports like any other: from worker processes (disaggregated: the canvas's
+    steps move to the decode worker) they are the in-process engine's; a request aborted
+    between drafts gives no more outputs and frees its pages, and its late reports are
+    dropped."""
+    from tests.test_diffusion_gemma import write_checkpoint
+
+    path = str(write_checkpoint(tmp_path / "dg"))
+    params = SamplingParams(max_tokens=16, seed=3, max_denoising_steps=4, entropy_bound=0.5,
+                            confidence_threshold=0.0, stop_at_eos=False, include_drafts=True)
+    local = LLM(path, dtype="float64")
+    want = _gemma_drafts(local, [3, 4, 5, 6], params)
+    assert len(want[1]) == 2 * 3
+    remote = LLM(path, dtype="float64", mode="disaggregated", prefill_workers=1,
+                 decode_workers=1)
+    try:
+        assert _gemma_drafts(remote, [3, 4, 5, 6], params) == want
+        engine = remote.engine
+        engine.add_request("gone", [3, 4, 5, 6], params)
+        while not any(o.draft_token_ids for o in engine.step()):
+            pass
+        engine.abort_request("gone")
+        for _ in range(20):  # the workers' reports of it still arrive: dropped
+            assert [o for o in engine.step() if o.request_id == "gone"] == []
+        assert not engine.has_unfinished_requests()
+    finally:
+        remote.shutdown()
+    engine = local.engine
+    engine.add_request("gone", [3, 4, 5, 6], params)
+    while not any(o.draft_token_ids for o in engine.step()):
+        pass
+    engine.abort_request("gone")
+    assert engine.step() == [] and not engine.has_unfinished_requests()
+    assert local.engine.worker.builder.allocator.num_used == 0

@@ -225,6 +225,13 @@ def test_gelu_tanh_experts(device, dtype):
     _check_moe(x, w13, w2, weights, ids, activation="gelu_tanh")
 
 
+def test_the_configs_activations_are_the_kernels():
+    from sangam.kernels.reference import MOE_ACTIVATIONS
+    from sangam.models.config import EXPERT_ACTIVATIONS
+
+    assert EXPERT_ACTIVATIONS == MOE_ACTIVATIONS
+
+
 def test_unknown_activation_is_refused():
     w13, w2 = _experts(4, 16, 16, "cpu", torch.float32)
     x = _tokens(2, 16, "cpu", torch.float32)

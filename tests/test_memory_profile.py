@@ -4,6 +4,7 @@ table of docs/memory.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from sangam.decoding.logit_edits import LogitEdits, apply_edits
 from sangam.engine import memory_profile as mp
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.model_runner import slice_edits
-from sangam.models import AttentionMetadata, PagedKV
+from sangam.models import AttentionMetadata, PagedKV, read_config
 from sangam.sched.block_cursor import BlockCursor
 from sangam.testing import make_tiny_checkpoint
 
@@ -282,3 +283,20 @@ def test_tensor_parallel_ranks_plan_their_share():
     assert (round(ep8.weights / mp.GIB, 1), ep8.num_pages) == (25.1, 357_550)
     tp2 = shape_plan("llada", engine=EngineConfig(tensor_parallel_size=2))
     assert (round(tp2.weights / mp.GIB, 1), tp2.num_pages) == (7.9, 28_440)
+
+
+def test_a_uniform_state_models_worst_forward_is_its_canvases(tmp_path):
+    """DiffusionGemma: every seat's step is a canvas (a later canvas's first one spans two),
+    every canvas row an LM-head row scored whole; its widest heads (the full layers') size the
+    layers' activations."""
+    from tests.test_diffusion_gemma import CANVAS, write_checkpoint
+
+    cfg = read_config(write_checkpoint(tmp_path / "dg"))
+    engine = EngineConfig(max_batch_size=4)
+    worst = mp.worst_forward(cfg, engine, 200, 32, "dual")  # the masked defaults are ignored
+    assert (worst.decode_tokens, worst.rows) == (4 * 2 * CANVAS, 4 * CANVAS)
+    narrow = dataclasses.replace(cfg, gemma=dataclasses.replace(cfg.gemma, full_head_dim=8))
+    assert mp.layer_token_bytes(cfg, torch.float32) > mp.layer_token_bytes(narrow,
+                                                                           torch.float32)
+    fused = mp.reserve(cfg, torch.float32, worst, 64, "triton", ()).scoring
+    assert fused == mp.scoring_bytes(cfg, torch.float32, 4 * CANVAS, fused=False)

@@ -274,12 +274,18 @@ def test_overload_is_503_with_retry_after(http):
     assert rejected == statuses.count(503)
 
 
-def test_disconnect_mid_stream_frees_pages(http):
+@pytest.mark.parametrize("drafts", [False, True])
+def test_disconnect_mid_stream_frees_pages(http, drafts):
     before = _metrics(http)
-    with http.stream("POST", CMPL, json={**SLOW, "stream": True}) as r:
+    # Blocks of 4: the 3 steps before each block's last send drafts.
+    body = {**SLOW, "stream": True, "stream_options": {"include_drafts": drafts},
+            **({"block_length": 4} if drafts else {})}
+    with http.stream("POST", CMPL, json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))
+        # With drafts, closed while they stream.
+        assert next(line for line in lines if line.startswith("data: ") and (
+            not drafts or '"draft_token_ids":[' in line))
         assert _metrics(http)["sangam_kv_pool_pages_used"] > 0
     # Leaving the block closes the connection mid-stream.
     after = _wait_idle(http)

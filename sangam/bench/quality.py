@@ -221,6 +221,14 @@ def commit_profile(blocks: list[list[tuple[int, bool]]], params: SamplingParams)
             "forwards_per_block": hist, "refreshed_per_block": refreshed}
 
 
+def exact_matches(tasks: list[Task], outs: list) -> dict[str, list[int]]:
+    """Per family, 1 or 0 for each of its tasks: the response's text is its answer."""
+    correct: dict[str, list[int]] = {f: [] for f in dict.fromkeys(t.family for t in tasks)}
+    for task, out in zip(tasks, outs):
+        correct[task.family].append(int((out.text or "") == task.answer))
+    return correct
+
+
 def evaluate_mode(llm, tasks: list[Task], prompt_ids: list[list[int]], params: SamplingParams,
                   reference: list[list[int]] | None = None) -> tuple[dict, list[list[int]]]:
     """Decode every task with ``params``: the mode's metrics (its commit profile under
@@ -228,9 +236,7 @@ def evaluate_mode(llm, tasks: list[Task], prompt_ids: list[list[int]], params: S
     start = time.perf_counter()
     outs, observed = decode_observed(llm, prompt_ids, params)
     seconds = time.perf_counter() - start
-    correct: dict[str, list[int]] = {f: [] for f in dict.fromkeys(t.family for t in tasks)}
-    for task, out in zip(tasks, outs):
-        correct[task.family].append(int((out.text or "") == task.answer))
+    correct = exact_matches(tasks, outs)
     tokens = [list(o.token_ids) for o in outs]
     forwards = sum(o.num_forwards for o in outs)
     refreshes = sum(o.metrics["num_refreshes"] for o in outs)
@@ -366,6 +372,16 @@ def run(args: argparse.Namespace) -> int:
     header = (f"{model}: {len(tasks)} held-out instances ({per_family} per family of "
               f"{','.join(families)}, seed {args.seed}), max_tokens {max_tokens}, block_length "
               f"{block_length}")
+    uniform = llm.loaded.config.gemma is not None
+    # The other family's flags are refused, never ignored.
+    given = [n for n in (("entropy_bounds", "denoising_steps", "confidence_threshold")
+                         if not uniform else
+                         ("structured", "thresholds", "modes", "profiles", "plot"))
+             if getattr(args, n) is not None and getattr(args, n) is not False]
+    if given:
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        raise SystemExit(f"{flags}: not for a {'uniform-state' if uniform else 'masked'} "
+                         f"model ({llm.loaded.config.architecture})")
     if args.structured:
         if args.modes or args.plot:
             raise SystemExit("--modes and --plot belong to the sweep, not --structured")
@@ -387,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
         return 0
-    if llm.loaded.config.gemma is not None:
+    if uniform:
         return run_uniform(llm, args, tasks, prompt_ids, model, families, max_tokens)
     modes = sweep(tuple(parse_float_list(args.thresholds or
                                          ",".join(f"{v:g}" for v in DEFAULT_THRESHOLDS))),
@@ -427,9 +443,7 @@ def evaluate_uniform(llm, tasks: list[Task], prompt_ids: list[list[int]],
     decoder forwards each canvas took, tokens per forward (canvas positions over forwards)."""
     start = time.perf_counter()
     outs, observed = decode_observed(llm, prompt_ids, params)
-    correct: dict[str, list[int]] = {f: [] for f in dict.fromkeys(t.family for t in tasks)}
-    for task, out in zip(tasks, outs):
-        correct[task.family].append(int((out.text or "") == task.answer))
+    correct = exact_matches(tasks, outs)
     forwards = sum(o.num_forwards for o in outs)
     canvases = sum(o.metrics["num_blocks"] for o in outs)
     length = llm.loaded.config.gemma.canvas_length
@@ -450,8 +464,10 @@ def evaluate_uniform(llm, tasks: list[Task], prompt_ids: list[list[int]],
 def run_uniform(llm, args: argparse.Namespace, tasks: list[Task], prompt_ids: list[list[int]],
                 model: str, families: tuple[str, ...], max_tokens: int) -> int:
     """The uniform-state sweep (module docstring): a table, and ``--json``."""
-    bounds = parse_float_list(args.entropy_bounds)
-    steps = [int(v) for v in parse_float_list(args.denoising_steps)]
+    bounds = (parse_float_list(args.entropy_bounds) if args.entropy_bounds
+              else DEFAULT_ENTROPY_BOUNDS)
+    steps = ([int(v) for v in parse_float_list(args.denoising_steps)] if args.denoising_steps
+             else DEFAULT_DENOISING_STEPS)
     results = {}
     for bound, n in itertools.product(bounds, steps):
         name = f"entropy_bound={bound:g}/steps={n}"
@@ -513,12 +529,12 @@ def register(subparsers) -> None:
                    default=",".join(f"{v:g}" for v in DEFAULT_REFRESH_CONFIDENCES),
                    help="refresh_confidence values (adaptive refresh) under DualCache and no "
                         "cadence refresh after the first block")
-    p.add_argument("--entropy-bounds",
-                   default=",".join(f"{v:g}" for v in DEFAULT_ENTROPY_BOUNDS),
-                   help="uniform-state models: entropy_bound values of the sweep")
-    p.add_argument("--denoising-steps",
-                   default=",".join(str(v) for v in DEFAULT_DENOISING_STEPS),
-                   help="uniform-state models: max_denoising_steps values of the sweep")
+    p.add_argument("--entropy-bounds", default=None,
+                   help="uniform-state models: entropy_bound values of the sweep (default: "
+                        + ",".join(f"{v:g}" for v in DEFAULT_ENTROPY_BOUNDS) + ")")
+    p.add_argument("--denoising-steps", default=None,
+                   help="uniform-state models: max_denoising_steps values of the sweep "
+                        "(default: " + ",".join(f"{v:g}" for v in DEFAULT_DENOISING_STEPS) + ")")
     p.add_argument("--confidence-threshold", type=float, default=None,
                    help="uniform-state models: adaptive stopping's threshold (0: off; default: "
                         "the model's)")

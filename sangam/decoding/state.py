@@ -93,8 +93,8 @@ class DecodeState:
                                                   shift=int(shift_logits),
                                                   block_causal=block_causal)
         else:
-            self.cursor = BlockCursor(len(prompt_ids), BlockCursor.canvas_len(
-                len(prompt_ids), params.max_tokens, canvas.length), canvas.length, uniform=True)
+            self.cursor = BlockCursor.for_canvases(len(prompt_ids), params.max_tokens,
+                                                   canvas.length)
         canvas = self.cursor.canvas_end - self.cursor.prompt_len
         self.tokens = np.array(
             list(prompt_ids) + [mask_token_id] * canvas + list(suffix_ids), dtype=np.int64)
@@ -272,6 +272,16 @@ class DecodeState:
         return [[(t, lp) for t, lp in zip(ids, lps, strict=True) if lp != -np.inf]
                 for ids, lps in zip(self.top_ids[:num_tokens].tolist(),
                                     self.top_logprobs[:num_tokens].tolist(), strict=True)]
+
+    def num_committed(self) -> int:
+        """Response positions committed so far: unmasked ones, or a uniform-state request's
+        finished canvases (its canvas in progress holds noise, committed nowhere)."""
+        c = self.cursor
+        if self.canvas_spec is not None:  # the canvases before this one, and it if it ended
+            s, e = c.block_bounds()
+            return (e if self.finished else s) - c.prompt_len
+        return int(np.count_nonzero(self.tokens[c.prompt_len:c.canvas_end]
+                                    != self.mask_token_id))
 
     def make_draft(self, positions: np.ndarray, predicted: np.ndarray) -> None:
         """Set ``draft`` from a step that did not end the block: its response positions'

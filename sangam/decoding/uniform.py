@@ -136,16 +136,11 @@ class Canvas:
         return cls(index, uniform_tokens(seed, index, 0, positions, vocab_size))
 
 
-@dataclass
-class StepResult:
-    processed: torch.Tensor  # fp32 [C, V]: logits / temperature (self-conditioning's input)
-    accepted: int  # positions the sampler accepted
-
-
 def denoise_step(canvas: Canvas, logits: torch.Tensor, params: UniformStateParams,
-                 seed: int) -> StepResult:
+                 seed: int) -> torch.Tensor:
     """Apply one step's logits (fp32 ``[C, V]``) to ``canvas`` in place (module docstring);
-    ``canvas.done`` when adaptive stopping fires or the steps run out."""
+    ``canvas.done`` when adaptive stopping fires or the steps run out. Returns the processed
+    logits (logits / temperature, fp32): the next step's self-conditioning input."""
     device = logits.device
     length, vocab = logits.shape
     j = canvas.steps
@@ -169,7 +164,7 @@ def denoise_step(canvas: Canvas, logits: torch.Tensor, params: UniformStateParam
     canvas.argmax = argmax
     canvas.steps = j + 1
     canvas.done = (stable and confident) or canvas.steps >= params.max_denoising_steps
-    return StepResult(processed, int(accept.sum()))
+    return processed
 
 
 class UniformState:
@@ -214,8 +209,7 @@ class UniformState:
         c, canvas = st.cursor, st.canvas
         if canvas.tokens.device != logits.device:
             canvas.to(logits.device)
-        canvas.processed = denoise_step(canvas, logits, st.canvas_spec.params,
-                                        st.seed).processed
+        canvas.processed = denoise_step(canvas, logits, st.canvas_spec.params, st.seed)
         s, e = c.block_bounds()
         if not canvas.done:
             st.tokens[s:e] = canvas.tokens.cpu().numpy()

@@ -21,8 +21,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from sangam.config import EngineConfig
 from sangam.decoding.detokenizer import IncrementalDetokenizer
 from sangam.decoding.state import DecodeState
@@ -63,9 +61,7 @@ class EngineStats:
 
 def tokens_per_forward(state: DecodeState) -> float:
     """Canvas tokens committed per forward spent: the parallelism diffusion decoding got."""
-    c = state.cursor
-    committed = np.count_nonzero(state.tokens[c.prompt_len:c.canvas_end] != state.mask_token_id)
-    return int(committed) / max(1, state.num_forwards)
+    return state.num_committed() / max(1, state.num_forwards)
 
 
 class Front:

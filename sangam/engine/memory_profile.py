@@ -90,8 +90,11 @@ def worst_forward(cfg: ModelConfig, engine: EngineConfig, context: int, block_le
     :func:`plan_memory`)."""
     sched = engine.scheduler
     seats = sched.batch_cap
+    exact = cfg.block_causal
+    if cfg.gemma is not None:  # its blocks are canvases, with the block-causal spans
+        block_length, exact = cfg.gemma.canvas_length, True
     span = BlockCursor.longest_cached_span(block_length, cache, context, int(cfg.shift_logits),
-                                           cfg.block_causal)
+                                           exact)
     decodes = seats * min(context, span)
     prefills = seats * context
     if sched.policy != "adaptive" and not math.isinf(sched.budget):
@@ -104,8 +107,10 @@ def layer_token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     what every phase holds (the residual stream, ids, positions, RoPE rows). A layer's q, k, v
     live on until the next layer makes its own."""
     e, c = torch.empty((), dtype=dtype).element_size(), compute_bytes(dtype)
-    hidden, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
+    # The widest layer's heads (a DiffusionGemma full layer's are its own).
+    head_dim = max(d for _, d in map(cfg.layer_kv_shape, range(cfg.num_layers)))
+    hidden, q = cfg.hidden_size, cfg.num_heads * head_dim
+    kv = max(h * d for h, d in map(cfg.layer_kv_shape, range(cfg.num_layers)))
     norm = 3 * c * hidden + e * hidden  # fp32 copy, square, scaled, back to the dtype
     qk_norm = 3 * c * q + e * q
     qkv = e * (q + 2 * kv)
@@ -115,7 +120,9 @@ def layer_token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     mlp = [dense_mlp_bytes(cfg.intermediate_size, hidden, e)]
     if cfg.moe is not None:
         mlp.append(moe_token_bytes(cfg, e, c))
-    return max(qkv + norm, attention, output, qkv + max(mlp))
+    # DiffusionGemma runs both, the dense output live while the experts run.
+    return max(qkv + norm, attention, output,
+               qkv + (sum(mlp) if cfg.gemma is not None else max(mlp)))
 
 
 def dense_mlp_bytes(width: int, hidden: int, e: int) -> int:
@@ -140,7 +147,8 @@ def resident_token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """What a forward holds per token through every layer: ids, positions, slots, the
     residual stream, the RoPE rows of its positions."""
     e, c = torch.empty((), dtype=dtype).element_size(), compute_bytes(dtype)
-    return 24 + e * cfg.hidden_size + 2 * c * cfg.rotary_dim
+    rope = cfg.rotary_dim if cfg.gemma is None else cfg.head_dim + cfg.gemma.full_head_dim
+    return 24 + e * cfg.hidden_size + 2 * c * rope
 
 
 def reference_attention_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
@@ -227,7 +235,9 @@ def reserve(cfg: ModelConfig, dtype: torch.dtype, worst: WorstForward, tokens: i
     forward = forward_bytes(cfg, dtype, tokens)
     if backend == "torch":
         forward += reference_attention_bytes(cfg, dtype, worst.longest)
-    scoring = scoring_bytes(cfg, dtype, min(worst.rows, tokens), fused=backend == "triton")
+    # A uniform-state model's rows come back whole, in fp32, and are stepped on: no fused pass.
+    scoring = scoring_bytes(cfg, dtype, min(worst.rows, tokens),
+                            fused=backend == "triton" and cfg.gemma is None)
     graphs = sum(forward_bytes(cfg, dtype, n) for n in graph_tokens)
     return Reservation(forward, scoring, graphs, WORKSPACE_BYTES, transfers)
 

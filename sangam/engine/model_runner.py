@@ -31,6 +31,7 @@ from sangam.engine.memory_profile import rescore_chunk_rows
 from sangam.engine.scoring import Rows, make_scorer
 from sangam.engine.stop_strings import apply_stop_strings
 from sangam.engine.tensor_group import Step, TensorGroup
+from sangam.models.config import ModelConfig
 from sangam.models.diffusion_gemma import CanvasRows, canvas_key_bounds
 from sangam.models.kernel_table import kernel_table
 from sangam.sched.request import BLOCK_DONE, CONTINUES, StepOutcome
@@ -116,17 +117,17 @@ class ModelRunner:
             graph = next((i for i, g in enumerate(self.graphs)
                           if g.can_run(batch, block_length)), -1)
         whole = [r for r, st in enumerate(states) if st.family.reads_logits]
-        canvas = canvas_rows(states, arrays, self.loaded.model, self.device)
-        if canvas is not None and self.group is not None:  # the other ranks condition too
-            arrays["canvas_soft"] = canvas.soft.to(_HOST_FLOAT[canvas.soft.dtype]).cpu().numpy()
+        soft = self_conditioning(states, batch, self.loaded.config, self.device)
+        if soft is not None and self.group is not None:  # the other ranks condition too
+            arrays["canvas_soft"] = soft.to(_HOST_FLOAT[soft.dtype]).cpu().numpy()
         if self.group is not None:
             if whole:  # the rows whose whole vocabulary the group gathers
                 arrays["whole_rows"] = whole_row_index(batch, whole)
             self._stepped = True  # from here on a failure (even of the send) is the group's
             self.group.send(Step(arrays, graph, self.streams))
         dev = self.uploader.upload(arrays)
-        if canvas is not None:
-            canvas.rows = dev["canvas_rows"]
+        # A uniform-state request's logits rows are its canvas rows: the decoder's.
+        canvas = None if soft is None else CanvasRows(dev["logits_indices"], soft)
         logits, tokens, conf = self._device_step(batch, dev, graph, canvas)
         if logits is None:  # only block-causal prefill chunks: K/V stored, nothing scored
             empty = np.zeros(0, dtype=np.int64)
@@ -178,8 +179,8 @@ class ModelRunner:
         arrays = step.arrays
         dev = self.uploader.upload(arrays)
         batch = PackedBatch.from_device_arrays(arrays)
-        canvas = (CanvasRows(dev["canvas_rows"], dev["canvas_soft"]) if "canvas_rows" in dev
-                  else None)
+        canvas = (CanvasRows(dev["logits_indices"], dev["canvas_soft"])
+                  if self.loaded.config.gemma is not None else None)
         logits, _, _ = self._device_step(batch, dev, step.graph, canvas)
         if logits is None:
             return
@@ -257,43 +258,36 @@ def split_whole_rows(batch: PackedBatch, which: list[int], rows: torch.Tensor,
     return out
 
 
-def canvas_rows(states: list[DecodeState], arrays: dict[str, np.ndarray], model: object,
-                device: torch.device) -> CanvasRows | None:
-    """A uniform-state batch's decoder rows (their indices, uploaded as ``canvas_rows``, are
-    filled in after the upload) and their self-conditioning, zeros at a canvas's first step;
-    None for a masked model's batch."""
-    if "canvas_rows" not in arrays:
+def self_conditioning(states: list[DecodeState], batch: PackedBatch, cfg: ModelConfig,
+                      device: torch.device) -> torch.Tensor | None:
+    """A uniform-state batch's self-conditioning ``[canvas rows, hidden]``, in the order of its
+    logits rows (each request with rows has a canvas's: its soft embeddings, zeros at a
+    canvas's first step); None for a masked model's batch."""
+    if cfg.gemma is None:
         return None
-    width = model.config.hidden_size
+    rows = np.diff(batch.cu_rows)
     soft = [st.canvas.soft.to(device) if st.canvas.soft is not None else
-            torch.zeros(st.canvas_spec.length, width, device=device)
-            for st in states if _decodes(st)]
-    return CanvasRows(None, torch.cat(soft) if soft else torch.zeros(0, width, device=device))
+            torch.zeros(n, cfg.hidden_size, device=device)
+            for st, n in zip(states, rows.tolist()) if n]
+    return torch.cat(soft) if soft else torch.zeros(0, cfg.hidden_size, device=device)
 
 
-def _decodes(st: DecodeState) -> bool:
-    """Whether the request's next forward has canvas rows (not a prefill chunk alone)."""
-    c = st.cursor
-    return c.span()[1] > c.block_bounds()[0]
-
-
-def canvas_arrays(states: list[DecodeState], batch: PackedBatch, window: int
-                  ) -> dict[str, np.ndarray]:
-    """A uniform-state batch's attention bounds (``canvas_key_bounds``) and decoder rows, from
-    each request's span and canvas (``PackedBatch.metadata`` reads the bounds)."""
-    positions = batch.positions
-    starts = np.zeros(len(positions), dtype=np.int64)
-    ends = np.zeros(len(positions), dtype=np.int64)
-    cu = batch.cu_seqlens_q
-    for r, st in enumerate(states):
-        if _decodes(st):
-            s, e = st.cursor.block_bounds()
-            a, b = int(cu[r]), int(cu[r + 1])
-            dec = positions[a:b] >= s
-            starts[a:b][dec], ends[a:b][dec] = s, e
-    lo, hi, win = canvas_key_bounds(positions, starts, ends, window)
-    return {"key_lo": lo, "key_hi": hi, "window_lo": win,
-            "canvas_rows": np.flatnonzero(ends > 0).astype(np.int64)}
+def canvas_arrays(batch: PackedBatch, window: int) -> dict[str, np.ndarray]:
+    """A uniform-state batch's attention bounds (``canvas_key_bounds``: ``PackedBatch.metadata``
+    reads them), from its packed rows: a request's logits rows are its canvas's positions, in
+    order, and every other row of its span is an encoder row."""
+    n = len(batch.positions)
+    starts, ends = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    counts = np.diff(batch.cu_rows)
+    has = counts > 0
+    if has.any():
+        pos = batch.cand_positions
+        first, last = batch.cu_rows[:-1][has], batch.cu_rows[1:][has] - 1
+        rows = batch.logits_indices
+        starts[rows] = np.repeat(pos[first], counts[has])
+        ends[rows] = np.repeat(pos[last] + 1, counts[has])
+    lo, hi, win = canvas_key_bounds(batch.positions, starts, ends, window)
+    return {"key_lo": lo, "key_hi": hi, "window_lo": win}
 
 
 def step_outcome(state: DecodeState, block_done: bool) -> StepOutcome:
@@ -340,7 +334,7 @@ def pack_batch(host: HostBatcher, states: list[DecodeState], pages: list[list[in
     batch = host.build(states, pages)
     arrays = batch.device_arrays()
     if states and states[0].canvas_spec is not None:  # uniform-state: one model per runner
-        arrays.update(canvas_arrays(states, batch, states[0].canvas_spec.window))
+        arrays.update(canvas_arrays(batch, states[0].canvas_spec.window))
     if states and states[0].cursor.block_causal:  # one model per runner: all or none
         arrays["causal_blocks"] = np.array([st.params.block_length for st in states],
                                            dtype=np.int32)

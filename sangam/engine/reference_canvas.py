@@ -43,8 +43,7 @@ def generate_canvases(model: DiffusionGemmaModel, prompt: Sequence[int],
         canvas = Canvas.start(seed, index, length, cfg.vocab_size, device)
         while not canvas.done:
             logits = model.decode(canvas.tokens, kv, canvas.soft)
-            canvas.soft = model.soft_embeddings(denoise_step(canvas, logits, params,
-                                                             seed).processed)
+            canvas.soft = model.soft_embeddings(denoise_step(canvas, logits, params, seed))
         out.forwards.append(canvas.steps)
         finished = canvas.argmax.tolist()
         stop = next((i for i, t in enumerate(finished) if t in stops), None)

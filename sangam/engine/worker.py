@@ -25,7 +25,12 @@ from sangam.engine.model_runner import ModelRunner
 from sangam.engine.tensor_group import TensorGroup
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
 from sangam.sched.block_cursor import BlockCursor
-from sangam.sched.prefix_cache import PrefixCache, extend_page_keys, request_page_keys
+from sangam.sched.prefix_cache import (
+    PrefixCache,
+    caches_prefixes,
+    extend_page_keys,
+    request_page_keys,
+)
 from sangam.sched.request import Request, StepOutcome
 from sangam.sched.worker_core import BlockEnded, IterationStats, Ship, WorkerCore
 
@@ -63,7 +68,7 @@ def prefix_caching(config: EngineConfig, loaded: LoadedModel) -> bool:
         raise ValueError("--enable-prefix-caching needs a block-causal model (SDAR, LLaDA2) or "
                          "a uniform-state one (DiffusionGemma): a bidirectional model's prompt "
                          "K/V depends on the response, so no prompt block can be reused")
-    return exact if config.enable_prefix_caching is None else config.enable_prefix_caching
+    return caches_prefixes(exact, config.enable_prefix_caching)
 
 
 def graph_block_lengths(config: EngineConfig, loaded: LoadedModel) -> tuple[int, ...]:

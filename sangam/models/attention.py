@@ -8,6 +8,7 @@ attend, without a causal mask, over every cached position of its request.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,21 +26,24 @@ class PagedKV:
     ``k[i]`` and ``v[i]`` are views of layer i's pages.
     """
 
-    def __init__(self, buffer: torch.Tensor, *more: tuple[torch.Tensor, list[int]]):
-        """``buffer`` holds every layer, or with ``more`` ((tensor, its layers) pairs) the
-        layers none of those holds, in order."""
-        self.buffers = [buffer, *(t for t, _ in more)]
-        taken = {i for _, layers in more for i in layers}
-        rest = [i for i in range(buffer.shape[0] + len(taken)) if i not in taken]
-        where = {i: (buffer, j) for j, i in enumerate(rest)}
-        for t, layers in more:
-            where.update({i: (t, j) for j, i in enumerate(layers)})
-        order = sorted(where)
-        self.k = [where[i][0][where[i][1], 0] for i in order]
-        self.v = [where[i][0][where[i][1], 1] for i in order]
-        ids = {id(t): b for b, t in enumerate(self.buffers)}
+    def __init__(self, buffer: torch.Tensor):
+        """``buffer`` holds every layer."""
+        self._index([(buffer, range(buffer.shape[0]))])
+
+    @classmethod
+    def grouped(cls, groups: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> PagedKV:
+        """Layers in several tensors: ``(tensor, the layers it holds, in order)`` each."""
+        kv = object.__new__(cls)
+        kv._index(groups)
+        return kv
+
+    def _index(self, groups: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> None:
+        self.buffers = [t for t, _ in groups]
+        slots = {i: (b, j) for b, (_, layers) in enumerate(groups) for j, i in enumerate(layers)}
         # Layer i lives at buffers[b][j]: (b, j) per layer (what K/V transfers walk).
-        self.layer_slots = [(ids[id(where[i][0])], where[i][1]) for i in order]
+        self.layer_slots = [slots[i] for i in range(len(slots))]
+        self.k = [self.buffers[b][j, 0] for b, j in self.layer_slots]
+        self.v = [self.buffers[b][j, 1] for b, j in self.layer_slots]
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -77,13 +81,8 @@ class PagedKV:
         groups: dict[tuple[int, int], list[int]] = {}
         for i in range(cfg.num_layers):
             groups.setdefault(cfg.layer_kv_shape(i), []).append(i)
-        (first, *others) = groups.items()
-
-        def tensor(shape: tuple[int, int], layers: list[int]) -> torch.Tensor:
-            return make((len(layers), 2, num_pages, page_size, *shape), dtype=dtype,
-                        device=device)
-
-        return cls(tensor(*first), *((tensor(g, layers), layers) for g, layers in others))
+        return cls.grouped([(make((len(layers), 2, num_pages, page_size, *shape), dtype=dtype,
+                                  device=device), layers) for shape, layers in groups.items()])
 
 
 @dataclass

@@ -265,11 +265,14 @@ def _diffusion_gemma_config(cfg: dict[str, Any], arch: str) -> ModelConfig:
     a dense GeGLU MLP beside softmax-routed GeGLU experts in every layer; tied embeddings;
     logits soft-capped. ``vision_config`` is read by no one: the vision tower is not loaded
     (requests with images are refused). What transformers' code would run differently is
-    refused: a bidirectional encoder (``use_bidirectional_attention: "all"``), biases, another
-    activation, other RoPE types."""
+    refused: a bidirectional encoder (``use_bidirectional_attention: "all"``), untied weights,
+    biases, another activation, other RoPE types."""
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         raise CheckpointError(f"config.json ({arch}) has no 'text_config' object")
+    if cfg.get("tie_word_embeddings") is False or text.get("tie_word_embeddings") is False:
+        raise CheckpointError(f"config.json ({arch}): tie_word_embeddings false (an encoder, a "
+                              "decoder and an LM head of their own) is not supported")
 
     def g(k, d=...):
         return _get(text, k, f"{arch} text_config", d)

@@ -7,6 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# The experts' gate activations the kernels implement (``kernels.reference.MOE_ACTIVATIONS``,
+# tested equal; this module stays free of PyTorch).
+EXPERT_ACTIVATIONS = ("silu", "gelu_tanh")
+
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be served as it is; the message says what is wrong."""
@@ -33,7 +37,7 @@ class MoeConfig:
     def __post_init__(self) -> None:
         if self.score not in ("sigmoid", "softmax"):
             raise CheckpointError(f"config.json: unknown router score {self.score!r}")
-        if self.activation not in ("silu", "gelu_tanh"):
+        if self.activation not in EXPERT_ACTIVATIONS:
             raise CheckpointError(f"config.json: unknown expert activation {self.activation!r}")
         if not (0 < self.top_k <= self.num_experts and self.intermediate_size > 0
                 and self.shared_intermediate_size >= 0 and self.first_dense_layers >= 0):

@@ -197,7 +197,7 @@ class DiffusionGemmaModel(DiffusionLM):
         return torch.tensor(math.sqrt(self.config.hidden_size), dtype=dtype)
 
     def rope_cos_sin(self, positions: torch.Tensor, sliding: bool,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[..., head_dim]`` of a layer type, computed in fp32, in ``dtype``."""
         inv = self._inv_freq.get((sliding, positions.device))
         if inv is None:  # built on first use: the model may be made on the meta device
@@ -217,13 +217,17 @@ class DiffusionGemmaModel(DiffusionLM):
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.decoder.norm(h)
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Soft-capped fp32 logits of final-normed ``hidden`` rows (transformers casts the
+        head's output to fp32 before the cap); with autograd, for training."""
+        cap = self.config.gemma.logit_softcap
+        raw = F.linear(hidden, self.head_weight()).to(torch.float32)
+        return torch.tanh(raw / cap) * cap
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Soft-capped fp32 logits of the rows ``logits_indices`` (transformers casts the
-        head's output to fp32 before the cap)."""
-        cap = self.config.gemma.logit_softcap
-        raw = F.linear(hidden[logits_indices], self.head_weight()).to(torch.float32)
-        return torch.tanh(raw / cap) * cap
+        """:meth:`head` of the rows ``logits_indices`` only."""
+        return self.head(hidden[logits_indices])
 
     def soft_embeddings(self, processed_logits: torch.Tensor) -> torch.Tensor:
         """Self-conditioning's input from one step's processed (temperature-scaled) logits
@@ -344,10 +348,17 @@ class DiffusionGemmaModel(DiffusionLM):
     @torch.inference_mode()
     def decode(self, canvas: torch.Tensor, cache: DenseKV, soft: torch.Tensor | None = None,
                kernels: KernelTable = TORCH) -> torch.Tensor:
+        """fp32 logits ``[C, vocab]`` of :meth:`decode_hidden`."""
+        return self.head(self.decode_hidden(canvas, cache, soft, kernels))
+
+    @torch.inference_mode()
+    def decode_hidden(self, canvas: torch.Tensor, cache: DenseKV,
+                      soft: torch.Tensor | None = None,
+                      kernels: KernelTable = TORCH) -> torch.Tensor:
         """The decoder over ``canvas`` ``[C]`` right after the cached positions: every
         canvas position sees the whole canvas and the cached K/V (sliding layers: its last
         ``sliding_window - 1`` positions, as transformers' sliding cache keeps them); the cache
-        is not written. Returns fp32 logits ``[C, vocab]``."""
+        is not written. Final-normed hidden states ``[C, hidden]``."""
         n = cache.length
         positions = torch.arange(n, n + canvas.shape[0], device=canvas.device)
         window = self.config.gemma.sliding_window
@@ -358,9 +369,8 @@ class DiffusionGemmaModel(DiffusionLM):
             keys = torch.cat([ck[lo:], k]), torch.cat([cv[lo:], v])
             return _attention(q, *keys, None)
 
-        h = self.run_layers(self.decoder_inputs(canvas, soft), positions, attend, encoder=False,
-                            kernels=kernels)
-        return self.logits(h, torch.arange(h.shape[0], device=h.device))
+        return self.run_layers(self.decoder_inputs(canvas, soft), positions, attend,
+                               encoder=False, kernels=kernels)
 
 
 def canvas_key_bounds(positions: np.ndarray, canvas_start: np.ndarray, canvas_end: np.ndarray,

@@ -12,8 +12,9 @@ from sangam.models.attention import AttentionBackend, AttentionMetadata
 class TritonAttentionBackend(AttentionBackend):
     """Stores the span's K/V with one kernel and attends with the paged kernel.
 
-    The attention launch is planned once per forward (its metadata object) and layer shape,
-    and reused by every layer of that shape. Runs on CUDA tensors, or on CPU tensors under
+    The attention launch is planned once per forward (its metadata object) and layer kind
+    (DiffusionGemma's sliding and full layers differ in shape), and reused by every layer of
+    that kind. Runs on CUDA tensors, or on CPU tensors under
     ``TRITON_INTERPRET=1`` (slow; for tests).
     """
 
@@ -21,7 +22,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
-        self._plans: dict[tuple[int, ...], AttentionPlan] = {}  # by (Hq, D, Hkv), for _meta
+        self._plans: dict[bool, AttentionPlan] = {}  # by layer kind (sliding), for _meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
                 v_pages: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -29,10 +30,9 @@ class TritonAttentionBackend(AttentionBackend):
         store_kv(k, v, k_pages, v_pages, meta.slot_mapping)
         if self._meta is not meta:
             self._meta, self._plans = meta, {}
-        shape = (*q.shape[1:], k_pages.shape[2])
-        plan = self._plans.get(shape)
+        plan = self._plans.get(sliding)
         if plan is None:
-            plan = self._plans[shape] = plan_attention(
+            plan = self._plans[sliding] = plan_attention(
                 q, k_pages, meta.cu_seqlens_q, meta.block_tables,
                 max_kv_len=max(meta.kv_lens_host, default=0),
                 max_query_len=max(meta.query_lens, default=0), num_splits=meta.num_kv_splits)

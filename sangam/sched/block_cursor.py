@@ -135,6 +135,13 @@ class BlockCursor:
                    prompt_refresh_interval=params.prompt_refresh_interval, shift=shift,
                    block_causal=block_causal)
 
+    @classmethod
+    def for_canvases(cls, prompt_len: int, max_tokens: int, canvas_length: int) -> BlockCursor:
+        """The cursor of a uniform-state request: whole canvases after the prompt, enough for
+        ``max_tokens``."""
+        return cls(prompt_len, cls.canvas_len(prompt_len, max_tokens, canvas_length),
+                   canvas_length, uniform=True)
+
     @staticmethod
     def canvas_len(prompt_len: int, max_tokens: int, block_length: int,
                    block_causal: bool = False) -> int:

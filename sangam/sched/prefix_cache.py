@@ -37,6 +37,13 @@ from sangam.sched.page_allocator import PageAllocator
 _DIGEST_BYTES = 16
 
 
+def caches_prefixes(exact: bool, enabled: bool | None) -> bool:
+    """Whether workers cache prompt pages (the engine's rule, and the simulator's): as
+    ``--enable-prefix-caching`` says, else for a model whose finished K/V is ``exact``
+    (block-causal, or uniform-state)."""
+    return exact if enabled is None else enabled
+
+
 def prefix_page_keys(tokens: Sequence[int], cached_len: int, page_size: int,
                      block_length: int) -> list[bytes]:
     """The keys of the pages wholly inside ``tokens[:cached_len]`` (``cached_len``: a multiple

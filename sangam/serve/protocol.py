@@ -20,7 +20,15 @@ import time
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from sangam.sampling_params import (
     CACHE_MODES,
@@ -332,6 +340,18 @@ class TextPart(RequestBody):
     text: str
 
 
+def refuse_non_text(content: Any, allowed: tuple[str, ...]) -> Any:
+    """A message's content as given, unless one of its parts is not text (an image, audio):
+    refused by name, with why, rather than by the schema's bare mismatch."""
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in allowed:
+                raise ValueError(f"content parts of type {kind!r} are not served: Sangam serves "
+                                 "text only (no vision or audio tower is loaded)")
+    return content
+
+
 class FunctionCall(RequestBody):
     name: str
     arguments: str  # a JSON object's text
@@ -351,6 +371,11 @@ class ChatMessage(RequestBody):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool's: the call it answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        return refuse_non_text(content, ("text",))
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
 from sangam.sampling_params import RequestOutput
 from sangam.serve.protocol import (
@@ -45,6 +45,7 @@ from sangam.serve.protocol import (
     ToolChoiceMode,
     _GenerationRequest,
     _with_format,
+    refuse_non_text,
 )
 from sangam.serve.tool_calls import HermesToolParser, ParsedCall, ToolCallStream
 
@@ -60,6 +61,11 @@ class InputMessage(RequestBody):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        return refuse_non_text(content, ("input_text", "output_text"))
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(

@@ -59,7 +59,8 @@ _HELP = {
                         "tokens over this many iterations",
     "enable_chunked_prefill": "block-causal models (sdar): admit a prompt's prefill in chunks "
                               "of whole blocks within tau",
-    "enable_prefix_caching": "block-causal models: share cached prompt blocks (default: on for "
+    "enable_prefix_caching": "block-causal and uniform-state models: share cached prompt "
+                             "blocks (default: on for "
                              "them; with --shared-prefix or --samples prompts share some)",
     "max_batch_size": "most requests in one forward",
     "overflow_threshold": "hybrid: outstanding prefill tokens (theta) on every prefill worker "

@@ -96,13 +96,6 @@ class SimConfig:
         return self.model in MODELS and MODELS[self.model].block_causal
 
     @property
-    def prefix_caching(self) -> bool:
-        """As the engine decides (``engine.worker.prefix_caching``): on for block-causal
-        models unless turned off."""
-        return self.block_causal if self.enable_prefix_caching is None \
-            else self.enable_prefix_caching
-
-    @property
     def deployment(self) -> DeploymentConfig:
         """The simulated deployment, as the engine's ``EngineConfig.deployment``."""
         scheduler = SchedulerConfig(self.page_size, self.policy, self.token_budget,

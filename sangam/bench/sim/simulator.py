@@ -66,7 +66,7 @@ from sangam.sched.messages import (
 )
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.placement import NeverFits, Placed
-from sangam.sched.prefix_cache import PrefixCache, request_page_keys
+from sangam.sched.prefix_cache import PrefixCache, caches_prefixes, request_page_keys
 from sangam.sched.request import CONTINUES, Request, StepOutcome
 from sangam.sched.worker_core import WorkerCore
 
@@ -200,12 +200,11 @@ class Simulator:
 
     @property
     def prefix_caching(self) -> bool:
-        """As the engine decides: the configuration's, or on by default for a uniform-state
-        model (its causal encoder's K/V is exact)."""
+        """As the engine decides (``caches_prefixes``): the model's finished K/V is exact when
+        it is block-causal or uniform-state."""
         cfg = self.config
-        if cfg.enable_prefix_caching is None and self.geom.canvas:
-            return True
-        return cfg.prefix_caching
+        return caches_prefixes(cfg.block_causal or bool(self.geom.canvas),
+                               cfg.enable_prefix_caching)
 
     def _builder(self, deployment) -> BatchBuilder:
         allocator = PageAllocator(self.num_pages)
@@ -224,9 +223,7 @@ class Simulator:
         want = out if cfg.max_tokens is None else cfg.max_tokens
         causal = cfg.block_causal  # the block grid from position 0; no refresh after block 0
         if self.geom.canvas:  # uniform-state: canvases after the prompt, as the engine's
-            b = self.geom.canvas
-            cursor = BlockCursor(t.prompt_len, BlockCursor.canvas_len(t.prompt_len, want, b), b,
-                                 uniform=True)
+            cursor = BlockCursor.for_canvases(t.prompt_len, want, self.geom.canvas)
         else:
             cursor = BlockCursor(t.prompt_len,
                                  BlockCursor.canvas_len(t.prompt_len, want, b, causal), b,
