@@ -161,6 +161,7 @@ def test_the_uniform_sweep_reports_exact_match_and_forwards_per_canvas(tmp_path,
 
 @pytest.mark.parametrize("model, flag", [("sangam-demo-gemma", ["--thresholds", "0.9"]),
                                           ("sangam-demo-gemma", ["--structured"]),
+                                          ("sangam-demo-gemma", ["--factors", "1"]),
                                           (None, ["--entropy-bounds", "0.5"]),
                                           (None, ["--confidence-threshold", "0"])])
 def test_the_other_familys_flags_are_refused(model, flag):

@@ -77,6 +77,22 @@ DEFAULT_REFRESH_CONFIDENCES = (0.99, 0.999)
 DEFAULT_ENTROPY_BOUNDS = (0.1, 0.5, 2.0, 8.0)
 DEFAULT_DENOISING_STEPS = (1, 2, 4, 16)
 CADENCE_THRESHOLD = 0.9
+
+
+def _csv(values) -> str:
+    return ",".join(f"{v:g}" for v in values)
+
+
+# Each family's own flags (dest: default when not given; None: the code's own fallback); a flag
+# of the other family is refused, never ignored.
+MASKED_FLAGS = {"thresholds": None, "factors": _csv(DEFAULT_FACTORS),
+                "cadences": ",".join(f"{r}x{m}" for r, m in DEFAULT_CADENCES),
+                "cadence_thresholds": f"{CADENCE_THRESHOLD:g}",
+                "refresh_confidences": _csv(DEFAULT_REFRESH_CONFIDENCES), "modes": None,
+                "block_length": None, "plot": None, "profiles": None, "structured": None}
+UNIFORM_FLAGS = {"entropy_bounds": _csv(DEFAULT_ENTROPY_BOUNDS),
+                 "denoising_steps": _csv(DEFAULT_DENOISING_STEPS),
+                 "confidence_threshold": None}
 VANILLA = "vanilla"
 _REQUEST_IDS = itertools.count()
 
@@ -373,15 +389,15 @@ def run(args: argparse.Namespace) -> int:
               f"{','.join(families)}, seed {args.seed}), max_tokens {max_tokens}, block_length "
               f"{block_length}")
     uniform = llm.loaded.config.gemma is not None
-    # The other family's flags are refused, never ignored.
-    given = [n for n in (("entropy_bounds", "denoising_steps", "confidence_threshold")
-                         if not uniform else
-                         ("structured", "thresholds", "modes", "profiles", "plot"))
-             if getattr(args, n) is not None and getattr(args, n) is not False]
+    own, other = (UNIFORM_FLAGS, MASKED_FLAGS) if uniform else (MASKED_FLAGS, UNIFORM_FLAGS)
+    given = [n for n in other if getattr(args, n) is not None and getattr(args, n) is not False]
     if given:
         flags = ", ".join("--" + n.replace("_", "-") for n in given)
         raise SystemExit(f"{flags}: not for a {'uniform-state' if uniform else 'masked'} "
                          f"model ({llm.loaded.config.architecture})")
+    for n, default in own.items():
+        if getattr(args, n) is None:
+            setattr(args, n, default)
     if args.structured:
         if args.modes or args.plot:
             raise SystemExit("--modes and --plot belong to the sweep, not --structured")
@@ -406,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
     if uniform:
         return run_uniform(llm, args, tasks, prompt_ids, model, families, max_tokens)
     modes = sweep(tuple(parse_float_list(args.thresholds or
-                                         ",".join(f"{v:g}" for v in DEFAULT_THRESHOLDS))),
+                                         _csv(DEFAULT_THRESHOLDS))),
                   tuple(parse_float_list(args.factors)),
                   parse_cadences(args.cadences),
                   tuple(parse_float_list(args.refresh_confidences)),
@@ -464,10 +480,8 @@ def evaluate_uniform(llm, tasks: list[Task], prompt_ids: list[list[int]],
 def run_uniform(llm, args: argparse.Namespace, tasks: list[Task], prompt_ids: list[list[int]],
                 model: str, families: tuple[str, ...], max_tokens: int) -> int:
     """The uniform-state sweep (module docstring): a table, and ``--json``."""
-    bounds = (parse_float_list(args.entropy_bounds) if args.entropy_bounds
-              else DEFAULT_ENTROPY_BOUNDS)
-    steps = ([int(v) for v in parse_float_list(args.denoising_steps)] if args.denoising_steps
-             else DEFAULT_DENOISING_STEPS)
+    bounds = parse_float_list(args.entropy_bounds)
+    steps = [int(v) for v in parse_float_list(args.denoising_steps)]
     results = {}
     for bound, n in itertools.product(bounds, steps):
         name = f"entropy_bound={bound:g}/steps={n}"
@@ -518,23 +532,24 @@ def register(subparsers) -> None:
                    help="threshold rule values of the sweep (default "
                         f"{','.join(f'{v:g}' for v in DEFAULT_THRESHOLDS)}: 0.3 is there to be "
                         "too low) or of --structured")
-    p.add_argument("--factors", default=",".join(f"{v:g}" for v in DEFAULT_FACTORS),
-                   help="factor rule values of the sweep")
-    p.add_argument("--cadences", default=",".join(f"{r}x{m}" for r, m in DEFAULT_CADENCES),
+    p.add_argument("--factors", default=None,
+                   help=f"factor rule values of the sweep (default {MASKED_FLAGS['factors']})")
+    p.add_argument("--cadences", default=None,
                    help="refresh cadences RxM under DualCache: refresh_interval R, "
-                        "prompt_refresh_interval M")
-    p.add_argument("--cadence-thresholds", default=f"{CADENCE_THRESHOLD:g}",
-                   help="thresholds the cadences and adaptive refresh run at, comma-separated")
-    p.add_argument("--refresh-confidences",
-                   default=",".join(f"{v:g}" for v in DEFAULT_REFRESH_CONFIDENCES),
+                        f"prompt_refresh_interval M (default {MASKED_FLAGS['cadences']})")
+    p.add_argument("--cadence-thresholds", default=None,
+                   help="thresholds the cadences and adaptive refresh run at, comma-separated "
+                        f"(default {MASKED_FLAGS['cadence_thresholds']})")
+    p.add_argument("--refresh-confidences", default=None,
                    help="refresh_confidence values (adaptive refresh) under DualCache and no "
-                        "cadence refresh after the first block")
+                        "cadence refresh after the first block (default "
+                        f"{MASKED_FLAGS['refresh_confidences']})")
     p.add_argument("--entropy-bounds", default=None,
-                   help="uniform-state models: entropy_bound values of the sweep (default: "
-                        + ",".join(f"{v:g}" for v in DEFAULT_ENTROPY_BOUNDS) + ")")
+                   help="uniform-state models: entropy_bound values of the sweep (default "
+                        f"{UNIFORM_FLAGS['entropy_bounds']})")
     p.add_argument("--denoising-steps", default=None,
                    help="uniform-state models: max_denoising_steps values of the sweep "
-                        "(default: " + ",".join(f"{v:g}" for v in DEFAULT_DENOISING_STEPS) + ")")
+                        f"(default {UNIFORM_FLAGS['denoising_steps']})")
     p.add_argument("--confidence-threshold", type=float, default=None,
                    help="uniform-state models: adaptive stopping's threshold (0: off; default: "
                         "the model's)")
