@@ -87,7 +87,7 @@ MASKED_ONLY_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "logit_bias", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "refresh_interval",
     "prompt_refresh_interval", "refresh_confidence", "min_threshold", "edit_threshold",
-    "max_post_steps", "structured_outputs")
+    "max_post_steps")
 
 
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's names

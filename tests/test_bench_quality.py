@@ -99,7 +99,8 @@ def test_structured_compares_with_and_without_the_answer_regex(tmp_path, capsys)
     assert "valid %" in table and "without / with" in table
     report = json.loads(out.read_text())
     assert report["families"] == ["reverse", "copy", "sort", "count"]
-    entry = report["thresholds"]["0.9"]
+    entry = report["settings"]["threshold=0.9"]
+    assert report["options"]["threshold=0.9"]["cache"] == "dual"
     without, with_ = entry["without"], entry["with"]
     assert set(with_) == {"all", "reverse", "copy", "sort", "count"}
     assert with_["all"]["valid"] == 1.0  # what the constraint guarantees
@@ -110,6 +111,24 @@ def test_structured_compares_with_and_without_the_answer_regex(tmp_path, capsys)
         assert m["n"] == 4 and 0 <= m["exact"] <= 1 and m["tokens_per_forward"] > 0
         assert m["forwards_per_request"] >= 1 and m["batch_ms_per_request"] > 0
         assert m["alone_ms"] > 0 and m["identical_outputs"] == 1.0  # batch invariance
+
+
+def test_structured_on_a_uniform_state_model(tmp_path, capsys):
+    """DiffusionGemma's canvases under the answer regex: every output valid, and the
+    constraint adds no forwards of its own (the same step rule decides them)."""
+    out = tmp_path / "g.json"
+    assert main(["quality", "--model", "sangam-demo-gemma", "--structured", "--num-instances",
+                 "4", "--entropy-bounds", "0.5", "--denoising-steps", "4", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    assert "uniform-state decoding" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    entry = report["settings"]["entropy_bound=0.5/steps=4"]
+    assert entry["with"]["all"]["valid"] == 1.0
+    for row in entry["outputs"]:
+        assert re.fullmatch(report["answer_formats"][row["family"]], row["with"])
+    for side in ("without", "with"):
+        m = entry[side]["all"]
+        assert 1 <= m["forwards_per_request"] and m["identical_outputs"] == 1.0
 
 
 def test_quality_writes_each_modes_commit_profile(tmp_path, capsys):
@@ -160,7 +179,7 @@ def test_the_uniform_sweep_reports_exact_match_and_forwards_per_canvas(tmp_path,
 
 
 @pytest.mark.parametrize("model, flag", [("sangam-demo-gemma", ["--thresholds", "0.9"]),
-                                          ("sangam-demo-gemma", ["--structured"]),
+                                          ("sangam-demo-gemma", ["--cache", "dual"]),
                                           ("sangam-demo-gemma", ["--factors", "1"]),
                                           (None, ["--entropy-bounds", "0.5"]),
                                           (None, ["--confidence-threshold", "0"])])

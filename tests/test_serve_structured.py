@@ -347,3 +347,21 @@ def test_errors_over_http(demo_server):
     assert r.status_code == 400 and err["type"] == "invalid_request_error"
     assert "does not compile" in err["message"] and "unclosed group" in err["message"]
     assert err["param"] == "guided_regex"
+
+
+def test_a_forced_call_that_cannot_fit_max_tokens_is_a_400_naming_its_minimum(client,
+                                                                             demo_server):
+    """tool_choice "required" whose shortest call is longer than max_tokens: a 400 with the
+    minimum, not a cut call in content; at that minimum, a call that parses (the budget-aware
+    rule closes it in time, docs/decoding.md)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": CHAT_TOOLS[:1], "tool_choice": "required", "max_tokens": 8}
+    r = httpx.post(f"{demo_server}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    need = int(message.split("max_tokens of at least ")[1].split()[0])
+    assert need > 8 and "max_tokens is 8" in message
+    res = client.chat.completions.create(**{**body, "max_tokens": need})
+    (call,) = res.choices[0].message.tool_calls
+    assert res.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), CITY)

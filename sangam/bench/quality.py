@@ -89,7 +89,7 @@ MASKED_FLAGS = {"thresholds": None, "factors": _csv(DEFAULT_FACTORS),
                 "cadences": ",".join(f"{r}x{m}" for r, m in DEFAULT_CADENCES),
                 "cadence_thresholds": f"{CADENCE_THRESHOLD:g}",
                 "refresh_confidences": _csv(DEFAULT_REFRESH_CONFIDENCES), "modes": None,
-                "block_length": None, "plot": None, "profiles": None, "structured": None}
+                "block_length": None, "plot": None, "profiles": None, "cache": "dual"}
 UNIFORM_FLAGS = {"entropy_bounds": _csv(DEFAULT_ENTROPY_BOUNDS),
                  "denoising_steps": _csv(DEFAULT_DENOISING_STEPS),
                  "confidence_threshold": None}
@@ -401,21 +401,27 @@ def run(args: argparse.Namespace) -> int:
     if args.structured:
         if args.modes or args.plot:
             raise SystemExit("--modes and --plot belong to the sweep, not --structured")
-        thresholds = (tuple(parse_float_list(args.thresholds)) if args.thresholds
-                      else structured.DEFAULT_THRESHOLDS)
-        results = structured.compare(llm, tasks, prompt_ids, thresholds, max_tokens,
-                                     block_length, args.cache, args.repeats,
+        if uniform:
+            settings = structured.uniform_settings(
+                parse_float_list(args.entropy_bounds),
+                [int(v) for v in parse_float_list(args.denoising_steps)],
+                args.confidence_threshold)
+        else:
+            settings = structured.masked_settings(
+                tuple(parse_float_list(args.thresholds)) if args.thresholds
+                else structured.DEFAULT_THRESHOLDS, block_length, args.cache)
+        results = structured.compare(llm, tasks, prompt_ids, settings, max_tokens, args.repeats,
                                      log=(lambda m: print(m, file=sys.stderr, flush=True))
                                      if args.verbose else None)
-        print(f"{header}, cache {args.cache}, greedy; each cell without / with the family's "
-              "regex")
+        how = ("uniform-state decoding (seed 0)" if uniform
+               else f"cache {args.cache}, greedy")
+        print(f"{header}, {how}; each cell without / with the family's regex")
         print(structured.format_table(results, markdown=args.markdown))
         if args.json:
             report = {"model": model, "families": families, "num_instances": len(tasks),
-                      "seed": args.seed, "max_tokens": max_tokens, "block_length": block_length,
-                      "cache": args.cache, "repeats": args.repeats,
+                      "seed": args.seed, "max_tokens": max_tokens, "repeats": args.repeats,
                       "answer_formats": {f: ANSWER_FORMATS[f] for f in families},
-                      "thresholds": results}
+                      "options": settings, "settings": results}
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
         return 0

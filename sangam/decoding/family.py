@@ -119,6 +119,12 @@ class Frontier:
                 raise ConstraintError("no token satisfies both the constraint and the request's "
                                       "other options (min_tokens, logit_bias) at position "
                                       f"{pos - c.prompt_len} of the response")
+            fitted = grammar.fit(token, p.max_tokens - (pos - c.prompt_len))
+            if fitted != token:  # the completion's token, so that the output ends in time
+                if n:  # only the frontier takes it in the model's stead
+                    break
+                token = fitted
+                score = float(torch.softmax(row[0].double(), -1)[token])
             st.tokens[pos] = token
             st.confidence[pos] = score
             grammar.consume(token)  # the committed prefix grows by this position

@@ -18,12 +18,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sangam.decoding.completion import TokenTable, shortest_completion
 from sangam.sampling_params import CONSTRAINT_KINDS, MAX_CONSTRAINT_CHARS
 
 # The JSON compiler's defaults (a schema's "x-guidance" overrides them): fixed separators, no
 # free whitespace, which a model could otherwise pad a response with forever.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_COMPILED = 256  # compiled grammars kept per tokenizer (LRU)
+# The longest completion searched for at a constraint's start: beyond it a constraint is
+# refused as needing more than any request could give it.
+MAX_COMPLETION_TOKENS = 4096
 
 
 class ConstraintError(ValueError):
@@ -129,10 +133,12 @@ class GrammarCompiler:
 
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self.llg = llguidance.LLTokenizer(
-            llguidance.TokenizerWrapper(TokenBytes(tokenizer, vocab_size, eos_token_id)),
-            n_vocab=vocab_size)
+        token_bytes = TokenBytes(tokenizer, vocab_size, eos_token_id)
+        self.table = TokenTable(token_bytes.tokens)
+        self.llg = llguidance.LLTokenizer(llguidance.TokenizerWrapper(token_bytes),
+                                          n_vocab=vocab_size)
         self._compile = functools.lru_cache(maxsize=MAX_COMPILED)(self._compile_uncached)
+        self._start = functools.lru_cache(maxsize=MAX_COMPILED)(self._start_uncached)
 
     def _compile_uncached(self, constraint: Constraint) -> str:
         import llguidance
@@ -147,6 +153,16 @@ class GrammarCompiler:
         """The checked grammar of ``constraint`` (raises ConstraintError with the compiler's
         message); cached."""
         return self._compile(constraint)
+
+    def _start_uncached(self, constraint: Constraint) -> tuple[int, ...] | None:
+        found = shortest_completion(self.matcher(constraint), self.table, MAX_COMPLETION_TOKENS)
+        return None if found is None else tuple(found)
+
+    def start_completion(self, constraint: Constraint) -> tuple[int, ...] | None:
+        """The shortest whole output of ``constraint`` that the search finds (docs/decoding.md),
+        None if none within MAX_COMPLETION_TOKENS; cached, as compiling is (the server
+        computes it with the compile, off its event loop)."""
+        return self._start(constraint)
 
     def matcher(self, constraint: Constraint):
         """A fresh llguidance matcher at the start of ``constraint``."""
@@ -195,24 +211,80 @@ class GrammarState:
         self.ends = np.array(sorted(ends), dtype=np.int64)
         self._matcher = compiler_for(*self.where).matcher(constraint)
         self.consumed = 0  # response tokens the matcher has consumed
+        # A completion from the matcher's state (None: not known yet; searched when needed),
+        # and the one ``fit`` found for after the token it approved.
+        self.plan: list[int] | None = None
+        self._approved: tuple[int, list[int]] | None = None
 
     def __getstate__(self) -> dict:
         return {"constraint": self.constraint, "where": self.where, "ends": self.ends}
 
     def __setstate__(self, state: dict) -> None:
         self.constraint, self.where, self.ends = state["constraint"], state["where"], state["ends"]
-        self._matcher, self.consumed = None, 0
+        self._matcher, self.consumed, self.plan, self._approved = None, 0, None, None
 
     def sync(self, response: np.ndarray, mask_token_id: int):
         """The matcher after the committed prefix of ``response`` (the tokens before its first
         mask)."""
         masked = (response == mask_token_id).nonzero()[0]
-        committed = int(masked[0]) if masked.size else len(response)
-        if self._matcher is None or self.consumed > committed:
+        return self.sync_to(response[:int(masked[0]) if masked.size else len(response)])
+
+    def sync_to(self, prefix: np.ndarray):
+        """The matcher after exactly the response tokens ``prefix``."""
+        if self._matcher is None or self.consumed > len(prefix):
             self._matcher, self.consumed = compiler_for(*self.where).matcher(self.constraint), 0
-        for t in response[self.consumed:committed].tolist():
+            self.plan = self._approved = None
+        for t in prefix[self.consumed:].tolist():
             self.consume(t)
         return self._matcher
+
+    @property
+    def end_token(self) -> int:
+        """The grammar's end (the tokenizer's EOS): what a response pads with after it."""
+        return self.where[2]
+
+    def done(self) -> bool:
+        """Whether the matcher has taken an end token: nothing may follow."""
+        return self._matcher.is_stopped()
+
+    def fit(self, token: int, left: int) -> int:
+        """The token to take at a response position with ``left`` positions left up to
+        max_tokens (this one included), the model's choice being the allowed ``token``:
+        ``token`` itself if a completion of the grammar and an end token still fit after it,
+        else the next token of the completion in hand (the grammar's end once complete). The
+        completion in hand fits by induction from the request's admission (budget-aware
+        structured output, docs/decoding.md)."""
+        m, end = self._matcher, self.where[2]
+        if token == end or token in self.ends or m.is_stopped():
+            return token
+        plan = self._plan(left)
+        after = m.deep_copy()
+        after.consume_token(int(token))
+        if after.is_accepting():
+            rest = []
+        elif plan and plan[0] == token:
+            rest = plan[1:]
+        else:
+            trial = after.deep_copy()
+            rest = plan if trial.consume_tokens(plan) and trial.is_accepting() else (
+                shortest_completion(after, compiler_for(*self.where).table, left - 2))
+        if rest is not None and len(rest) + 1 <= left - 1:
+            self._approved = (int(token), rest)
+            return int(token)
+        if not plan:
+            return end
+        self._approved = (plan[0], plan[1:])
+        return plan[0]
+
+    def _plan(self, left: int) -> list[int]:
+        """The completion in hand: one that, with an end token, fits in ``left`` positions."""
+        if self.plan is None:
+            found = shortest_completion(self._matcher, compiler_for(*self.where).table, left - 1)
+            if found is None:
+                raise ConstraintError(f"no completion of the constraint fits in the {left} "
+                                      "positions left")
+            self.plan = found
+        return self.plan
 
     def allowed(self, vocab_size: int) -> np.ndarray:
         """Which tokens may come next, as a bool array over the vocabulary; once the grammar
@@ -238,3 +310,5 @@ class GrammarState:
         if not m.is_stopped() and not m.consume_token(int(token)):
             raise ConstraintError(f"the grammar rejected token {token}: {m.get_error()}")
         self.consumed += 1
+        approved, self._approved = self._approved, None
+        self.plan = approved[1] if approved is not None and approved[0] == token else None

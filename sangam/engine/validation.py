@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import random
 
-from sangam.decoding.grammar import Constraint, GrammarState
+from sangam.decoding.grammar import (
+    MAX_COMPLETION_TOKENS,
+    Constraint,
+    GrammarCompiler,
+    GrammarState,
+)
 from sangam.decoding.state import DecodeState, stop_ids_of
 from sangam.decoding.uniform import CanvasSpec
 from sangam.engine.loaded_model import LoadedModel
@@ -70,20 +75,43 @@ def new_state(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams
     if params.stop and loaded.text.tokenizer is None:
         raise ValueError("stop strings need a tokenizer and this checkpoint has none: use "
                          "stop_token_ids")
-    grammar = None
-    if params.structured_outputs is not None:
-        if suffix_ids:
-            raise ValueError("structured_outputs cannot be combined with a suffix (infilling): "
-                             "the grammar would end before the suffix begins")
-        constraint = Constraint.of(params.structured_outputs)
-        compiler = loaded.grammar_compiler()
-        compiler.compile(constraint)  # cached: the server compiled it off its event loop
-        grammar = GrammarState(constraint, loaded.tokenizer_path, compiler.vocab_size,
-                               compiler.eos_token_id, ends=stop_ids_of(params, loaded.stop_ids))
+    if params.structured_outputs is not None and suffix_ids:
+        raise ValueError("structured_outputs cannot be combined with a suffix (infilling): "
+                         "the grammar would end before the suffix begins")
+    grammar = _grammar(loaded, params)
     seed = params.seed if params.seed is not None else rng.getrandbits(63)
     return DecodeState(list(prompt_ids), params, loaded.config.mask_token_id, loaded.stop_ids,
                        loaded.config.shift_logits, seed, suffix_ids, loaded.config.block_causal,
                        grammar)
+
+
+def _grammar(loaded: LoadedModel, params: SamplingParams) -> GrammarState | None:
+    """The request's grammar state, if it asks for structured output (any family)."""
+    if params.structured_outputs is None:
+        return None
+    constraint = Constraint.of(params.structured_outputs)
+    compiler = loaded.grammar_compiler()
+    compiler.compile(constraint)  # cached: the server compiled it off its event loop
+    grammar = GrammarState(constraint, loaded.tokenizer_path, compiler.vocab_size,
+                           compiler.eos_token_id, ends=stop_ids_of(params, loaded.stop_ids))
+    grammar.plan = constraint_budget(compiler, constraint, params.max_tokens)
+    return grammar
+
+
+def constraint_budget(compiler: GrammarCompiler, constraint: Constraint,
+                      max_tokens: int) -> list[int]:
+    """The shortest output of ``constraint`` (cached per constraint), refused unless it and
+    an end token fit in ``max_tokens``: a constrained response always ends complete
+    (docs/decoding.md, "Structured output")."""
+    start = compiler.start_completion(constraint)
+    if start is None:
+        raise ValueError(f"structured_outputs: no output of the constraint was found within "
+                         f"{MAX_COMPLETION_TOKENS} tokens")
+    if len(start) + 1 > max_tokens:
+        raise ValueError(f"structured_outputs: the constraint needs max_tokens of at least "
+                         f"{len(start) + 1} (its shortest output is {len(start)} tokens, then "
+                         f"an end token); max_tokens is {max_tokens}")
+    return list(start)
 
 
 def family_refusals(cfg: ModelConfig) -> dict[str, str]:
@@ -134,4 +162,4 @@ def _canvas_state(loaded: LoadedModel, prompt_ids: list[int], params: SamplingPa
     seed = params.seed if params.seed is not None else rng.getrandbits(63)
     spec = CanvasSpec(options, length, vocab, cfg.gemma.sliding_window)
     return DecodeState(prompt_ids, params, cfg.mask_token_id, loaded.stop_ids, False, seed,
-                       canvas=spec)
+                       grammar=_grammar(loaded, params), canvas=spec)

@@ -78,7 +78,9 @@ class RequestValidator:
         a while; the compiler caches it for the engine): a 400 with the compiler's message
         when it does not compile, or when the model has no tokenizer to compile it for."""
         def compile_() -> None:
-            self.grammar_compiler().compile(Constraint.of(structured))
+            compiler, constraint = self.grammar_compiler(), Constraint.of(structured)
+            compiler.compile(constraint)
+            compiler.start_completion(constraint)  # searched once, here, for the engine
 
         try:
             await asyncio.to_thread(compile_)
