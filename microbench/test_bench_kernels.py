@@ -22,7 +22,6 @@ from sangam.kernels import (  # noqa: E402
     fused_moe,
     fused_score,
     gather_pages,
-    moe_route,
     paged_attention,
     store_kv,
 )
@@ -82,8 +81,7 @@ def test_gather_pages(benchmark, model, requests):
 def _route(tokens, moe):
     logits = torch.randn(tokens, moe.experts, device="cuda")
     bias = 0.1 * torch.randn(moe.experts, device="cuda")
-    return lambda: moe_route(logits, top_k=moe.top_k, score="sigmoid", bias=bias,
-                             n_group=moe.n_group, topk_group=moe.topk_group, scale=moe.scale)
+    return lambda: moe.route(logits, bias)
 
 
 @pytest.mark.parametrize("tokens", [64, 2048])
@@ -100,4 +98,4 @@ def test_fused_moe(benchmark, model, tokens):
     w2 = torch.randn(moe.experts, moe.hidden, moe.inter, **bf16) * moe.inter ** -0.5
     x = torch.randn(tokens, moe.hidden, **bf16)
     weights, ids = _route(tokens, moe)()
-    _timed(benchmark, lambda: fused_moe(x, w13, w2, weights, ids))
+    _timed(benchmark, lambda: fused_moe(x, w13, w2, weights, ids, activation=moe.activation))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -232,3 +233,42 @@ def test_per_row_key_bounds(device, dtype, num_splits):
     torch.testing.assert_close(ref.cpu(), oracle, atol=atol, rtol=rtol)
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     assert not ref[3].any()
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("d,hq,hkv", [(64, 4, 2), (256, 4, 2), (512, 4, 1)],
+                         ids=["d64-gqa2", "d256-gqa2", "d512-gqa4"])
+@pytest.mark.parametrize("window", [6, 1 << 20], ids=["sliding", "full"])
+def test_canvas_forwards_of_diffusion_gemma(device, dtype, d, hq, hkv, window):
+    """DiffusionGemma's forwards as the engine packs them (``canvas_key_bounds``): a prompt's
+    encoder rows and its first canvas (decoder rows); a finished canvas's encoder rows and the
+    next canvas; a canvas step alone — windowed (sliding layers, window shorter than the
+    prefix) and full, head dims 64 to 512 (the full layers'), GQA, shuffled page tables, with
+    and without KV splits: the kernel equals the reference."""
+    from sangam.models.diffusion_gemma import canvas_key_bounds
+
+    canvas = 8
+    # (encoder rows' first position, number of encoder rows, canvas start) per request
+    layout = [(0, 13, 13), (13, 8, 21), (None, 0, 29)]
+    positions, starts, ends, query_lens, kv_lens = [], [], [], [], []
+    for first, n_enc, s in layout:
+        enc = [] if first is None else list(range(first, first + n_enc))
+        positions += enc + list(range(s, s + canvas))
+        starts += [0] * len(enc) + [s] * canvas
+        ends += [0] * len(enc) + [s + canvas] * canvas
+        query_lens.append(len(enc) + canvas)
+        kv_lens.append(s + canvas)
+    lo, hi, wlo = canvas_key_bounds(np.array(positions), np.array(starts), np.array(ends),
+                                    window)
+    first = lo if window > 1000 else wlo
+    q, kc, vc, cu, bt, kvl = make_batch(query_lens, kv_lens, hq, hkv, d, 8, device, dtype,
+                                        seed=d + window)
+    bounds = (torch.from_numpy(first).to(device), torch.from_numpy(hi).to(device))
+    scale = d ** -0.5
+    ref = paged_attention_ref(q, kc, vc, cu, bt, kvl, scale, key_bounds=bounds)
+    for splits in (1, 2):
+        out = paged_attention(q, kc, vc, cu, bt, kvl, scale, num_splits=splits,
+                              key_bounds=bounds)
+        torch.testing.assert_close(out, ref, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    if window < 1000:  # the window matters: some row sees fewer keys than the full layer's
+        assert (wlo > lo).any()

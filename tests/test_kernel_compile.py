@@ -37,17 +37,23 @@ def test_serving_launches_compile_for_h200_without_spills(tmp_path):
     assert {b["kernel"] for b in builds} == KERNELS
     # Cached steps (32-query tiles) and refreshes (128-query tiles), with and without split-KV.
     attn = {(b["constants"]["BLOCK_M"], b["constants"]["SPLIT"]) for b in builds
-            if b["kernel"] == "_attn_kernel"}
+            if b["kernel"] == "_attn_kernel" and b["constants"]["BLOCK_D"] == "128"}
     assert attn == {("32", "True"), ("32", "False"), ("128", "True"), ("128", "False")}
+    # DiffusionGemma's canvases: per-row key bounds at its sliding layers' 256-wide heads and
+    # its full layers' 512-wide ones, tiles chosen to stay unspilled (checked below).
+    assert {b["constants"]["BLOCK_D"] for b in builds if b["kernel"] == "_attn_kernel"
+            and b["constants"]["ROW_BOUNDS"] == "True"} == {"256", "512"}
     # SDAR's block-causal mask compiles for cached steps and prefills alike.
     assert {b["constants"]["BLOCK_M"] for b in builds if b["kernel"] == "_attn_kernel"
             and b["constants"]["BLOCK_CAUSAL"] == "True"} == {"32", "128"}
     # Refresh tiles (compute-bound) run on Hopper's asynchronous tensor-core instructions.
     assert {b["mma"] for b in builds
             if b["kernel"] == "_attn_kernel" and b["constants"]["BLOCK_M"] == "128"} == {"wgmma"}
-    # LLaDA2's experts: 16-row tiles for decode steps, 64-row ones for a 2048-token step.
-    assert {b["constants"]["BLOCK_M"] for b in builds
-            if b["kernel"] in ("_gate_up_kernel", "_down_kernel")} == {"16", "64"}
+    # LLaDA2's experts: 16-row tiles for decode steps, 64-row ones for a 2048-token step; Gemma
+    # 4's GeGLU experts compile too.
+    assert {b["constants"]["BLOCK_M"] for b in builds if b["kernel"] == "_gate_up_kernel"
+            and b["constants"]["GELU_TANH"] == "False"} == {"16", "64"}
+    assert any(b["constants"].get("GELU_TANH") == "True" for b in builds)
     for b in builds:
         assert b["spill_bytes"] == 0, b["text"]
         assert b["shared_bytes"] <= H200.max_shared_bytes, b["text"]

@@ -12,11 +12,16 @@ Models: LLaDA-8B (32 query heads / 32 KV heads, head_dim 128), Dream-7B (28 / 4,
              of logits read)
   gather     KV-transfer page gather of 1-16 requests of 1024 tokens, all layers (GB/s read +
              written)
+  canvas     DiffusionGemma's canvas steps: 256 queries per request x batch 1, 4, 16, 64 x KV
+             length 512-4096 (the canvas last), each query's keys bounded as the engine packs
+             them (canvas_key_bounds): sliding layers (16 query / 8 KV heads, head_dim 256,
+             a 512-position window) and full layers (16 / 2, head_dim 512) (GB/s of K/V read)
   moe        the routed experts of LLaDA2.0-mini (H 2048, I 512) and LLaDA2.0-flash (H 4096,
-             I 1024), 256 experts, 8 per token, sigmoid-routed in 8 groups of which 4 are kept:
-             fused_moe (sort by expert, gate+up with SwiGLU, down, top-k combine) over the
-             tokens of a decode step, 32 per request x 1, 2, 4, 16, 64 requests (TFLOP/s of
-             2 T K 3 H I flops; routing not included); --moe-models picks the shapes
+             I 1024), 256 experts, 8 per token, sigmoid-routed in 8 groups of which 4 are kept,
+             SwiGLU; and Gemma 4 26B-A4B's (H 2816, I 704, 128 experts, 8 per token,
+             softmax-routed, GeGLU): fused_moe (sort by expert, gate+up, down, top-k combine)
+             over the tokens of a decode step, 32 per request x 1, 2, 4, 16, 64 requests
+             (TFLOP/s of 2 T K 3 H I flops; routing not included); --moe-models picks the shapes
 
 Each row: kernel time (median, triton.testing.do_bench), achieved GB/s or TFLOP/s and the
 fraction of the H200's peak (4.8 TB/s HBM, 989 TFLOP/s dense bf16), the PyTorch reference's
@@ -64,7 +69,14 @@ MODELS = {key: (MODEL_SHAPES[key].num_heads, MODEL_SHAPES[key].num_kv_heads,
 CAUSAL_BLOCK = {key: SDAR_BLOCK_SIZE for key in MODELS if MODEL_SHAPES[key].block_causal}
 VOCAB = MODEL_SHAPES["llada"].vocab_size
 PAGE = 16
-SUITES = ("attention", "refresh", "unmask", "gather", "moe")
+SUITES = ("attention", "refresh", "canvas", "unmask", "gather", "moe")
+# DiffusionGemma's attention layers, by kind: (query heads, KV heads, head_dim, window; None:
+# full). Gemma 4 26B-A4B's text geometry (NVIDIA Megatron-Bridge's Gemma 4 provider: sliding
+# layers head_dim 256 with 8 KV heads, full layers 512 with 2; 16 query heads), assumed to be
+# DiffusionGemma-26B-A4B's, no release config of which can be read here; the window is
+# DiffusionGemma's 512 (Gemma 4's is 1024).
+GEMMA_LAYERS = {"gemma-sliding": (16, 8, 256, 512), "gemma-full": (16, 2, 512, None)}
+GEMMA_CANVAS = 256
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,8 @@ class MoeShape:
     n_group: int
     topk_group: int
     scale: float
+    score: str = "sigmoid"
+    activation: str = "silu"
 
     @classmethod
     def of(cls, shape: ModelShape) -> MoeShape:
@@ -87,8 +101,21 @@ class MoeShape:
         return cls(shape.name, shape.hidden_size, m.intermediate_size, m.num_experts, m.top_k,
                    m.n_group, m.topk_group, m.routed_scaling_factor)
 
+    def route(self, logits: torch.Tensor, bias: torch.Tensor):
+        """moe_route's (weights, ids) for router ``logits``, as the model routes them."""
+        from sangam.kernels import moe_route
+
+        if self.score == "softmax":  # Gemma 4: softmax, top-k renormalised, no groups
+            return moe_route(logits, top_k=self.top_k, score="softmax", renormalize=True)
+        return moe_route(logits, top_k=self.top_k, score=self.score, bias=bias,
+                         n_group=self.n_group, topk_group=self.topk_group, scale=self.scale)
+
 
 MOE_MODELS = {key: MoeShape.of(MODEL_SHAPES[key]) for key in ("llada2-mini", "llada2-flash")}
+# Gemma 4 26B-A4B's experts (its config.json: hidden 2816, moe_intermediate_size 704, 128
+# experts, top_k_experts 8), assumed DiffusionGemma-26B-A4B's (see GEMMA_LAYERS).
+MOE_MODELS["gemma4-26b-a4b"] = MoeShape("Gemma 4 26B-A4B", 2816, 704, 128, 8, 1, 1, 1.0,
+                                        score="softmax", activation="gelu_tanh")
 DEVICE = "cuda"
 
 
@@ -222,6 +249,52 @@ def _attention_rows(model, batches, kvs, q_per_req, suite, args) -> list[dict]:
     return rows
 
 
+def _canvas_bounds(r: int, kv: int, window: int | None, dev) -> tuple[torch.Tensor, ...]:
+    """The key bounds of ``r`` canvases of GEMMA_CANVAS queries ending at ``kv`` (the
+    engine's ``canvas_key_bounds``): each sees [0, kv), a sliding layer [s - window + 1, kv)."""
+    import numpy as np
+
+    from sangam.models.diffusion_gemma import canvas_key_bounds
+
+    n = r * GEMMA_CANVAS
+    s = kv - GEMMA_CANVAS
+    lo, hi, wlo = canvas_key_bounds(np.full(n, s), np.full(n, s), np.full(n, kv),
+                                    window or kv + 1)
+    first = lo if window is None else wlo
+    return torch.from_numpy(first).to(dev), torch.from_numpy(hi).to(dev)
+
+
+def _canvas_rows(layer: str, batches, kvs, args) -> list[dict]:
+    from sangam.kernels.paged_attention import paged_attention
+    from sangam.kernels.reference import paged_attention_ref
+
+    hq, hkv, d, window = GEMMA_LAYERS[layer]
+    rows = []
+    for r in batches:
+        for kv in kvs:
+            q, kc, vc, cu, table, kvl = _paged_batch(r, GEMMA_CANVAS, kv, hq, hkv, d, DEVICE,
+                                                     torch.bfloat16)
+            bounds = _canvas_bounds(r, kv, window, DEVICE)
+
+            def run(q=q, kc=kc, vc=vc, cu=cu, table=table, kvl=kvl, bounds=bounds):
+                return paged_attention(q, kc, vc, cu, table, kvl, 1.0,
+                                       max_query_len=GEMMA_CANVAS, key_bounds=bounds)
+
+            def ref(q=q, kc=kc, vc=vc, cu=cu, table=table, kvl=kvl, bounds=bounds):
+                return paged_attention_ref(q, kc, vc, cu, table, kvl, 1.0, key_bounds=bounds)
+
+            err = (run().float() - ref().float()).abs().max().item()
+            ms = _bench(run, args.warmup, args.rep)
+            ref_ms = _bench(ref, args.warmup, args.rep)
+            seen = kv if window is None else min(kv, window - 1 + GEMMA_CANVAS)
+            work = 2 * r * seen * hkv * d * 2 + 2 * q.numel() * 2  # K/V read, q in, out
+            rows.append(_row("canvas", layer, f"B={r} q={GEMMA_CANVAS} kv={kv}", ms, work,
+                             "GB/s", ref_ms, None, err))
+            _print_row(rows[-1])
+            del q, kc, vc
+    return rows
+
+
 def _score_rows(row_counts, args) -> list[dict]:
     from sangam.decoding import score_logits
     from sangam.kernels.unmask import fused_score
@@ -277,7 +350,7 @@ def _gather_rows(model, request_counts, tokens_per_req, args) -> list[dict]:
 
 
 def _moe_rows(model: str, token_counts, args) -> list[dict]:
-    from sangam.kernels import fused_moe, fused_moe_ref, moe_route
+    from sangam.kernels import fused_moe, fused_moe_ref
 
     m = MOE_MODELS[model]
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -287,13 +360,15 @@ def _moe_rows(model: str, token_counts, args) -> list[dict]:
                      generator=g) * m.inter ** -0.5
     bias = 0.1 * torch.randn(m.experts, device=DEVICE, generator=g)
     rows = []
+    act = m.activation
     for t in token_counts:
         x = torch.randn(t, m.hidden, device=DEVICE, dtype=torch.bfloat16, generator=g)
         logits = torch.randn(t, m.experts, device=DEVICE, generator=g)
-        weights, ids = moe_route(logits, top_k=m.top_k, score="sigmoid", bias=bias,
-                                 n_group=m.n_group, topk_group=m.topk_group, scale=m.scale)
-        run = lambda x=x, w=weights, i=ids: fused_moe(x, w13, w2, w, i)  # noqa: E731
-        ref = lambda x=x, w=weights, i=ids: fused_moe_ref(x, w13, w2, w, i)  # noqa: E731
+        weights, ids = m.route(logits, bias)
+        run = lambda x=x, w=weights, i=ids: fused_moe(x, w13, w2, w, i,  # noqa: E731
+                                                      activation=act)
+        ref = lambda x=x, w=weights, i=ids: fused_moe_ref(x, w13, w2, w, i,  # noqa: E731
+                                                          activation=act)
         err = (run().float() - ref().float()).abs().max().item()
         ms = _bench(run, args.warmup, args.rep)
         ref_ms = _bench(ref, args.warmup, args.rep)
@@ -366,6 +441,10 @@ def run_gpu(args: argparse.Namespace, save: Callable[[list[dict]], None]) -> lis
         if "gather" in suites:
             rows += _gather_rows(model, shapes.gather, GATHER_TOKENS, args)
             save(rows)
+    if "canvas" in suites:
+        for layer in GEMMA_LAYERS:
+            rows += _canvas_rows(layer, shapes.batches, shapes.kvs, args)
+            save(rows)
     if "unmask" in suites:
         rows += _score_rows(shapes.unmask, args)
         save(rows)
@@ -388,7 +467,6 @@ def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream,sdar",
         fused_moe,
         fused_score,
         gather_pages,
-        moe_route,
         paged_attention,
         scatter_pages,
         store_kv,
@@ -427,19 +505,25 @@ def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream,sdar",
                 pages = n_req * GATHER_TOKENS // PAGE
                 kv_buf, ids = empty(layers, 2, pages, PAGE, hkv, d), empty(pages, dtype=i64)
                 scatter_pages(gather_pages(kv_buf, ids), kv_buf, ids)
+        for hq, hkv, d, _ in GEMMA_LAYERS.values():  # canvas steps and prefill chunks
+            for r, kv, n_q in ([(r, kv, GEMMA_CANVAS) for r in shapes.batches
+                                for kv in shapes.kvs] + [(1, kv, kv) for kv in shapes.refresh]):
+                kv_buf = empty(1, 2, r * (kv // PAGE), PAGE, hkv, d)
+                bounds = (empty(r * n_q, dtype=i32), empty(r * n_q, dtype=i32))
+                paged_attention(empty(r * n_q, hq, d), kv_buf[0, 0], kv_buf[0, 1],
+                                empty(r + 1, dtype=i32), empty(r, kv // PAGE, dtype=i32),
+                                empty(r, dtype=i32), 1.0, max_query_len=n_q, key_bounds=bounds)
         for m in shapes.unmask:
             fused_score(empty(m, VOCAB), VOCAB - 128, empty(m, dtype=torch.float64),
                         empty(m, dtype=i64))
         for model in filter(None, moe_models.split(",")):
             moe = MOE_MODELS[model]
             for t in shapes.moe_tokens:
-                weights, ids = moe_route(empty(t, moe.experts), top_k=moe.top_k,
-                                         score="sigmoid",
-                                         bias=empty(moe.experts, dtype=torch.float32),
-                                         n_group=moe.n_group, topk_group=moe.topk_group,
-                                         scale=moe.scale)
+                weights, ids = moe.route(empty(t, moe.experts),
+                                         empty(moe.experts, dtype=torch.float32))
                 fused_moe(empty(t, moe.hidden), empty(moe.experts, 2 * moe.inter, moe.hidden),
-                          empty(moe.experts, moe.hidden, moe.inter), weights, ids)
+                          empty(moe.experts, moe.hidden, moe.inter), weights, ids,
+                          activation=moe.activation)
     return [dataclasses.asdict(b) | {"constants": {k: str(v) for k, v in b.constants.items()},
                                      "text": b.describe()} for b in builds]
 
