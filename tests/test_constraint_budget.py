@@ -173,3 +173,36 @@ def test_unbounded_constraints_end_complete_within_small_budgets(rand, demo, whi
         assert out.finish_reason == "stop", (so, out.text, out.finish_reason)
         assert _valid(so, out.text), (so, out.text)
     assert engine.pool.allocator.num_free == engine.pool.num_pages
+
+
+def test_the_plan_is_a_function_of_the_committed_tokens(demo):
+    """A request moved between processes replays its tokens: the plan it rebuilds, and so
+    every later decision, is the one it had in place (random allowed tokens proposed at a
+    tight budget, the state pickled and replayed after each)."""
+    import pickle
+
+    import numpy as np
+
+    from sangam.decoding.grammar import GrammarState
+
+    compiler = demo.grammar_compiler()
+    so = SO(json=UNBOUNDED[1])
+    need = len(compiler.start_completion(Constraint.of(so))) + 1
+    live = GrammarState(Constraint.of(so), demo.tokenizer_path, compiler.vocab_size,
+                        compiler.eos_token_id, max_tokens=need + 4)
+    rng = np.random.default_rng(0)
+    committed, replaced = [], 0
+    while not live.done() and len(committed) < need + 4:
+        allowed = np.flatnonzero(live.allowed(compiler.vocab_size))
+        proposed = int(rng.choice(allowed))
+        moved = pickle.loads(pickle.dumps(live))
+        moved.sync_to(np.array(committed, dtype=np.int64))
+        assert moved.plan == live.plan
+        token = live.fit(proposed)
+        assert moved.fit(proposed) == token
+        replaced += token != proposed
+        live.consume(token)
+        committed.append(token)
+    assert live.done() and replaced > 0  # the budget bound, and ended the output in time
+    text = demo.text.tokenizer.decode([t for t in committed if t != compiler.eos_token_id])
+    assert _valid(so, text), text

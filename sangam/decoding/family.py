@@ -119,7 +119,7 @@ class Frontier:
                 raise ConstraintError("no token satisfies both the constraint and the request's "
                                       "other options (min_tokens, logit_bias) at position "
                                       f"{pos - c.prompt_len} of the response")
-            fitted = grammar.fit(token, p.max_tokens - (pos - c.prompt_len))
+            fitted = grammar.fit(token)
             if fitted != token:  # the completion's token, so that the output ends in time
                 if n:  # only the frontier takes it in the model's stead
                     break

@@ -200,28 +200,41 @@ class GrammarState:
     """A request's matcher, kept a function of the request's committed response tokens: before
     each use it consumes those it has not seen (however they arrived: committed here, or
     copied in from another worker's progress). Pickles as its constraint and where to find
-    the tokenizer; unpickled, it rebuilds by replaying."""
+    the tokenizer; unpickled, it rebuilds by replaying.
+
+    With ``max_tokens`` it is budget-aware (docs/design.md §2.10): it holds ``plan``, a
+    completion of the grammar that with an end token fits the positions left. The plan too is
+    a function of the committed tokens (the constraint's cached shortest output, then each
+    token's ``_next_plan``), so a replay rebuilds the same one and a moved request decides as
+    it would have in place."""
 
     def __init__(self, constraint: Constraint, tokenizer_path: str, vocab_size: int,
-                 eos_token_id: int, ends: frozenset[int] = frozenset()):
+                 eos_token_id: int, ends: frozenset[int] = frozenset(),
+                 max_tokens: int | None = None):
         self.constraint = constraint
         self.where = (tokenizer_path, vocab_size, eos_token_id)
         # The request's stop ids: each may end the response wherever the grammar allows EOS
         # (a chat model ends its turn with its end-of-turn token, not the tokenizer's EOS).
         self.ends = np.array(sorted(ends), dtype=np.int64)
-        self._matcher = compiler_for(*self.where).matcher(constraint)
+        self.max_tokens = max_tokens  # None: no budget
+        self._restart()
+
+    def _restart(self) -> None:
+        compiler = compiler_for(*self.where)
+        self._matcher = compiler.matcher(self.constraint)
         self.consumed = 0  # response tokens the matcher has consumed
-        # A completion from the matcher's state (None: not known yet; searched when needed),
-        # and the one ``fit`` found for after the token it approved.
-        self.plan: list[int] | None = None
-        self._approved: tuple[int, list[int]] | None = None
+        start = None if self.max_tokens is None else compiler.start_completion(self.constraint)
+        self.plan: list[int] | None = None if start is None else list(start)
+        self._next: tuple[int, int, list[int] | None] | None = None  # fit's, for consume
 
     def __getstate__(self) -> dict:
-        return {"constraint": self.constraint, "where": self.where, "ends": self.ends}
+        return {"constraint": self.constraint, "where": self.where, "ends": self.ends,
+                "max_tokens": self.max_tokens}
 
     def __setstate__(self, state: dict) -> None:
         self.constraint, self.where, self.ends = state["constraint"], state["where"], state["ends"]
-        self._matcher, self.consumed, self.plan, self._approved = None, 0, None, None
+        self.max_tokens = state["max_tokens"]
+        self._matcher, self.consumed = None, 0
 
     def sync(self, response: np.ndarray, mask_token_id: int):
         """The matcher after the committed prefix of ``response`` (the tokens before its first
@@ -232,8 +245,7 @@ class GrammarState:
     def sync_to(self, prefix: np.ndarray):
         """The matcher after exactly the response tokens ``prefix``."""
         if self._matcher is None or self.consumed > len(prefix):
-            self._matcher, self.consumed = compiler_for(*self.where).matcher(self.constraint), 0
-            self.plan = self._approved = None
+            self._restart()
         for t in prefix[self.consumed:].tolist():
             self.consume(t)
         return self._matcher
@@ -244,47 +256,49 @@ class GrammarState:
         return self.where[2]
 
     def done(self) -> bool:
-        """Whether the matcher has taken an end token: nothing may follow."""
+        """Whether the grammar is complete with nothing more allowed: only its end follows."""
         return self._matcher.is_stopped()
 
-    def fit(self, token: int, left: int) -> int:
-        """The token to take at a response position with ``left`` positions left up to
-        max_tokens (this one included), the model's choice being the allowed ``token``:
-        ``token`` itself if a completion of the grammar and an end token still fit after it,
-        else the next token of the completion in hand (the grammar's end once complete). The
-        completion in hand fits by induction from the request's admission (budget-aware
-        structured output, docs/decoding.md)."""
-        m, end = self._matcher, self.where[2]
-        if token == end or token in self.ends or m.is_stopped():
-            return token
-        plan = self._plan(left)
-        after = m.deep_copy()
-        after.consume_token(int(token))
-        if after.is_accepting():
-            rest = []
-        elif plan and plan[0] == token:
-            rest = plan[1:]
-        else:
-            trial = after.deep_copy()
-            rest = plan if trial.consume_tokens(plan) and trial.is_accepting() else (
-                shortest_completion(after, compiler_for(*self.where).table, left - 2))
-        if rest is not None and len(rest) + 1 <= left - 1:
-            self._approved = (int(token), rest)
-            return int(token)
-        if not plan:
-            return end
-        self._approved = (plan[0], plan[1:])
-        return plan[0]
+    def _is_end(self, token: int) -> bool:
+        return token == self.where[2] or token in self.ends
 
-    def _plan(self, left: int) -> list[int]:
-        """The completion in hand: one that, with an end token, fits in ``left`` positions."""
-        if self.plan is None:
-            found = shortest_completion(self._matcher, compiler_for(*self.where).table, left - 1)
-            if found is None:
-                raise ConstraintError(f"no completion of the constraint fits in the {left} "
-                                      "positions left")
-            self.plan = found
-        return self.plan
+    def _next_plan(self, token: int) -> list[int] | None:
+        """The plan after ``token`` at the next position: [] once the grammar accepts; the
+        plan's rest if ``token`` is its next; the plan itself if it still completes the
+        grammar after ``token``; else the shortest completion a search finds that, with an end
+        token, fits the positions then left (None: none)."""
+        m = self._matcher
+        if self._is_end(token) or m.is_stopped():
+            return []
+        after = m.deep_copy()
+        if not after.consume_token(int(token)):
+            return None
+        plan = self.plan or []
+        if after.is_accepting():
+            return []
+        if plan and plan[0] == token:
+            return plan[1:]
+        trial = after.deep_copy()
+        if plan and trial.consume_tokens(plan) and trial.is_accepting():
+            return plan
+        left = self.max_tokens - self.consumed - 1  # positions after this one
+        return shortest_completion(after, compiler_for(*self.where).table, left - 1)
+
+    def fit(self, token: int) -> int:
+        """The token to take at the next response position, the model's choice being the
+        allowed ``token``: ``token`` itself if a completion of the grammar and an end token
+        still fit in the positions after it, else the plan's next token (the grammar's end
+        once complete). The plan fits by induction from the request's admission."""
+        if self.max_tokens is None or self._is_end(token) or self._matcher.is_stopped():
+            return token
+        left = self.max_tokens - self.consumed - 1
+        rest = self._next_plan(token)
+        if rest is not None and len(rest) + 1 <= left:
+            self._next = (self.consumed, int(token), rest)
+            return int(token)
+        if not self.plan:
+            return self.where[2]
+        return self.plan[0]
 
     def allowed(self, vocab_size: int) -> np.ndarray:
         """Which tokens may come next, as a bool array over the vocabulary; once the grammar
@@ -307,8 +321,10 @@ class GrammarState:
         m = self._matcher
         if token in self.ends:  # a stop id where EOS was allowed: the grammar's EOS
             token = self.where[2]
+        if self.max_tokens is not None:  # before the matcher moves: the plan reads its state
+            known, self._next = self._next, None
+            self.plan = (known[2] if known is not None and known[:2] == (self.consumed, token)
+                         else self._next_plan(token))
         if not m.is_stopped() and not m.consume_token(int(token)):
             raise ConstraintError(f"the grammar rejected token {token}: {m.get_error()}")
         self.consumed += 1
-        approved, self._approved = self._approved, None
-        self.plan = approved[1] if approved is not None and approved[0] == token else None

@@ -198,7 +198,7 @@ class CanvasGrammar:
                 continue
             allowed = torch.from_numpy(g.allowed(processed.shape[1])).to(processed.device)
             token = int(processed[i].masked_fill(~allowed, float("-inf")).argmax())
-            token = g.fit(token, self.max_tokens - self.offset - i)
+            token = g.fit(token)
             g.consume(token)
             out.append(token)
         return torch.tensor(out, dtype=torch.int64, device=processed.device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+from sangam.decoding.completion import MAX_SEARCH_STATES
 from sangam.decoding.grammar import (
     MAX_COMPLETION_TOKENS,
     Constraint,
@@ -92,26 +93,26 @@ def _grammar(loaded: LoadedModel, params: SamplingParams) -> GrammarState | None
     constraint = Constraint.of(params.structured_outputs)
     compiler = loaded.grammar_compiler()
     compiler.compile(constraint)  # cached: the server compiled it off its event loop
-    grammar = GrammarState(constraint, loaded.tokenizer_path, compiler.vocab_size,
-                           compiler.eos_token_id, ends=stop_ids_of(params, loaded.stop_ids))
-    grammar.plan = constraint_budget(compiler, constraint, params.max_tokens)
-    return grammar
+    check_constraint_budget(compiler, constraint, params.max_tokens)
+    return GrammarState(constraint, loaded.tokenizer_path, compiler.vocab_size,
+                        compiler.eos_token_id, ends=stop_ids_of(params, loaded.stop_ids),
+                        max_tokens=params.max_tokens)
 
 
-def constraint_budget(compiler: GrammarCompiler, constraint: Constraint,
-                      max_tokens: int) -> list[int]:
-    """The shortest output of ``constraint`` (cached per constraint), refused unless it and
-    an end token fit in ``max_tokens``: a constrained response always ends complete
+def check_constraint_budget(compiler: GrammarCompiler, constraint: Constraint,
+                            max_tokens: int) -> None:
+    """Refuse ``constraint`` unless its shortest output (cached per constraint) and an end
+    token fit in ``max_tokens``: a constrained response always ends complete
     (docs/decoding.md, "Structured output")."""
     start = compiler.start_completion(constraint)
     if start is None:
-        raise ValueError(f"structured_outputs: no output of the constraint was found within "
-                         f"{MAX_COMPLETION_TOKENS} tokens")
+        raise ValueError(f"structured_outputs: the search for the constraint's shortest output "
+                         f"(up to {MAX_COMPLETION_TOKENS} tokens, {MAX_SEARCH_STATES} states) "
+                         "found none")
     if len(start) + 1 > max_tokens:
         raise ValueError(f"structured_outputs: the constraint needs max_tokens of at least "
                          f"{len(start) + 1} (its shortest output is {len(start)} tokens, then "
                          f"an end token); max_tokens is {max_tokens}")
-    return list(start)
 
 
 def family_refusals(cfg: ModelConfig) -> dict[str, str]:
