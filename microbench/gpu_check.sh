@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU run, in one script: the kernel and CUDA-graph tests in bf16 on CUDA (the
 # mixture-of-experts kernels' among them, GeGLU experts and per-query key bounds too),
-# DiffusionGemma's demo decoded on the device, `sangam-bench kernels` (with its MoE rows) and
+# DiffusionGemma's demo decoded on the device and a random-weight DiffusionGemma of Gemma 4
+# 26B-A4B's geometry served, `sangam-bench kernels` (with its canvas and MoE rows) and
 # `graphs`, a receiving worker killed mid-transfer under NCCL and tensor parallelism over two
 # GPUs (two GPUs only: each skips in seconds on one), `sangam-bench calibrate` (the simulator's coefficients), an end-to-end `sangam-bench serve` on a
 # random-weight model of LLaDA-8B's shape (deficit tau=1024 against fastdllm on a short
@@ -9,7 +10,7 @@
 # calibration and the serve run's step profile, against the measured latencies.
 #
 # Usage: microbench/gpu_check.sh [--dry-run] [OUTDIR]   (default OUTDIR ./gpu-results)
-# On the GPU it takes at most 10 minutes: each step is cut by `timeout`, 570 s in all, and
+# On the GPU it takes at most 10 minutes: each step is cut by `timeout`, 565 s in all, and
 # building the C++ extension 30 s (on one GPU, about 90 s less: the two-GPU steps skip).
 # --dry-run runs every step on the CPU at tiny shapes (the Triton interpreter; the tests
 # collected, not run) with the serving extras the GPU machine lacks made unimportable: what
@@ -47,6 +48,8 @@ if [ "$DRY" = 1 ]; then
   SIM_ENGINE=(--block-length 8 --token-budget 64 --num-pages 512 --max-batch-size 16)
   TP_DEVICE=(--device cpu)
   GEMMA=(--device cpu --dtype float32 --torch-threads 1)
+  GEMMA_SERVE=(--model sangam-demo-gemma --device cpu --torch-threads 1 --num-pages 256
+               --token-budget 64 --length-scale 0.03)
 else
   unset TRITON_INTERPRET  # compiled kernels on CUDA tensors
   # The C++ host extension (an ignored build output, so not in a fresh copy): built in place
@@ -63,6 +66,10 @@ else
   SIM_ENGINE=("${ENGINE[@]}")
   TP_DEVICE=()
   GEMMA=(--device cuda --dtype bfloat16)
+  # Four canvases a forward and 8K positions: what one H100 holds beside the weights
+  # (docs/memory.md).
+  GEMMA_SERVE=(--model "$OUT/gemma-26b" --load-format dummy --max-batch-size 4
+               --max-model-len 8192 --length-scale 0.5)
 fi
 
 {
@@ -125,11 +132,11 @@ done
 
 # Each benchmark rewrites its JSON after each suite or run, so a cut one keeps what it measured.
 # The kernels' suites include moe: LLaDA2.0-mini's and -flash's experts (--moe-models).
-step kernels 80 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
+step kernels 75 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
 step graphs 45 "${BENCH[@]}" graphs --json "$OUT/graphs.json"
 # A receiving worker killed mid-transfer under NCCL: the survivor goes on (two GPUs and pyzmq
 # needed; on one GPU it prints why it skips and exits 0).
-step nccl-fault 55 "$PY" microbench/nccl_transfer_fault.py
+step nccl-fault 45 "$PY" microbench/nccl_transfer_fault.py
 # Tensor parallelism over two GPUs: shards joined by NCCL all-reduces against the whole model,
 # TP1 against TP2 forward time at LLaDA-8B's shape, and the engine at TP2 where pyzmq is (two
 # GPUs; on one it prints why it skips; the dry run checks the same on CPU over gloo).
@@ -138,10 +145,18 @@ step tp 45 "$PY" microbench/tp_check.py "${TP_DEVICE[@]}"
 # canvas rows' per-query key bounds in the Triton attention, its GeGLU experts in fused_moe.
 step gemma 20 "${BENCH[@]}" quality --model sangam-demo-gemma "${GEMMA[@]}" \
   --num-instances 24 --entropy-bounds 0.5 --denoising-steps 16 --json "$OUT/gemma.json"
+# DiffusionGemma at its release geometry (Gemma 4 26B-A4B's, assumed; random weights, 47 GiB
+# in bf16): canvases of 256 through the 256- and 512-wide attention and 128 GeGLU experts,
+# served (the dry run serves the demo instead: no 26B model is built on a CPU).
+if [ "$DRY" = 0 ]; then
+  step gemma-config 10 "$PY" scripts/diffusion_gemma_26b_config.py "$OUT/gemma-26b"
+fi
+step gemma-serve 40 "${BENCH[@]}" serve "${GEMMA_SERVE[@]}" --num-requests 8 --qps 2 \
+  --out "$OUT/gemma-serve"
 step model 20 "$PY" -m sangam.testing "$OUT/model" "${SHAPE[@]}"
-step calibrate 40 "${BENCH[@]}" calibrate --model "$OUT/model" --load-format dummy \
+step calibrate 30 "${BENCH[@]}" calibrate --model "$OUT/model" --load-format dummy \
   "${CALIBRATE[@]}" --out "$OUT/calibration.json"
-step serve 100 "${BENCH[@]}" serve --model "$OUT/model" --load-format dummy "${ENGINE[@]}" \
+step serve 70 "${BENCH[@]}" serve --model "$OUT/model" --load-format dummy "${ENGINE[@]}" \
   --policies deficit,fastdllm --unmasking topk --tokens-per-step 3 --cache dual \
   "${TRACE[@]}" --out "$OUT/serve"
 step sim 30 "${BENCH[@]}" sim --gpu h200 --model calibrated "${SIM_ENGINE[@]}" \

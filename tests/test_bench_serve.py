@@ -97,3 +97,26 @@ def test_compare_specs_take_request_overrides(llada_path, tmp_path, capsys):
     assert "threshold" in capsys.readouterr().out
     with pytest.raises(ValueError, match="bad override"):
         main(["serve", "--model", llada_path, "--compare", "not_a_field=1"])
+
+
+def test_serve_a_uniform_state_model(tmp_path, capsys):
+    """DiffusionGemma (the Gemma demo): its requests take its own denoising defaults and whole
+    canvases (24 positions each: every canvas decoded, ignore-eos); a masked decoding flag is
+    refused by name."""
+    out = tmp_path / "gemma"
+    flags = ["serve", "--model", "sangam-demo-gemma", "--device", "cpu", "--dtype", "float32",
+             "--num-pages", "256", "--torch-threads", "1", "--num-requests", "4", "--qps", "20",
+             "--length-scale", "0.03"]
+    threads = torch.get_num_threads()
+    try:
+        assert main([*flags, "--out", str(out)]) == 0
+        with pytest.raises(SystemExit, match="--unmasking"):
+            main([*flags, "--unmasking", "topk"])
+    finally:
+        torch.set_num_threads(threads)
+    capsys.readouterr()
+    with open(out / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4
+    assert all(int(r["canvas_tokens"]) % 24 == 0 and int(r["forwards"]) >= 1 for r in rows)
+    assert json.loads((out / "profile.json").read_text())["block_length"] == 24

@@ -10,8 +10,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_SHARDS = ("tests-attention", "tests-moe", "tests-kernels", "tests-engine")
-STEPS = (*TEST_SHARDS, "kernels", "graphs", "nccl-fault", "tp", "gemma", "model", "calibrate",
-         "serve", "sim")
+STEPS = (*TEST_SHARDS, "kernels", "graphs", "nccl-fault", "tp", "gemma", "gemma-serve",
+         "model", "calibrate", "serve", "sim")
 
 
 def test_gpu_check_dry_run_runs_every_step(tmp_path):
@@ -26,6 +26,9 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     # DiffusionGemma's demo decoded its held-out tasks.
     gemma = json.loads((out / "gemma.json").read_text())
     assert gemma["num_instances"] == 24 and len(gemma["modes"]) == 1
+    # ...and served a trace, canvas by canvas (the GPU run: the 26B-A4B geometry, dummy).
+    served = json.loads((out / "gemma-serve" / "results.json").read_text())
+    assert served["summaries"][0]["num_requests"] == 8
     # The test lists name tests that exist (a renamed test would be 'not found' on the GPU),
     # and every kernel test file is in one shard.
     logs = {name: (out / f"{name}.log").read_text() for name in TEST_SHARDS}

@@ -253,6 +253,27 @@ def test_docs_memory_table_is_current():
     assert memory_table("h200") in (ROOT / "docs" / "memory.md").read_text()
 
 
+def test_docs_diffusion_gemma_rows_are_current(tmp_path):
+    """docs/memory.md's DiffusionGemma rows are what ``sangam-bench memory --model-config``
+    prints for the script's config (written by transformers' DiffusionGemmaConfig)."""
+    import subprocess
+    import sys
+
+    from sangam.bench.memory import config_plan, read_config_json
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "diffusion_gemma_26b_config.py"),
+                    str(tmp_path)], check=True, capture_output=True)
+    raw = read_config_json(str(tmp_path))
+    doc = (ROOT / "docs" / "memory.md").read_text()
+    for gpu, seats, context in (("h100", 4, 40960), ("h200", 16, 32768)):
+        p = config_plan(raw, gpu, EngineConfig(max_batch_size=seats, max_model_len=context))
+        row = (f"| {gpu.upper()} | {seats} | {context:,} | {p.reserved.total / mp.GIB:.1f} GiB | "
+               f"{p.num_pages:,} ({p.pool_tokens:,}) |")
+        assert row in doc, row
+    with pytest.raises(ValueError, match="no room"):  # the refused row
+        config_plan(raw, "h100", EngineConfig(max_batch_size=16, max_model_len=32768))
+
+
 def test_slice_edits_edits_the_rows_alike():
     rng = np.random.default_rng(0)
     edits = LogitEdits(np.array([0, 2, 5]), np.array([4, 1, 3]), np.array([0, 1, 2, 2]),
@@ -298,5 +319,36 @@ def test_a_uniform_state_models_worst_forward_is_its_canvases(tmp_path):
     narrow = dataclasses.replace(cfg, gemma=dataclasses.replace(cfg.gemma, full_head_dim=8))
     assert mp.layer_token_bytes(cfg, torch.float32) > mp.layer_token_bytes(narrow,
                                                                            torch.float32)
-    fused = mp.reserve(cfg, torch.float32, worst, 64, "triton", ()).scoring
-    assert fused == mp.scoring_bytes(cfg, torch.float32, 4 * CANVAS, fused=False)
+    scoring = mp.reserve(cfg, torch.float32, worst, 64, "triton", ()).scoring
+    assert scoring == mp.uniform_scoring_bytes(cfg, torch.float32, 4 * CANVAS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_canvas_step_fits_the_uniform_scoring_reservation(tmp_path, dtype):
+    """The measured peak of a uniform-state batch's scoring — the LM head over two canvases'
+    rows, then each canvas's step and self-conditioning in turn, as the model runner commits
+    them — is within ``uniform_scoring_bytes``, and not far below it (a vocabulary large
+    beside the canvas, as DiffusionGemma's 262,144 is beside its 256)."""
+    from sangam.decoding.uniform import Canvas, denoise_step
+    from sangam.models.loader import load_model
+    from sangam.sampling_params import UniformStateParams
+    from tests.test_diffusion_gemma import CANVAS, write_checkpoint
+
+    path = write_checkpoint(tmp_path / "dg", vocab_size=4096)
+    model = load_model(path, dtype="float64" if dtype == torch.float64 else "float32")
+    cfg = read_config(path)
+    rows = 2 * CANVAS
+    hidden = torch.randn(rows, cfg.hidden_size, dtype=dtype)
+    params = UniformStateParams(max_denoising_steps=4, entropy_bound=1.0, t_min=0.4, t_max=0.8,
+                                stability_threshold=1, confidence_threshold=0.005)
+    canvases = [Canvas.start(7, i, CANVAS, cfg.vocab_size, torch.device("cpu"))
+                for i in range(2)]
+    with PeakBytes() as peak:
+        logits = model.logits(hidden, torch.arange(rows))
+        for i, canvas in enumerate(canvases):
+            processed = denoise_step(canvas, logits[i * CANVAS:(i + 1) * CANVAS], params, 7)
+            canvas.soft = model.soft_embeddings(processed)
+            del processed
+    reserved = mp.uniform_scoring_bytes(cfg, dtype, rows)
+    assert peak.peak <= reserved
+    assert peak.peak >= reserved * 0.7, (peak.peak, reserved)

@@ -10,6 +10,11 @@ Under ``--tensor-parallel-size N`` (and ``--enable-expert-parallel``) the plan i
 its shard of the weights, its KV heads' pages, its activations::
 
     sangam-bench memory --model-shape llada2-flash --tp 8 --enable-expert-parallel
+
+``--model-config CHECKPOINT`` plans a checkpoint's shape from its config.json alone (any
+architecture Sangam serves, DiffusionGemma's among them: no registry shape of it is shipped)::
+
+    sangam-bench memory --model-config path/to/checkpoint --gpu h100
 """
 
 from __future__ import annotations
@@ -39,8 +44,12 @@ def shape_plan(key: str, gpu: str = "h200", engine: EngineConfig | None = None) 
     """The memory plan of registry shape ``key`` (``MODEL_SHAPES``) served with ``engine``'s
     flags (default: the defaults) on one ``gpu``, nothing else on it: under tensor
     parallelism, rank 0's (the widest vocabulary shard)."""
+    return config_plan(real_shape_config(key), gpu, engine)
+
+
+def config_plan(raw: dict, gpu: str = "h200", engine: EngineConfig | None = None) -> MemoryPlan:
+    """``shape_plan`` of the shape a config.json (``raw``) states."""
     device = torch.device("cuda")
-    raw = real_shape_config(key)
     cfg = parse_config(raw)
     with tempfile.TemporaryDirectory() as path:  # what --load-format dummy reads: config.json
         (Path(path) / "config.json").write_text(json.dumps(raw))
@@ -58,24 +67,38 @@ def shape_plan(key: str, gpu: str = "h200", engine: EngineConfig | None = None) 
 
 
 def memory_table(gpu: str = "h200", keys: tuple[str, ...] = TABLE_SHAPES,
-                 engine: EngineConfig | None = None) -> str:
-    """A Markdown table of :func:`shape_plan` for each shape."""
+                 engine: EngineConfig | None = None,
+                 configs: tuple[str, ...] = ()) -> str:
+    """A Markdown table of :func:`shape_plan` for each registry shape, then of
+    :func:`config_plan` for each checkpoint directory of ``configs``."""
     lines = ["| Model | Weights | Reserved activations | KV pool pages (tokens) | "
              "Max concurrent canvases |", "|---|---:|---:|---:|---:|"]
-    for key in keys:
-        p = shape_plan(key, gpu, engine)
-        lines.append(f"| {MODEL_SHAPES[key].name} | {p.weights / GIB:.1f} GiB | "
+    plans = [(MODEL_SHAPES[key].name, shape_plan(key, gpu, engine)) for key in keys]
+    plans += [(Path(path).name, config_plan(read_config_json(path), gpu, engine))
+              for path in configs]
+    for name, p in plans:
+        lines.append(f"| {name} | {p.weights / GIB:.1f} GiB | "
                      f"{p.reserved.total / GIB:.1f} GiB | {p.num_pages:,} ({p.pool_tokens:,}) "
                      f"| {p.max_canvases} x {p.context:,} tokens |")
     return "\n".join(lines)
 
 
+def read_config_json(path: str) -> dict:
+    """A checkpoint directory's config.json (or the file itself)."""
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    return json.loads(file.read_text())
+
+
 def run(args: argparse.Namespace) -> int:
     engine = EngineConfig.from_cli_args(args)
-    print(memory_table(args.gpu, tuple(args.model_shape or TABLE_SHAPES), engine))
+    configs = tuple(args.model_config or ())
+    keys = tuple(args.model_shape or (() if configs else TABLE_SHAPES))
+    print(memory_table(args.gpu, keys, engine, configs))
     if args.verbose:
-        for key in args.model_shape or TABLE_SHAPES:
+        for key in keys:
             print(f"{key}: {shape_plan(key, args.gpu, engine).describe()}")
+        for path in configs:
+            print(f"{path}: {config_plan(read_config_json(path), args.gpu, engine).describe()}")
     return 0
 
 
@@ -85,6 +108,9 @@ def register(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-shape", action="append", choices=sorted(MODEL_SHAPES),
                    help=f"a registry shape (repeatable; default: {', '.join(TABLE_SHAPES)})")
+    p.add_argument("--model-config", action="append", metavar="CHECKPOINT",
+                   help="a checkpoint directory (or its config.json) whose shape to plan, "
+                        "weights not read (repeatable; instead of the registry shapes)")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h200",
                    help="the GPU assumed (its memory as torch.cuda.mem_get_info reports it)")
     p.add_argument("--verbose", action="store_true",

@@ -76,6 +76,7 @@ class Prepared:
     prompt: list[int] | str
     prompt_len: int
     params: SamplingParams
+    canvas: int | None = None  # a uniform-state model's canvas length (its blocks)
 
 
 @dataclasses.dataclass
@@ -85,12 +86,26 @@ class RunResult:
     extra: dict  # mean batch size, iterations, failures
 
 
+# What a uniform-state model (DiffusionGemma) refuses: the masked family's decoding flags, by
+# their dest (the engine's request-default flags and this command's own).
+MASKED_DECODING_FLAGS = ("block_length", "unmasking", "threshold", "cache", "refresh_interval",
+                         "prompt_refresh_interval", "refresh_confidence", "tokens_per_step",
+                         "temperature")
+
+
 # Preparing requests.
 def sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams:
+    if getattr(args, "canvas_length", None):  # uniform-state: the checkpoint's own defaults
+        return SamplingParams(max_tokens=max_tokens, stop_at_eos=not args.ignore_eos)
     return SamplingParams(max_tokens=max_tokens, block_length=args.block_length,
                           unmasking=args.unmasking, threshold=args.threshold, cache=args.cache,
                           tokens_per_step=args.tokens_per_step, temperature=args.temperature,
                           stop_at_eos=not args.ignore_eos)
+
+
+def grid(args: argparse.Namespace) -> int:
+    """The block grid requests' lengths keep to: the block length, or the model's canvas."""
+    return getattr(args, "canvas_length", None) or args.block_length
 
 
 def prepare(trace: Sequence[TraceRequest], args: argparse.Namespace, vocab: int,
@@ -100,7 +115,7 @@ def prepare(trace: Sequence[TraceRequest], args: argparse.Namespace, vocab: int,
     trace = with_shared_prompts(trace, args.shared_prefix, args.samples, vocab,
                                 args.trace_seed + 3, mask_id)
     rng = np.random.default_rng(args.trace_seed + 2)
-    b = args.block_length
+    b = grid(args)
     out = []
     for i, t in enumerate(trace):
         gen = t.gen_len
@@ -117,7 +132,8 @@ def prepare(trace: Sequence[TraceRequest], args: argparse.Namespace, vocab: int,
             if mask_id is not None:
                 ids[ids == mask_id] = (mask_id + 1) % vocab
             prompt = ids.tolist()
-        out.append(Prepared(i, t.arrival_time, prompt, len(prompt), sampling_params(args, gen)))
+        out.append(Prepared(i, t.arrival_time, prompt, len(prompt), sampling_params(args, gen),
+                            getattr(args, "canvas_length", None)))
     return out
 
 
@@ -127,7 +143,8 @@ def _record(p: Prepared, arrival: float, finish: float, ttfb: float | None,
     return {"id": p.index, "arrival": arrival, "finish": finish, "latency": finish - arrival,
             "ttfb": ttfb, "queueing": queueing, "decode": decode, "transfer": None,
             "forwards": forwards, "prompt_len": p.prompt_len, "gen_len": p.params.max_tokens,
-            "canvas_tokens": None if blocks is None else blocks * p.params.block_length,
+            "canvas_tokens": None if blocks is None else blocks * (
+                p.params.block_length if p.canvas is None else p.canvas),
             "threshold": _mean(thresholds or ())}  # its blocks' mean: load-adaptive only
 
 
@@ -232,7 +249,7 @@ def _release_device_memory() -> None:
 def _warm_up(engine, args: argparse.Namespace, vocab: int) -> None:
     """One short request first, so one-time costs (allocations, kernel compilation) are not
     charged to the first measured request."""
-    engine.add_request("warmup", [min(2, vocab - 1)] * 4, sampling_params(args, args.block_length))
+    engine.add_request("warmup", [min(2, vocab - 1)] * 4, sampling_params(args, grid(args)))
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -347,10 +364,12 @@ class Bench:
     """Everything needed to run one (configuration, QPS) point."""
 
     def __init__(self, args: argparse.Namespace):
-        defaults = SamplingParams()  # the engine's request-default flags, else SamplingParams'
-        for name in ("block_length", "unmasking", "threshold", "cache"):
-            if getattr(args, name) is None:
-                setattr(args, name, getattr(defaults, name))
+        args.canvas_length = None if args.url else uniform_canvas(args)
+        if args.canvas_length is None:
+            defaults = SamplingParams()  # the engine's request-default flags, else its own
+            for name in ("block_length", "unmasking", "threshold", "cache"):
+                if getattr(args, name) is None:
+                    setattr(args, name, getattr(defaults, name))
         self.args = args
         self.factory = None if args.url else EngineFactory()
         self.specs = {} if args.url else compare_specs(args)
@@ -403,6 +422,26 @@ class Bench:
         return summary, res
 
 
+def uniform_canvas(args: argparse.Namespace) -> int | None:
+    """The canvas length of ``--model`` if it is a uniform-state model (DiffusionGemma), whose
+    requests take its own denoising defaults; its masked decoding flags given are refused."""
+    from sangam.engine.loaded_model import checkpoint_path
+    from sangam.models import read_config
+
+    gemma = read_config(checkpoint_path(EngineConfig.from_cli_args(args))).gemma
+    if gemma is None:
+        return None
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    defaults = vars(parser.parse_args([]))
+    given = [n for n in MASKED_DECODING_FLAGS if getattr(args, n) != defaults[n]]
+    if given:
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        raise SystemExit(f"{flags}: masked-diffusion options; {args.model} is a uniform-state "
+                         "model (its requests take its generation_config's denoising options)")
+    return gemma.canvas_length
+
+
 def capacity_probe(args: argparse.Namespace) -> Callable[[float, str], dict]:
     """For ``sangam-bench capacity``: (qps, label) -> summary of one real run."""
     _set_threads(args)
@@ -446,7 +485,7 @@ def write_serve_outputs(args: argparse.Namespace, bench: Bench, summaries: list[
     """results.json, the CSVs, the plot and (in-process) profile.json under ``args.out``."""
     report = {"kind": "serve", "url": args.url, "trace": args.trace,
               "length_scale": args.length_scale, "configs": bench.configs,
-              "sampling": dataclasses.asdict(sampling_params(args, args.block_length)),
+              "sampling": dataclasses.asdict(sampling_params(args, grid(args))),
               "summaries": summaries}
     paths = write_outputs(args.out, report, summaries, records)
     by_config: dict[str, list[dict]] = {}
@@ -463,7 +502,7 @@ def write_serve_outputs(args: argparse.Namespace, bench: Bench, summaries: list[
 
         path = os.path.join(args.out, "profile.json")
         with open(path, "w") as f:  # all configurations together, and each one's own
-            json.dump({"block_length": args.block_length, **hist(bench.steps),
+            json.dump({"block_length": grid(args), **hist(bench.steps),
                        "configs": {label: hist(steps)
                                    for label, steps in bench.steps_by_config.items() if steps}},
                       f, indent=2)

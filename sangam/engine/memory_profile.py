@@ -18,6 +18,8 @@ Parts of the reservation (:class:`Reservation`):
 - scoring: the LM head's logits of every row the batch scores, their first scoring (the fused
   kernel's few bytes a row, or the reference ``score_logits``), and one chunk of full
   rescoring (``rescore_chunk_rows``: the model runner rescores in chunks of that many rows);
+  a uniform-state model's instead (``uniform_scoring_bytes``): every canvas row's whole
+  logits, and one canvas's step at a time;
 - graphs: each captured CUDA-graph runner's private pool (its largest batch's forward);
 - workspace: cuBLAS / Triton workspaces and the caching allocator's slack.
 """
@@ -35,9 +37,10 @@ from sangam.models import ModelConfig
 from sangam.sched.block_cursor import BlockCursor
 
 GIB = 1 << 30
-# An H200 (141 GB of HBM3e nominal) as torch.cuda.mem_get_info reports it: about 139.8 GiB.
+# An H200 (141 GB of HBM3e nominal) as torch.cuda.mem_get_info reports it: about 139.8 GiB;
+# an H100 SXM (80 GB of HBM3): about 79.2 GiB.
 H200_MEMORY_BYTES = int(139.8 * GIB)
-GPUS = {"h200": H200_MEMORY_BYTES}
+GPUS = {"h200": H200_MEMORY_BYTES, "h100": int(79.2 * GIB)}
 # cuBLAS and Triton workspaces, split-KV partials, and the caching allocator's rounding and
 # fragmentation: what no formula here follows.
 WORKSPACE_BYTES = 512 << 20
@@ -177,6 +180,32 @@ def scoring_bytes(cfg: ModelConfig, dtype: torch.dtype, rows: int, fused: bool) 
     return head + max(first, min(rows, rescore_chunk_rows(cfg.vocab_size, dtype)) * per_row)
 
 
+# A uniform-state model's LM head holds three fp32 copies of its rows' logits at its peak (the
+# projection, the cast or the division by the cap, the tanh); a canvas's step
+# (``decoding/uniform.py``'s ``denoise_step``, then its self-conditioning) at most this many
+# fp32 [C, V] tensors beside the batch's logits: the processed logits, the probabilities, the
+# entropy's normalised logits, its probabilities and their product; and its fp64 Gumbel draws,
+# one chunk of rows at a time, this many [rows, V] copies (the noise, its hash words, the
+# probabilities' logarithm, their sum). Measured: tests/test_memory_profile.py.
+UNIFORM_HEAD_COPIES = 3
+UNIFORM_STEP_CANVAS_COPIES = 5
+UNIFORM_GUMBEL_COPIES = 5
+
+
+def uniform_scoring_bytes(cfg: ModelConfig, dtype: torch.dtype, rows: int) -> int:
+    """A uniform-state model's LM head over ``rows`` canvas rows and its steps: the larger of
+    the head's peak and the steps' — every row's fp32 logits, kept while each request steps
+    its canvas in turn, and the largest step, one canvas's."""
+    from sangam.decoding.uniform import _GUMBEL_ROWS
+
+    e, v, canvas = torch.empty((), dtype=dtype).element_size(), cfg.vocab_size, \
+        cfg.gemma.canvas_length
+    head = rows * (e * cfg.hidden_size + UNIFORM_HEAD_COPIES * 4 * v + 64)
+    step = (rows * 4 * v + UNIFORM_STEP_CANVAS_COPIES * canvas * v * 4
+            + UNIFORM_GUMBEL_COPIES * min(_GUMBEL_ROWS, canvas) * v * 8)
+    return max(head, step)
+
+
 @dataclass(frozen=True)
 class Reservation:
     """Bytes set aside for activations, by what they are for."""
@@ -235,9 +264,10 @@ def reserve(cfg: ModelConfig, dtype: torch.dtype, worst: WorstForward, tokens: i
     forward = forward_bytes(cfg, dtype, tokens)
     if backend == "torch":
         forward += reference_attention_bytes(cfg, dtype, worst.longest)
-    # A uniform-state model's rows come back whole, in fp32, and are stepped on: no fused pass.
-    scoring = scoring_bytes(cfg, dtype, min(worst.rows, tokens),
-                            fused=backend == "triton" and cfg.gemma is None)
+    if cfg.gemma is not None:  # rows come back whole, in fp32, and each canvas steps on them
+        scoring = uniform_scoring_bytes(cfg, dtype, min(worst.rows, tokens))
+    else:
+        scoring = scoring_bytes(cfg, dtype, min(worst.rows, tokens), fused=backend == "triton")
     graphs = sum(forward_bytes(cfg, dtype, n) for n in graph_tokens)
     return Reservation(forward, scoring, graphs, WORKSPACE_BYTES, transfers)
 
