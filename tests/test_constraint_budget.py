@@ -133,7 +133,8 @@ UNBOUNDED = [
 REGEXES = [r"[a-z]+(,[a-z]+)*", r"\d+(\.\d+)?", r"(ab|cd)*e+"]
 
 
-def _valid(so: SO, text: str) -> bool:
+def valid(so: SO, text: str) -> bool:
+    """Whether ``text`` is in the language of ``so`` (a JSON schema, a regex or a choice)."""
     import re
 
     if so.kind == "json":
@@ -142,7 +143,9 @@ def _valid(so: SO, text: str) -> bool:
         except (ValueError, jsonschema.ValidationError):
             return False
         return True
-    return re.fullmatch(so.regex, text) is not None
+    if so.kind == "regex":
+        return re.fullmatch(so.regex, text) is not None
+    return text in so.choice
 
 
 @settings(max_examples=12, deadline=None, phases=[Phase.explicit, Phase.generate],
@@ -171,7 +174,7 @@ def test_unbounded_constraints_end_complete_within_small_budgets(rand, demo, whi
     for i, so in enumerate(sos):
         out = done[f"c{i}"]
         assert out.finish_reason == "stop", (so, out.text, out.finish_reason)
-        assert _valid(so, out.text), (so, out.text)
+        assert valid(so, out.text), (so, out.text)
     assert engine.pool.allocator.num_free == engine.pool.num_pages
 
 
@@ -205,4 +208,4 @@ def test_the_plan_is_a_function_of_the_committed_tokens(demo):
         committed.append(token)
     assert live.done() and replaced > 0  # the budget bound, and ended the output in time
     text = demo.text.tokenizer.decode([t for t in committed if t != compiler.eos_token_id])
-    assert _valid(so, text), text
+    assert valid(so, text), text

@@ -5,15 +5,12 @@ batched, and across worker processes with a worker killed mid-run."""
 
 from __future__ import annotations
 
-import json
 import random
-import re
 
-import jsonschema
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from test_constraint_budget import UNBOUNDED
+from test_constraint_budget import UNBOUNDED, valid
 from test_engine import staggered_outputs
 from test_structured_output import CHOICES, REGEXES, SCHEMAS
 
@@ -36,18 +33,6 @@ def gemma(tmp_path_factory) -> LoadedModel:
                             vocab_size=len(GEMMA_VOCAB))
     write_tokenizer(path, layout="gemma")
     return LoadedModel.load(EngineConfig(model=str(path), device="cpu", dtype="float64"))
-
-
-def _valid(so: SO, text: str) -> bool:
-    if so.kind == "json":
-        try:
-            jsonschema.validate(json.loads(text), json.loads(so.json))
-        except (ValueError, jsonschema.ValidationError):
-            return False
-        return True
-    if so.kind == "regex":
-        return re.fullmatch(so.regex, text) is not None
-    return text in so.choice
 
 
 def _minimum(loaded: LoadedModel, so: SO) -> int:
@@ -89,7 +74,7 @@ def test_every_canvas_output_parses_and_validates(gemma, schema, regex, choice, 
     for i, so in enumerate(sos):
         out = done[f"c{i}"]
         assert out.finish_reason == "stop", (so, out.text, out.finish_reason)
-        assert _valid(so, out.text), (so, out.text)
+        assert valid(so, out.text), (so, out.text)
         assert len(out.token_ids) < budgets[i]
     assert engine.pool.allocator.num_free == engine.pool.num_pages
 
