@@ -26,27 +26,31 @@ MAX_SEARCH_STATES = 20_000
 
 
 class TokenTable:
-    """Per token id: its first byte (-1: no bytes, a special token) and its length in bytes."""
+    """The vocabulary as the search reads it: every token id with bytes, ordered by (first
+    byte, length, id), and where each first byte's run starts in that order."""
 
     def __init__(self, tokens: list[bytes]):
-        self.first_byte = np.array([t[0] if t else -1 for t in tokens], dtype=np.int16)
-        self.num_bytes = np.array([len(t) for t in tokens], dtype=np.int32)
+        first = np.array([t[0] if t else -1 for t in tokens], dtype=np.int16)
+        length = np.array([len(t) for t in tokens], dtype=np.int32)
+        ids = np.flatnonzero(first >= 0)  # special tokens (no bytes) are never candidates
+        self.order = ids[np.lexsort((ids, length[ids], first[ids]))]
+        self.first_byte = first[self.order]
+        self.vocab_size = len(tokens)
 
     def representatives(self, mask: bytes) -> np.ndarray:
         """The allowed tokens of ``mask`` (llguidance's bitmask), one per first byte: the
-        shortest (the lowest id among equals), in first-byte order."""
+        shortest (the lowest id among equals), in first-byte order; an escape or a non-ASCII
+        first byte only when nothing else is allowed (neither shortens a completion where a
+        plain byte would do)."""
         bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
-        n = min(len(bits), len(self.first_byte))
-        ids = np.flatnonzero(bits[:n])
-        ids = ids[self.first_byte[ids] >= 0]
-        order = np.lexsort((ids, self.num_bytes[ids], self.first_byte[ids]))
-        ids = ids[order]
-        first = self.first_byte[ids]
-        keep = np.ones(len(ids), dtype=bool)
-        keep[1:] = first[1:] != first[:-1]
-        ids, first = ids[keep], first[keep]
-        # An escape or a non-ASCII byte never shortens a completion where a plain byte would
-        # do: taken only when nothing else is allowed.
+        allowed = np.zeros(self.vocab_size, dtype=bool)
+        n = min(len(bits), self.vocab_size)
+        allowed[:n] = bits[:n]
+        hit = np.flatnonzero(allowed[self.order])  # allowed positions in (byte, length) order
+        first = self.first_byte[hit]
+        keep = np.ones(len(hit), dtype=bool)
+        keep[1:] = first[1:] != first[:-1]  # each byte's first allowed: its shortest
+        ids, first = self.order[hit[keep]], first[keep]
         plain = (first != ord("\\")) & (first < 0x80)
         return ids[plain] if plain.any() else ids
 
