@@ -162,3 +162,28 @@ def test_structured_output_through_the_api(tmp_path):
         with pytest.raises(openai.BadRequestError, match="max_tokens of at least"):
             client.chat.completions.create(model="dg", messages=messages, max_tokens=8,
                                            tools=tools, tool_choice="required")
+
+
+def test_two_hundred_constrained_canvases_at_once(gemma):
+    """200 requests in one engine (a default-sized batch cap), a third unconstrained, the rest
+    under schemas, regexes and choices at budgets from their minimum up: every constrained one
+    ends with a stop and validates, and every page comes back."""
+    rng = random.Random(7)
+    forms = [SO(json=UNBOUNDED[i]) for i in range(len(UNBOUNDED))] + [
+        SO(regex=r"[a-z]+(,[a-z]+)*"), SO(choice=["red", "green", "blue"])]
+    engine = Engine(EngineConfig(model=gemma.path, device="cpu", dtype="float64", page_size=4,
+                                 num_pages=4096, token_budget=512), gemma)
+    sos = {}
+    for i in range(200):
+        prompt = [rng.randrange(3, 60) for _ in range(rng.randrange(2, 20))]
+        if i % 3 == 0:
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=16, seed=i))
+            continue
+        so = sos[f"r{i}"] = rng.choice(forms)
+        budget = _minimum(gemma, so) + rng.randrange(0, 24)
+        engine.add_request(f"r{i}", prompt, _params(i, so, budget, 500))
+    done = _run(engine, [])
+    assert len(done) == 200
+    for rid, so in sos.items():
+        assert done[rid].finish_reason == "stop" and valid(so, done[rid].text), (so, done[rid])
+    assert engine.pool.allocator.num_free == engine.pool.num_pages
