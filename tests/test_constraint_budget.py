@@ -209,3 +209,20 @@ def test_the_plan_is_a_function_of_the_committed_tokens(demo):
     assert live.done() and replaced > 0  # the budget bound, and ended the output in time
     text = demo.text.tokenizer.decode([t for t in committed if t != compiler.eos_token_id])
     assert valid(so, text), text
+
+
+def test_an_end_the_budget_forces_before_min_tokens_fails_that_request(rand):
+    """min_tokens = max_tokens leaves the grammar no position for its end: where the budget
+    would force it, the request ends with an error that says so (it is never cut silently);
+    its neighbour finishes."""
+    engine = Engine(EngineConfig(model=rand.path, device="cpu", dtype="float64", page_size=8,
+                                 num_pages=64), rand)
+    engine.add_request("bad", [5, 6], SamplingParams(
+        max_tokens=4, min_tokens=4, block_length=8, structured_outputs=SO(regex=r"[0-9]+")))
+    engine.add_request("good", [5, 6], SamplingParams(max_tokens=8, block_length=8))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert done["bad"].finish_reason == "error" and "min_tokens" in done["bad"].error
+    assert done["good"].finish_reason in ("stop", "length")
+    assert engine.pool.allocator.num_free == engine.pool.num_pages

@@ -123,6 +123,10 @@ class Frontier:
             if fitted != token:  # the completion's token, so that the output ends in time
                 if n:  # only the frontier takes it in the model's stead
                     break
+                if grammar.is_end(fitted) and pos - c.prompt_len < p.min_tokens:
+                    raise ConstraintError(f"the constraint must end at position "
+                                          f"{pos - c.prompt_len} of the response to fit "
+                                          f"max_tokens, before min_tokens ({p.min_tokens})")
                 token = fitted
                 score = float(torch.softmax(row[0].double(), -1)[token])
             st.tokens[pos] = token

@@ -259,7 +259,8 @@ class GrammarState:
         """Whether the grammar is complete with nothing more allowed: only its end follows."""
         return self._matcher.is_stopped()
 
-    def _is_end(self, token: int) -> bool:
+    def is_end(self, token: int) -> bool:
+        """Whether ``token`` ends the response (the grammar's EOS or a stop id)."""
         return token == self.where[2] or token in self.ends
 
     def _next_plan(self, token: int) -> list[int] | None:
@@ -268,7 +269,7 @@ class GrammarState:
         grammar after ``token``; else the shortest completion a search finds that, with an end
         token, fits the positions then left (None: none)."""
         m = self._matcher
-        if self._is_end(token) or m.is_stopped():
+        if self.is_end(token) or m.is_stopped():
             return []
         after = m.deep_copy()
         if not after.consume_token(int(token)):
@@ -289,7 +290,7 @@ class GrammarState:
         allowed ``token``: ``token`` itself if a completion of the grammar and an end token
         still fit in the positions after it, else the plan's next token (the grammar's end
         once complete). The plan fits by induction from the request's admission."""
-        if self.max_tokens is None or self._is_end(token) or self._matcher.is_stopped():
+        if self.max_tokens is None or self.is_end(token) or self._matcher.is_stopped():
             return token
         left = self.max_tokens - self.consumed - 1
         rest = self._next_plan(token)
