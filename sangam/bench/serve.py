@@ -61,7 +61,7 @@ from sangam.bench.traces import (
     with_shared_prompts,
 )
 from sangam.config import EngineConfig
-from sangam.sampling_params import SamplingParams
+from sangam.sampling_params import MASKED_ONLY_FIELDS, SamplingParams
 
 DEFAULT_NUM_REQUESTS = 50
 HTTP_PROMPT_VOCAB = 100  # random prompt ids for a server stay below this: valid in any vocab
@@ -84,13 +84,6 @@ class RunResult:
     records: list[dict]
     steps_per_block: Counter
     extra: dict  # mean batch size, iterations, failures
-
-
-# What a uniform-state model (DiffusionGemma) refuses: the masked family's decoding flags, by
-# their dest (the engine's request-default flags and this command's own).
-MASKED_DECODING_FLAGS = ("block_length", "unmasking", "threshold", "cache", "refresh_interval",
-                         "prompt_refresh_interval", "refresh_confidence", "tokens_per_step",
-                         "temperature")
 
 
 # Preparing requests.
@@ -434,7 +427,7 @@ def uniform_canvas(args: argparse.Namespace) -> int | None:
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     defaults = vars(parser.parse_args([]))
-    given = [n for n in MASKED_DECODING_FLAGS if getattr(args, n) != defaults[n]]
+    given = [n for n in MASKED_ONLY_FIELDS if n in defaults and getattr(args, n) != defaults[n]]
     if given:
         flags = ", ".join("--" + n.replace("_", "-") for n in given)
         raise SystemExit(f"{flags}: masked-diffusion options; {args.model} is a uniform-state "

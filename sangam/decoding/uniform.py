@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from sangam.decoding.state import DecodeState
 
 UNIFORM_TAG = 0x5EED7A6E  # separates the uniform draws' keys from the Gumbel ones
-_GUMBEL_ROWS = 32  # rows of [rows, V] fp64 noise made at a time: bounds the sampler's memory
+GUMBEL_ROWS = 32  # rows of [rows, V] fp64 noise made at a time: bounds the sampler's memory
 
 
 def temperature(params: UniformStateParams, step: int, device: torch.device) -> torch.Tensor:
@@ -78,10 +78,10 @@ def categorical(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """One sample per row of ``probs`` ``[R, V]``: argmax(log p + G), G the Gumbel noise of
     each row's key, in fp64 (rows in chunks, to bound the noise's memory)."""
     out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
-    for lo in range(0, probs.shape[0], _GUMBEL_ROWS):
-        p = probs[lo:lo + _GUMBEL_ROWS].to(torch.float64)
-        g = gumbel_noise(keys[lo:lo + _GUMBEL_ROWS], p.shape[1], torch.float64)
-        out[lo:lo + _GUMBEL_ROWS] = (p.log() + g).argmax(-1)
+    for lo in range(0, probs.shape[0], GUMBEL_ROWS):
+        p = probs[lo:lo + GUMBEL_ROWS].to(torch.float64)
+        g = gumbel_noise(keys[lo:lo + GUMBEL_ROWS], p.shape[1], torch.float64)
+        out[lo:lo + GUMBEL_ROWS] = (p.log() + g).argmax(-1)
     return out
 
 
@@ -137,11 +137,10 @@ class Canvas:
 
 
 def denoise_step(canvas: Canvas, logits: torch.Tensor, params: UniformStateParams,
-                 seed: int, grammar: CanvasGrammar | None = None) -> torch.Tensor:
+                 seed: int) -> torch.Tensor:
     """Apply one step's logits (fp32 ``[C, V]``) to ``canvas`` in place (module docstring);
     ``canvas.done`` when adaptive stopping fires or the steps run out. Returns the processed
-    logits (logits / temperature, fp32): the next step's self-conditioning input. With a
-    ``grammar`` (structured output), the canvas ends as ``CanvasGrammar.final`` reads it."""
+    logits (logits / temperature, fp32): the next step's self-conditioning input."""
     device = logits.device
     length, vocab = logits.shape
     j = canvas.steps
@@ -165,8 +164,6 @@ def denoise_step(canvas: Canvas, logits: torch.Tensor, params: UniformStateParam
     canvas.argmax = argmax
     canvas.steps = j + 1
     canvas.done = (stable and confident) or canvas.steps >= params.max_denoising_steps
-    if canvas.done and grammar is not None:
-        canvas.argmax = grammar.final(processed)
     return processed
 
 
@@ -246,13 +243,14 @@ class UniformState:
         c, canvas = st.cursor, st.canvas
         if canvas.tokens.device != logits.device:
             canvas.to(logits.device)
-        grammar = CanvasGrammar(st) if st.grammar is not None else None
-        canvas.processed = denoise_step(canvas, logits, st.canvas_spec.params, st.seed, grammar)
+        canvas.processed = denoise_step(canvas, logits, st.canvas_spec.params, st.seed)
         s, e = c.block_bounds()
         if not canvas.done:
             st.tokens[s:e] = canvas.tokens.cpu().numpy()
             c.advance(block_done=False, finished=False)
             return False
+        if st.grammar is not None:  # structured output: the canvas read under the grammar
+            canvas.argmax = CanvasGrammar(st).final(canvas.processed)
         st.tokens[s:e] = canvas.argmax.cpu().numpy()
         canvas.processed = None  # the canvas is over: nothing conditions on it
         response = st.tokens[c.prompt_len:min(e, c.prompt_len + st.params.max_tokens)]

@@ -196,13 +196,13 @@ def uniform_scoring_bytes(cfg: ModelConfig, dtype: torch.dtype, rows: int) -> in
     """A uniform-state model's LM head over ``rows`` canvas rows and its steps: the larger of
     the head's peak and the steps' — every row's fp32 logits, kept while each request steps
     its canvas in turn, and the largest step, one canvas's."""
-    from sangam.decoding.uniform import _GUMBEL_ROWS
+    from sangam.decoding.uniform import GUMBEL_ROWS
 
     e, v, canvas = torch.empty((), dtype=dtype).element_size(), cfg.vocab_size, \
         cfg.gemma.canvas_length
     head = rows * (e * cfg.hidden_size + UNIFORM_HEAD_COPIES * 4 * v + 64)
     step = (rows * 4 * v + UNIFORM_STEP_CANVAS_COPIES * canvas * v * 4
-            + UNIFORM_GUMBEL_COPIES * min(_GUMBEL_ROWS, canvas) * v * 8)
+            + UNIFORM_GUMBEL_COPIES * min(GUMBEL_ROWS, canvas) * v * 8)
     return max(head, step)
 
 
