@@ -43,7 +43,8 @@ setup(
     ],
     extras_require={
         "dev": ["pytest", "pytest-benchmark", "ruff", "hypothesis", "openai", "httpx",
-                "schemathesis", "jsonschema"],
+                "schemathesis", "jsonschema",
+                "compressed-tensors"],  # writes the FP8 test checkpoints in its own format
     },
     entry_points={
         "console_scripts": [

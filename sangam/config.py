@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from sangam.models.config import QUANTIZATIONS
 from sangam.sampling_params import CACHE_MODES, UNMASKING_RULES, SamplingParams
 from sangam.sched.config import MODES, POLICIES, DeploymentConfig, SchedulerConfig
 
@@ -81,6 +82,10 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata=flag_meta(
         "Model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, float64, bfloat16, "
         "float16", choices=DTYPE_NAMES))
+    quantization: str | None = field(default=None, metadata=flag_meta(
+        "fp8: quantize a full-precision checkpoint's linear layers to FP8 at load (one scale "
+        "per output channel, activations per token and group of 128). FP8 checkpoints "
+        "(quantization_config) need no flag", choices=QUANTIZATIONS))
     attention_backend: str | None = field(default=None, metadata=flag_meta(
         "Attention implementation: triton (GPU default) or torch (CPU default)",
         choices=ATTENTION_BACKENDS))
@@ -206,6 +211,8 @@ class EngineConfig:
              f"device must be 'cpu' or 'cuda', got {self.device!r}")
         need(self.load_format in LOAD_FORMATS,
              f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        need(self.quantization in (None, *QUANTIZATIONS),
+             f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         need(self.dtype in DTYPE_NAMES, f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         need(self.attention_backend in (None, *ATTENTION_BACKENDS),
              f"attention_backend must be one of {ATTENTION_BACKENDS}")

@@ -4,6 +4,11 @@ for ``--load-format dummy``.
 
     python -m sangam.testing DIR                      # a tiny LLaDA checkpoint with weights
     python -m sangam.testing DIR --shape llada --config-only   # LLaDA-8B's config.json only
+    python -m sangam.testing DIR --fp8 fp8-block --from sangam/demo/model_long  # as FP8
+
+FP8 copies are written by the ecosystem's own code: transformers' FineGrainedFP8 quantizer
+(``fp8-block``, DeepSeek-V3's format) and the compressed-tensors library (``ct-*``: its
+FP8_DYNAMIC, FP8 and FP8_BLOCK presets), so the format is theirs, not Sangam's reading of it.
 """
 
 from __future__ import annotations
@@ -142,6 +147,125 @@ def make_tiny_checkpoint(path: str | os.PathLike, arch: str = "llada", seed: int
     return str(path)
 
 
+# --fp8: the writer, and for compressed-tensors its preset scheme.
+FP8_WRITERS = {"fp8-block": None, "ct-channel": "FP8_DYNAMIC", "ct-static": "FP8",
+               "ct-block": "FP8_BLOCK"}
+CHECKPOINT_SIDE_FILES = ("generation_config.json", "special_tokens_map.json", "tokenizer.json",
+                         "tokenizer_config.json", "training.json")
+
+
+def write_fp8_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: str,
+                         calibration_tokens: int = 256) -> str:
+    """``src`` (a full-precision checkpoint) rewritten as FP8 by ``scheme`` (FP8_WRITERS) into
+    ``dst``, its tokenizer and generation files copied. Every projection but the LM head is
+    quantized where the writer can (transformers' skips shapes that are not multiples of its
+    128 x 128 blocks); ``ct-static`` calibrates each layer's input scale on random tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    raw = json.loads((src / "config.json").read_text())
+    cfg = parse_config(raw)
+    model = ARCHITECTURES[cfg.architecture](cfg)
+    state = {}
+    for f in sorted(src.glob("*.safetensors")):
+        state.update(load_file(f))
+    model.load_state_dict(state, strict=True)
+    names = {id(m): n for n, m in model.named_modules()}
+    head = names[id(model.output_head())]
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in CHECKPOINT_SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+    if scheme == "fp8-block":
+        out, qcfg = _transformers_fp8(state, head)
+    else:
+        out, qcfg = _compressed_tensors_fp8(model, FP8_WRITERS[scheme], head,
+                                            calibration_tokens)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps({**raw, "quantization_config": qcfg}, indent=2))
+    return str(dst)
+
+
+def _transformers_fp8(state: dict[str, torch.Tensor], head: str) -> tuple[dict, dict]:
+    """Every 2-D weight but the head's and the embedding's through transformers'
+    ``Fp8Quantize`` (its save path for FineGrainedFP8 models)."""
+    from types import SimpleNamespace
+
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    qcfg = FineGrainedFP8Config(weight_block_size=[128, 128], modules_to_not_convert=[head])
+    quantize = Fp8Quantize(SimpleNamespace(quantization_config=qcfg))
+    out = {}
+    for name, t in state.items():
+        keep = (t.dim() < 2 or name.startswith(f"{head}.") or "norm" in name
+                or name.endswith(("wte.weight", "embed_tokens.weight", "gate.weight")))
+        out.update({name: t} if keep else quantize.convert({name: t}))
+    return out, json.loads(qcfg.to_json_string())
+
+
+def _compressed_tensors_fp8(model: torch.nn.Module, preset: str, head: str,
+                            calibration_tokens: int) -> tuple[dict, dict]:
+    """The model's Linear layers but the head quantized by compressed-tensors' ``preset``:
+    weight scales from each channel's, tensor's or block's range (its ``calculate_qparams``),
+    static input scales from the largest input each layer saw on random tokens, then the
+    library's own compression and config."""
+    import tempfile
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    seen: dict[str, float] = {}
+    hooks = [m.register_forward_pre_hook(
+        lambda m, args, n=n: seen.__setitem__(n, max(seen.get(n, 0.0),
+                                                     float(args[0].abs().max()))))
+        for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    ids = torch.randint(0, model.config.vocab_size, (1, calibration_tokens),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.forward_dense(ids)
+    for h in hooks:
+        h.remove()
+    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(
+        preset, ["Linear"])}, ignore=[head])
+    apply_quantization_config(model, config)
+    for name, m in model.named_modules():
+        scheme = getattr(m, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        w, args = m.weight.detach(), scheme.weights
+        if args.strategy == "channel":
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        elif args.strategy == "tensor":
+            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+        else:  # 128 x 128 blocks, the last ones cut short where a side is not a multiple
+            n, k = w.shape
+            rows, cols = range(0, n, 128), range(0, k, 128)
+            lo = torch.tensor([[w[i:i + 128, j:j + 128].min() for j in cols] for i in rows])
+            hi = torch.tensor([[w[i:i + 128, j:j + 128].max() for j in cols] for i in rows])
+        scale, _ = calculate_qparams(lo, hi, args)
+        m.weight_scale.data.copy_(scale.reshape(m.weight_scale.shape))
+        if hasattr(m, "input_scale"):  # static: the calibration's amax maps to FP8's max
+            # Routed experts never run as Linear modules here: the largest input any layer saw.
+            m.input_scale.data.fill_(seen.get(name, max(seen.values())) / 448.0)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    out = {k: v.contiguous() for k, v in model.state_dict().items()
+           if not k.endswith("zero_point")}
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text("{}")
+        compressor.update_config(d)
+        qcfg = json.loads((Path(d) / "config.json").read_text())["quantization_config"]
+    return out, qcfg
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sangam.testing", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,7 +276,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="a real model's shape instead of the tiny one (implies --config-only)")
     p.add_argument("--config-only", action="store_true",
                    help="write config.json only: load it with --load-format dummy")
+    p.add_argument("--fp8", choices=list(FP8_WRITERS), default=None,
+                   help="write --from's checkpoint as FP8 (needs transformers, or "
+                   "compressed-tensors for ct-*)")
+    p.add_argument("--from", dest="source", default=None,
+                   help="with --fp8: the full-precision checkpoint to quantize")
     args = p.parse_args(argv)
+    if args.fp8:
+        if not args.source:
+            p.error("--fp8 needs --from CHECKPOINT")
+        print(write_fp8_checkpoint(args.source, args.path, args.fp8))
+        return 0
     if args.shape is None and not args.config_only:
         print(make_tiny_checkpoint(args.path, args.arch))
         return 0

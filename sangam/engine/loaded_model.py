@@ -24,6 +24,7 @@ from sangam.models import (
     stop_token_ids,
 )
 from sangam.models.kernel_table import backend_name, kernel_table
+from sangam.models.loader import with_quantization
 from sangam.sampling_params import MASKED_ONLY_FIELDS, UNIFORM_FIELDS, SamplingParams
 
 
@@ -108,8 +109,9 @@ def read_generation_defaults(path: str | Path) -> dict:
 
 
 def check_deployment(cfg: EngineConfig, model_config: ModelConfig, path: str | Path) -> None:
-    """Raise for a server flag this model cannot take: a uniform-state model (DiffusionGemma)
-    has no masked-diffusion options."""
+    """Raise for a server flag this model cannot take: ``--quantization`` on a checkpoint
+    quantized already; a uniform-state model's (DiffusionGemma) masked-diffusion options."""
+    with_quantization(model_config, cfg.quantization)  # raises where the flag cannot apply
     masked = sorted(set(cfg.request_defaults()) & set(MASKED_ONLY_FIELDS))
     if model_config.gemma is not None and masked:
         raise CheckpointError(f"{path}: {model_config.architecture} (uniform-state diffusion): "
@@ -137,9 +139,9 @@ class LoadedModel:
         device = torch.device(cfg.device or default_device())
         check_deployment(cfg, read_config(path), path)  # before reading the weights
         model = load_model(path, device, None if cfg.dtype == "auto" else cfg.dtype,
-                           cfg.load_format, shard)
+                           cfg.load_format, shard, cfg.quantization)
         model.attention_backend = make_attention_backend(cfg.attention_backend, device)
-        p = next(model.parameters())
+        p = model.head_weight()  # never FP8: the model's dtype
         return cls.around(cfg, path, model, model.config, p.device, p.dtype)
 
     @classmethod

@@ -237,3 +237,69 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         act = act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
         per_pair[pairs] = (act @ w2[e].to(cdt).T) * topk_weights.reshape(-1)[pairs, None].to(cdt)
     return per_pair.view(num_tokens, k, hidden).sum(1).to(x.dtype)
+
+
+# FP8 (e4m3) linear layers: kernels/fp8_gemm.py and models/quantization.py read these.
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+FP8_GROUP = 128  # input features per activation scale, and the weight blocks' side
+FP8_AMAX_FLOOR = 1e-12  # an all-zero group's amax: its scale stays finite
+# How a layer's activations are quantized: not at all (FP8 weights widened), dynamically per
+# token and group of FP8_GROUP features, or by the checkpoint's static per-tensor scale.
+FP8_ACTIVATIONS = ("none", "dynamic", "static")
+
+
+def quantize_fp8_groups_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ``[M, K]`` -> (float8_e4m3fn ``[M, K]``, fp32 scales ``[M, ceil(K / FP8_GROUP)]``):
+    each token's groups of FP8_GROUP features scaled by their amax / FP8_MAX (in fp32)."""
+    m, k = x.shape
+    groups = -(-k // FP8_GROUP)
+    xf = torch.nn.functional.pad(x.to(torch.float32), (0, groups * FP8_GROUP - k))
+    xf = xf.view(m, groups, FP8_GROUP)
+    scale = xf.abs().amax(-1).clamp(min=FP8_AMAX_FLOOR) / FP8_MAX
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, groups * FP8_GROUP)[:, :k], scale
+
+
+def dequantize_fp8_ref(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                       block: bool) -> torch.Tensor:
+    """FP8 ``weight [..., N, K]`` times its scales, in ``dtype``: per block of FP8_GROUP x
+    FP8_GROUP (``block``: scale ``[..., ceil(N/128), ceil(K/128)]``), else per output channel
+    (scale ``[..., N]`` or ``[..., N, 1]``) or per tensor (one value)."""
+    w = weight.to(dtype)
+    s = scale.to(dtype)
+    if block:
+        n, k = w.shape[-2:]
+        s = s.repeat_interleave(FP8_GROUP, -2)[..., :n, :]
+        s = s.repeat_interleave(FP8_GROUP, -1)[..., :k]
+        return w * s
+    if s.numel() == 1:
+        return w * s.reshape(())
+    return w * s.reshape(*w.shape[:-1], 1)
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
+                   activation: str = "dynamic", input_scale: torch.Tensor | None = None,
+                   block_weights: bool = False, bias: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """:func:`sangam.kernels.fp8_gemm.fp8_linear`'s reference: x's FP8 values and scales as
+    the kernel makes them (``activation``, one of FP8_ACTIVATIONS), times the dequantized
+    weight, in fp32 (fp64 for fp64 x); the result in x's dtype."""
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    k = weight.shape[1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if activation == "dynamic":
+        q, s = quantize_fp8_groups_ref(x2)
+        xd = q.to(cd) * s.to(cd).repeat_interleave(FP8_GROUP, -1)[:, :k]
+    elif activation == "static":
+        s = input_scale.to(torch.float32).reshape(())
+        q = (x2.to(torch.float32) / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        xd = q.to(cd) * s.to(cd)
+    elif activation == "none":
+        xd = x2.to(cd)
+    else:
+        raise ValueError(f"activation must be one of {FP8_ACTIVATIONS}, got {activation!r}")
+    out = (xd @ dequantize_fp8_ref(weight, weight_scale, cd, block_weights).T).to(x.dtype)
+    if bias is not None:
+        out = out + bias.to(x.dtype)
+    return out.view(*lead, weight.shape[0])

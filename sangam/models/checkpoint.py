@@ -6,13 +6,14 @@ written is refused with a ``CheckpointError`` that names it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-from sangam.models.config import CheckpointError, GemmaLayout, ModelConfig, MoeConfig
+from sangam.models.config import CheckpointError, Fp8Format, GemmaLayout, ModelConfig, MoeConfig
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -42,8 +43,94 @@ def _first(x: Any) -> int:
 
 
 def parse_config(cfg: dict[str, Any], source: str | None = None) -> ModelConfig:
-    """Normalise a LLaDA, Dream or SDAR ``config.json`` dict (``source``: the directory it was
-    read from); raise CheckpointError naming the problem."""
+    """Normalise a checkpoint's ``config.json`` dict (``source``: the directory it was read
+    from), its ``quantization_config`` included; raise CheckpointError naming the problem."""
+    quantization = parse_quantization(cfg.get("quantization_config"))
+    return dataclasses.replace(_architecture_config(cfg, source), quantization=quantization)
+
+
+SUPPORTED_QUANTIZATION = ("quant_method 'fp8' (128 x 128 blocks, dynamic activations) and "
+                          "'compressed-tensors' FP8 (float-quantized, 8-bit float weights)")
+
+
+def _refuse_quantization(what: str) -> CheckpointError:
+    return CheckpointError(f"config.json: quantization_config {what} is not supported; Sangam "
+                           f"loads {SUPPORTED_QUANTIZATION}")
+
+
+def parse_quantization(q: Any) -> Fp8Format | None:
+    """The FP8 format of a ``quantization_config`` (None: none given). Anything else (AWQ,
+    GPTQ, int8, bitsandbytes, an FP8 variant not listed in ``SUPPORTED_QUANTIZATION``) is a
+    CheckpointError naming it: read as if unquantized, such weights would answer garbage."""
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise _refuse_quantization(f"{q!r} (not an object)")
+    method = q.get("quant_method")
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        if q.get("activation_scheme", "dynamic") != "dynamic":
+            raise _refuse_quantization(f"activation_scheme {q['activation_scheme']!r} (fp8)")
+        if list(block or ()) != [128, 128]:
+            raise _refuse_quantization(f"weight_block_size {block!r} (fp8)")
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise _refuse_quantization(f"fmt {q['fmt']!r} (fp8: e4m3)")
+        return Fp8Format("fp8", "block", "dynamic")
+    if method != "compressed-tensors":
+        raise _refuse_quantization(f"with quant_method {method!r}")
+    for key in ("kv_cache_scheme", "transform_config", "sparsity_config"):
+        if q.get(key):
+            raise _refuse_quantization(f"{key} {q[key]!r} (compressed-tensors)")
+    if q.get("quantization_status", "compressed") != "compressed":
+        raise _refuse_quantization(f"quantization_status {q['quantization_status']!r} "
+                                   "(compressed-tensors: compressed)")
+    if q.get("format") != "float-quantized":
+        raise _refuse_quantization(f"format {q.get('format')!r} (compressed-tensors: "
+                                   "float-quantized)")
+    groups = list((q.get("config_groups") or {}).values())
+    formats = {_compressed_tensors_group(g) for g in groups}
+    if len(formats) != 1:
+        raise _refuse_quantization(f"config_groups {q.get('config_groups')!r} (compressed-"
+                                   "tensors: one FP8 scheme)")
+    return formats.pop()
+
+
+def _compressed_tensors_group(group: Any) -> Fp8Format:
+    """One compressed-tensors config group as an Fp8Format, or the refusal naming it."""
+    if not isinstance(group, dict) or group.get("output_activations"):
+        raise _refuse_quantization(f"group {group!r} (compressed-tensors)")
+    if group.get("targets") != ["Linear"]:
+        raise _refuse_quantization(f"targets {group.get('targets')!r} (compressed-tensors: "
+                                   "['Linear'])")
+
+    def is_fp8(args: Any) -> bool:
+        return (isinstance(args, dict) and args.get("num_bits") == 8
+                and args.get("type") == "float" and args.get("symmetric", True))
+
+    w, a = group.get("weights"), group.get("input_activations")
+    strategy = w.get("strategy") if isinstance(w, dict) else None
+    if (not is_fp8(w) or w.get("dynamic") or strategy not in ("block", "channel", "tensor")
+            or (strategy == "block" and list(w.get("block_structure") or ()) != [128, 128])):
+        raise _refuse_quantization(f"weights {w!r} (compressed-tensors: FP8 per channel, per "
+                                   "tensor or per 128 x 128 block)")
+    if a is None:
+        activations = "none"
+    elif is_fp8(a) and a.get("dynamic") is True and (
+            a.get("strategy") == "token"
+            or (a.get("strategy") == "group" and a.get("group_size") == 128)):
+        # Per token, or per group of 128 features: Sangam quantizes dynamic activations per
+        # token and group of 128 always (a finer scale than per token; the same kernel).
+        activations = "dynamic"
+    elif is_fp8(a) and a.get("dynamic") is False and a.get("strategy") == "tensor":
+        activations = "static"
+    else:
+        raise _refuse_quantization(f"input_activations {a!r} (compressed-tensors: FP8 dynamic "
+                                   "per token or group of 128, or static per tensor)")
+    return Fp8Format("compressed-tensors", strategy, activations)
+
+
+def _architecture_config(cfg: dict[str, Any], source: str | None) -> ModelConfig:
+    """``parse_config`` without the quantization: the architecture's own keys."""
     archs = cfg.get("architectures")
     if not archs or not isinstance(archs, list):
         raise CheckpointError("config.json has no 'architectures' list")

@@ -87,6 +87,42 @@ class GemmaLayout:
                 f"{self.full_rope_fraction} must all be positive (the factor at most 1)")
 
 
+# The FP8 weight layouts Sangam runs (docs/design.md §6.1): 128 x 128 blocks, one scale per
+# output channel, or one per tensor; and how the activations meet them (FP8_ACTIVATIONS in
+# kernels/reference.py, tested equal).
+FP8_WEIGHTS = ("block", "channel", "tensor")
+FP8_ACTIVATIONS = ("none", "dynamic", "static")
+FP8_METHODS = ("fp8", "compressed-tensors", "online")
+QUANTIZATIONS = ("fp8",)  # --quantization: a full-precision checkpoint quantized at load
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """How a model's FP8 linear layers are stored and run: ``method`` names the checkpoint
+    format (``fp8``: DeepSeek-V3's block-wise ``weight_scale_inv``; ``compressed-tensors``:
+    ``weight_scale`` and a static ``input_scale``; ``online``: quantized at load by
+    ``--quantization fp8``), ``weights`` the scales' granularity and ``activations`` how the
+    inputs are quantized. Which layers are FP8 is read off the checkpoint's tensors."""
+
+    method: str
+    weights: str
+    activations: str
+
+    def __post_init__(self) -> None:
+        if (self.method not in FP8_METHODS or self.weights not in FP8_WEIGHTS
+                or self.activations not in FP8_ACTIVATIONS):
+            raise CheckpointError(f"FP8 format {self} is not one Sangam runs")
+
+    @property
+    def scale_name(self) -> str:
+        """The weight scale's tensor name beside ``weight``."""
+        return "weight_scale_inv" if self.method == "fp8" else "weight_scale"
+
+
+# --quantization fp8: per-channel weights quantized at load, activations per token-group.
+ONLINE_FP8 = Fp8Format("online", "channel", "dynamic")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # one of sangam.models.loader.ARCHITECTURES
@@ -116,6 +152,7 @@ class ModelConfig:
     # (field, value) pairs; the checkpoint's generation_config.json and the flags override them.
     request_defaults: tuple[tuple[str, Any], ...] = ()
     gemma: GemmaLayout | None = None  # DiffusionGemma's layer layout; None: uniform layers
+    quantization: Fp8Format | None = None  # FP8 linear layers; None: weights as stored
 
     @property
     def block_causal(self) -> bool:

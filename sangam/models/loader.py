@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -12,13 +13,26 @@ from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 
 from sangam.models.checkpoint import read_config
-from sangam.models.config import CheckpointError, ModelConfig
+from sangam.models.config import (
+    ONLINE_FP8,
+    QUANTIZATIONS,
+    CheckpointError,
+    Fp8Format,
+    ModelConfig,
+)
 from sangam.models.diffusion_gemma import DiffusionGemmaModel
 from sangam.models.dream import DreamModel
 from sangam.models.llada import LLaDAModel
 from sangam.models.llada2 import LLaDA2Model
 from sangam.models.llada_moe import LLaDAMoeModel
-from sangam.models.sharding import ShardLayout, shard_model
+from sangam.models.quantization import (
+    check_scale,
+    dequantize_stored,
+    fp8_candidates,
+    quantize_per_channel,
+    use_fp8,
+)
+from sangam.models.sharding import Cut, ShardLayout, shard_model
 from sangam.models.transformer import DiffusionLM, compute_dtype
 
 ARCHITECTURES: dict[str, type[DiffusionLM]] = {
@@ -102,6 +116,8 @@ def dummy_model(config: ModelConfig, device: str | torch.device,
     meta device nothing is allocated: what a shard's tensors would weigh, for free."""
     with torch.device("meta"), _SkipInit():
         model = ARCHITECTURES[config.architecture](config).to(dtype)
+        if config.quantization is not None:  # every projection that may be FP8 is
+            use_fp8(model, set(fp8_candidates(model)), config.quantization)
         shard_model(model, shard)
     if torch.device(device).type == "meta":
         return model.eval().requires_grad_(False)
@@ -111,29 +127,63 @@ def dummy_model(config: ModelConfig, device: str | torch.device,
         for name, p in model.named_parameters():
             if "norm" in name or ".ln_f." in name:
                 p.fill_(1.0)
+            elif p.dtype == torch.float8_e4m3fn:  # N(0, 1) values, scaled by 0.02 below
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device))
+            elif name.endswith(("_scale", "_scale_inv")):
+                p.fill_(0.02)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     model.prepare()
     return model.eval().requires_grad_(False)
 
 
+FP8_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None, load_format: str = "auto",
-               shard: ShardLayout = ShardLayout()) -> DiffusionLM:
+               shard: ShardLayout = ShardLayout(),
+               quantization: str | None = None) -> DiffusionLM:
     """Build the architecture named by config.json and load its weights, checking every tensor
     (``load_format="dummy"``: random weights, see :func:`dummy_model`). With a ``shard`` of a
-    tensor-parallel group, only that rank's slices are read from the files."""
+    tensor-parallel group, only that rank's slices are read from the files. An FP8 checkpoint's
+    projections load as ``Fp8Linear``s (docs/design.md §6.1); ``quantization="fp8"`` quantizes
+    a full-precision checkpoint's at load."""
     path = Path(path)
-    config = read_config(path)
+    config = with_quantization(read_config(path), quantization)
     torch_dtype = resolve_dtype(dtype, device)
     if load_format == "dummy":
         return dummy_model(config, device, torch_dtype, shard=shard)
     with torch.device("meta"), _SkipInit():
         model = ARCHITECTURES[config.architecture](config)
-    expected = {k: tuple(t.shape) for k, t in model.state_dict().items()}
-    cuts = shard_model(model, shard)
     files = _tensor_files(path)
-    missing = sorted(set(expected) - set(files))
+    fmt = config.quantization
+    stored_fp8 = _fp8_tensors(files)
+    candidates = fp8_candidates(model)
+    if fmt is None:
+        fp8_names = set()
+    elif fmt.method == "online":
+        fp8_names = set(candidates)
+    else:
+        fp8_names = {n for n in candidates if f"{n}.weight" in stored_fp8}
+    use_fp8(model, fp8_names, fmt)
+    expected = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+    unscaled = sorted(stored_fp8 & set(expected)) if fmt is None else []
+    if unscaled:
+        raise CheckpointError(
+            f"checkpoint {path} stores {unscaled[0]} (and {len(unscaled) - 1} more) as "
+            "float8_e4m3fn, but its config.json has no quantization_config: without their "
+            "scales the weights cannot be read")
+    full_shapes = dict(expected)
+    cuts = shard_model(model, shard)
+    made_here = set()  # online scales: computed from the weights, not read
+    if fmt is not None and fmt.method == "online":
+        made_here = {f"{n}.{fmt.scale_name}" for n in fp8_names}
+    # FP8 tensors no FP8 kernel reads (the routed experts): dequantized as they are read.
+    widen = {n: _scale_of(n, fmt) for n in stored_fp8 & set(expected)
+             if n.removesuffix(".weight") not in fp8_names} if fmt else {}
+    missing = sorted(set(expected) - set(files) - made_here
+                     | {s for s in widen.values() if s not in files})
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(
@@ -142,27 +192,93 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
     state = {}
     by_file: dict[Path, list[str]] = {}
     for name in expected:
-        by_file.setdefault(files[name], []).append(name)
+        if name not in made_here:
+            by_file.setdefault(files[name], []).append(name)
     for f, names in by_file.items():
         with safe_open(f, framework="pt", device=str(torch.device(device))) as h:
             for name in names:
                 shape = tuple(h.get_slice(name).get_shape())
-                if shape != expected[name]:
+                if shape != full_shapes[name]:
                     raise CheckpointError(
                         f"tensor {name} in {f.name} has shape {list(shape)}, but config.json "
-                        f"implies {list(expected[name])}")
+                        f"implies {list(full_shapes[name])}")
                 exact = name.endswith(model.full_precision_tensors)
                 cut = cuts.get(name)
-                if cut is None:
-                    t = h.get_tensor(name)
-                elif 0 in cut.shape(shape):  # an expert another rank holds: nothing to read
-                    t = torch.empty(cut.shape(shape))
+                module, _, attr = name.rpartition(".")
+                if name in widen or (name.endswith(".weight") and module in fp8_names
+                                     and fmt.method == "online"):
+                    t = h.get_tensor(name)  # whole: its scales span the whole tensor
                 else:
-                    t = cut.take(h.get_slice(name))
-                state[name] = t.to(compute_dtype(torch_dtype) if exact else torch_dtype)
+                    t = _read(h, name, shape, cut)
+                    cut = None
+                if name in widen:
+                    scale = _read_scale(files[widen[name]], widen[name], device)
+                    t = dequantize_stored(t, scale, fmt, compute_dtype(torch_dtype))
+                elif module in fp8_names and attr in ("weight", fmt.scale_name, "input_scale"):
+                    if attr == "weight" and fmt.method == "online":
+                        t, scale = quantize_per_channel(t)
+                        state[f"{module}.{fmt.scale_name}"] = _cut(scale, cuts.get(
+                            f"{module}.{fmt.scale_name}"))
+                    elif attr == "weight" and t.dtype != torch.float8_e4m3fn:
+                        raise CheckpointError(f"tensor {name} is {t.dtype}, expected FP8")
+                    elif attr != "weight":
+                        t = check_scale(name, t)
+                    state[name] = _cut(t, cut)
+                    continue
+                state[name] = _cut(t, cut).to(compute_dtype(torch_dtype) if exact
+                                              else torch_dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.prepare()
     return model.eval().requires_grad_(False)
+
+
+def with_quantization(config: ModelConfig, quantization: str | None) -> ModelConfig:
+    """``config`` with ``--quantization``'s format; refused where the checkpoint is quantized
+    already or the name is not one of QUANTIZATIONS."""
+    if quantization is None or config.quantization == ONLINE_FP8:
+        return config
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if config.quantization is not None:
+        raise CheckpointError(f"--quantization {quantization}: the checkpoint is quantized "
+                              f"already ({config.quantization.method}); leave the flag out")
+    return dataclasses.replace(config, quantization=ONLINE_FP8)
+
+
+def _read(h, name: str, shape: tuple[int, ...], cut: Cut | None) -> torch.Tensor:
+    """Tensor ``name`` of the open file ``h``: its ``cut`` only, when it has one."""
+    if cut is None:
+        return h.get_tensor(name)
+    if 0 in cut.shape(shape):  # an expert another rank holds: nothing to read
+        return torch.empty(cut.shape(shape))
+    return cut.take(h.get_slice(name))
+
+
+def _cut(t: torch.Tensor, cut: Cut | None) -> torch.Tensor:
+    return t if cut is None else cut.take(t)
+
+
+def _fp8_tensors(files: dict[str, Path]) -> set[str]:
+    """The checkpoint's tensors stored as float8_e4m3fn (read off the files' headers)."""
+    out = set()
+    for f in set(files.values()):
+        with safe_open(f, framework="pt") as h:
+            out.update(n for n in h.keys() if h.get_slice(n).get_dtype() == FP8_DTYPE)
+    return out
+
+
+def _scale_of(name: str, fmt: Fp8Format) -> str:
+    """The scale tensor of the FP8 tensor ``name``: ``<module>.<scale name>`` beside a
+    ``weight``, else ``<name>_scale_inv`` / ``_scale`` (transformers' name for a stacked
+    expert parameter)."""
+    if name.endswith(".weight"):
+        return f"{name[:-len('weight')]}{fmt.scale_name}"
+    return f"{name}_{fmt.scale_name.removeprefix('weight_')}"
+
+
+def _read_scale(f: Path, name: str, device: str | torch.device) -> torch.Tensor:
+    with safe_open(f, framework="pt", device=str(torch.device(device))) as h:
+        return check_scale(name, h.get_tensor(name))
 
 
 def save_checkpoint(model: DiffusionLM, raw_config: dict, path: str | os.PathLike,

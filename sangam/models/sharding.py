@@ -165,6 +165,7 @@ def shard_model(model: DiffusionLM, layout: ShardLayout) -> dict[str, Cut]:
     if layout.size == 1:
         return {}
     cuts = _cuts(model, layout)
+    cuts.update(_fp8_scale_cuts(model, cuts))
     params = dict(model.named_parameters())
     for name, cut in cuts.items():
         owner, _, attr = name.rpartition(".")
@@ -176,6 +177,34 @@ def shard_model(model: DiffusionLM, layout: ShardLayout) -> dict[str, Cut]:
         if isinstance(module, nn.Linear):
             module.out_features, module.in_features = module.weight.shape
     return cuts
+
+
+def _fp8_scale_cuts(model: DiffusionLM, cuts: dict[str, Cut]) -> dict[str, Cut]:
+    """The scales of each cut FP8 projection, cut with it: per-channel scales with its output
+    rows; 128 x 128 block scales with its rows or columns, which must then fall on block
+    edges (a block split between ranks would need two scales)."""
+    from sangam.kernels.reference import FP8_GROUP
+    from sangam.models.quantization import Fp8Linear
+
+    out = {}
+    for name, m in model.named_modules():
+        cut = cuts.get(f"{name}.weight")
+        if not isinstance(m, Fp8Linear) or cut is None or m.fmt.weights == "tensor":
+            continue
+        scale = f"{name}.{m.fmt.scale_name}"
+        if m.fmt.weights == "channel":
+            if cut.dim == 0:
+                out[scale] = Cut(0, cut.ranges)
+            continue
+        full = m.weight.shape[cut.dim]
+        if any(a % FP8_GROUP or (b % FP8_GROUP and b != full) for a, b in cut.ranges):
+            raise ValueError(
+                f"--tensor-parallel-size {model.shard.size} cannot split the FP8 projection "
+                f"{name}: its slices {list(cut.ranges)} of {full} do not fall on the edges of "
+                f"its {FP8_GROUP} x {FP8_GROUP} scale blocks")
+        out[scale] = Cut(cut.dim, tuple((a // FP8_GROUP, -(-b // FP8_GROUP))
+                                        for a, b in cut.ranges))
+    return out
 
 
 def _cuts(model: DiffusionLM, layout: ShardLayout) -> dict[str, Cut]:
