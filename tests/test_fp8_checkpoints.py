@@ -5,9 +5,9 @@ compressed-tensors FP8 (written by the compressed-tensors library) — as does
 parallelism with FP8 weights gives the one-rank tokens.
 
 The bound: with the same FP8 weights, a model whose activations are quantized per token and
-group of 128 stays within 6% (relative Frobenius norm) of the logits of the model that
-multiplies by the dequantized weights in float64 (e4m3 keeps 3 mantissa bits: ~3% per
-value)."""
+group of 128 stays within 6% (relative Frobenius norm; 10% for a mixture of experts with
+its routing fixed) of the logits of the model that multiplies by the dequantized weights in
+float64 (e4m3 keeps 3 mantissa bits: ~3% per value)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from sangam.testing import FP8_WRITERS, make_tiny_checkpoint, write_fp8_checkpoi
 # of 64 (left full precision by it), and for TP2 slices on 128-edges.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=1)
 BOUND = 0.06
+MOE_BOUND = 0.10  # LLaDA2 (2 layers, a shared expert beside the routed ones), routing fixed
 
 
 @pytest.fixture(scope="module")
@@ -113,22 +114,71 @@ def test_the_kernel_runs_the_loaded_model(fp8, monkeypatch):
     torch.testing.assert_close(model.forward_dense(IDS[:, :17]), want, rtol=1e-4, atol=1e-3)
 
 
-def test_fp8_experts_are_dequantized_at_load(fp8):
-    """LLaDA2's routed experts (stacked for the MoE kernel) hold the checkpoint's FP8 values
-    times their block scales, as transformers dequantizes them; its other projections are
-    Fp8Linear; the model stays within the bound where routing agrees."""
+def test_fp8_experts_run_in_the_fused_moe(fp8, monkeypatch):
+    """LLaDA2's routed experts load as FP8 (transformers' blocks, the same values as its own
+    dequantization), stacked with their scales for fused_moe; the Triton kernel (under the
+    interpreter) gives the reference's logits."""
+    import os
+
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
     path = fp8("llada2", "fp8-block")
-    model = load_model(path, "cpu", "float64")
+    model = load_model(path, "cpu", "float32")
     name = "model.layers.1.mlp.experts.3.down_proj"
     with safe_open(f"{path}/model.safetensors", "pt") as h:
         w, s = h.get_tensor(f"{name}.weight"), h.get_tensor(f"{name}.weight_scale_inv")
-    assert w.dtype == torch.float8_e4m3fn
-    want = _dequantize_fp8_weight(w, s, [128, 128], torch.float64)
-    assert torch.equal(model.get_submodule(name).weight, want)
-    assert isinstance(model.get_submodule("model.layers.1.attention.query_key_value"),
-                      Fp8Linear)
+    expert = model.get_submodule(name)
+    assert isinstance(expert, Fp8Linear) and torch.equal(expert.weight.view(torch.uint8),
+                                                         w.view(torch.uint8))
+    assert torch.equal(expert.dequantized(torch.float32),
+                       _dequantize_fp8_weight(w, s, [128, 128], torch.float32))
+    w13, w2, scales = model.get_submodule("model.layers.1.mlp").stacked()
+    assert w13.dtype == w2.dtype == torch.float8_e4m3fn and scales["block_weights"]
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernel's half needs TRITON_INTERPRET=1")
+    from sangam.models.kernel_table import kernel_table
+
+    moe = model.get_submodule("model.layers.1.mlp")
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1))
+    want = moe(x, kernel_table("torch"))
+    monkeypatch.setattr(Fp8Linear, "gemm", staticmethod(fp8_linear))
+    torch.testing.assert_close(moe(x, kernel_table("triton")), want, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_moe_within_the_bound_where_routing_agrees(fp8):
+    """With routing fixed (each layer routes on the dequantized model's choice), the FP8 MoE
+    model is within MOE_BOUND of its dequantized-weights model (measured 7.8%: each routed
+    token passes three quantized GEMMs a layer, the intermediate quantized too). Unfixed, the
+    gap is 13-18% on these random weights: routing flips between close experts."""
+    path = fp8("llada2", "ct-channel")
+    model = load_model(path, "cpu", "float64")
+    ref = _dequantized(load_model(path, "cpu", "float64"))
+    routes = {}
+
+    def record(name):
+        def hook(module, args, out):
+            routes[name] = out
+        return hook
+
+    def replay(name):
+        def hook(module, args, out):
+            return routes[name]
+        return hook
+
+    for m, fn in ((ref, record), (model, replay)):
+        for n, moe in m.named_modules():
+            if hasattr(moe, "route"):
+                moe.route = _wrap(moe.route, fn(n))
+    want = ref.forward_dense(IDS)
+    assert _rel(model.forward_dense(IDS), want) < MOE_BOUND
+
+
+def _wrap(route, hook):
+    def call(x, kernels=None, *a):
+        out = route(x, kernels) if kernels is not None else route(x)
+        replaced = hook(None, (x,), out)
+        return out if replaced is None else replaced
+    return call
 
 
 def test_online_fp8_and_serving(sources):

@@ -90,7 +90,7 @@ def test_checkpoint_has_the_real_tensor_names(path):
     assert not any(n.startswith("model.layers.0.mlp.experts") for n in names)
     # The experts are stacked once, in place: their weights are views of the stacked tensors.
     moe = model.model.layers[1].mlp
-    w13, w2 = moe.stacked()
+    w13, w2, _ = moe.stacked()
     assert moe.experts[3].up_proj.weight.data_ptr() == w13[3, 32:].data_ptr()
     assert moe.stacked()[0] is w13
 

@@ -34,8 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
+from sangam.kernels.fp8_gemm import _round_to_e4m3
 from sangam.kernels.platform import compiled, max_shared_bytes
-from sangam.kernels.reference import MOE_ACTIVATIONS, check_route_args
+from sangam.kernels.reference import (
+    FP8_AMAX_FLOOR,
+    FP8_GROUP,
+    FP8_MAX,
+    MOE_ACTIVATIONS,
+    check_route_args,
+)
 
 # ----------------------------------------------------------------------------- routing
 
@@ -135,15 +142,30 @@ def moe_route(logits: torch.Tensor, *, top_k: int, score: str, bias: torch.Tenso
 
 # ----------------------------------------------------------------------------- experts
 
+_FMAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
+
+
+@triton.jit
+def _quantize_rows(a):
+    """A [rows, FP8_GROUP] tile as FP8 with one scale per row (its amax / FP8_MAX), as
+    ``fp8_gemm``'s prologue and ``quantize_fp8_groups_ref`` make them."""
+    af = a.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(af), axis=1), _AMAX_FLOOR)
+    s = tl.math.div_rn(amax, tl.full(amax.shape, _FMAX, tl.float32))
+    q = _round_to_e4m3(tl.clamp(tl.math.div_rn(af, s[:, None]), -_FMAX, _FMAX))
+    return q.to(tl.float8e4nv), s
+
 
 @triton.jit(do_not_specialize=["num_pairs"])  # per batch: no variant per token count
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, pairs_ptr, tile_expert_ptr,
+    x_ptr, w_ptr, out_ptr, pairs_ptr, tile_expert_ptr, ws_ptr,
     num_pairs, num_experts, hidden, inter, top_k,
-    s_x, s_we, s_wn, s_out,
+    s_x, s_we, s_wn, s_out, s_wse, s_wsn, up_block,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, GELU_TANH: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, GELU_TANH: tl.constexpr, FP8: tl.constexpr,
+    W_BLOCK: tl.constexpr,
 ):
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
@@ -168,17 +190,35 @@ def _gate_up_kernel(
                 k_ok = offs_k < hidden - k0
                 a_mask = row_ok[:, None] & k_ok[None, :]
                 w_mask = n_ok[:, None] & k_ok[None, :]
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(DOT_DTYPE)
-            wg = tl.load(g_ptrs, mask=w_mask, other=0.0).to(DOT_DTYPE)
-            wu = tl.load(u_ptrs, mask=w_mask, other=0.0).to(DOT_DTYPE)
-            # out_dtype: Triton 3.6 checks the accumulator against it (fp32 by default).
-            acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PREC,
-                           out_dtype=ACC_DTYPE)
-            acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PREC,
-                           out_dtype=ACC_DTYPE)
+            if FP8:  # BLOCK_K is the activations' group: this tile's scale per row
+                aq, a_s = _quantize_rows(tl.load(a_ptrs, mask=a_mask, other=0.0))
+                wg = tl.load(g_ptrs, mask=w_mask, other=0.0)
+                wu = tl.load(u_ptrs, mask=w_mask, other=0.0)
+                part_g = tl.dot(aq, tl.trans(wg)) * a_s[:, None]
+                part_u = tl.dot(aq, tl.trans(wu)) * a_s[:, None]
+                if W_BLOCK:
+                    ws = ws_ptr + e.to(tl.int64) * s_wse + k0 // BLOCK_K
+                    part_g *= tl.load(ws + (offs_n // BLOCK_K) * s_wsn, mask=n_ok)[None, :]
+                    part_u *= tl.load(ws + (up_block + offs_n // BLOCK_K) * s_wsn,
+                                      mask=n_ok)[None, :]
+                acc_g += part_g
+                acc_u += part_u
+            else:
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(DOT_DTYPE)
+                wg = tl.load(g_ptrs, mask=w_mask, other=0.0).to(DOT_DTYPE)
+                wu = tl.load(u_ptrs, mask=w_mask, other=0.0).to(DOT_DTYPE)
+                # out_dtype: Triton 3.6 checks the accumulator against it (fp32 by default).
+                acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PREC,
+                               out_dtype=ACC_DTYPE)
+                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PREC,
+                               out_dtype=ACC_DTYPE)
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
+        if FP8 and not W_BLOCK:  # one scale per output channel: gate rows, then up rows
+            ws = ws_ptr + e.to(tl.int64) * s_wse
+            acc_g *= tl.load(ws + offs_n, mask=n_ok)[None, :]
+            acc_u *= tl.load(ws + inter + offs_n, mask=n_ok)[None, :]
         if GELU_TANH:  # gelu(g) = g * sigmoid(2 * sqrt(2/pi) * (g + 0.044715 g^3)): tanh's form
             inner = 1.5957691216057308 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
             h = acc_g / (1.0 + tl.exp(-inner)) * acc_u
@@ -190,12 +230,12 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, pairs_ptr, tile_expert_ptr, topk_w_ptr,
+    h_ptr, w_ptr, out_ptr, pairs_ptr, tile_expert_ptr, topk_w_ptr, ws_ptr,
     num_pairs, num_experts, hidden, inter,
-    s_h, s_we, s_wn, s_out,
+    s_h, s_we, s_wn, s_out, s_wse, s_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, FP8: tl.constexpr, W_BLOCK: tl.constexpr,
 ):
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
@@ -217,11 +257,23 @@ def _down_kernel(
                 k_ok = offs_k < inter - k0
                 a_mask = row_ok[:, None] & k_ok[None, :]
                 b_mask = n_ok[:, None] & k_ok[None, :]
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(DOT_DTYPE)
-            b = tl.load(b_ptrs, mask=b_mask, other=0.0).to(DOT_DTYPE)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC, out_dtype=ACC_DTYPE)
+            if FP8:
+                aq, a_s = _quantize_rows(tl.load(a_ptrs, mask=a_mask, other=0.0))
+                b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+                part = tl.dot(aq, tl.trans(b)) * a_s[:, None]
+                if W_BLOCK:
+                    ws = ws_ptr + e.to(tl.int64) * s_wse + (offs_n // BLOCK_K) * s_wsn
+                    part *= tl.load(ws + k0 // BLOCK_K, mask=n_ok)[None, :]
+                acc += part
+            else:
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(DOT_DTYPE)
+                b = tl.load(b_ptrs, mask=b_mask, other=0.0).to(DOT_DTYPE)
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC,
+                             out_dtype=ACC_DTYPE)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+        if FP8 and not W_BLOCK:
+            acc *= tl.load(ws_ptr + e.to(tl.int64) * s_wse + offs_n, mask=n_ok)[None, :]
         weight = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(ACC_DTYPE)
         acc = acc * weight[:, None]
         out = out_ptr + pair.to(tl.int64)[:, None] * s_out + offs_n[None, :]
@@ -348,14 +400,19 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, block_m: int | None = None,
-              partial: bool = False, activation: str = "silu") -> torch.Tensor:
+              partial: bool = False, activation: str = "silu",
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block_weights: bool = False) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` in x's dtype, as
     :func:`sangam.kernels.reference.fused_moe_ref`: x ``[T, H]``; w13 ``[E, 2I, H]`` (gate rows,
     then up rows); w2 ``[E, H, I]``; topk_weights ``[T, K]`` (any float dtype) and topk_ids
     ``[T, K]`` (int, each row's experts distinct). ``block_m`` (a power of two >= 16) forces
     the rows per tile. ``partial`` (expert parallelism): ids equal to ``E`` name experts other
     ranks hold, which contribute nothing here. ``activation``: the gate's, one of
-    ``MOE_ACTIVATIONS``. No host sync: safe inside CUDA-graph capture."""
+    ``MOE_ACTIVATIONS``. FP8 experts (float8_e4m3fn w13/w2 with their scales, laid out as
+    :func:`sangam.kernels.reference.dequantize_fp8_experts` reads them): both GEMMs quantize
+    their input rows per group of 128 in the prologue, K tiles of 128. No host sync: safe
+    inside CUDA-graph capture."""
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"expert activation must be one of {MOE_ACTIVATIONS}, got "
                          f"{activation!r}")
@@ -380,6 +437,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_pairs = num_tokens * top_k
     bm = block_m or moe_block_m(num_pairs, num_experts, on_gpu)
     gate_up, down = _gemm_configs(bm, hidden, inter, x.element_size(), dev)
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    if fp8:
+        if w13_scale is None or w2_scale is None or w2.dtype != w13.dtype:
+            raise ValueError("FP8 experts need w13_scale and w2_scale, and FP8 w2")
+        # A K tile is one group of the activations' scales (and one weight block).
+        gate_up = _Gemm(gate_up.block_n, FP8_GROUP, gate_up.num_warps, gate_up.num_stages)
+        down = _Gemm(down.block_n, FP8_GROUP, down.num_warps, down.num_stages)
+        ws13, ws2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
+    else:
+        ws13 = ws2 = w13
+    s13 = (ws13.stride(0), ws13.stride(1) if fp8 and block_weights else 0)
+    s2 = (ws2.stride(0), ws2.stride(1) if fp8 and block_weights else 0)
+    up_block = ws13.shape[1] // 2 if fp8 and block_weights else 0
     pairs, tile_expert = moe_align(topk_ids, num_experts, bm)
     num_tiles = tile_expert.numel()
 
@@ -396,23 +466,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     h = torch.empty(num_tiles * bm, inter, dtype=x.dtype, device=dev)
     _gate_up_kernel[(num_tiles, triton.cdiv(inter, gate_up.block_n))](
-        x, w13, h, pairs, tile_expert,
+        x, w13, h, pairs, tile_expert, ws13,
         num_pairs, num_experts, hidden, inter, top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *s13, up_block,
         BLOCK_M=bm, BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k,
         EVEN_K=hidden % gate_up.block_k == 0, DOT_DTYPE=dot_dtype, DOT_PREC=prec,
-        ACC_DTYPE=acc_dtype, GELU_TANH=activation == "gelu_tanh", num_warps=gate_up.num_warps,
+        ACC_DTYPE=acc_dtype, GELU_TANH=activation == "gelu_tanh", FP8=fp8,
+        W_BLOCK=fp8 and block_weights, num_warps=gate_up.num_warps,
         num_stages=gate_up.num_stages,
     )
     # [T, K, H]; the rows of experts held elsewhere are never written: zeros for them.
     part = (torch.zeros if partial else torch.empty)(num_pairs, hidden, dtype=acc, device=dev)
     _down_kernel[(num_tiles, triton.cdiv(hidden, down.block_n))](
-        h, w2, part, pairs, tile_expert, topk_weights.contiguous(),
+        h, w2, part, pairs, tile_expert, topk_weights.contiguous(), ws2,
         num_pairs, num_experts, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
+        h.stride(0), w2.stride(0), w2.stride(1), part.stride(0), *s2,
         BLOCK_M=bm, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
         EVEN_K=inter % down.block_k == 0, DOT_DTYPE=dot_dtype, DOT_PREC=prec,
-        ACC_DTYPE=acc_dtype, num_warps=down.num_warps, num_stages=down.num_stages,
+        ACC_DTYPE=acc_dtype, FP8=fp8, W_BLOCK=fp8 and block_weights,
+        num_warps=down.num_warps, num_stages=down.num_stages,
     )
     block_h = _pow2_within(hidden, 16, 1024 if on_gpu else 256)
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](

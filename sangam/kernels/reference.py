@@ -195,7 +195,9 @@ def moe_activation(name: str):
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  partial: bool = False, activation: str = "silu") -> torch.Tensor:
+                  partial: bool = False, activation: str = "silu",
+                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                  block_weights: bool = False) -> torch.Tensor:
     """x ``[T, H]``; w13 ``[E, 2I, H]`` (rows 0..I-1: gate_proj, rows I..2I-1: up_proj); w2
     ``[E, H, I]`` (down_proj); topk_weights, topk_ids ``[T, K]`` -> ``[T, H]`` = sum_k w[t,k] *
     w2[e] @ (act(w13[e,:I] @ x[t]) * (w13[e,I:] @ x[t])), e = ids[t,k], act one of
@@ -207,7 +209,12 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     A token routed twice to one expert is an error (the routers never do it), checked except
     while a CUDA graph is being captured (the check reads the device). Ids equal to ``E``
     name experts other ranks hold (expert parallelism) and contribute nothing; ``partial``,
-    which tells the kernel to expect them, is taken for its signature."""
+    which tells the kernel to expect them, is taken for its signature.
+
+    FP8 experts (w13/w2 float8_e4m3fn, with ``w13_scale``/``w2_scale``: see
+    :func:`dequantize_fp8_experts`): both GEMMs' inputs are quantized per token and group of
+    FP8_GROUP features (:func:`quantize_fp8_groups_ref`), the intermediate after its rounding
+    to x's dtype, as the kernel does."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -220,7 +227,11 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if bool(twice.any()):
             raise ValueError("a token is routed to the same expert twice")
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.to(cdt)
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    if fp8:
+        w13 = dequantize_fp8_experts(w13, w13_scale, cdt, block_weights, gate_up=True)
+        w2 = dequantize_fp8_experts(w2, w2_scale, cdt, block_weights)
+    xf = _fp8_groups_dequantized(x, cdt) if fp8 else x.to(cdt)
     flat = topk_ids.reshape(-1).long()
     order = torch.sort(flat, stable=True).indices
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
@@ -235,6 +246,8 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         start += n
         gate_up = xf[pairs // k] @ w13[e].to(cdt).T
         act = act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
+        if fp8:  # the kernel's intermediate: stored in x's dtype, then quantized
+            act = _fp8_groups_dequantized(act.to(x.dtype), cdt)
         per_pair[pairs] = (act @ w2[e].to(cdt).T) * topk_weights.reshape(-1)[pairs, None].to(cdt)
     return per_pair.view(num_tokens, k, hidden).sum(1).to(x.dtype)
 
@@ -303,3 +316,25 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     if bias is not None:
         out = out + bias.to(x.dtype)
     return out.view(*lead, weight.shape[0])
+
+
+def _fp8_groups_dequantized(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as its FP8 values per token and group (:func:`quantize_fp8_groups_ref`) times their
+    scales, in ``dtype``: what an FP8 GEMM multiplies."""
+    q, s = quantize_fp8_groups_ref(x)
+    return q.to(dtype) * s.to(dtype).repeat_interleave(FP8_GROUP, -1)[:, :x.shape[1]]
+
+
+def dequantize_fp8_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                           block: bool, gate_up: bool = False) -> torch.Tensor:
+    """Stacked FP8 expert weights ``[E, N, K]`` in ``dtype``. Block scales: ``[E, ceil(N/128),
+    ceil(K/128)]``, for ``gate_up`` (w13: gate rows, then up rows) the gate's blocks then the
+    up's, each half blocked on its own; per-channel scales: ``[E, N]``."""
+    if not block:
+        return w.to(dtype) * scale.to(dtype)[..., None]
+    if not gate_up:
+        return dequantize_fp8_ref(w, scale, dtype, block=True)
+    half, blocks = w.shape[1] // 2, scale.shape[1] // 2
+    return torch.cat([dequantize_fp8_ref(w[:, :half], scale[:, :blocks], dtype, block=True),
+                      dequantize_fp8_ref(w[:, half:], scale[:, blocks:], dtype, block=True)],
+                     dim=1)

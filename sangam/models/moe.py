@@ -23,7 +23,22 @@ from torch import nn
 
 from sangam.models.config import MoeConfig
 from sangam.models.kernel_table import KernelTable
+from sangam.models.quantization import Fp8Linear
 from sangam.models.transformer import TORCH, compute_dtype
+
+
+def _stack(experts: list, attr: str, half: int) -> torch.Tensor:
+    """Each expert's gate then up ``attr`` as one ``[E, 2 * half, ...]`` tensor."""
+    return torch.stack([torch.cat([getattr(e.gate_proj, attr), getattr(e.up_proj, attr)])
+                        for e in experts])
+
+
+def _repoint(experts: list, attr: str, s13: torch.Tensor, s2: torch.Tensor, half: int) -> None:
+    """Point each expert's ``attr`` at its views of the stacked tensors (no second copy)."""
+    for j, e in enumerate(experts):
+        setattr(e.gate_proj, attr, nn.Parameter(s13[j, :half], requires_grad=False))
+        setattr(e.up_proj, attr, nn.Parameter(s13[j, half:], requires_grad=False))
+        setattr(e.down_proj, attr, nn.Parameter(s2[j], requires_grad=False))
 
 
 class Expert(nn.Module):
@@ -65,8 +80,9 @@ class SparseMoe(nn.Module):
         """Stack the experts now (``DiffusionLM.prepare``), not in the first forward."""
         self.stacked()
 
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) of all experts, stacked once: later calls find expert 0's weight a view
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(w13, w2, the FP8 scales as ``fused_moe`` keywords: empty unless the experts are
+        ``Fp8Linear``) of all experts, stacked once: later calls find expert 0's weight a view
         of w13 and return the same tensors; after weights were replaced or moved they stack
         anew."""
         lo, hi = self.local_experts
@@ -78,15 +94,21 @@ class SparseMoe(nn.Module):
         # Plain tensors even when first called inside a forward's inference mode: they become
         # the parameters' storage.
         with torch.inference_mode(False), torch.no_grad():
-            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
-                               for e in experts])
+            w13 = _stack(experts, "weight", width)
             w2 = torch.stack([e.down_proj.weight for e in experts])
-            for j, e in enumerate(experts):
-                e.gate_proj.weight = nn.Parameter(w13[j, :width], requires_grad=False)
-                e.up_proj.weight = nn.Parameter(w13[j, width:], requires_grad=False)
-                e.down_proj.weight = nn.Parameter(w2[j], requires_grad=False)
-        self.__dict__["_stacked"] = (w13, w2)
-        return w13, w2
+            scales = {}
+            if isinstance(experts[0].gate_proj, Fp8Linear):  # their scales stacked alike
+                name = experts[0].gate_proj.fmt.scale_name
+                block = experts[0].gate_proj.fmt.weights == "block"
+                half = experts[0].gate_proj.scale.shape[0]
+                s13 = _stack(experts, name, half)
+                s2 = torch.stack([e.down_proj.scale for e in experts])
+                _repoint(experts, name, s13, s2, half)
+                scales = {"w13_scale": s13 if block else s13.flatten(1),
+                          "w2_scale": s2 if block else s2.flatten(1), "block_weights": block}
+            _repoint(experts, "weight", w13, w2, width)
+        self.__dict__["_stacked"] = (w13, w2, scales)
+        return w13, w2, scales
 
     def route(self, x: torch.Tensor, kernels: KernelTable = TORCH
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +126,9 @@ class SparseMoe(nn.Module):
         lo, hi = self.local_experts
         if hi - lo < self.moe.num_experts:  # the experts of other ranks: id hi - lo, skipped
             ids = torch.where((ids >= lo) & (ids < hi), ids - lo, hi - lo)
-        w13, w2 = self.stacked()
-        out = kernels.fused_moe(flat, w13, w2, weights, ids, partial=hi - lo < self.moe.num_experts)
+        w13, w2, scales = self.stacked()
+        out = kernels.fused_moe(flat, w13, w2, weights, ids,
+                                partial=hi - lo < self.moe.num_experts, **scales)
         if self.moe.shared_intermediate_size:
             out = out + self.shared_experts(flat)
         return out.view(*lead, x.shape[-1])

@@ -3,10 +3,10 @@ under the checkpoint's tensor names (``Fp8Linear``), which of a model's projecti
 one, and quantizing a weight at load (``--quantization fp8``).
 
 A checkpoint says which layers are FP8 by its tensors' dtypes: a projection whose ``weight``
-is stored as float8_e4m3fn runs as an ``Fp8Linear`` (the LM head and the embedding never do).
-The routed experts' stacked GEMMs have no FP8 kernel yet: FP8 experts are dequantized at load
-into the model's dtype (exact: the values the checkpoint holds), so they cost full-precision
-memory.
+is stored as float8_e4m3fn runs as an ``Fp8Linear`` (the LM head and the embedding never do);
+a mixture of experts stacks its FP8 experts' weights and scales for ``fused_moe``'s FP8 form.
+FP8 tensors that are no projection's (DiffusionGemma's 3-D expert parameters) are
+dequantized at load into the model's dtype: exact values, full-precision memory.
 """
 
 from __future__ import annotations
@@ -86,11 +86,10 @@ def scale_shape(fmt: Fp8Format, out_features: int, in_features: int) -> tuple[in
 
 def fp8_candidates(model: nn.Module) -> dict[str, nn.Linear]:
     """The projections that may run in FP8, by module name: every ``nn.Linear`` but the LM
-    head and the routed experts (stacked for the fused MoE kernel, which reads them in the
-    model's dtype)."""
+    head (routed experts included: the fused MoE kernel has an FP8 form)."""
     head = model.output_head()
     return {name: m for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and m is not head and ".experts." not in f".{name}."}
+            if isinstance(m, nn.Linear) and m is not head}
 
 
 def use_fp8(model: nn.Module, names: set[str], fmt: Fp8Format) -> None:
