@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU run, in one script: the kernel and CUDA-graph tests in bf16 on CUDA (the
-# mixture-of-experts kernels' among them, GeGLU experts and per-query key bounds too),
+# mixture-of-experts kernels' among them, GeGLU experts, per-query key bounds and the FP8
+# GEMM and experts too), the FP8 kernels timed against the bf16 layers they replace,
 # DiffusionGemma's demo decoded on the device and a random-weight DiffusionGemma of Gemma 4
 # 26B-A4B's geometry served, `sangam-bench kernels` (with its canvas and MoE rows) and
 # `graphs`, a receiving worker killed mid-transfer under NCCL and tensor parallelism over two
@@ -132,7 +133,14 @@ done
 
 # Each benchmark rewrites its JSON after each suite or run, so a cut one keeps what it measured.
 # The kernels' suites include moe: LLaDA2.0-mini's and -flash's experts (--moe-models).
-step kernels 75 "${BENCH[@]}" kernels --models llada,dream --json "$OUT/kernels.json"
+step kernels 70 "${BENCH[@]}" kernels --models llada,dream \
+  --suites attention,refresh,canvas,unmask,gather,moe --json "$OUT/kernels.json"
+# FP8: the GEMM at LLaDA-8B's projections and the FP8 experts of LLaDA2.0-flash, against the
+# bf16 layers they replace (on a CPU the kernels step above cross-compiles them already).
+if [ "$DRY" = 0 ]; then
+  step fp8 20 "${BENCH[@]}" kernels --suites fp8 --moe-models llada2-flash \
+    --json "$OUT/kernels-fp8.json"
+fi
 step graphs 45 "${BENCH[@]}" graphs --json "$OUT/graphs.json"
 # A receiving worker killed mid-transfer under NCCL: the survivor goes on (two GPUs and pyzmq
 # needed; on one GPU it prints why it skips and exits 0).
@@ -151,12 +159,12 @@ step gemma 20 "${BENCH[@]}" quality --model sangam-demo-gemma "${GEMMA[@]}" \
 if [ "$DRY" = 0 ]; then
   step gemma-config 10 "$PY" scripts/diffusion_gemma_26b_config.py "$OUT/gemma-26b"
 fi
-step gemma-serve 40 "${BENCH[@]}" serve "${GEMMA_SERVE[@]}" --num-requests 8 --qps 2 \
+step gemma-serve 35 "${BENCH[@]}" serve "${GEMMA_SERVE[@]}" --num-requests 8 --qps 2 \
   --out "$OUT/gemma-serve"
 step model 20 "$PY" -m sangam.testing "$OUT/model" "${SHAPE[@]}"
 step calibrate 30 "${BENCH[@]}" calibrate --model "$OUT/model" --load-format dummy \
   "${CALIBRATE[@]}" --out "$OUT/calibration.json"
-step serve 70 "${BENCH[@]}" serve --model "$OUT/model" --load-format dummy "${ENGINE[@]}" \
+step serve 60 "${BENCH[@]}" serve --model "$OUT/model" --load-format dummy "${ENGINE[@]}" \
   --policies deficit,fastdllm --unmasking topk --tokens-per-step 3 --cache dual \
   "${TRACE[@]}" --out "$OUT/serve"
 step sim 30 "${BENCH[@]}" sim --gpu h200 --model calibrated "${SIM_ENGINE[@]}" \

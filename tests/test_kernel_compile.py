@@ -19,7 +19,7 @@ from sangam.kernels.cross_compile import H200, TARGETS
 MEMORY_BOUND = {"_attn_kernel", "_store_kv_kernel", "_page_copy_kernel", "_score_kernel"}
 KERNELS = {"_attn_kernel", "_merge_splits_kernel", "_store_kv_kernel", "_page_copy_kernel",
            "_score_kernel", "_merge_kernel", "_route_kernel", "_gate_up_kernel", "_down_kernel",
-           "_combine_kernel"}
+           "_combine_kernel", "_fp8_gemm_kernel"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU path times instead")
@@ -54,6 +54,11 @@ def test_serving_launches_compile_for_h200_without_spills(tmp_path):
     assert {b["constants"]["BLOCK_M"] for b in builds if b["kernel"] == "_gate_up_kernel"
             and b["constants"]["GELU_TANH"] == "False"} == {"16", "64"}
     assert any(b["constants"].get("GELU_TANH") == "True" for b in builds)
+    # FP8: the GEMM and both expert GEMMs on FP8 tensor-core instructions.
+    fp8 = [b for b in builds if b["kernel"] == "_fp8_gemm_kernel"
+           or b["constants"].get("FP8") == "True"]
+    assert {b["kernel"] for b in fp8} == {"_fp8_gemm_kernel", "_gate_up_kernel", "_down_kernel"}
+    assert all(b["mma"] != "none" for b in fp8)
     for b in builds:
         assert b["spill_bytes"] == 0, b["text"]
         assert b["shared_bytes"] <= H200.max_shared_bytes, b["text"]

@@ -30,6 +30,8 @@ from sangam.models import config as model_config
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _CPU = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(),
+                                             reason="needs CUDA (not interpreted)")]
 
 
 def _weights(n: int, k: int, block: bool, seed: int = 0):
@@ -61,6 +63,22 @@ def test_kernel_equals_reference(m, n, k, block, activation):
     got, want = fp8_linear(x, w, ws, **kw), fp8_linear_ref(x, w, ws, **kw)
     assert got.shape == want.shape == (m, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("m", [1, 32, 300])
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("activation", FP8_ACTIVATIONS)
+@pytest.mark.parametrize("_gpu", [pytest.param(0, marks=_GPU)])
+def test_kernel_on_cuda_in_bf16(m, block, activation, _gpu):
+    """The compiled kernel (mma.sync and wgmma tiles) against the reference, bf16 x."""
+    w, ws = _weights(384, 520, block, seed=m)
+    x = (torch.randn(m, 520) * 4).to(torch.bfloat16)
+    kw = dict(activation=activation, input_scale=torch.tensor([0.03]), block_weights=block)
+    want = fp8_linear_ref(x, w, ws, **kw)
+    got = fp8_linear(x.cuda(), w.cuda(), ws.cuda(), **{**kw, "input_scale":
+                                                       kw["input_scale"].cuda()})
+    torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2e-2,
+                               atol=2e-2 * float(want.abs().max()))
 
 
 @_CPU
@@ -111,6 +129,54 @@ def test_dequantization_equals_transformers_and_compressed_tensors():
         assert torch.equal(dequantize_fp8_ref(w, scale, torch.float32, block=False), theirs)
 
 
+def _experts(e: int, h: int, i: int, block: bool, seed: int):
+    """FP8 w13 (gate rows then up rows) and w2 with their scales, as SparseMoe stacks them."""
+    gate, sg = _weights(e * i, h, block, seed)
+    up, su = _weights(e * i, h, block, seed + 1)
+    down, sd = _weights(e * h, i, block, seed + 2)
+    w13 = torch.cat([gate.view(e, i, h), up.view(e, i, h)], dim=1)
+    w2 = down.view(e, h, i)
+    if block:  # each expert its own blocks: rescale per expert
+        gen = torch.Generator().manual_seed(seed)
+        bi, bh = -(-i // 128), -(-h // 128)
+        s13 = torch.rand(e, 2 * bi, bh, generator=gen) * 0.01 + 1e-3
+        s2 = torch.rand(e, bh, bi, generator=gen) * 0.01 + 1e-3
+    else:
+        s13 = torch.cat([sg.view(e, i), su.view(e, i)], dim=1)
+        s2 = sd.view(e, h)
+    return w13, w2, s13, s2
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=_CPU),
+                                    pytest.param("cuda", marks=_GPU)])
+@pytest.mark.parametrize("t,h,i,e,k", [(1, 128, 128, 4, 2), (9, 200, 96, 6, 2),
+                                       (17, 256, 320, 8, 3), (5, 64, 48, 8, 1)])
+@pytest.mark.parametrize("block", [False, True])
+def test_fp8_fused_moe_equals_reference(t, h, i, e, k, block, device):
+    """Odd widths (gate/up halves not on 128-edges), one token, experts nobody picks, and
+    experts held by another rank (ids == E, expert parallelism)."""
+    from sangam.kernels import fused_moe, fused_moe_ref
+
+    w13, w2, s13, s2 = _experts(e, h, i, block, seed=t + h)
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=gen) * 3
+    ids = torch.stack([torch.randperm(e - 1, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen)
+    kw = dict(w13_scale=s13, w2_scale=s2, block_weights=block)
+    held = ids.masked_fill(ids == 0, e)  # expert 0 held elsewhere
+    on = {name: t.to(device) for name, t in dict(w13=w13, w2=w2, weights=weights).items()}
+    kw_on = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kw.items()}
+    x_on = x.to(device, torch.bfloat16 if device == "cuda" else torch.float32)
+    for route, partial in ((ids, False), (held, True)):
+        got = fused_moe(x_on, on["w13"], on["w2"], on["weights"], route.to(device),
+                        partial=partial, **kw_on).cpu().float()
+        want = fused_moe_ref(x_on.cpu(), w13, w2, weights, route, partial=partial, **kw).float()
+        # The intermediate is quantized after fp32 sums in another order: now and then one
+        # of its values rounds to the neighbouring FP8 value (1/16 of it) in one of the two.
+        tol = 1e-5 if device == "cpu" else 2e-2
+        torch.testing.assert_close(got, want, rtol=0, atol=tol * float(want.abs().max()))
+
+
 _COMPILE = """
 import dataclasses, json, sys, torch
 from sangam.kernels.fp8_gemm import fp8_linear
@@ -131,23 +197,40 @@ for n, k in ((4096, 4096), (4096, 12288)):  # LLaDA-8B's attention and down proj
                                input_scale=empty(1, dtype=torch.float32), block_weights=block)
                 out += [dataclasses.asdict(b) | {"tokens": tokens, "text": b.describe()}
                         for b in builds]
+from sangam.kernels import fused_moe, moe_route
+for tokens in (64, 2048):  # LLaDA2.0-flash's experts: decode and prefill
+    for block in (True, False):
+        with cross_compiling() as builds:
+            w, ids = moe_route(empty(tokens, 256), top_k=8, score="sigmoid",
+                               bias=empty(256, dtype=torch.float32), n_group=8, topk_group=4)
+            fp8 = torch.float8_e4m3fn
+            s13 = empty(256, 16, 32) if block else empty(256, 2048)
+            s2 = empty(256, 32, 8) if block else empty(256, 4096)
+            fused_moe(empty(tokens, 4096), empty(256, 2048, 4096, dtype=fp8),
+                      empty(256, 4096, 1024, dtype=fp8), w, ids, w13_scale=s13.float(),
+                      w2_scale=s2.float(), block_weights=block)
+        out += [dataclasses.asdict(b) | {"tokens": tokens, "moe": True, "text": b.describe()}
+                for b in builds if "gate_up" in b.kernel or "down" in b.kernel]
 json.dump(out, sys.stdout, default=str)
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU launches these for real")
-def test_fp8_kernel_compiles_for_h200_without_spills():
-    """Decode-sized (16 tokens: mma.sync tiles) and prefill-sized (1024: wgmma) launches in
-    every mode: no spills, within the H200's shared memory; FP8 operands on the tensor
-    cores."""
+def test_fp8_kernels_compile_for_h200_without_spills():
+    """The FP8 GEMM at decode (16 tokens: mma.sync tiles) and prefill sizes (1024: wgmma) in
+    every mode, and the FP8 fused MoE's two GEMMs at LLaDA2.0-flash's expert shapes: no
+    spills, within the H200's shared memory, FP8 operands on the tensor cores."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     builds = json.loads(proc.stdout)
-    assert len(builds) == 24
+    gemms = [b for b in builds if not b.get("moe")]
+    assert len(gemms) == 24 and len(builds) == 32
     for b in builds:
         assert b["spill_bytes"] == 0, b["text"]
         assert b["shared_bytes"] <= H200.max_shared_bytes, b["text"]
         assert 0 < b["registers"] <= 255, b["text"]
+        assert b["mma"] != "none", b["text"]
+    for b in gemms:
         assert b["mma"] == ("wgmma" if b["tokens"] == 1024 else "mma.sync"), b["text"]

@@ -22,6 +22,12 @@ Models: LLaDA-8B (32 query heads / 32 KV heads, head_dim 128), Dream-7B (28 / 4,
              softmax-routed, GeGLU): fused_moe (sort by expert, gate+up, down, top-k combine)
              over the tokens of a decode step, 32 per request x 1, 2, 4, 16, 64 requests
              (TFLOP/s of 2 T K 3 H I flops; routing not included); --moe-models picks the shapes
+  fp8        FP8 weights (128 x 128 block scales, activations quantized per token and group of
+             128 in the prologue): fp8_linear at LLaDA-8B's projections (4096 -> 4096, 4096 ->
+             12288, 12288 -> 4096) over the tokens of 1, 8 and 64 requests' decode steps, and
+             fused_moe's FP8 form at the moe suite's expert shapes (TFLOP/s against the H200's
+             1,979 dense FP8 peak; the reference column is the bf16 layer FP8 replaces:
+             torch's matmul, or fused_moe on bf16 experts)
 
 Each row: kernel time (median, triton.testing.do_bench), achieved GB/s or TFLOP/s and the
 fraction of the H200's peak (4.8 TB/s HBM, 989 TFLOP/s dense bf16), the PyTorch reference's
@@ -61,6 +67,10 @@ from sangam.models.registry import MODEL_SHAPES, ModelShape
 # TFLOP/s of bf16 tensor-core math with 2:4 sparsity, so 989 TFLOP/s dense.
 PEAK_BYTES_PER_S = 4.8e12
 PEAK_FLOPS = 989e12
+PEAK_FP8_FLOPS = 1979e12  # dense FP8 (e4m3) tensor-core math, the same datasheet
+# LLaDA-8B's projections as (name, N outputs, K inputs): what the fp8 suite times.
+FP8_PROJECTIONS = (("attn 4096>4096", 4096, 4096), ("up 4096>12288", 12288, 4096),
+                   ("down 12288>4096", 4096, 12288))
 # The models timed, of sangam.models.registry: name -> (query heads, KV heads, head_dim, layers)
 MODELS = {key: (MODEL_SHAPES[key].num_heads, MODEL_SHAPES[key].num_kv_heads,
                 MODEL_SHAPES[key].head_dim, MODEL_SHAPES[key].num_layers)
@@ -69,7 +79,7 @@ MODELS = {key: (MODEL_SHAPES[key].num_heads, MODEL_SHAPES[key].num_kv_heads,
 CAUSAL_BLOCK = {key: SDAR_BLOCK_SIZE for key in MODELS if MODEL_SHAPES[key].block_causal}
 VOCAB = MODEL_SHAPES["llada"].vocab_size
 PAGE = 16
-SUITES = ("attention", "refresh", "canvas", "unmask", "gather", "moe")
+SUITES = ("attention", "refresh", "canvas", "unmask", "gather", "moe", "fp8")
 # DiffusionGemma's attention layers, by kind: (query heads, KV heads, head_dim, window; None:
 # full). Gemma 4 26B-A4B's text geometry (NVIDIA Megatron-Bridge's Gemma 4 provider: sliding
 # layers head_dim 256 with 8 KV heads, full layers 512 with 2; 16 query heads), assumed to be
@@ -193,9 +203,10 @@ def _flashinfer_attention(q, k_cache, v_cache, table, kv: int, q_per_req: int):
     return lambda: wrapper.run(q, (k_cache, v_cache))
 
 
-def _row(suite, model, shape, ms, work, unit, ref_ms=None, fi_ms=None, err=None) -> dict:
+def _row(suite, model, shape, ms, work, unit, ref_ms=None, fi_ms=None, err=None,
+         peak=None) -> dict:
     rate = work / (ms * 1e-3)
-    peak = PEAK_BYTES_PER_S if unit == "GB/s" else PEAK_FLOPS
+    peak = peak or (PEAK_BYTES_PER_S if unit == "GB/s" else PEAK_FLOPS)
     return {
         "suite": suite, "model": model, "shape": shape, "ms": ms,
         "rate": rate / (1e9 if unit == "GB/s" else 1e12), "unit": unit,
@@ -380,6 +391,62 @@ def _moe_rows(model: str, token_counts, args) -> list[dict]:
     return rows
 
 
+def _fp8_weights(e: int, n: int, k: int, g: torch.Generator):
+    """Random FP8 weights ``[e, n, k]`` with 128 x 128 block scales (N(0, 1/k) overall)."""
+    w = torch.randn(e, n, k, device=DEVICE, generator=g).to(torch.float8_e4m3fn)
+    scale = torch.full((e, -(-n // 128), -(-k // 128)), k ** -0.5, device=DEVICE)
+    return w, scale
+
+
+def _fp8_rows(token_counts, args) -> list[dict]:
+    import functools
+
+    import torch.nn.functional as F
+
+    from sangam.kernels import fused_moe
+    from sangam.kernels.fp8_gemm import fp8_linear
+    from sangam.kernels.reference import dequantize_fp8_experts, dequantize_fp8_ref
+
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    rows = []
+
+    def timed(model: str, shape: str, run, ref, flops: int) -> None:
+        err = (run().float() - ref().float()).abs().max().item()
+        ms, ref_ms = _bench(run, args.warmup, args.rep), _bench(ref, args.warmup, args.rep)
+        rows.append(_row("fp8", model, shape, ms, flops, "TFLOP/s", ref_ms, err=err,
+                         peak=PEAK_FP8_FLOPS))
+        _print_row(rows[-1])
+
+    for name, n, k in FP8_PROJECTIONS:
+        w, scale = _fp8_weights(1, n, k, g)
+        w, scale = w[0], scale[0]
+        w_bf16 = dequantize_fp8_ref(w, scale, torch.bfloat16, block=True)
+        for t in token_counts:
+            x = torch.randn(t, k, device=DEVICE, dtype=torch.bfloat16, generator=g)
+            timed("llada", f"{name} T={t}",
+                  functools.partial(fp8_linear, x, w, scale, block_weights=True),
+                  functools.partial(F.linear, x, w_bf16), 2 * t * n * k)
+    for model in filter(None, args.moe_models.split(",")):
+        m = MOE_MODELS[model]
+        w13, s13 = _fp8_weights(m.experts, 2 * m.inter, m.hidden, g)
+        w2, s2 = _fp8_weights(m.experts, m.hidden, m.inter, g)
+        if m.inter % 128:  # the gate's and the up's blocks each their own
+            s13 = torch.cat([s13[:, :-(-m.inter // 128)]] * 2, dim=1)
+        b13 = dequantize_fp8_experts(w13, s13, torch.bfloat16, True, gate_up=True)
+        b2 = dequantize_fp8_experts(w2, s2, torch.bfloat16, True)
+        bias = 0.1 * torch.randn(m.experts, device=DEVICE, generator=g)
+        for t in token_counts:
+            x = torch.randn(t, m.hidden, device=DEVICE, dtype=torch.bfloat16, generator=g)
+            weights, ids = m.route(torch.randn(t, m.experts, device=DEVICE, generator=g), bias)
+            timed(model, f"moe T={t} E={m.experts} k={m.top_k}",
+                  functools.partial(fused_moe, x, w13, w2, weights, ids, w13_scale=s13,
+                                    w2_scale=s2, block_weights=True, activation=m.activation),
+                  functools.partial(fused_moe, x, b13, b2, weights, ids,
+                                    activation=m.activation),
+                  2 * t * m.top_k * 3 * m.hidden * m.inter)
+    return rows
+
+
 _HEADER = (f"{'suite':<9} {'model':<12} {'shape':<26} {'ms':>8} {'rate':>16} {'%peak':>6} "
            f"{'ref ms':>8} {'x ref':>6} {'fi ms':>8} {'x fi':>6} {'err':>8}")
 
@@ -419,6 +486,11 @@ class Shapes:
         requests (the engine's smallest shared step)."""
         return tuple(STEP_QUERIES * r for r in sorted({2, *self.batches}))
 
+    @property
+    def fp8_tokens(self) -> tuple[int, ...]:
+        """The fp8 suite's token counts: decode steps of 1, 8 and 64 requests."""
+        return tuple(STEP_QUERIES * r for r in (1, 8, 64))
+
 
 STEP_QUERIES = 32
 GATHER_TOKENS = 1024
@@ -452,6 +524,9 @@ def run_gpu(args: argparse.Namespace, save: Callable[[list[dict]], None]) -> lis
         for model in args.moe_models.split(","):
             rows += _moe_rows(model, shapes.moe_tokens, args)
             save(rows)
+    if "fp8" in suites:
+        rows += _fp8_rows(shapes.fp8_tokens, args)
+        save(rows)
     return rows
 
 
@@ -476,7 +551,10 @@ def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream,sdar",
     if gpu not in TARGETS:
         raise ValueError(f"unknown GPU {gpu!r}; known: {', '.join(TARGETS)}")
 
+    from sangam.kernels.fp8_gemm import fp8_linear
+
     meta, bf16, i32, i64 = torch.device("meta"), torch.bfloat16, torch.int32, torch.int64
+    fp8 = torch.float8_e4m3fn
 
     def empty(*shape, dtype=bf16):
         return torch.empty(shape, dtype=dtype, device=meta)
@@ -524,6 +602,18 @@ def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream,sdar",
                 fused_moe(empty(t, moe.hidden), empty(moe.experts, 2 * moe.inter, moe.hidden),
                           empty(moe.experts, moe.hidden, moe.inter), weights, ids,
                           activation=moe.activation)
+                blocks = 2 * -(-moe.inter // 128), -(-moe.hidden // 128)
+                fused_moe(empty(t, moe.hidden),
+                          empty(moe.experts, 2 * moe.inter, moe.hidden, dtype=fp8),
+                          empty(moe.experts, moe.hidden, moe.inter, dtype=fp8), weights, ids,
+                          activation=moe.activation, block_weights=True,
+                          w13_scale=empty(moe.experts, *blocks, dtype=torch.float32),
+                          w2_scale=empty(moe.experts, blocks[1], blocks[0] // 2,
+                                         dtype=torch.float32))
+        for _, n, k in FP8_PROJECTIONS:
+            for t in shapes.fp8_tokens:
+                fp8_linear(empty(t, k), empty(n, k, dtype=fp8),
+                           empty(n // 128, k // 128, dtype=torch.float32), block_weights=True)
     return [dataclasses.asdict(b) | {"constants": {k: str(v) for k, v in b.constants.items()},
                                      "text": b.describe()} for b in builds]
 
@@ -611,6 +701,25 @@ def cpu_selfcheck() -> list[dict]:
     ref = fused_moe_ref(x, w13, w2, weights, ids)
     err = (fused_moe(x, w13, w2, weights, ids) - ref).abs().max().item()
     record("fused_moe", err < 1e-4, f"max err {err:.1e}")
+
+    # FP8: a GEMM with block scales and per-group activations (K not a multiple of 128), and
+    # the experts above in FP8 with per-channel scales.
+    from sangam.kernels.fp8_gemm import fp8_linear
+    from sangam.kernels.reference import fp8_linear_ref
+
+    w = torch.randn(72, 200, generator=g).to(torch.float8_e4m3fn)
+    scale = torch.rand(1, 2, generator=g) + 0.5
+    xq = torch.randn(5, 200, generator=g)
+    ref = fp8_linear_ref(xq, w, scale, block_weights=True)
+    err = (fp8_linear(xq, w, scale, block_weights=True) - ref).abs().max().item()
+    record("fp8_linear", err < 1e-3, f"max err {err:.1e}")
+    kw = dict(w13_scale=w13.abs().amax(-1) / 448, w2_scale=w2.abs().amax(-1) / 448,
+              block_weights=False)
+    q13 = (w13 / kw["w13_scale"][..., None]).to(torch.float8_e4m3fn)
+    q2 = (w2 / kw["w2_scale"][..., None]).to(torch.float8_e4m3fn)
+    ref = fused_moe_ref(x, q13, q2, weights, ids, **kw)
+    err = (fused_moe(x, q13, q2, weights, ids, **kw) - ref).abs().max().item()
+    record("fused_moe fp8", err < 1e-3, f"max err {err:.1e}")
     return results
 
 

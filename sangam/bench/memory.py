@@ -15,6 +15,11 @@ its shard of the weights, its KV heads' pages, its activations::
 architecture Sangam serves, DiffusionGemma's among them: no registry shape of it is shipped)::
 
     sangam-bench memory --model-config path/to/checkpoint --gpu h100
+
+``--quantization fp8`` plans FP8 weights (one byte a weight of every projection, the LM head
+and embedding as they are); an FP8 checkpoint's config.json plans them by itself::
+
+    sangam-bench memory --model-shape llada2-flash --tp 4 --quantization fp8 --gpu h100
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from sangam.engine.memory_profile import GIB, GPUS, MemoryPlan, model_bytes, pla
 from sangam.engine.multi.data_plane import shard_layout
 from sangam.engine.worker import captures_graphs, graph_block_lengths
 from sangam.models.checkpoint import parse_config
-from sangam.models.loader import dummy_model, resolve_dtype
+from sangam.models.loader import dummy_model, resolve_dtype, with_quantization
 from sangam.models.registry import MODEL_SHAPES
 from sangam.testing import real_shape_config
 
@@ -50,7 +55,7 @@ def shape_plan(key: str, gpu: str = "h200", engine: EngineConfig | None = None) 
 def config_plan(raw: dict, gpu: str = "h200", engine: EngineConfig | None = None) -> MemoryPlan:
     """``shape_plan`` of the shape a config.json (``raw``) states."""
     device = torch.device("cuda")
-    cfg = parse_config(raw)
+    cfg = with_quantization(parse_config(raw), (engine or EngineConfig()).quantization)
     with tempfile.TemporaryDirectory() as path:  # what --load-format dummy reads: config.json
         (Path(path) / "config.json").write_text(json.dumps(raw))
         engine = dataclasses.replace(engine or EngineConfig(), model=path, device="cuda",
