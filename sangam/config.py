@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from sangam.models.config import QUANTIZATIONS
+from sangam.models.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from sangam.sampling_params import CACHE_MODES, UNMASKING_RULES, SamplingParams
 from sangam.sched.config import MODES, POLICIES, DeploymentConfig, SchedulerConfig
 
@@ -86,6 +86,9 @@ class EngineConfig:
         "fp8: quantize a full-precision checkpoint's linear layers to FP8 at load (one scale "
         "per output channel, activations per token and group of 128). FP8 checkpoints "
         "(quantization_config) need no flag", choices=QUANTIZATIONS))
+    kv_cache_dtype: str = field(default="auto", metadata=flag_meta(
+        "KV cache: auto (the model's dtype) or fp8 (e4m3, each token's head with its own "
+        "scale: about half the bytes a page, twice the pages)", choices=KV_CACHE_DTYPES))
     attention_backend: str | None = field(default=None, metadata=flag_meta(
         "Attention implementation: triton (GPU default) or torch (CPU default)",
         choices=ATTENTION_BACKENDS))
@@ -211,6 +214,8 @@ class EngineConfig:
              f"device must be 'cpu' or 'cuda', got {self.device!r}")
         need(self.load_format in LOAD_FORMATS,
              f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         need(self.quantization in (None, *QUANTIZATIONS),
              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         need(self.dtype in DTYPE_NAMES, f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")

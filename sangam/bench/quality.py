@@ -61,7 +61,7 @@ from sangam.bench import structured
 from sangam.bench.report import parse_float_list
 from sangam.bench.structured import tokens_decoded
 from sangam.demo.tasks import ANSWER_FORMATS, DEMO_FAMILIES, EVAL_SEED, FAMILIES, Task, eval_set
-from sangam.models.config import QUANTIZATIONS
+from sangam.models.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from sangam.sampling_params import SamplingParams
 
 DEFAULT_THRESHOLDS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0)  # 0.3: deliberately too low
@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.torch_threads)
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype,
-              quantization=args.quantization)
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if llm.tokenizer is None:
         raise SystemExit(f"{args.model}: the checkpoint has no tokenizer; quality needs one")
     families = (tuple(args.families.split(",")) if args.families
@@ -532,6 +532,8 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="fp8: the checkpoint's projections quantized to FP8 at load")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="fp8: an FP8 KV cache")
     p.add_argument("--num-instances", type=int, default=240,
                    help="held-out instances in total, split evenly over the families")
     p.add_argument("--families", default=None,

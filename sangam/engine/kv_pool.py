@@ -30,7 +30,7 @@ def pool_num_pages(loaded: LoadedModel, engine: EngineConfig,
         logger.info("%s", plan.describe())
         return plan.num_pages
     per_page = page_bytes(loaded.model.rank_config, engine.page_size,
-                          loaded.dtype)
+                          loaded.dtype, engine.kv_cache_dtype)
     n = int(engine.cpu_kv_cache_gb * GIB // per_page)
     if n < 1:
         raise ValueError(f"--cpu-kv-cache-gb {engine.cpu_kv_cache_gb} holds no KV page of "
@@ -40,12 +40,14 @@ def pool_num_pages(loaded: LoadedModel, engine: EngineConfig,
 
 class KVPool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, fp8: bool = False):
         """``cfg``: the model's, or under tensor parallelism its rank's
-        (``ShardLayout.rank_config``: the KV heads that rank holds)."""
+        (``ShardLayout.rank_config``: the KV heads that rank holds); ``fp8``: the FP8 layout
+        (``--kv-cache-dtype fp8``)."""
         # torch.empty: pages are always written (by a refresh) before they are read (a
         # block-causal request attends only up to the end of its span, all of it written).
-        self.kv = PagedKV.for_model(cfg, num_pages, page_size, dtype, device, empty=True)
+        self.kv = PagedKV.for_model(cfg, num_pages, page_size, dtype, device, empty=True,
+                                    fp8=fp8)
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
 

@@ -69,9 +69,12 @@ def rescore_chunk_rows(vocab_size: int, dtype: torch.dtype) -> int:
     return max(1, RESCORE_CHUNK_BYTES // rescore_row_bytes(vocab_size, dtype))
 
 
-def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    """One KV page of every layer."""
-    return page_size * cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype,
+               kv_cache_dtype: str = "auto") -> int:
+    """One KV page of every layer (``kv_cache_dtype`` fp8: a byte a value, plus each row's
+    head scale)."""
+    return page_size * cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size(),
+                                               fp8=kv_cache_dtype == "fp8")
 
 
 @dataclass(frozen=True)
@@ -286,7 +289,7 @@ def plan_memory(cfg: ModelConfig, engine: EngineConfig, dtype: torch.dtype, *, t
     graph_tokens = tuple(engine.max_batch_size * span for span in graph_spans)
     # Disaggregated and hybrid workers hold K/V transfer buffers up to their budget.
     transfers = engine.transfer_buffer_bytes if engine.mode != "colocated" else 0
-    per_page = page_bytes(cfg, engine.page_size, dtype)
+    per_page = page_bytes(cfg, engine.page_size, dtype, engine.kv_cache_dtype)
     budget = free - (1.0 - engine.gpu_memory_fraction) * total
 
     def fixed(tokens: int) -> int:

@@ -18,10 +18,12 @@ from sangam.models.transformer import DiffusionLM
 
 
 class ReferenceDecoder:
-    def __init__(self, model: DiffusionLM, page_size: int = 16):
+    def __init__(self, model: DiffusionLM, page_size: int = 16, fp8_kv: bool = False):
+        """``fp8_kv``: its pages in the FP8 layout (``--kv-cache-dtype fp8``)."""
         self.model = model
         self.page_size = page_size
-        p = next(model.parameters())
+        self.fp8_kv = fp8_kv
+        p = model.head_weight()  # never FP8: the model's dtype
         self.device, self.dtype = p.device, p.dtype
 
     @torch.inference_mode()
@@ -29,8 +31,8 @@ class ReferenceDecoder:
         """Decode ``state`` to completion in place and return it."""
         cfg = self.model.config
         n_pages = state.cursor.num_pages(self.page_size)
-        kv = PagedKV.allocate(cfg.num_layers, n_pages, self.page_size, cfg.num_kv_heads,
-                              cfg.head_dim, self.dtype, self.device)
+        kv = PagedKV.for_model(cfg, n_pages, self.page_size, self.dtype, self.device,
+                               fp8=self.fp8_kv)
         table = torch.arange(n_pages, dtype=torch.int32, device=self.device)[None]
         while not state.finished:
             plan = state.plan()

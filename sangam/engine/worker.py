@@ -51,7 +51,7 @@ def build_worker_parts(config: EngineConfig, loaded: LoadedModel,
         loaded.model.all_reduce = group.all_reduce
         num_pages = group.agree_min(num_pages)
     pool = KVPool(loaded.model.rank_config, num_pages, config.page_size,
-                  loaded.dtype, loaded.device)
+                  loaded.dtype, loaded.device, fp8=config.kv_cache_dtype == "fp8")
     cache = PrefixCache(pool.allocator) if prefix_caching(config, loaded) else None
     builder = BatchBuilder(pool.allocator, config.scheduler, cache)
     return pool, builder, ModelRunner(loaded, pool, graphs=decode_graphs(config, loaded, pool),

@@ -28,7 +28,7 @@ from sangam.kernels.reference import FP8_ACTIVATIONS, FP8_AMAX_FLOOR, FP8_GROUP,
 
 
 @triton.jit
-def _round_to_e4m3(x):
+def round_to_e4m3(x):
     """fp32 ``x`` (|x| <= FP8_MAX) rounded to the nearest e4m3 value, ties to even, still in
     fp32: the conversion that follows is then exact on any backend (the interpreter's own
     fp32 -> fp8 cast truncates; the GPU's rounds to nearest even, as this does)."""
@@ -77,7 +77,7 @@ def _fp8_gemm_kernel(
             else:
                 s = tl.zeros((BLOCK_M,), dtype=tl.float32) + x_scale
             # IEEE division, as the reference's: both round x to the same FP8 values.
-            xq = _round_to_e4m3(tl.clamp(tl.math.div_rn(xf, s[:, None]), -FMAX, FMAX))
+            xq = round_to_e4m3(tl.clamp(tl.math.div_rn(xf, s[:, None]), -FMAX, FMAX))
             xq = xq.to(tl.float8e4nv)
             part = tl.dot(xq, w)
             if ACT == 1:

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sangam.kernels.fp8_gemm import _round_to_e4m3
+from sangam.kernels.fp8_gemm import round_to_e4m3
 from sangam.kernels.platform import compiled, max_shared_bytes
 from sangam.kernels.reference import (
     FP8_AMAX_FLOOR,
@@ -153,7 +153,7 @@ def _quantize_rows(a):
     af = a.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(af), axis=1), _AMAX_FLOOR)
     s = tl.math.div_rn(amax, tl.full(amax.shape, _FMAX, tl.float32))
-    q = _round_to_e4m3(tl.clamp(tl.math.div_rn(af, s[:, None]), -_FMAX, _FMAX))
+    q = round_to_e4m3(tl.clamp(tl.math.div_rn(af, s[:, None]), -_FMAX, _FMAX))
     return q.to(tl.float8e4nv), s
 
 

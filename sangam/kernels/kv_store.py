@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from sangam.kernels.fp8_gemm import round_to_e4m3
 from sangam.kernels.platform import compiled
+from sangam.kernels.reference import FP8_AMAX_FLOOR, FP8_MAX
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # per batch: no variant per token count
@@ -47,6 +49,49 @@ def _store_kv_kernel(
     vc_row = (page * s_vc_page + off * s_vc_off)[:, None]
     tl.store(kc_ptr + kc_row + h * s_kc_h + d, k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + vc_row + h * s_vc_h + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _store_kv_fp8_kernel(
+    x_ptr, c_ptr, sc_ptr, slot_ptr, num_rows, s_x_n, s_x_h,
+    s_c_page, s_c_off, s_c_h, s_sc_page, s_sc_off, s_sc_h, page_size,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, FMAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+):
+    # A tile is BLOCK_T rows of one head (program_id 1): each row's head its own scale.
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + rows, mask=rows < num_rows, other=-1).to(tl.int64)
+    page = slot // page_size
+    off = slot % page_size
+    d = tl.arange(0, HEAD_DIM)
+    ok = slot >= 0
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * s_x_n + h * s_x_h + d[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32))
+    q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX))
+    row = (page * s_c_page + off * s_c_off + h * s_c_h)[:, None]
+    tl.store(c_ptr + row + d[None, :], q.to(tl.float8e4nv), mask=ok[:, None])
+    tl.store(sc_ptr + page * s_sc_page + off * s_sc_off + h * s_sc_h, scale, mask=ok)
+
+
+def _store_fp8(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+    """Rows of ``x [N, Hkv, D]`` into an FP8 cache, each row's head with its scale."""
+    n, hkv, d = x.shape
+    if scales is None or scales.shape != cache.shape[:3]:
+        raise ValueError("an FP8 cache needs its scales [num_pages, page_size, Hkv]")
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    block_t = max(1, min(triton.next_power_of_2(n), (4096 if compiled(x.device) else 1 << 16)
+                         // d))
+    _store_kv_fp8_kernel[(triton.cdiv(n, block_t), hkv)](
+        x, cache, scales, slot_mapping.contiguous(), n, x.stride(0), x.stride(1),
+        cache.stride(0), cache.stride(1), cache.stride(2),
+        scales.stride(0), scales.stride(1), scales.stride(2), cache.shape[1],
+        HEAD_DIM=d, BLOCK_T=block_t, FMAX=FP8_MAX, AMAX_FLOOR=FP8_AMAX_FLOOR, num_warps=4,
+    )
 
 
 def _launch(k, v, k_cache, v_cache, slot_mapping, rope) -> None:
@@ -89,13 +134,24 @@ def _launch(k, v, k_cache, v_cache, slot_mapping, rope) -> None:
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+             v_scales: torch.Tensor | None = None) -> None:
     """Write row i of k/v ``[N, Hkv, D]`` to flat slot ``slot_mapping[i]`` (int64, page *
     page_size + offset; -1 = skip) of ``k_cache``/``v_cache [num_pages, page_size, Hkv, D]``.
 
     Caches may be strided views (e.g. one layer of a ``PagedKV`` buffer); the head dim must be
-    contiguous everywhere. Slots must be distinct.
+    contiguous everywhere. Slots must be distinct. FP8 caches (float8_e4m3fn) take each row's
+    head scaled by its amax / 448 and its scale into ``k_scales``/``v_scales [num_pages,
+    page_size, Hkv]``, as :func:`sangam.kernels.reference.store_kv_ref`.
     """
+    if k_cache.dtype == torch.float8_e4m3fn:
+        if v.shape != k.shape or k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
+            raise ValueError(f"shape mismatch: k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                             f"k_cache {tuple(k_cache.shape)}")
+        if k.shape[0]:
+            _store_fp8(k, k_cache, k_scales, slot_mapping)
+            _store_fp8(v, v_cache, v_scales, slot_mapping)
+        return
     _launch(k, v, k_cache, v_cache, slot_mapping, None)
 
 

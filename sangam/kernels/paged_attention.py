@@ -51,16 +51,18 @@ MAX_HEAD_DIM = 512  # a head's dims live in one tile (DiffusionGemma's full laye
 def _attn_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, lse_ptr,
     cu_q_ptr, cu_tiles_ptr, bt_ptr, kv_lens_ptr, pos_ptr, cblk_ptr, klo_ptr, khi_ptr,
+    ks_ptr, vs_ptr,
     num_requests, search_steps, group, head_dim, num_splits, qk_scale,
     s_q_n, s_q_h,
     s_kc_page, s_kc_off, s_kc_h, s_vc_page, s_vc_off, s_vc_h,
+    s_ks_page, s_ks_off, s_ks_h, s_vs_page, s_vs_off, s_vs_h,
     s_bt,
     s_o_split, s_o_n, s_o_h,
     s_lse_split, s_lse_n,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_CAUSAL: tl.constexpr,
     ROW_BOUNDS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -125,7 +127,13 @@ def _attn_kernel(
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k_off = page * s_kc_page + slot * s_kc_off + kvh * s_kc_h
             k = tl.load(kc_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if FP8_KV:  # widened through fp32: exact (the interpreter's fp8 -> fp64 fails)
+                k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC)
+            if FP8_KV:  # each key's scale multiplies its column of scores
+                ks = tl.load(ks_ptr + page * s_ks_page + slot * s_ks_off + kvh * s_ks_h,
+                             mask=n_ok, other=0.0)
+                s = s * ks[None, :]
             # Scores in log2 units; every tile holds at least one valid key, so m_new is finite.
             s = tl.where(n_ok[None, :], s.to(ACC_DTYPE) * qk_scale, float("-inf"))
             if BLOCK_CAUSAL:
@@ -141,7 +149,13 @@ def _attn_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v_off = page * s_vc_page + slot * s_vc_off + kvh * s_vc_h
             v = tl.load(vc_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
+            pw = p
+            if FP8_KV:
+                v = v.to(tl.float32)  # each value row's scale: on its weight, before the product
+                vs = tl.load(vs_ptr + page * s_vs_page + slot * s_vs_off + kvh * s_vs_h,
+                             mask=n_ok, other=0.0)
+                pw = p * vs[None, :].to(ACC_DTYPE)
+            pv = tl.dot(pw.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
             acc = acc * alpha[:, None] + pv.to(ACC_DTYPE)
             m_i = m_new
 
@@ -360,7 +374,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     plan: AttentionPlan | None = None,
                     causal_blocks: torch.Tensor | None = None,
                     positions: torch.Tensor | None = None,
-                    key_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    key_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Bidirectional paged attention for packed spans; returns ``[N, Hq, D]`` in q's dtype.
 
     q ``[N, Hq, D]``; k_cache/v_cache ``[num_pages, page_size, Hkv, D]`` (head dim contiguous;
@@ -374,6 +390,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``causal_blocks`` int32 ``[R]`` with ``positions`` int ``[N]``: the block-causal mask (see
     the module docstring). ``key_bounds`` (int32 ``[N]`` each, instead): query i sees the keys
     ``[lo[i], hi[i])`` of its request (within ``kv_lens``); a row with none outputs 0.
+    FP8 caches (float8_e4m3fn) come with ``k_scales``/``v_scales [num_pages, page_size, Hkv]``:
+    a key's scale multiplies its scores, a value's its softmax weights (PagedKV's layout).
     """
     n_tok, hq, d = q.shape
     num_pages, page_size, hkv, dk = k_cache.shape
@@ -388,6 +406,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("the caches' head dim must be contiguous")
     num_requests = cu_seqlens_q.numel() - 1
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and (k_scales is None or v_scales is None or k_scales.shape != k_cache.shape[:3]
+                or v_scales.shape != k_cache.shape[:3]):
+        raise ValueError("an FP8 cache needs k_scales and v_scales [num_pages, page_size, Hkv]")
+    ks, vs = (k_scales, v_scales) if fp8 else (kv_lens, kv_lens)
     block_causal = causal_blocks is not None
     if block_causal and (positions is None or positions.numel() != n_tok
                          or causal_blocks.numel() != num_requests):
@@ -408,17 +431,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, part, lse,
         p.cu_q, p.cu_tiles, block_tables, kv_lens.to(torch.int32),
         positions if block_causal else kv_lens, causal_blocks if block_causal else kv_lens,
-        *(key_bounds if bounded else (kv_lens, kv_lens)),
+        *(key_bounds if bounded else (kv_lens, kv_lens)), ks, vs,
         num_requests, num_requests.bit_length(), hq // hkv, d, p.num_splits, scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *(k_scales.stride() + v_scales.stride() if fp8 else (0,) * 6),
         block_tables.stride(0),
         part.stride(0) if split else 0, part.stride(-3), part.stride(-2),
         lse.stride(0) if split else 0, lse.stride(-2) if split else 0,
         PAGE_SIZE=page_size, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_D=max(16, d),
         SPLIT=split, BLOCK_CAUSAL=block_causal, ROW_BOUNDS=bounded, DOT_DTYPE=p.dot_dtype,
-        ACC_DTYPE=p.acc_dtype,
+        ACC_DTYPE=p.acc_dtype, FP8_KV=fp8,
         # fp32/fp64 dots in full precision (no TF32); half types use the tensor cores as is.
         DOT_PREC="ieee" if p.dot_dtype in (tl.float32, tl.float64) else "tf32",
         num_warps=p.num_warps, num_stages=p.num_stages,

@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import torch
 
+# FP8 (e4m3): linear layers (kernels/fp8_gemm.py, models/quantization.py) and KV caches.
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+FP8_GROUP = 128  # input features per activation scale, and the weight blocks' side
+FP8_AMAX_FLOOR = 1e-12  # an all-zero group's amax: its scale stays finite
+# How a layer's activations are quantized: not at all (FP8 weights widened), dynamically per
+# token and group of FP8_GROUP features, or by the checkpoint's static per-tensor scale.
+FP8_ACTIVATIONS = ("none", "dynamic", "static")
+
 
 def layer_indices(num_layers: int, layers: slice | range | None) -> range:
     """The layers a transfer touches, as a range (``None`` = all)."""
@@ -23,15 +31,47 @@ def layer_indices(num_layers: int, layers: slice | range | None) -> range:
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+                 v_scales: torch.Tensor | None = None) -> None:
     """Write row i of k/v ``[N, Hkv, D]`` to flat slot ``slot_mapping[i]`` of the caches
-    ``[num_pages, page_size, Hkv, D]``; slot -1 means skip."""
-    slots, k, v = slot_mapping, k.to(k_cache.dtype), v.to(v_cache.dtype)
+    ``[num_pages, page_size, Hkv, D]``; slot -1 means skip. FP8 caches (float8_e4m3fn) take
+    each row's heads as :func:`quantize_kv_ref` makes them, their scales into ``k_scales`` /
+    ``v_scales`` ``[num_pages, page_size, Hkv]``."""
+    slots = slot_mapping
     if bool((slots < 0).any()):  # only padded (CUDA-graph) batches skip rows
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+    for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+        if cache.dtype == torch.float8_e4m3fn:
+            x, s = quantize_kv_ref(x)
+            flat_index_copy(scales.view(-1, scales.shape[2]), slots, s)
+        flat_index_copy(cache.view(-1, *cache.shape[2:]), slots, x.to(cache.dtype))
+
+
+def flat_index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.index_copy_(0, index, src)``, also for float8 (which index_copy_ lacks): as
+    bytes."""
+    if dst.dtype == torch.float8_e4m3fn:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(0, index, src)
+
+
+def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K or V rows ``[N, Hkv, D]`` as an FP8 KV cache holds them: each row's head scaled by its
+    amax / FP8_MAX (fp32) -> (float8_e4m3fn ``[N, Hkv, D]``, scales ``[N, Hkv]``)."""
+    xf = x.to(torch.float32)
+    scale = xf.abs().amax(-1).clamp(min=FP8_AMAX_FLOOR) / FP8_MAX
+    return (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _cached(cache: torch.Tensor, scales: torch.Tensor | None, pages: torch.Tensor, kv_len: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """A request's first ``kv_len`` cached rows ``[1, Hkv, kv_len, D]`` in ``dtype`` (FP8
+    ones times their scales)."""
+    x = cache[pages].flatten(0, 1)[:kv_len].to(dtype)
+    if scales is not None:
+        x = x * scales[pages].flatten(0, 1)[:kv_len].to(dtype)[..., None]
+    return x.transpose(0, 1)[None]
 
 
 def store_kv_rope_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -55,15 +95,17 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         kv_lens_host: list[int] | None = None,
                         causal_blocks: torch.Tensor | None = None,
                         positions: torch.Tensor | None = None,
-                        key_bounds: tuple[torch.Tensor, torch.Tensor] | None = None
-                        ) -> torch.Tensor:
+                        key_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        k_scales: torch.Tensor | None = None,
+                        v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Each request's queries attend, without a causal mask, over its first ``kv_lens[r]`` cached
     positions: gather the pages, then softmax attention in fp32 (fp64 for fp64 inputs) through
     ``scaled_dot_product_attention`` (K/V heads shared by query heads are never repeated).
     With ``causal_blocks`` (block size B per request, 0 = none) and ``positions`` (each query's
     absolute position), a query at q sees key k only if k // B <= q // B (block-causal). With
     ``key_bounds`` (lo, hi: ``[N]`` each) query i sees keys lo[i] <= k < hi[i]; a query that
-    sees none outputs 0."""
+    sees none outputs 0. FP8 caches are read times their per-row, per-head ``k_scales`` /
+    ``v_scales``."""
     page_size = k_cache.shape[1]
     gqa = q.shape[1] != k_cache.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -80,8 +122,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             continue
         pages = block_tables[r, : -(-kv_len // page_size)].long()
         # [1, heads, positions, D], as scaled_dot_product_attention takes them.
-        kk = k_cache[pages].flatten(0, 1)[:kv_len].to(acc).transpose(0, 1)[None]
-        vv = v_cache[pages].flatten(0, 1)[:kv_len].to(acc).transpose(0, 1)[None]
+        kk = _cached(k_cache, k_scales, pages, kv_len, acc)
+        vv = _cached(v_cache, v_scales, pages, kv_len, acc)
         qq = q[start:start + n].to(acc).transpose(0, 1)[None]
         mask = None
         if blocks is not None and blocks[r] > 0:
@@ -250,15 +292,6 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             act = _fp8_groups_dequantized(act.to(x.dtype), cdt)
         per_pair[pairs] = (act @ w2[e].to(cdt).T) * topk_weights.reshape(-1)[pairs, None].to(cdt)
     return per_pair.view(num_tokens, k, hidden).sum(1).to(x.dtype)
-
-
-# FP8 (e4m3) linear layers: kernels/fp8_gemm.py and models/quantization.py read these.
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-FP8_GROUP = 128  # input features per activation scale, and the weight blocks' side
-FP8_AMAX_FLOOR = 1e-12  # an all-zero group's amax: its scale stays finite
-# How a layer's activations are quantized: not at all (FP8 weights widened), dynamically per
-# token and group of FP8_GROUP features, or by the checkpoint's static per-tensor scale.
-FP8_ACTIVATIONS = ("none", "dynamic", "static")
 
 
 def quantize_fp8_groups_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from sangam.kernels.reference import paged_attention_ref, store_kv_ref
-from sangam.models.config import ModelConfig
+from sangam.models.config import FP8_SCALE_BYTES, ModelConfig
 
 
 class PagedKV:
@@ -24,6 +24,11 @@ class PagedKV:
 
     One buffer lets the page gather/scatter kernel move every layer of a request in one launch;
     ``k[i]`` and ``v[i]`` are views of layer i's pages.
+
+    An FP8 pool (``--kv-cache-dtype fp8``) is a uint8 buffer whose head rows hold D float8_e4m3fn
+    values and then their fp32 scale (``[..., D + 4]`` bytes): ``k[i]``/``v[i]`` view the values,
+    ``k_scales[i]``/``v_scales[i]`` ``[num_pages, page_size, Hkv]`` the scales. A page carries
+    its own scales, so every page copy, transfer and prefix-cache hit moves them with it.
     """
 
     def __init__(self, buffer: torch.Tensor):
@@ -42,8 +47,20 @@ class PagedKV:
         slots = {i: (b, j) for b, (_, layers) in enumerate(groups) for j, i in enumerate(layers)}
         # Layer i lives at buffers[b][j]: (b, j) per layer (what K/V transfers walk).
         self.layer_slots = [slots[i] for i in range(len(slots))]
-        self.k = [self.buffers[b][j, 0] for b, j in self.layer_slots]
-        self.v = [self.buffers[b][j, 1] for b, j in self.layer_slots]
+        self.fp8 = self.buffers[0].dtype == torch.uint8
+        pages = [self.buffers[b][j] for b, j in self.layer_slots]  # [2, P, page, Hkv, D(+4)]
+        if self.fp8:
+            self.k = [t[0, ..., :-FP8_SCALE_BYTES].view(torch.float8_e4m3fn) for t in pages]
+            self.v = [t[1, ..., :-FP8_SCALE_BYTES].view(torch.float8_e4m3fn) for t in pages]
+            self.k_scales = [t[0].view(torch.float32)[..., -1] for t in pages]
+            self.v_scales = [t[1].view(torch.float32)[..., -1] for t in pages]
+        else:
+            self.k = [t[0] for t in pages]
+            self.v = [t[1] for t in pages]
+
+    def scales(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's FP8 scales as the attention backends take them (none for other pools)."""
+        return {"k_scales": self.k_scales[i], "v_scales": self.v_scales[i]} if self.fp8 else {}
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -74,15 +91,20 @@ class PagedKV:
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-                  device: torch.device | str, empty: bool = False) -> PagedKV:
+                  device: torch.device | str, empty: bool = False,
+                  fp8: bool = False) -> PagedKV:
         """Pages for every layer of ``cfg`` (each layer's own K/V shape: ``layer_kv_shape``);
-        ``empty``: uninitialised (pages are written before they are read)."""
+        ``empty``: uninitialised (pages are written before they are read); ``fp8``: the FP8
+        layout (values and per-row scales, whatever ``dtype`` the model computes in)."""
         make = torch.empty if empty else torch.zeros
         groups: dict[tuple[int, int], list[int]] = {}
         for i in range(cfg.num_layers):
             groups.setdefault(cfg.layer_kv_shape(i), []).append(i)
-        return cls.grouped([(make((len(layers), 2, num_pages, page_size, *shape), dtype=dtype,
-                                  device=device), layers) for shape, layers in groups.items()])
+        return cls.grouped([
+            (make((len(layers), 2, num_pages, page_size, heads,
+                   d + FP8_SCALE_BYTES if fp8 else d),
+                  dtype=torch.uint8 if fp8 else dtype, device=device), layers)
+            for (heads, d), layers in groups.items()])
 
 
 @dataclass
@@ -133,9 +155,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
                 v_pages: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding: bool = False) -> torch.Tensor:
+                sliding: bool = False, k_scales: torch.Tensor | None = None,
+                v_scales: torch.Tensor | None = None) -> torch.Tensor:
         """q ``[N, Hq, D]``, k/v ``[N, Hkv, D]`` (RoPE applied) -> output ``[N, Hq, D]``;
-        ``sliding``: a sliding-window layer (``AttentionMetadata.key_bounds``)."""
+        ``sliding``: a sliding-window layer (``AttentionMetadata.key_bounds``); FP8 pages come
+        with their scales (``PagedKV.scales``)."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -143,10 +167,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, q, k, v, k_pages, v_pages, meta, scale, sliding=False):
-        store_kv_ref(k, v, k_pages, v_pages, meta.slot_mapping)
+    def forward(self, q, k, v, k_pages, v_pages, meta, scale, sliding=False, k_scales=None,
+                v_scales=None):
+        store_kv_ref(k, v, k_pages, v_pages, meta.slot_mapping, k_scales, v_scales)
         return paged_attention_ref(q, k_pages, v_pages, meta.cu_seqlens_q, meta.block_tables,
                                    meta.kv_lens, scale, query_lens=meta.query_lens,
                                    kv_lens_host=meta.kv_lens_host,
                                    causal_blocks=meta.causal_blocks, positions=meta.positions,
-                                   key_bounds=meta.key_bounds(sliding))
+                                   key_bounds=meta.key_bounds(sliding), k_scales=k_scales,
+                                   v_scales=v_scales)

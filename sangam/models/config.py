@@ -94,6 +94,8 @@ FP8_WEIGHTS = ("block", "channel", "tensor")
 FP8_ACTIVATIONS = ("none", "dynamic", "static")
 FP8_METHODS = ("fp8", "compressed-tensors", "online")
 QUANTIZATIONS = ("fp8",)  # --quantization: a full-precision checkpoint quantized at load
+KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype: the model's dtype, or e4m3 + scales
+FP8_SCALE_BYTES = 4  # an FP8 KV cache's fp32 scale after each row's head of D values
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,12 @@ class ModelConfig:
             return g.full_kv_heads, g.full_head_dim
         return self.num_kv_heads, self.head_dim
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+    def kv_bytes_per_token(self, dtype_bytes: int, fp8: bool = False) -> int:
+        """K and V of one token in every layer: ``dtype_bytes`` a value, or with ``fp8`` one
+        byte a value and FP8_SCALE_BYTES a head."""
+        if fp8:
+            return 2 * sum(h * (d + FP8_SCALE_BYTES) for h, d in map(self.layer_kv_shape,
+                                                                      range(self.num_layers)))
         return 2 * dtype_bytes * sum(h * d for h, d in map(self.layer_kv_shape,
                                                            range(self.num_layers)))
 

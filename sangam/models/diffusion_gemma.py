@@ -294,7 +294,8 @@ class DiffusionGemmaModel(DiffusionLM):
         sliding = self.config.gemma.sliding
 
         def attend(i, q, k, v):
-            return backend.forward(q, k, v, kv.k[i], kv.v[i], meta, 1.0, sliding=sliding[i])
+            return backend.forward(q, k, v, kv.k[i], kv.v[i], meta, 1.0, sliding=sliding[i],
+                                   **kv.scales(i))
 
         h = self.embed(input_ids)
         encoder: bool | torch.Tensor = True
@@ -400,7 +401,7 @@ class DenseKV:
 
     def __init__(self, model: DiffusionGemmaModel):
         cfg = model.config
-        p = next(model.parameters())
+        p = model.head_weight()  # never FP8: the model's dtype
         self.layers = []
         for i in range(cfg.num_layers):
             heads, dim = cfg.layer_kv_shape(i)

@@ -239,7 +239,8 @@ class DiffusionLM(nn.Module):
             raise RuntimeError("no attention backend set on the model")
 
         def attend(i, q, k, v):
-            return backend.forward(q, k, v, kv.k[i], kv.v[i], meta, self.scale)
+            return backend.forward(q, k, v, kv.k[i], kv.v[i], meta, self.scale,
+                                   **kv.scales(i))
 
         return self._layers(self.embed(input_ids), positions, attend, kernel_table(backend.name))
 

@@ -26,8 +26,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
                 v_pages: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding: bool = False) -> torch.Tensor:
-        store_kv(k, v, k_pages, v_pages, meta.slot_mapping)
+                sliding: bool = False, k_scales: torch.Tensor | None = None,
+                v_scales: torch.Tensor | None = None) -> torch.Tensor:
+        store_kv(k, v, k_pages, v_pages, meta.slot_mapping, k_scales, v_scales)
         if self._meta is not meta:
             self._meta, self._plans = meta, {}
         plan = self._plans.get(sliding)
@@ -38,4 +39,5 @@ class TritonAttentionBackend(AttentionBackend):
                 max_query_len=max(meta.query_lens, default=0), num_splits=meta.num_kv_splits)
         return paged_attention(q, k_pages, v_pages, meta.cu_seqlens_q, meta.block_tables,
                                meta.kv_lens, scale, plan=plan, causal_blocks=meta.causal_blocks,
-                               positions=meta.positions, key_bounds=meta.key_bounds(sliding))
+                               positions=meta.positions, key_bounds=meta.key_bounds(sliding),
+                               k_scales=k_scales, v_scales=v_scales)

@@ -99,8 +99,10 @@ class LayerHook(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
                 v_pages: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding: bool = False) -> torch.Tensor:
-        out = self.inner.forward(q, k, v, k_pages, v_pages, meta, scale, sliding)
+                sliding: bool = False, k_scales: torch.Tensor | None = None,
+                v_scales: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.inner.forward(q, k, v, k_pages, v_pages, meta, scale, sliding, k_scales,
+                                 v_scales)
         self.on_layer(self.layer)
         self.layer += 1
         return out
