@@ -12,13 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from sangam.models.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from sangam.sampling_params import CACHE_MODES, UNMASKING_RULES, SamplingParams
 from sangam.sched.config import MODES, POLICIES, DeploymentConfig, SchedulerConfig
 
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+# --quantization: a full-precision checkpoint quantized at load (models.config.ONLINE_QUANTIZATIONS,
+# tested equal); --kv-cache-dtype: the model's dtype, or e4m3 values with their scales.
+QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8")
 MAX_TRANSFER_TIMEOUT_S = 3600.0  # past this a stuck transfer holds its buffers far too long
 MAX_TENSOR_PARALLEL = 64  # ranks per worker: beyond one NVLink domain's GPUs
 

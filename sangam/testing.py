@@ -8,7 +8,8 @@ for ``--load-format dummy``.
 
 FP8 copies are written by the ecosystem's own code: transformers' FineGrainedFP8 quantizer
 (``fp8-block``, DeepSeek-V3's format) and the compressed-tensors library (``ct-*``: its
-FP8_DYNAMIC, FP8 and FP8_BLOCK presets), so the format is theirs, not Sangam's reading of it.
+FP8_DYNAMIC, FP8 and FP8_BLOCK presets, and FP8_DYNAMIC's weights alone), so the format is
+theirs, not Sangam's reading of it.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def make_tiny_checkpoint(path: str | os.PathLike, arch: str = "llada", seed: int
 
 # --fp8: the writer, and for compressed-tensors its preset scheme.
 FP8_WRITERS = {"fp8-block": None, "ct-channel": "FP8_DYNAMIC", "ct-static": "FP8",
-               "ct-block": "FP8_BLOCK"}
+               "ct-block": "FP8_BLOCK", "ct-weight-only": "FP8_DYNAMIC"}
 CHECKPOINT_SIDE_FILES = ("generation_config.json", "special_tokens_map.json", "tokenizer.json",
                          "tokenizer_config.json", "training.json")
 
@@ -182,7 +183,8 @@ def write_fp8_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme:
         out, qcfg = _transformers_fp8(state, head)
     else:
         out, qcfg = _compressed_tensors_fp8(model, FP8_WRITERS[scheme], head,
-                                            calibration_tokens)
+                                            calibration_tokens,
+                                            weight_only=scheme == "ct-weight-only")
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps({**raw, "quantization_config": qcfg}, indent=2))
     return str(dst)
@@ -207,8 +209,10 @@ def _transformers_fp8(state: dict[str, torch.Tensor], head: str) -> tuple[dict, 
 
 
 def _compressed_tensors_fp8(model: torch.nn.Module, preset: str, head: str,
-                            calibration_tokens: int) -> tuple[dict, dict]:
-    """The model's Linear layers but the head quantized by compressed-tensors' ``preset``:
+                            calibration_tokens: int, weight_only: bool = False
+                            ) -> tuple[dict, dict]:
+    """The model's Linear layers but the head quantized by compressed-tensors' ``preset``
+    (``weight_only``: its weights, the activations left in the model's dtype):
     weight scales from each channel's, tensor's or block's range (its ``calculate_qparams``),
     static input scales from the largest input each layer saw on random tokens, then the
     library's own compression and config."""
@@ -233,8 +237,10 @@ def _compressed_tensors_fp8(model: torch.nn.Module, preset: str, head: str,
         model.forward_dense(ids)
     for h in hooks:
         h.remove()
-    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(
-        preset, ["Linear"])}, ignore=[head])
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if weight_only:
+        scheme = scheme.model_copy(update={"input_activations": None})
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=[head])
     apply_quantization_config(model, config)
     for name, m in model.named_modules():
         scheme = getattr(m, "quantization_scheme", None)

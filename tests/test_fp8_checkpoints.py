@@ -45,7 +45,7 @@ def sources(tmp_path_factory) -> dict[str, str]:
         "llada": make_tiny_checkpoint(root / "llada", "llada", **SHAPE),
         "dream": make_tiny_checkpoint(root / "dream", "dream", seed=1, **SHAPE),
         "llada2": make_tiny_checkpoint(root / "llada2", "llada2", seed=2, **SHAPE,
-                                       moe={"moe_intermediate_size": 128}),
+                                       moe={"moe_intermediate_size": 256}),
     }
 
 
@@ -198,6 +198,13 @@ def test_online_fp8_and_serving(sources):
         EngineConfig(quantization="int8")
 
 
+def test_the_flags_names_are_the_loaders():
+    from sangam.config import QUANTIZATIONS
+    from sangam.models.config import ONLINE_QUANTIZATIONS
+
+    assert QUANTIZATIONS == tuple(ONLINE_QUANTIZATIONS)
+
+
 def test_fp8_tensors_without_their_config_are_refused(fp8, tmp_path):
     src = fp8("llada", "fp8-block")
     shutil.copytree(src, tmp_path / "c", dirs_exist_ok=True)
@@ -267,6 +274,8 @@ def test_accepted_formats():
     assert (parse_quantization(static).weights, parse_quantization(static).activations) == (
         "tensor", "static")
     assert parse_quantization(_ct(acts=None)).activations == "none"
+    assert parse_quantization({**_ct(acts=None), "format": "naive-quantized"}).weights == (
+        "channel")
 
 
 @pytest.mark.parametrize("scheme", ["ct-block", "fp8-block", "online"])
@@ -313,3 +322,41 @@ def test_tp2_engine_serves_the_one_rank_fp8_tokens(fp8):
         _settle(engine)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("scheme", ["ct-channel", "ct-static"])
+def test_expert_parallel_fp8_equals_one_rank(fp8, scheme):
+    """EP2 shards of LLaDA2 with FP8 experts (each rank stacks its own experts' weights and
+    scales) give the one-rank FP8 logits (float64). (Its fused QKV of 64-wide heads splits off
+    the 128-edges: a block-scaled copy is refused at TP2, as tested above.)"""
+    path = fp8("llada2", scheme)
+    want = load_model(path, "cpu", "float64").forward_dense(IDS)
+    group = _ThreadGroup(2)
+    shards = [load_model(path, "cpu", "float64", shard=ShardLayout(r, 2, expert_parallel=True))
+              for r in range(2)]
+    out = [None, None]
+
+    def run(r: int) -> None:
+        shards[r].all_reduce = group.reduce(r)
+        out[r] = shards[r].forward_dense(IDS)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.testing.assert_close(torch.cat(out, dim=-1), want, rtol=0, atol=1e-10)
+
+
+def test_diffusion_gemma_with_online_fp8():
+    """DiffusionGemma's projections (sliding and full attention, the dense MLP) in FP8, its
+    3-D experts as they are: it loads, decodes, and stays within the bound of its
+    dequantized-weights model."""
+    from sangam import LLM, SamplingParams
+
+    model = load_model("sangam/demo/model_gemma", "cpu", "float64", quantization="fp8")
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert layers and model.config.quantization.method == "online"
+    llm = LLM(model="sangam-demo-gemma", device="cpu", quantization="fp8")
+    out = llm.generate(["Reverse: sangam"], SamplingParams(max_tokens=16, seed=0))
+    assert out[0].outputs[0].token_ids

@@ -60,8 +60,8 @@ from pathlib import Path
 from sangam.bench import structured
 from sangam.bench.report import parse_float_list
 from sangam.bench.structured import tokens_decoded
+from sangam.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from sangam.demo.tasks import ANSWER_FORMATS, DEMO_FAMILIES, EVAL_SEED, FAMILIES, Task, eval_set
-from sangam.models.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from sangam.sampling_params import SamplingParams
 
 DEFAULT_THRESHOLDS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0)  # 0.3: deliberately too low

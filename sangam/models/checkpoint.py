@@ -84,7 +84,9 @@ def parse_quantization(q: Any) -> Fp8Format | None:
     if q.get("quantization_status", "compressed") != "compressed":
         raise _refuse_quantization(f"quantization_status {q['quantization_status']!r} "
                                    "(compressed-tensors: compressed)")
-    if q.get("format") != "float-quantized":
+    # float-quantized: FP8 values stored as float8; naive-quantized: the library's name for
+    # the same storage when activations stay unquantized (its weight-only FP8).
+    if q.get("format") not in ("float-quantized", "naive-quantized"):
         raise _refuse_quantization(f"format {q.get('format')!r} (compressed-tensors: "
                                    "float-quantized)")
     groups = list((q.get("config_groups") or {}).values())

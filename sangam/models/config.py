@@ -93,8 +93,6 @@ class GemmaLayout:
 FP8_WEIGHTS = ("block", "channel", "tensor")
 FP8_ACTIVATIONS = ("none", "dynamic", "static")
 FP8_METHODS = ("fp8", "compressed-tensors", "online")
-QUANTIZATIONS = ("fp8",)  # --quantization: a full-precision checkpoint quantized at load
-KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype: the model's dtype, or e4m3 + scales
 FP8_SCALE_BYTES = 4  # an FP8 KV cache's fp32 scale after each row's head of D values
 
 
@@ -123,6 +121,7 @@ class Fp8Format:
 
 # --quantization fp8: per-channel weights quantized at load, activations per token-group.
 ONLINE_FP8 = Fp8Format("online", "channel", "dynamic")
+ONLINE_QUANTIZATIONS = {"fp8": ONLINE_FP8}  # by --quantization's names (config.QUANTIZATIONS)
 
 
 @dataclass(frozen=True)

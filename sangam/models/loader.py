@@ -14,8 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 from sangam.models.checkpoint import read_config
 from sangam.models.config import (
-    ONLINE_FP8,
-    QUANTIZATIONS,
+    ONLINE_QUANTIZATIONS,
     CheckpointError,
     Fp8Format,
     ModelConfig,
@@ -234,24 +233,26 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
 
 def with_quantization(config: ModelConfig, quantization: str | None) -> ModelConfig:
     """``config`` with ``--quantization``'s format; refused where the checkpoint is quantized
-    already or the name is not one of QUANTIZATIONS."""
-    if quantization is None or config.quantization == ONLINE_FP8:
+    already or the name is not one of ONLINE_QUANTIZATIONS."""
+    if quantization is None:
         return config
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    fmt = ONLINE_QUANTIZATIONS.get(quantization)
+    if fmt is None:
+        raise ValueError(f"quantization must be one of {tuple(ONLINE_QUANTIZATIONS)}, got "
+                         f"{quantization!r}")
+    if config.quantization == fmt:  # applied already (the front, then the worker)
+        return config
     if config.quantization is not None:
         raise CheckpointError(f"--quantization {quantization}: the checkpoint is quantized "
                               f"already ({config.quantization.method}); leave the flag out")
-    return dataclasses.replace(config, quantization=ONLINE_FP8)
+    return dataclasses.replace(config, quantization=fmt)
 
 
 def _read(h, name: str, shape: tuple[int, ...], cut: Cut | None) -> torch.Tensor:
     """Tensor ``name`` of the open file ``h``: its ``cut`` only, when it has one."""
     if cut is None:
         return h.get_tensor(name)
-    if 0 in cut.shape(shape):  # an expert another rank holds: nothing to read
-        return torch.empty(cut.shape(shape))
-    return cut.take(h.get_slice(name))
+    return cut.take(h.get_slice(name))  # an expert another rank holds: an empty slice
 
 
 def _cut(t: torch.Tensor, cut: Cut | None) -> torch.Tensor:

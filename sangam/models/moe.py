@@ -96,14 +96,22 @@ class SparseMoe(nn.Module):
         with torch.inference_mode(False), torch.no_grad():
             w13 = _stack(experts, "weight", width)
             w2 = torch.stack([e.down_proj.weight for e in experts])
-            scales = {}
-            if isinstance(experts[0].gate_proj, Fp8Linear):  # their scales stacked alike
-                name = experts[0].gate_proj.fmt.scale_name
-                block = experts[0].gate_proj.fmt.weights == "block"
-                half = experts[0].gate_proj.scale.shape[0]
-                s13 = _stack(experts, name, half)
+            scales: dict = {}
+            gate = experts[0].gate_proj
+            fmt = gate.fmt if isinstance(gate, Fp8Linear) else None
+            if fmt is not None and fmt.weights == "tensor":  # one scale per channel, copied
+                s13 = torch.stack([torch.cat([e.gate_proj.scale.expand(width),
+                                              e.up_proj.scale.expand(width)])
+                                   for e in experts])
+                s2 = torch.stack([e.down_proj.scale.expand(e.down_proj.out_features)
+                                  for e in experts])
+                scales = {"w13_scale": s13, "w2_scale": s2, "block_weights": False}
+            elif fmt is not None:  # their scales stacked alike, the experts' views of them
+                block = fmt.weights == "block"
+                half = gate.scale.shape[0]
+                s13 = _stack(experts, fmt.scale_name, half)
                 s2 = torch.stack([e.down_proj.scale for e in experts])
-                _repoint(experts, name, s13, s2, half)
+                _repoint(experts, fmt.scale_name, s13, s2, half)
                 scales = {"w13_scale": s13 if block else s13.flatten(1),
                           "w2_scale": s2 if block else s2.flatten(1), "block_weights": block}
             _repoint(experts, "weight", w13, w2, width)
