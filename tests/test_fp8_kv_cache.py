@@ -26,6 +26,7 @@ from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import make_engine
 from sangam.engine.reference_decoder import ReferenceDecoder
 from sangam.engine.validation import new_state
+from sangam.models.config import fp8_scale_rows
 
 REQUESTS = {"llada": WORKLOADS["llada"][:8], "dream": WORKLOADS["dream"][:8]}
 _WANT: dict[str, dict] = {}
@@ -68,8 +69,9 @@ def test_engine_equals_the_reference_over_fp8_pages(paths, arch, layout):
         assert _tokens(_run(engine, REQUESTS[arch])) == want
         cfg = engine.loaded.config
         heads = cfg.num_kv_heads // LAYOUTS[layout].get("tensor_parallel_size", 1)
-        # A layer's K (or V) page: each of its heads, a byte a value and 4 for the scale.
-        layer_page = PAGE_SIZE * max(heads, 1) * (cfg.head_dim + 4)
+        # A layer's K (or V) page: its token rows and scale rows, a byte a value.
+        layer_page = (PAGE_SIZE + fp8_scale_rows(PAGE_SIZE, cfg.head_dim)) * max(
+            heads, 1) * cfg.head_dim
         if layout == "colocated":  # in this process
             assert engine.pool.kv.page_bytes() == 2 * cfg.num_layers * layer_page
             assert engine.pool.allocator.num_used == 0
@@ -96,8 +98,8 @@ def test_fp8_differs_from_the_full_precision_cache_only_a_little(paths):
 def test_the_memory_plan_holds_about_twice_the_pages():
     full = shape_plan("llada", "h100")
     fp8 = shape_plan("llada", "h100", EngineConfig(kv_cache_dtype="fp8"))
-    # LLaDA-8B: 128-wide heads, 2 bytes a value -> 1 byte and a 4-byte scale per head row.
-    assert fp8.page_bytes * 2 * 128 == full.page_bytes * (128 + 4)
+    # LLaDA-8B: 128-wide heads, 2 bytes a value -> 1 byte, and a 17th row for the scales.
+    assert fp8.page_bytes * 2 * 16 == full.page_bytes * 17
     assert fp8.num_pages > 1.8 * full.num_pages
 
 

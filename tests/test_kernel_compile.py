@@ -16,10 +16,11 @@ import torch
 
 from sangam.kernels.cross_compile import H200, TARGETS
 
-MEMORY_BOUND = {"_attn_kernel", "_store_kv_kernel", "_page_copy_kernel", "_score_kernel"}
+MEMORY_BOUND = {"_attn_kernel", "_store_kv_kernel", "_page_copy_kernel", "_score_kernel",
+                "_store_kv_fp8_kernel"}
 KERNELS = {"_attn_kernel", "_merge_splits_kernel", "_store_kv_kernel", "_page_copy_kernel",
            "_score_kernel", "_merge_kernel", "_route_kernel", "_gate_up_kernel", "_down_kernel",
-           "_combine_kernel", "_fp8_gemm_kernel"}
+           "_combine_kernel", "_fp8_gemm_kernel", "_store_kv_fp8_kernel"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU path times instead")
@@ -59,6 +60,9 @@ def test_serving_launches_compile_for_h200_without_spills(tmp_path):
            or b["constants"].get("FP8") == "True"]
     assert {b["kernel"] for b in fp8} == {"_fp8_gemm_kernel", "_gate_up_kernel", "_down_kernel"}
     assert all(b["mma"] != "none" for b in fp8)
+    # The FP8 KV cache: attention over FP8 pages for cached steps and refreshes.
+    assert {b["constants"]["BLOCK_M"] for b in builds if b["kernel"] == "_attn_kernel"
+            and b["constants"]["FP8_KV"] == "True"} == {"32", "128"}
     for b in builds:
         assert b["spill_bytes"] == 0, b["text"]
         assert b["shared_bytes"] <= H200.max_shared_bytes, b["text"]

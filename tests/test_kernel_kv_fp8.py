@@ -38,13 +38,15 @@ def _pool(device, dtype, heads=2, d=32, pages=12, page_size=16) -> PagedKV:
 
 def test_the_pool_layout_holds_values_then_scales():
     kv = _pool("cpu", torch.float32)
-    assert kv.buffers[0].dtype == torch.uint8 and kv.buffers[0].shape[-1] == 32 + 4
+    # 16 token rows of 2 heads x 32 values, then 2 rows holding their 16 x 2 fp32 scales.
+    assert kv.buffers[0].dtype == torch.uint8 and kv.buffers[0].shape == (1, 2, 12, 18, 2, 32)
     assert kv.k[0].dtype == torch.float8_e4m3fn and kv.k[0].shape == (12, 16, 2, 32)
+    assert kv.k[0].stride() == (18 * 64, 64, 32, 1) and kv.page_size == 16
     assert kv.k_scales[0].dtype == torch.float32 and kv.k_scales[0].shape == (12, 16, 2)
-    kv.k_scales[0][5, 3, 1] = 2.5  # the scale sits right after its row's 32 values
-    row = kv.buffers[0][0, 0, 5, 3, 1]
-    assert torch.equal(row[32:].view(torch.float32), torch.tensor([2.5]))
-    assert kv.page_bytes() == 2 * 16 * 2 * (32 + 4)
+    kv.k_scales[0][5, 3, 1] = 2.5  # token 3, head 1: the 8th scale after the values
+    scales = kv.buffers[0][0, 0, 5, 16:].flatten()
+    assert torch.equal(scales[28:32].view(torch.float32), torch.tensor([2.5]))
+    assert kv.page_bytes() == 2 * 18 * 2 * 32
 
 
 @pytest.mark.parametrize("device,dtype", CASES)

@@ -552,6 +552,8 @@ def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream,sdar",
         raise ValueError(f"unknown GPU {gpu!r}; known: {', '.join(TARGETS)}")
 
     from sangam.kernels.fp8_gemm import fp8_linear
+    from sangam.models.attention import PagedKV
+    from sangam.models.config import fp8_scale_rows
 
     meta, bf16, i32, i64 = torch.device("meta"), torch.bfloat16, torch.int32, torch.int64
     fp8 = torch.float8_e4m3fn
@@ -579,6 +581,18 @@ def cross_compile_builds(gpu: str = "H200", models: str = "llada,dream,sdar",
                 paged_attention(q, kv_buf[0, 0], kv_buf[0, 1], empty(r + 1, dtype=i32),
                                 empty(r, kv // PAGE, dtype=i32), empty(r, dtype=i32),
                                 d ** -0.5, max_query_len=n_q, **causal)
+            # The FP8 KV cache (PagedKV's layout: values, then each row's head scale) at the
+            # cached steps' and refreshes' spans.
+            for r, kv, n_q in spans[::4]:
+                pages = r * (kv // PAGE)
+                fp8_kv = PagedKV(empty(1, 2, pages, PAGE + fp8_scale_rows(PAGE, d), hkv, d,
+                                       dtype=torch.uint8))
+                q, k = empty(r * n_q, hq, d), empty(r * n_q, hkv, d)
+                store_kv(k, k, fp8_kv.k[0], fp8_kv.v[0], empty(r * n_q, dtype=i64),
+                         **fp8_kv.scales(0))
+                paged_attention(q, fp8_kv.k[0], fp8_kv.v[0], empty(r + 1, dtype=i32),
+                                empty(r, kv // PAGE, dtype=i32), empty(r, dtype=i32),
+                                d ** -0.5, max_query_len=n_q, **fp8_kv.scales(0))
             for n_req in shapes.gather:
                 pages = n_req * GATHER_TOKENS // PAGE
                 kv_buf, ids = empty(layers, 2, pages, PAGE, hkv, d), empty(pages, dtype=i64)

@@ -71,10 +71,11 @@ def rescore_chunk_rows(vocab_size: int, dtype: torch.dtype) -> int:
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype,
                kv_cache_dtype: str = "auto") -> int:
-    """One KV page of every layer (``kv_cache_dtype`` fp8: a byte a value, plus each row's
-    head scale)."""
-    return page_size * cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size(),
-                                               fp8=kv_cache_dtype == "fp8")
+    """One KV page of every layer (``kv_cache_dtype`` fp8: a byte a value, plus the rows of
+    their scales)."""
+    if kv_cache_dtype == "fp8":
+        return cfg.fp8_page_bytes(page_size)
+    return page_size * cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
 
 
 @dataclass(frozen=True)

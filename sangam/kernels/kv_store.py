@@ -84,7 +84,8 @@ def _store_fp8(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor,
         raise ValueError("an FP8 cache needs its scales [num_pages, page_size, Hkv]")
     if x.stride(2) != 1:
         x = x.contiguous()
-    block_t = max(1, min(triton.next_power_of_2(n), (4096 if compiled(x.device) else 1 << 16)
+    # GPU: ~2K elements a program (one head's rows: a row's amax is a reduction over D).
+    block_t = max(1, min(triton.next_power_of_2(n), (2048 if compiled(x.device) else 1 << 16)
                          // d))
     _store_kv_fp8_kernel[(triton.cdiv(n, block_t), hkv)](
         x, cache, scales, slot_mapping.contiguous(), n, x.stride(0), x.stride(1),

@@ -331,6 +331,9 @@ def plan_attention(q: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.T
     group = hq // hkv
     num_requests = cu_seqlens_q.numel() - 1
     on_gpu = compiled(q.device)
+    if k_cache.dtype == torch.float8_e4m3fn and on_gpu and block_n is None:
+        # The FP8 pages' scale loads and widening: 128 x 64 refresh tiles spill on sm_90.
+        block_n = 32
     bm, bn, num_warps, num_stages = _tiles(
         max_query_len if max_query_len is not None else n_tok, group, d, q.element_size(),
         q.device, block_m, block_n)

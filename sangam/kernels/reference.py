@@ -44,16 +44,21 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
         if cache.dtype == torch.float8_e4m3fn:
             x, s = quantize_kv_ref(x)
-            flat_index_copy(scales.view(-1, scales.shape[2]), slots, s)
-        flat_index_copy(cache.view(-1, *cache.shape[2:]), slots, x.to(cache.dtype))
+            _put_rows(scales, slots, s)
+        _put_rows(cache, slots, x.to(cache.dtype))
 
 
-def flat_index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.index_copy_(0, index, src)``, also for float8 (which index_copy_ lacks): as
-    bytes."""
-    if dst.dtype == torch.float8_e4m3fn:
-        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
-    dst.index_copy_(0, index, src)
+def _put_rows(pages: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``pages [num_pages, page_size, ...]``'s flat slots ``slots`` set to ``rows``. The pages
+    may be strided (an FP8 pool's rows between its pages' scale rows); float8 goes as bytes
+    (index_put_ lacks it)."""
+    if pages.dtype == torch.float8_e4m3fn:
+        pages, rows = pages.view(torch.uint8), rows.view(torch.uint8)
+    if pages.is_contiguous():
+        pages.view(-1, *pages.shape[2:]).index_copy_(0, slots, rows)
+    else:
+        page_size = pages.shape[1]
+        pages[slots // page_size, slots % page_size] = rows
 
 
 def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from sangam.kernels.reference import paged_attention_ref, store_kv_ref
-from sangam.models.config import FP8_SCALE_BYTES, ModelConfig
+from sangam.models.config import FP8_SCALE_BYTES, ModelConfig, fp8_scale_rows
 
 
 class PagedKV:
@@ -25,10 +25,12 @@ class PagedKV:
     One buffer lets the page gather/scatter kernel move every layer of a request in one launch;
     ``k[i]`` and ``v[i]`` are views of layer i's pages.
 
-    An FP8 pool (``--kv-cache-dtype fp8``) is a uint8 buffer whose head rows hold D float8_e4m3fn
-    values and then their fp32 scale (``[..., D + 4]`` bytes): ``k[i]``/``v[i]`` view the values,
-    ``k_scales[i]``/``v_scales[i]`` ``[num_pages, page_size, Hkv]`` the scales. A page carries
-    its own scales, so every page copy, transfer and prefix-cache hit moves them with it.
+    An FP8 pool (``--kv-cache-dtype fp8``) is a uint8 buffer of pages of ``page_size + S`` rows
+    (``[..., page_size + S, Hkv, D]``): the token rows hold float8_e4m3fn values, the S rows
+    after them (``fp8_scale_rows``) each token's and head's fp32 scale. ``k[i]``/``v[i]`` view
+    the values (rows 16-byte aligned), ``k_scales[i]``/``v_scales[i]`` ``[num_pages,
+    page_size, Hkv]`` the scales. A page carries its own scales, so every page copy, transfer
+    and prefix-cache hit moves them with it.
     """
 
     def __init__(self, buffer: torch.Tensor):
@@ -50,10 +52,8 @@ class PagedKV:
         self.fp8 = self.buffers[0].dtype == torch.uint8
         pages = [self.buffers[b][j] for b, j in self.layer_slots]  # [2, P, page, Hkv, D(+4)]
         if self.fp8:
-            self.k = [t[0, ..., :-FP8_SCALE_BYTES].view(torch.float8_e4m3fn) for t in pages]
-            self.v = [t[1, ..., :-FP8_SCALE_BYTES].view(torch.float8_e4m3fn) for t in pages]
-            self.k_scales = [t[0].view(torch.float32)[..., -1] for t in pages]
-            self.v_scales = [t[1].view(torch.float32)[..., -1] for t in pages]
+            self.k, self.k_scales = map(list, zip(*(_fp8_views(t[0]) for t in pages)))
+            self.v, self.v_scales = map(list, zip(*(_fp8_views(t[1]) for t in pages)))
         else:
             self.k = [t[0] for t in pages]
             self.v = [t[1] for t in pages]
@@ -77,7 +77,7 @@ class PagedKV:
 
     @property
     def page_size(self) -> int:
-        return self.buffers[0].shape[3]
+        return self.k[0].shape[1]
 
     @property
     def num_pages(self) -> int:
@@ -101,10 +101,20 @@ class PagedKV:
         for i in range(cfg.num_layers):
             groups.setdefault(cfg.layer_kv_shape(i), []).append(i)
         return cls.grouped([
-            (make((len(layers), 2, num_pages, page_size, heads,
-                   d + FP8_SCALE_BYTES if fp8 else d),
+            (make((len(layers), 2, num_pages,
+                   page_size + (fp8_scale_rows(page_size, d) if fp8 else 0), heads, d),
                   dtype=torch.uint8 if fp8 else dtype, device=device), layers)
             for (heads, d), layers in groups.items()])
+
+
+def _fp8_views(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 layer's K (or V) pages ``[P, page_size + S, Hkv, D]`` (bytes) as its values
+    ``[P, page_size, Hkv, D]`` (float8_e4m3fn) and their scales ``[P, page_size, Hkv]``."""
+    _, rows, heads, d = pages.shape
+    page_size = next(p for p in range(rows, 0, -1) if p + fp8_scale_rows(p, d) == rows)
+    values = pages[:, :page_size].view(torch.float8_e4m3fn)
+    scale_bytes = pages[:, page_size:].flatten(1)[:, :page_size * heads * FP8_SCALE_BYTES]
+    return values, scale_bytes.view(torch.float32).unflatten(1, (page_size, heads))
 
 
 @dataclass

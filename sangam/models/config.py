@@ -93,7 +93,13 @@ class GemmaLayout:
 FP8_WEIGHTS = ("block", "channel", "tensor")
 FP8_ACTIVATIONS = ("none", "dynamic", "static")
 FP8_METHODS = ("fp8", "compressed-tensors", "online")
-FP8_SCALE_BYTES = 4  # an FP8 KV cache's fp32 scale after each row's head of D values
+FP8_SCALE_BYTES = 4  # an FP8 KV cache's fp32 scale of each token's head
+
+
+def fp8_scale_rows(page_size: int, head_dim: int) -> int:
+    """Rows of D bytes an FP8 KV page adds after its ``page_size`` token rows to hold their
+    scales (one fp32 per token and head): the values' rows stay 16-byte aligned."""
+    return -(-page_size * FP8_SCALE_BYTES // head_dim)
 
 
 @dataclass(frozen=True)
@@ -166,14 +172,15 @@ class ModelConfig:
             return g.full_kv_heads, g.full_head_dim
         return self.num_kv_heads, self.head_dim
 
-    def kv_bytes_per_token(self, dtype_bytes: int, fp8: bool = False) -> int:
-        """K and V of one token in every layer: ``dtype_bytes`` a value, or with ``fp8`` one
-        byte a value and FP8_SCALE_BYTES a head."""
-        if fp8:
-            return 2 * sum(h * (d + FP8_SCALE_BYTES) for h, d in map(self.layer_kv_shape,
-                                                                      range(self.num_layers)))
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * dtype_bytes * sum(h * d for h, d in map(self.layer_kv_shape,
                                                            range(self.num_layers)))
+
+    def fp8_page_bytes(self, page_size: int) -> int:
+        """One FP8 KV page of every layer: a byte a value, plus the scale rows
+        (``fp8_scale_rows``)."""
+        return 2 * sum(h * d * (page_size + fp8_scale_rows(page_size, d))
+                       for h, d in map(self.layer_kv_shape, range(self.num_layers)))
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
