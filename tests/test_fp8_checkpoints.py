@@ -46,6 +46,9 @@ def sources(tmp_path_factory) -> dict[str, str]:
         "dream": make_tiny_checkpoint(root / "dream", "dream", seed=1, **SHAPE),
         "llada2": make_tiny_checkpoint(root / "llada2", "llada2", seed=2, **SHAPE,
                                        moe={"moe_intermediate_size": 256}),
+        "sdar": make_tiny_checkpoint(root / "sdar", "sdar", seed=3, **SHAPE, head_dim=64),
+        "llada_moe": make_tiny_checkpoint(root / "llada_moe", "llada_moe", seed=4, **SHAPE,
+                                          moe={"expert_intermediate_size": 128}),
     }
 
 
@@ -87,7 +90,7 @@ IDS = torch.randint(0, 150, (2, 40), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("scheme", list(FP8_WRITERS))
-@pytest.mark.parametrize("arch", ["llada", "dream"])
+@pytest.mark.parametrize("arch", ["llada", "dream", "sdar"])
 def test_fp8_checkpoints_load_within_the_bound(fp8, arch, scheme):
     path = fp8(arch, scheme)
     model = load_model(path, "cpu", "float64")
@@ -143,6 +146,21 @@ def test_fp8_experts_run_in_the_fused_moe(fp8, monkeypatch):
     want = moe(x, kernel_table("torch"))
     monkeypatch.setattr(Fp8Linear, "gemm", staticmethod(fp8_linear))
     torch.testing.assert_close(moe(x, kernel_table("triton")), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llada2", "llada_moe"])
+def test_fp8_moe_checkpoints_serve(fp8, arch):
+    """Both mixture-of-experts families load an FP8 checkpoint (FP8 experts stacked for the
+    fused MoE) and decode through LLM."""
+    from sangam import LLM, SamplingParams
+
+    path = fp8(arch, "ct-channel")
+    llm = LLM(model=path, device="cpu", dtype="float64")
+    moe = next(m for m in llm.engine.runner.loaded.model.modules() if hasattr(m, "stacked"))
+    assert moe.stacked()[0].dtype == torch.float8_e4m3fn
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}],
+                       SamplingParams(max_tokens=8, temperature=0))
+    assert len(out[0].outputs[0].token_ids) > 0
 
 
 def test_fp8_moe_within_the_bound_where_routing_agrees(fp8):
