@@ -296,16 +296,13 @@ def test_accepted_formats():
         "channel")
 
 
-@pytest.mark.parametrize("scheme", ["ct-block", "fp8-block", "online"])
-def test_tensor_parallel_fp8_equals_one_rank(fp8, sources, scheme):
-    """TP2 shards of an FP8 model (block scales cut on their 128-edges, channel scales with
-    their rows), joined by the all-reduce, give the one-rank FP8 logits (float64)."""
-    path = sources["llada"] if scheme == "online" else fp8("llada", scheme)
-    q = "fp8" if scheme == "online" else None
-    want = load_model(path, "cpu", "float64", quantization=q).forward_dense(IDS)
+def _two_ranks(path: str, expert_parallel: bool = False,
+               quantization: str | None = None) -> torch.Tensor:
+    """The logits of IDS from two ranks' shards of ``path`` joined by the all-reduce (float64,
+    each rank its columns of the vocabulary)."""
     group = _ThreadGroup(2)
-    shards = [load_model(path, "cpu", "float64", shard=ShardLayout(r, 2), quantization=q)
-              for r in range(2)]
+    shards = [load_model(path, "cpu", "float64", shard=ShardLayout(r, 2, expert_parallel),
+                         quantization=quantization) for r in range(2)]
     out = [None, None]
 
     def run(r: int) -> None:
@@ -317,7 +314,17 @@ def test_tensor_parallel_fp8_equals_one_rank(fp8, sources, scheme):
         t.start()
     for t in threads:
         t.join()
-    torch.testing.assert_close(torch.cat(out, dim=-1), want, rtol=0, atol=1e-10)
+    return torch.cat(out, dim=-1)
+
+
+@pytest.mark.parametrize("scheme", ["ct-block", "fp8-block", "online"])
+def test_tensor_parallel_fp8_equals_one_rank(fp8, sources, scheme):
+    """TP2 shards of an FP8 model (block scales cut on their 128-edges, channel scales with
+    their rows), joined by the all-reduce, give the one-rank FP8 logits (float64)."""
+    path = sources["llada"] if scheme == "online" else fp8("llada", scheme)
+    q = "fp8" if scheme == "online" else None
+    want = load_model(path, "cpu", "float64", quantization=q).forward_dense(IDS)
+    torch.testing.assert_close(_two_ranks(path, quantization=q), want, rtol=0, atol=1e-10)
 
 
 def test_block_scales_that_a_split_would_cut_are_refused(tmp_path):
@@ -349,21 +356,8 @@ def test_expert_parallel_fp8_equals_one_rank(fp8, scheme):
     the 128-edges: a block-scaled copy is refused at TP2, as tested above.)"""
     path = fp8("llada2", scheme)
     want = load_model(path, "cpu", "float64").forward_dense(IDS)
-    group = _ThreadGroup(2)
-    shards = [load_model(path, "cpu", "float64", shard=ShardLayout(r, 2, expert_parallel=True))
-              for r in range(2)]
-    out = [None, None]
-
-    def run(r: int) -> None:
-        shards[r].all_reduce = group.reduce(r)
-        out[r] = shards[r].forward_dense(IDS)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    torch.testing.assert_close(torch.cat(out, dim=-1), want, rtol=0, atol=1e-10)
+    torch.testing.assert_close(_two_ranks(path, expert_parallel=True), want, rtol=0,
+                               atol=1e-10)
 
 
 def test_diffusion_gemma_with_online_fp8():
