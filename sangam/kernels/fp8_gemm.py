@@ -42,12 +42,35 @@ def round_to_e4m3(x):
     return tl.where(tl.abs(x) < 0.015625, sub, normal)
 
 
+_FMAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
+
+
+@triton.jit
+def scaled_to_e4m3(xf, s):
+    """fp32 rows ``xf`` divided by their scales ``s`` as FP8, the reference's values (IEEE
+    division, nearest-even rounding)."""
+    return round_to_e4m3(tl.clamp(tl.math.div_rn(xf, s[:, None]), -_FMAX, _FMAX)).to(
+        tl.float8e4nv)
+
+
+@triton.jit
+def quantize_rows(x):
+    """A tile's rows as FP8 with one scale per row (its amax / FP8_MAX): (values, scales), as
+    ``quantize_fp8_groups_ref`` and ``quantize_kv_ref`` make them. The GEMM's, the experts'
+    and the FP8 KV store's prologue."""
+    xf = x.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(xf), axis=1), _AMAX_FLOOR)
+    s = tl.math.div_rn(amax, tl.full(amax.shape, _FMAX, tl.float32))
+    return scaled_to_e4m3(xf, s), s
+
+
 @triton.jit
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, ws_ptr, xs_ptr, out_ptr,
-    M, N, K, s_x, s_w, s_ws, s_out,
-    ACT: tl.constexpr, W_BLOCK: tl.constexpr, GROUP: tl.constexpr, FMAX: tl.constexpr,
-    AMAX_FLOOR: tl.constexpr, WIDE: tl.constexpr, WIDE_PREC: tl.constexpr,
+    M, N, K, s_x, s_w, s_ws, s_ws_n, s_out,
+    ACT: tl.constexpr, W_BLOCK: tl.constexpr, GROUP: tl.constexpr,
+    WIDE: tl.constexpr, WIDE_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -70,15 +93,11 @@ def _fp8_gemm_kernel(
         if ACT == 0:  # weight-only: W widened to x's type (exact: e4m3 fits bf16 and fp32)
             part = tl.dot(x.to(WIDE), w.to(WIDE), input_precision=WIDE_PREC)
         else:
-            xf = x.to(tl.float32)
             if ACT == 1:  # dynamic: this group's amax per token
-                amax = tl.maximum(tl.max(tl.abs(xf), axis=1), AMAX_FLOOR)
-                s = tl.math.div_rn(amax, tl.full((BLOCK_M,), FMAX, tl.float32))
+                xq, s = quantize_rows(x)
             else:
                 s = tl.zeros((BLOCK_M,), dtype=tl.float32) + x_scale
-            # IEEE division, as the reference's: both round x to the same FP8 values.
-            xq = round_to_e4m3(tl.clamp(tl.math.div_rn(xf, s[:, None]), -FMAX, FMAX))
-            xq = xq.to(tl.float8e4nv)
+                xq = scaled_to_e4m3(x.to(tl.float32), s)
             part = tl.dot(xq, w)
             if ACT == 1:
                 part = part * s[:, None]
@@ -87,7 +106,7 @@ def _fp8_gemm_kernel(
             part = part * ws[None, :]
         acc += part
     if not W_BLOCK:
-        acc = acc * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        acc = acc * tl.load(ws_ptr + rn * s_ws_n, mask=n_ok, other=0.0)[None, :]
     if ACT == 2:
         acc = acc * x_scale
     out = out_ptr + rm.to(tl.int64)[:, None] * s_out + rn[None, :]
@@ -131,7 +150,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if m and n:
         on_gpu = compiled(x.device)
         bm, bn, warps = _tiles(m, on_gpu)
-        ws = weight_scale.to(torch.float32).contiguous()
+        # Per channel: any stride (a per-tensor scale expanded reads one value, not a copy).
+        ws = weight_scale.to(torch.float32)
+        if block_weights:
+            ws = ws.contiguous()
         if x.dtype == torch.bfloat16 and on_gpu:
             wide, prec = tl.bfloat16, "tf32"
         elif x.dtype == torch.float16 and on_gpu:
@@ -145,9 +167,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                                                             device=x.device)
         _fp8_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             x2, weight, ws, xs, res, m, n, k, x2.stride(0), weight.stride(0),
-            ws.stride(0) if block_weights else 0, res.stride(0),
+            ws.stride(0) if block_weights else 0, 0 if block_weights else ws.stride(0),
+            res.stride(0),
             ACT=FP8_ACTIVATIONS.index(activation), W_BLOCK=block_weights, GROUP=FP8_GROUP,
-            FMAX=FP8_MAX, AMAX_FLOOR=FP8_AMAX_FLOOR, WIDE=wide, WIDE_PREC=prec,
+            WIDE=wide, WIDE_PREC=prec,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=3 if on_gpu else 1,
         )
         if res is not out:

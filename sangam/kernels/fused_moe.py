@@ -34,12 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from sangam.kernels.fp8_gemm import round_to_e4m3
+from sangam.kernels.fp8_gemm import quantize_rows
 from sangam.kernels.platform import compiled, max_shared_bytes
 from sangam.kernels.reference import (
-    FP8_AMAX_FLOOR,
     FP8_GROUP,
-    FP8_MAX,
     MOE_ACTIVATIONS,
     check_route_args,
 )
@@ -142,19 +140,6 @@ def moe_route(logits: torch.Tensor, *, top_k: int, score: str, bias: torch.Tenso
 
 # ----------------------------------------------------------------------------- experts
 
-_FMAX = tl.constexpr(FP8_MAX)
-_AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
-
-
-@triton.jit
-def _quantize_rows(a):
-    """A [rows, FP8_GROUP] tile as FP8 with one scale per row (its amax / FP8_MAX), as
-    ``fp8_gemm``'s prologue and ``quantize_fp8_groups_ref`` make them."""
-    af = a.to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(af), axis=1), _AMAX_FLOOR)
-    s = tl.math.div_rn(amax, tl.full(amax.shape, _FMAX, tl.float32))
-    q = round_to_e4m3(tl.clamp(tl.math.div_rn(af, s[:, None]), -_FMAX, _FMAX))
-    return q.to(tl.float8e4nv), s
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # per batch: no variant per token count
@@ -191,7 +176,7 @@ def _gate_up_kernel(
                 a_mask = row_ok[:, None] & k_ok[None, :]
                 w_mask = n_ok[:, None] & k_ok[None, :]
             if FP8:  # BLOCK_K is the activations' group: this tile's scale per row
-                aq, a_s = _quantize_rows(tl.load(a_ptrs, mask=a_mask, other=0.0))
+                aq, a_s = quantize_rows(tl.load(a_ptrs, mask=a_mask, other=0.0))
                 wg = tl.load(g_ptrs, mask=w_mask, other=0.0)
                 wu = tl.load(u_ptrs, mask=w_mask, other=0.0)
                 part_g = tl.dot(aq, tl.trans(wg)) * a_s[:, None]
@@ -258,7 +243,7 @@ def _down_kernel(
                 a_mask = row_ok[:, None] & k_ok[None, :]
                 b_mask = n_ok[:, None] & k_ok[None, :]
             if FP8:
-                aq, a_s = _quantize_rows(tl.load(a_ptrs, mask=a_mask, other=0.0))
+                aq, a_s = quantize_rows(tl.load(a_ptrs, mask=a_mask, other=0.0))
                 b = tl.load(b_ptrs, mask=b_mask, other=0.0)
                 part = tl.dot(aq, tl.trans(b)) * a_s[:, None]
                 if W_BLOCK:

@@ -11,9 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sangam.kernels.fp8_gemm import round_to_e4m3
+from sangam.kernels.fp8_gemm import quantize_rows
 from sangam.kernels.platform import compiled
-from sangam.kernels.reference import FP8_AMAX_FLOOR, FP8_MAX
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # per batch: no variant per token count
@@ -55,8 +54,7 @@ def _store_kv_kernel(
 def _store_kv_fp8_kernel(
     x_ptr, c_ptr, sc_ptr, slot_ptr, num_rows, s_x_n, s_x_h,
     s_c_page, s_c_off, s_c_h, s_sc_page, s_sc_off, s_sc_h, page_size,
-    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, FMAX: tl.constexpr,
-    AMAX_FLOOR: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     # A tile is BLOCK_T rows of one head (program_id 1): each row's head its own scale.
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -66,13 +64,10 @@ def _store_kv_fp8_kernel(
     off = slot % page_size
     d = tl.arange(0, HEAD_DIM)
     ok = slot >= 0
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * s_x_n + h * s_x_h + d[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32))
-    q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX))
+    q, scale = quantize_rows(tl.load(x_ptr + rows.to(tl.int64)[:, None] * s_x_n + h * s_x_h
+                                     + d[None, :], mask=ok[:, None], other=0.0))
     row = (page * s_c_page + off * s_c_off + h * s_c_h)[:, None]
-    tl.store(c_ptr + row + d[None, :], q.to(tl.float8e4nv), mask=ok[:, None])
+    tl.store(c_ptr + row + d[None, :], q, mask=ok[:, None])
     tl.store(sc_ptr + page * s_sc_page + off * s_sc_off + h * s_sc_h, scale, mask=ok)
 
 
@@ -91,7 +86,7 @@ def _store_fp8(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor,
         x, cache, scales, slot_mapping.contiguous(), n, x.stride(0), x.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2),
         scales.stride(0), scales.stride(1), scales.stride(2), cache.shape[1],
-        HEAD_DIM=d, BLOCK_T=block_t, FMAX=FP8_MAX, AMAX_FLOOR=FP8_AMAX_FLOOR, num_warps=4,
+        HEAD_DIM=d, BLOCK_T=block_t, num_warps=4,
     )
 
 

@@ -27,8 +27,8 @@ from sangam.models.quantization import Fp8Linear
 from sangam.models.transformer import TORCH, compute_dtype
 
 
-def _stack(experts: list, attr: str, half: int) -> torch.Tensor:
-    """Each expert's gate then up ``attr`` as one ``[E, 2 * half, ...]`` tensor."""
+def _stack(experts: list, attr: str) -> torch.Tensor:
+    """Each expert's gate then up ``attr`` as one ``[E, gate rows + up rows, ...]`` tensor."""
     return torch.stack([torch.cat([getattr(e.gate_proj, attr), getattr(e.up_proj, attr)])
                         for e in experts])
 
@@ -94,7 +94,7 @@ class SparseMoe(nn.Module):
         # Plain tensors even when first called inside a forward's inference mode: they become
         # the parameters' storage.
         with torch.inference_mode(False), torch.no_grad():
-            w13 = _stack(experts, "weight", width)
+            w13 = _stack(experts, "weight")
             w2 = torch.stack([e.down_proj.weight for e in experts])
             scales: dict = {}
             gate = experts[0].gate_proj
@@ -109,7 +109,7 @@ class SparseMoe(nn.Module):
             elif fmt is not None:  # their scales stacked alike, the experts' views of them
                 block = fmt.weights == "block"
                 half = gate.scale.shape[0]
-                s13 = _stack(experts, fmt.scale_name, half)
+                s13 = _stack(experts, fmt.scale_name)
                 s2 = torch.stack([e.down_proj.scale for e in experts])
                 _repoint(experts, fmt.scale_name, s13, s2, half)
                 scales = {"w13_scale": s13 if block else s13.flatten(1),
