@@ -101,3 +101,25 @@ def test_attention_over_fp8_pages_equals_reference(device, dtype, variant):
                                **scales)
     tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_fp8_pages_without_their_scales_are_refused():
+    """Read or written without its scales an FP8 page would be garbage: every entry point
+    refuses."""
+    from sangam.kernels import store_kv_rope
+
+    kv = _pool("cpu", torch.float32)
+    k = torch.randn(3, 2, 32)
+    slots = torch.tensor([0, 1, 2])
+    cu, table = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32)
+    lens = torch.tensor([3], dtype=torch.int32)
+    for call in (lambda: store_kv_ref(k, k, kv.k[0], kv.v[0], slots),
+                 lambda: store_kv(k, k, kv.k[0], kv.v[0], slots),
+                 lambda: store_kv_rope(k, k, kv.k[0], kv.v[0], slots, slots,
+                                       torch.ones(4, 32), torch.ones(4, 32)),
+                 lambda: paged_attention_ref(torch.randn(3, 4, 32), kv.k[0], kv.v[0], cu,
+                                             table, lens, 0.2),
+                 lambda: paged_attention(torch.randn(3, 4, 32), kv.k[0], kv.v[0], cu, table,
+                                         lens, 0.2)):
+        with pytest.raises(ValueError, match="FP8"):
+            call()

@@ -91,6 +91,9 @@ def _store_fp8(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor,
 
 
 def _launch(k, v, k_cache, v_cache, slot_mapping, rope) -> None:
+    if k_cache.dtype == torch.float8_e4m3fn:  # values without their scales would be garbage
+        raise ValueError("FP8 caches take store_kv with their scales (store_kv_rope has no "
+                         "FP8 form)")
     n, hkv, d = k.shape
     if v.shape != k.shape or k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape:
         raise ValueError(f"shape mismatch: k {tuple(k.shape)}, v {tuple(v.shape)}, "

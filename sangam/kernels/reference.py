@@ -43,9 +43,16 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
         slots, k, v = slots[keep], k[keep], v[keep]
     for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
         if cache.dtype == torch.float8_e4m3fn:
+            _need_scales(cache, scales)
             x, s = quantize_kv_ref(x)
             _put_rows(scales, slots, s)
         _put_rows(cache, slots, x.to(cache.dtype))
+
+
+def _need_scales(cache: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """An FP8 cache is read and written only with its scales ``[num_pages, page_size, Hkv]``."""
+    if scales is None or scales.shape != cache.shape[:3]:
+        raise ValueError("an FP8 cache needs its scales [num_pages, page_size, Hkv]")
 
 
 def _put_rows(pages: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -73,6 +80,8 @@ def _cached(cache: torch.Tensor, scales: torch.Tensor | None, pages: torch.Tenso
             dtype: torch.dtype) -> torch.Tensor:
     """A request's first ``kv_len`` cached rows ``[1, Hkv, kv_len, D]`` in ``dtype`` (FP8
     ones times their scales)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        _need_scales(cache, scales)
     x = cache[pages].flatten(0, 1)[:kv_len].to(dtype)
     if scales is not None:
         x = x * scales[pages].flatten(0, 1)[:kv_len].to(dtype)[..., None]
