@@ -11,9 +11,10 @@ from sangam.config import EngineConfig
 from sangam.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from sangam.llm import LLM
+    from sangam.llm import LLM, WeightUpdateGroup
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams",
+           "WeightUpdateGroup"]
 __version__ = "0.1.0"
 
 
@@ -22,4 +23,8 @@ def __getattr__(name: str) -> object:
         from sangam.llm import LLM
 
         return LLM
+    if name == "WeightUpdateGroup":  # a trainer's end of init_weights_update_group
+        from sangam.llm import WeightUpdateGroup
+
+        return WeightUpdateGroup
     raise AttributeError(f"module 'sangam' has no attribute {name!r}")

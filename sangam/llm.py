@@ -10,11 +10,13 @@ from tqdm.auto import tqdm
 
 from sangam.config import EngineConfig
 from sangam.engine.multi import make_engine
+from sangam.engine.weight_group import WeightUpdateGroup
 from sangam.models.tokenizer import load_chat_template
 from sangam.sampling_params import RequestOutput, SamplingParams
 
 # A prompt: its text, or vLLM's TextPrompt / TokensPrompt dicts (plus Sangam's suffix).
 Prompt = str | Mapping[str, Any]
+__all__ = ["LLM", "WeightUpdateGroup"]  # the trainer's end of init_weights_update_group
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "suffix", "suffix_token_ids"})
 
 
@@ -54,6 +56,56 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine's worker processes, if any (also done at interpreter exit)."""
         self.engine.shutdown()
+
+    # RL rollouts (docs/design.md §3.1), SGLang's names: between generate calls, so no
+    # request is in flight.
+    @property
+    def weights_version(self) -> int:
+        """0 as loaded; each weight update adds 1. Every output carries the version that
+        generated it (``RequestOutput.weight_version``)."""
+        return self.engine.weights_version
+
+    def update_weights_from_tensor(self, named_tensors: Mapping[str, Any]
+                                   | Sequence[tuple[str, Any]]) -> int:
+        """Copy full (unsharded) tensors, named as in the checkpoint, into the weights in place
+        (every worker, every tensor-parallel rank its slice); the prefix cache is flushed.
+        Returns the new weights version. Refused, changing nothing, when a name, shape, dtype
+        or value does not fit the model."""
+        return self.engine.update_weights_from_tensor(named_tensors)
+
+    def update_weights_from_disk(self, model_path: str) -> int:
+        """Load every weight of the checkpoint at ``model_path`` (the same architecture) in
+        place; returns the new weights version."""
+        return self.engine.update_weights_from_disk(model_path)
+
+    def init_weights_update_group(self, master_address: str, master_port: int,
+                                  rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group",
+                                  backend: str | None = None) -> None:
+        """Join a trainer's weight-update group (``sangam.WeightUpdateGroup`` with rank 0 on
+        the trainer's side); this engine's ranks are ``rank_offset`` onwards. Blocks until all
+        have joined (gloo on CPU, nccl on GPU by default)."""
+        self.engine.init_weights_update_group(master_address, master_port, rank_offset,
+                                              world_size, group_name, backend)
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]]) -> int:
+        """Receive ``names`` from the trainer's broadcasts (in this order, full shapes) and
+        copy them in place; returns the new weights version."""
+        return self.engine.update_weights_from_distributed(names, dtypes, shapes)
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache."""
+        self.engine.flush_cache()
+
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Free the KV pool's and the weights' memory (``tags``: "kv_cache", "weights"; default
+        both) for a colocated trainer, until ``resume_memory_occupation``."""
+        self.engine.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Take the memory back (the weights as they were when released)."""
+        self.engine.resume_memory_occupation(tags)
 
     def generate(self, prompts: Prompt | Sequence[Prompt] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -224,6 +224,9 @@ class SamplingParams:
     # uniform-state canvas's argmax; a masked block's committed tokens with each masked
     # position's token as the step predicted it). The response itself never changes.
     include_drafts: bool = False
+    # Each response token's trajectory (RequestOutput.trajectory): the forward that committed
+    # it, its log-probability then, and every value an edit gave it before (RL rollouts).
+    return_trajectory: bool = False
     # Uniform-state models only (DiffusionGemma, UniformStateParams): None takes the model's
     # default (its generation_config.json, else transformers').
     max_denoising_steps: int | None = None
@@ -300,6 +303,7 @@ class SamplingParams:
              "include_stop_str_in_output must be a bool")
         need(isinstance(self.skip_special_tokens, bool), "skip_special_tokens must be a bool")
         need(isinstance(self.include_drafts, bool), "include_drafts must be a bool")
+        need(isinstance(self.return_trajectory, bool), "return_trajectory must be a bool")
         ids = self.stop_token_ids or ()
         need(isinstance(ids, (list, tuple)) and len(ids) <= MAX_STOP_TOKEN_IDS
              and all(_is_int(t) and 0 <= t <= MAX_INT32 for t in ids),
@@ -505,6 +509,28 @@ class RequestOutput:
     # after ``token_ids`` (which a draft never changes); None in every other output.
     draft_token_ids: list[int] | None = None
     draft_text: str | None = None
+    # With SamplingParams.return_trajectory, per position of the response canvas: every value
+    # a forward wrote there, in order, as (forward index, token id, log-probability at that
+    # forward); the last is its token (several only where LLaDA2.1's editing rewrote it). The
+    # first len(token_ids) are the output's; the rest are the canvas past it (decoded after a
+    # stop in its block, or never: empty), which the forwards saw as their input.
+    trajectory: list[list[tuple[int, int, float]]] | None = None
+    # The weights version the response was generated with (0: as loaded; each update adds 1).
+    weight_version: int = 0
+
+    @property
+    def step_map(self) -> list[int] | None:
+        """The forward index at which each token of token_ids was committed (with
+        return_trajectory)."""
+        return None if self.trajectory is None else [
+            t[-1][0] for t in self.trajectory[:len(self.token_ids)]]
+
+    @property
+    def step_logprobs(self) -> list[float] | None:
+        """Each token's log-probability at the forward that committed it (with
+        return_trajectory)."""
+        return None if self.trajectory is None else [
+            t[-1][2] for t in self.trajectory[:len(self.token_ids)]]
 
     @functools.cached_property
     def text(self) -> str | None:

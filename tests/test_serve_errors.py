@@ -204,6 +204,8 @@ def test_bad_request(http, path, body, status, fragment):
 def test_unknown_route_and_method(http):
     _assert_error(http.get("/v1/nothing"), 404)
     _assert_error(http.get(CMPL), 405)
+    # The RL-rollout routes are served only with --enable-rollout-routes.
+    _assert_error(http.post("/update_weights_from_disk", json={"model_path": "/"}), 404)
 
 
 def test_api_key(server):

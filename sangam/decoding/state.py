@@ -107,6 +107,10 @@ class DecodeState:
         # Each block's threshold: the request's, or for a load-adaptive one (min_threshold) what
         # the worker that started the block set (set_load).
         self.block_thresholds = np.full(self.cursor.num_blocks, params.threshold, dtype=np.float64)
+        # With return_trajectory: every value a response position took, as (position, token,
+        # forward index, log-probability at that forward), in the order they were written.
+        self.trajectory: list[tuple[int, int, int, float]] | None = (
+            [] if params.return_trajectory else None)
         low = seed & (2**64 - 1)  # the noise key reads the seed's low 64 bits
         self.record = array("q", (mask_token_id, low - 2**64 if low >= 2**63 else low,
                                   RULE_IDS[params.unmasking], params.tokens_per_step,
@@ -272,6 +276,43 @@ class DecodeState:
         return [[(t, lp) for t, lp in zip(ids, lps, strict=True) if lp != -np.inf]
                 for ids, lps in zip(self.top_ids[:num_tokens].tolist(),
                                     self.top_logprobs[:num_tokens].tolist(), strict=True)]
+
+    # Trajectories (return_trajectory): what each forward wrote.
+    def block_snapshot(self) -> tuple[int, np.ndarray]:
+        """The current block's start and tokens, before a step (for ``note_step``)."""
+        s, e = self.cursor.block_bounds()
+        return s, self.tokens[s:e].copy()
+
+    def note_step(self, before: tuple[int, np.ndarray]) -> None:
+        """Record in the trajectory each position the step after ``before`` (its
+        ``block_snapshot``) wrote: its token, the step's forward index and the token's
+        log-probability then (the log of the confidence it was committed with)."""
+        s, old = before
+        new = self.tokens[s:s + len(old)]
+        at = (new != old).nonzero()[0]
+        if len(at):
+            self.note(s + at, np.log(np.maximum(self.confidence[s + at],
+                                                np.finfo(np.float64).tiny)))
+
+    def note(self, positions: np.ndarray, logprobs: np.ndarray) -> None:
+        """Record that the forward just counted wrote ``positions`` (their tokens now) with
+        these log-probabilities."""
+        step = self.num_forwards - 1
+        self.trajectory += [(p, t, step, lp) for p, t, lp in zip(
+            positions.tolist(), self.tokens[positions].tolist(), logprobs.tolist())]
+
+    def output_trajectory(self) -> list[list[tuple[int, int, float]]]:
+        """For each position of the response canvas, every value a forward wrote there, in
+        order, as (forward index, token, log-probability): the last is its token; none for a
+        position no forward decoded (after the block a stop ended). The forwards' input is the
+        prompt, the canvas (each position as the forwards before had left it, else masked) and
+        the suffix, so a trainer can rebuild every one."""
+        p = self.cursor.prompt_len
+        out: list[list[tuple[int, int, float]]] = [
+            [] for _ in range(self.cursor.canvas_end - p)]
+        for pos, token, step, lp in self.trajectory:
+            out[pos - p].append((step, token, lp))
+        return out
 
     def num_committed(self) -> int:
         """Response positions committed so far: unmasked ones, or a uniform-state request's

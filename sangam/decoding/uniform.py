@@ -252,6 +252,9 @@ class UniformState:
         if st.grammar is not None:  # structured output: the canvas read under the grammar
             canvas.argmax = CanvasGrammar(st).final(canvas.processed)
         st.tokens[s:e] = canvas.argmax.cpu().numpy()
+        if st.trajectory is not None:  # each token's log-probability under the last step
+            lp = torch.log_softmax(canvas.processed.double(), -1)
+            st.note(np.arange(s, e), lp.gather(1, canvas.argmax[:, None]).squeeze(1).cpu().numpy())
         canvas.processed = None  # the canvas is over: nothing conditions on it
         response = st.tokens[c.prompt_len:min(e, c.prompt_len + st.params.max_tokens)]
         if st.stop_index(response) < len(response):

@@ -8,6 +8,7 @@ RequestOutput per committed block. A forward never blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import os
@@ -76,6 +77,12 @@ class AsyncEngine:
         self._count_lock = threading.Lock()  # callers may run on several event loops
         self._death_callbacks: list[Callable[[BaseException], None]] = []
         self.dead: BaseException | None = None  # set before the thread can fail
+        # Weight updates and memory operations wait (in order) for the requests in flight to
+        # finish on the weights they started with; requests that arrive meanwhile, or while
+        # generation is paused, wait (``_held``) and start after them.
+        self._barriers: collections.deque[tuple] = collections.deque()
+        self._held: collections.deque[tuple] = collections.deque()
+        self.paused = False
         self._thread = threading.Thread(target=self._loop, name="sangam-engine", daemon=True)
         self._thread.start()
 
@@ -173,6 +180,51 @@ class AsyncEngine:
         self._submit((*cmd, done))
         return await asyncio.wrap_future(done)
 
+    # Weights, cache and memory (docs/design.md §3.1): each runs on the engine thread once the
+    # requests in flight have finished (on the old weights); requests submitted meanwhile
+    # start after it. SGLang's names.
+    @property
+    def weights_version(self) -> int:
+        return self.engine.weights_version
+
+    async def update_weights_from_tensor(self, named_tensors) -> int:
+        return await self._call("control", "update_weights_from_tensor", (named_tensors,))
+
+    async def update_weights_from_disk(self, model_path: str | os.PathLike) -> int:
+        return await self._call("control", "update_weights_from_disk", (model_path,))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int,
+                                        group_name: str = "weight_update_group",
+                                        backend: str | None = None) -> None:
+        await self._call("control", "init_weights_update_group",
+                         (master_address, master_port, rank_offset, world_size, group_name,
+                          backend))
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]]) -> int:
+        return await self._call("control", "update_weights_from_distributed",
+                                (names, dtypes, shapes))
+
+    async def flush_cache(self) -> None:
+        await self._call("control", "flush_cache", ())
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._call("control", "release_memory_occupation", (tags,))
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._call("control", "resume_memory_occupation", (tags,))
+
+    async def pause_generation(self) -> int:
+        """Stop generating at once: every request in flight ends with finish_reason "abort"
+        (its tokens so far returned), and new requests wait for ``continue_generation``; a
+        weight update meanwhile runs without waiting. Returns how many were aborted."""
+        return await self._call("pause")
+
+    async def continue_generation(self) -> None:
+        """Start the requests that waited during the pause."""
+        await self._call("continue")
+
     async def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with a ``finish_reason="abort"`` output."""
         self._post(("abort", request_id))
@@ -198,7 +250,9 @@ class AsyncEngine:
 
     # Engine thread.
     def _handle(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
+        if cmd[0] == "add" and (self.paused or self._barriers):
+            self._held.append(cmd)  # after the pause, or the weight update, ends
+        elif cmd[0] == "add":
             _, rid, ids, tail, params, stream, accepted = cmd
             if not accepted.set_running_or_notify_cancel():
                 return  # the caller left before the engine saw it: its abort follows
@@ -218,10 +272,41 @@ class AsyncEngine:
             except Exception as e:  # e.g. stop without start: the caller's error
                 done.set_exception(e)
         elif cmd[0] == "abort":
-            out = self.engine.abort_request(cmd[1])
-            stream = self._streams.pop(cmd[1], None)
-            if out is not None and stream is not None:
-                stream.put(out)
+            self._abort(cmd[1])
+        elif cmd[0] == "control":
+            self._barriers.append(cmd)
+        elif cmd[0] in ("pause", "continue"):
+            done = cmd[-1]
+            if not done.set_running_or_notify_cancel():
+                return
+            self.paused = cmd[0] == "pause"
+            aborted = [self._abort(rid) for rid in list(self.engine.requests)] \
+                if self.paused else []
+            done.set_result(len(aborted) if self.paused else None)
+
+    def _abort(self, request_id: str) -> None:
+        for cmd in [c for c in self._held if c[0] == "add" and c[1] == request_id]:
+            self._held.remove(cmd)  # its caller left while it waited
+            if cmd[-1].set_running_or_notify_cancel():
+                cmd[-1].set_exception(RuntimeError(f"request {request_id} was aborted"))
+        out = self.engine.abort_request(request_id)
+        stream = self._streams.pop(request_id, None)
+        if out is not None and stream is not None:
+            stream.put(out)
+
+    def _run_barriers(self) -> None:
+        """Run the waiting weight and memory operations once no request is in flight; then
+        take in the requests held behind them."""
+        while self._barriers and not self.engine.has_unfinished_requests():
+            _, method, args, done = self._barriers.popleft()
+            if not done.set_running_or_notify_cancel():
+                continue
+            try:
+                done.set_result(getattr(self.engine, method)(*args))
+            except Exception as e:  # refused: the engine serves on as it was
+                done.set_exception(e)
+        while self._held and not self._barriers and not self.paused:
+            self._handle(self._held.popleft())
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -259,6 +344,7 @@ class AsyncEngine:
                 except queue.Empty:
                     if block:  # idle: a worker that dies now is noticed now
                         self.engine.watch()
+                self._run_barriers()
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
                     if self._profiler is not None and (path := self._profiler.step()):
@@ -285,9 +371,10 @@ class AsyncEngine:
             with self._closing:
                 self._closed = True
                 callbacks, self._death_callbacks = self._death_callbacks, []
-            while True:  # commands that came too late: refused
+            while True:  # commands that came too late, or waited: refused
                 try:
-                    cmd = self._inbox.get_nowait()
+                    cmd = (self._barriers.popleft() if self._barriers else
+                           self._held.popleft() if self._held else self._inbox.get_nowait())
                 except queue.Empty:
                     break
                 if isinstance(cmd[-1], concurrent.futures.Future) and \

@@ -10,11 +10,12 @@ hands the worker its own ``DecodeState`` objects, so nothing is copied between t
 from __future__ import annotations
 
 from sangam.config import EngineConfig
-from sangam.engine.front import Front
+from sangam.engine import messages as msg
+from sangam.engine.front import ControlRefused, Front
 from sangam.engine.interface import Gauge
 from sangam.engine.loaded_model import LoadedModel, use_device
 from sangam.engine.model_runner import ModelRunner
-from sangam.engine.worker import Worker, build_worker_parts
+from sangam.engine.worker import Worker, build_worker_parts, worker_control
 from sangam.sampling_params import RequestOutput
 from sangam.sched.batch_builder import BatchBuilder
 
@@ -29,7 +30,8 @@ class Engine(Front):
         pool, builder, runner = build_worker_parts(config, loaded)
         super().__init__(config, loaded, [pool.num_pages])
         self.pool = pool
-        self.worker = Worker(0, builder, runner)
+        self.worker = Worker(0, builder, runner,
+                             control=worker_control(config, loaded, pool, runner, builder))
 
     @property
     def builder(self) -> BatchBuilder:
@@ -41,6 +43,11 @@ class Engine(Front):
 
     def _send(self, worker: int, message: object) -> None:
         self.worker.handle(message)  # in process: the message object itself, nothing copied
+
+    def _run_control(self, m: msg.Control) -> None:
+        error = self.worker.run_control(m)
+        if error is not None:
+            raise ControlRefused(error)
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that completed a block."""

@@ -36,9 +36,10 @@ from sangam.sched.messages import (
 from sangam.sched.worker_core import IterationStats
 
 __all__ = [  # with the policy core's messages, as engine code names them (msg.Prefill, ...)
-    "BlockDone", "BlockProgress", "Draft", "Drop", "Event", "Heartbeat", "Hello", "KVReceived",
-    "KVSent", "Kill", "PeerDead", "Prefill", "ReceiveKV", "RefreshRan", "Report", "RequestFailed",
-    "Shutdown", "WorkerFailed", "block_progress", "catch_up", "dumps", "loads",
+    "BlockDone", "BlockProgress", "Control", "ControlDone", "Draft", "Drop", "Event", "Heartbeat",
+    "Hello", "KVReceived", "KVSent", "Kill", "PeerDead", "Prefill", "ReceiveKV", "RefreshRan",
+    "Report", "RequestFailed", "Shutdown", "WorkerFailed", "block_progress", "catch_up", "dumps",
+    "loads",
 ]
 
 
@@ -63,6 +64,7 @@ class BlockProgress:
     force_refresh: bool  # the next block refreshes fully (the adaptive trigger fired)
     threshold: float  # the threshold the block used (load-adaptive)
     canvas: Canvas | None = None  # a uniform-state request's canvas in progress
+    trajectory: list | None = None  # return_trajectory: what the block's forwards wrote
 
 
 def block_progress(state: DecodeState, block: int) -> BlockProgress:
@@ -77,7 +79,8 @@ def block_progress(state: DecodeState, block: int) -> BlockProgress:
         None if state.top_logprobs is None else state.top_logprobs[top].copy(),
         c.block, c.step, state.num_forwards, state.finish_reason, state.stop_len,
         state.stop_string, state.stop_text, c.force_refresh,
-        float(state.block_thresholds[block]), state.canvas)
+        float(state.block_thresholds[block]), state.canvas,
+        None if state.trajectory is None else [t for t in state.trajectory if s <= t[0] < e])
 
 
 def catch_up(state: DecodeState, p: BlockProgress) -> None:
@@ -96,6 +99,9 @@ def catch_up(state: DecodeState, p: BlockProgress) -> None:
     state.stop_len, state.stop_string, state.stop_text = p.stop_len, p.stop_string, p.stop_text
     state.block_thresholds[c.block_of(p.start)] = p.threshold
     state.canvas = p.canvas
+    if p.trajectory is not None:  # the block's entries, as the other process wrote them
+        state.trajectory = [t for t in state.trajectory if not p.start <= t[0] < e] + \
+            p.trajectory
 
 # Front -> worker.
 
@@ -103,6 +109,17 @@ def catch_up(state: DecodeState, p: BlockProgress) -> None:
 @dataclass
 class Shutdown:
     pass
+
+
+@dataclass
+class Control:
+    """An operation for every rank of a worker, run between iterations with no request in
+    flight (``engine/worker_control.py``: ``op`` names a ``WorkerControl`` method, ``args`` its
+    arguments); answered by a ``ControlDone`` with the same ``ticket``."""
+
+    ticket: int
+    op: str
+    args: tuple = ()
 
 
 @dataclass
@@ -144,6 +161,14 @@ class WorkerFailed:
 
     worker: int
     error: str
+
+
+@dataclass
+class ControlDone:
+    """A worker ran the front's ``Control`` (``error``: why it did not, the model unchanged)."""
+
+    ticket: int
+    error: str | None = None
 
 
 @dataclass

@@ -197,6 +197,9 @@ class ModelRunner:
                 rows: dict[int, torch.Tensor]) -> list[StepOutcome]:
         """Commit the scored rows into each request, then its alternatives and stop strings;
         an error there ends only its request."""
+        # return_trajectory: what each masked-family step writes (a canvas notes its own).
+        before = {r: st.block_snapshot() for r, st in enumerate(states)
+                  if st.trajectory is not None and st.canvas_spec is None}
         block_done, errors = self.host.apply(states, batch, tokens, conf)
         for r, logits in rows.items():  # the requests whose family reads its logits, by index
             if r not in errors:
@@ -212,6 +215,9 @@ class ModelRunner:
                         canvas.processed = None
                 except Exception as e:
                     errors[r] = e
+        for r, snapshot in before.items():
+            if r not in errors:
+                states[r].note_step(snapshot)
         if top is not None:
             rescore.record_top(batch, *top, errors)
         for r, st in enumerate(states):  # drafts of the blocks that go on

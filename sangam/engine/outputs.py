@@ -16,7 +16,8 @@ def request_output(codec: TextCodec, request_id: str, prompt_ids: list[int],
                    text: IncrementalDetokenizer | None = None,
                    error: str | None = None,
                    num_cached_tokens: int | None = None,
-                   draft: list[int] | None = None) -> RequestOutput:
+                   draft: list[int] | None = None,
+                   weight_version: int = 0) -> RequestOutput:
     """What the caller sees of a request now: its tokens, their text (which, while the
     request runs, holds back what could still become a stop string), their logprobs when
     asked for. ``text``, the request's own, makes reading its outputs in order decode each
@@ -35,5 +36,8 @@ def request_output(codec: TextCodec, request_id: str, prompt_ids: list[int],
         stop_reason=state.stop_reason() if finished and reason == "stop" else None,
         block_thresholds=state.output_block_thresholds(), metrics=metrics, error=error,
         num_cached_tokens=num_cached_tokens, draft_token_ids=draft,
+        trajectory=(state.output_trajectory()
+                    if state.trajectory is not None else None),
+        weight_version=weight_version,
         draft_text=None if draft is None or codec.tokenizer is None else codec.decode(
             draft, skip_special_tokens=state.params.skip_special_tokens))

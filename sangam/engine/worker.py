@@ -23,6 +23,7 @@ from sangam.engine.kv_pool import KVPool, pool_num_pages
 from sangam.engine.loaded_model import LoadedModel, use_device
 from sangam.engine.model_runner import ModelRunner
 from sangam.engine.tensor_group import TensorGroup
+from sangam.engine.worker_control import WorkerControl
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
 from sangam.sched.block_cursor import BlockCursor
 from sangam.sched.prefix_cache import (
@@ -119,6 +120,25 @@ def decode_graphs(config: EngineConfig, loaded: LoadedModel,
     return runners
 
 
+def worker_control(config: EngineConfig, loaded: LoadedModel, pool: KVPool,
+                   runner: ModelRunner, builder: BatchBuilder | None,
+                   engine_rank: int = 0) -> WorkerControl:
+    """A rank's side of weight updates, cache flushes and memory release (its prefix cache:
+    ``builder``'s, None on a tensor-parallel follower, which caches nothing); its CUDA graphs
+    are captured again when memory returns at other addresses."""
+    def recapture() -> None:
+        if runner.graphs:
+            runner.graphs = decode_graphs(config, loaded, pool)
+
+    return WorkerControl(loaded, pool, None if builder is None else builder.prefix_cache,
+                         engine_rank, recapture)
+
+
+def agree(group: TensorGroup, ok: bool) -> bool:
+    """Whether every rank of ``group`` says the same ``ok`` (every rank calls this)."""
+    return group.agree_min(int(ok)) == -group.agree_min(-int(ok))
+
+
 def scheduling_request(m: msg.Prefill | msg.ReceiveKV, state: DecodeState,
                        page_size: int | None = None, **block: object) -> Request:
     """A worker's record of the request that ``m`` orders, run with ``state`` (its cursor; the
@@ -147,10 +167,11 @@ class Worker:
     remote = False  # a worker process's reports carry copies of its requests' progress
 
     def __init__(self, index: int, builder: BatchBuilder, runner: ModelRunner,
-                 streaming: bool = False):
+                 streaming: bool = False, control: WorkerControl | None = None):
         self.index = index
         self.builder = builder
         self.runner = runner
+        self.control = control  # weight updates, cache flushes, memory (None: a stand-in)
         self.core = WorkerCore(builder, streaming)  # tasks, seats, parked canvases, receives
         self.clock: Callable[[], float] = time.monotonic
         self.events: list[msg.Event] = []
@@ -166,8 +187,28 @@ class Worker:
                 keep_pages=m.keep_pages, stays=m.stays))
         elif isinstance(m, msg.Drop):
             self.core.drop(m.request_id)
+        elif isinstance(m, msg.Control):
+            self.events.append(msg.ControlDone(m.ticket, self.run_control(m)))
         else:
             raise TypeError(f"worker {self.index}: unexpected message {m!r}")
+
+    def run_control(self, m: msg.Control) -> str | None:
+        """Run ``m`` on every rank of this worker; None, or why it was refused (every rank
+        unchanged). Ranks that disagree (one applied it, another not) leave the worker
+        inconsistent: that raises, and the worker ends."""
+        group = self.runner.group
+        if group is not None:
+            group.send(("control", m))
+        try:
+            self.control.run(m)
+            error = None
+        except Exception as e:
+            logger.warning("worker %d: %s refused: %s", self.index, m.op, e)
+            error = str(e)
+        if group is not None and not agree(group, error is None):
+            raise RuntimeError(f"worker {self.index}: the ranks of its tensor-parallel group "
+                               f"disagree on {m.op}: their weights may differ")
+        return error
 
     # One iteration.
     def iterate(self) -> bool:

@@ -71,7 +71,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -
     return DTYPES[dtype]
 
 
-def _tensor_files(path: Path) -> dict[str, Path]:
+def tensor_files(path: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file holding it."""
     index = path / INDEX_FILE
     if index.is_file():
@@ -117,7 +117,8 @@ def dummy_model(config: ModelConfig, device: str | torch.device,
         model = ARCHITECTURES[config.architecture](config).to(dtype)
         if config.quantization is not None:  # every projection that may be FP8 is
             use_fp8(model, set(fp8_candidates(model)), config.quantization)
-        shard_model(model, shard)
+        cuts = shard_model(model, shard)
+    model.weight_cuts = cuts  # what a weight update copies into each parameter
     if torch.device(device).type == "meta":
         return model.eval().requires_grad_(False)
     model = model.to_empty(device=device)
@@ -155,7 +156,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
         return dummy_model(config, device, torch_dtype, shard=shard)
     with torch.device("meta"), _SkipInit():
         model = ARCHITECTURES[config.architecture](config)
-    files = _tensor_files(path)
+    files = tensor_files(path)
     fmt = config.quantization
     stored_fp8 = _fp8_tensors(files)
     candidates = fp8_candidates(model)
@@ -227,6 +228,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                 state[name] = _cut(t, cut).to(compute_dtype(torch_dtype) if exact
                                               else torch_dtype)
     model.load_state_dict(state, strict=True, assign=True)
+    model.weight_cuts = cuts  # what a weight update copies into each parameter
     model.prepare()
     return model.eval().requires_grad_(False)
 

@@ -146,6 +146,9 @@ class DiffusionLM(nn.Module):
                                     config.rotary_dim)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.attention_backend: AttentionBackend | None = None
+        # Each sharded tensor's cut, by state-dict name (the loader sets it; a weight update
+        # copies each rank's cut of a full tensor).
+        self.weight_cuts: dict = {}
         # The slice of the weights this process holds (``models/sharding.py`` cuts them;
         # None: the whole model), and the all-reduce that joins the ranks' partial sums.
         self.shard: ShardLayout | None = None

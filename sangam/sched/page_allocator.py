@@ -102,6 +102,13 @@ class PageAllocator:
                 del self._cached_free[p]
             refs[p] += 1
 
+    def drop_cached(self) -> None:
+        """Every cached page nobody holds becomes free (its cache forgets it)."""
+        for p in self._cached_free:
+            self.cache.forget(p)
+        self._free.extend(reversed(self._cached_free))
+        self._cached_free.clear()
+
     def free(self, pages: list[int]) -> None:
         """Drop one reference to each of ``pages``; a page nobody holds any more is free, or
         stays cached when the cache keeps it."""

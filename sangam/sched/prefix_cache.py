@@ -134,6 +134,14 @@ class PrefixCache:
         """Their forward ran: their K/V is final."""
         self._pending.difference_update(pages)
 
+    def clear(self) -> None:
+        """Forget every cached page (the weights changed, or the pool's contents were
+        dropped): those nobody holds are free again, the others free when released."""
+        self.allocator.drop_cached()
+        self._page_of.clear()
+        self._key_of.clear()
+        self._pending.clear()
+
     # The allocator's questions (PageCache).
     def keeps(self, page: int) -> bool:
         return page in self._key_of and page not in self._pending

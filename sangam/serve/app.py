@@ -64,6 +64,7 @@ from sangam.serve.serving_chat import ServingChat
 from sangam.serve.serving_choices import ChoiceResponder
 from sangam.serve.serving_completions import ServingCompletions
 from sangam.serve.serving_responses import ServingResponses
+from sangam.serve.serving_rollout import add_rollout_routes
 from sangam.serve.serving_tokenization import ServingTokenization
 from sangam.serve.tool_calls import make_tool_parser
 
@@ -181,6 +182,9 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
                 return ProfileStopped(trace=await engine.stop_profile())
             except ValueError as e:
                 raise ApiError(400, str(e)) from None
+
+    if server_config.enable_rollout_routes:  # a trainer's: only when asked for
+        add_rollout_routes(app, engine)
 
     @app.get("/version")
     async def version() -> VersionResponse:

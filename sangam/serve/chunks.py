@@ -34,6 +34,8 @@ class Step:
     block_thresholds: list[float] | None  # of the blocks these tokens complete (min_threshold)
     draft: str | None = None  # a draft output's provisional block (it adds nothing else)
     draft_token_ids: list[int] | None = None
+    trajectory: list[list[tuple[int, int, float]]] | None = None  # per token (trajectories)
+    weight_version: int = 0  # the output's
 
 
 class Delta:
@@ -52,7 +54,8 @@ class Delta:
         self.num_chunks += 1
         if out.draft_token_ids is not None:  # provisional: nothing is committed by it
             return Step("", [], None if out.logprobs is None else [], [], self.offset, [],
-                        None, None, out.draft_text or "", out.draft_token_ids)
+                        None, None, out.draft_text or "", out.draft_token_ids,
+                        None if out.trajectory is None else [], out.weight_version)
         text = out.text or ""
         if not out.finished:
             # An unfinished multi-byte character decodes to U+FFFD: send it once complete.
@@ -72,7 +75,11 @@ class Delta:
             thresholds = out.block_thresholds[self.num_blocks:]
             self.num_blocks = len(out.block_thresholds)
         step = Step(delta, tokens, logprobs, pieces, self.offset, top, out.stop_reason,
-                    thresholds)
+                    thresholds, trajectory=None if out.trajectory is None
+                    # its tokens' (and, in the last, the decoded tail's past them)
+                    else out.trajectory[self.num_tokens:None if out.finished
+                                        else len(out.token_ids)],
+                    weight_version=out.weight_version)
         self.num_tokens = len(out.token_ids)
         self.offset += sum(map(len, pieces))
         return step

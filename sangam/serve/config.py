@@ -59,6 +59,13 @@ class ServerConfig:
     profiler_dir: str | None = field(default=None, metadata=flag_meta(
         "Serve POST /start_profile and /stop_profile (vLLM's), which write torch.profiler "
         "traces of the engine loop to this directory; off by default"))
+    enable_rollout_routes: bool = field(default=False, metadata=flag_meta(
+        "Serve the RL-rollout routes (SGLang's): /update_weights_from_disk, "
+        "/update_weights_from_tensor, /init_weights_update_group, "
+        "/update_weights_from_distributed, /get_weight_version, /flush_cache, "
+        "/release_memory_occupation, /resume_memory_occupation, /pause_generation, "
+        "/continue_generation; off by default (any client with the key could change the "
+        "weights)"))
     shutdown_grace: float = field(default=5.0, metadata=flag_meta(
         "On SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are "
         "aborted"))

@@ -209,6 +209,9 @@ class _GenerationRequest(RequestBody):
     min_threshold: Probability | None = None  # opt-in: load-adaptive
     edit_threshold: Probability | None = None  # opt-in: token editing (LLaDA2.1)
     max_post_steps: int | None = Field(default=None, ge=0, le=MAX_POST_STEPS)
+    # Sangam (RL rollouts): each choice's trajectory (the forward that committed each token,
+    # its log-probability then, and any values an edit replaced).
+    return_trajectory: bool | None = None
     # Uniform-state models' options (DiffusionGemma, docs/design.md §2.12).
     max_denoising_steps: int | None = Field(default=None, ge=1, le=MAX_DENOISING_STEPS)
     entropy_bound: float | None = Field(default=None, gt=0, le=MAX_ENTROPY)
@@ -587,6 +590,12 @@ class CompletionChoice(BaseModel):
     # (its text and token ids); None in every other chunk.
     draft: str | None = None
     draft_token_ids: list[int] | None = None
+    # Sangam: with return_trajectory, per position of the response canvas (token_ids first,
+    # then the canvas past them; a stream chunk: its new tokens', the last chunk the rest),
+    # every value a forward wrote there as [forward index, token id, log-probability]
+    trajectory: list[list[tuple[int, int, float]]] | None = None
+    # Sangam: the weights version that generated it (0 as loaded; +1 per weight update)
+    weight_version: int = 0
 
 
 class CompletionResponse(BaseModel):
@@ -627,6 +636,12 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     # Sangam: with min_threshold, the threshold each block used (a stream chunk: its block's)
     block_thresholds: list[float] | None = None
+    # Sangam: with return_trajectory, per position of the response canvas (token_ids first,
+    # then the canvas past them; a stream chunk: its new tokens', the last chunk the rest),
+    # every value a forward wrote there as [forward index, token id, log-probability]
+    trajectory: list[list[tuple[int, int, float]]] | None = None
+    # Sangam: the weights version that generated it (0 as loaded; +1 per weight update)
+    weight_version: int = 0
 
 
 class ChatCompletionResponse(BaseModel):
@@ -664,6 +679,12 @@ class ChatChunkChoice(BaseModel):
     # (its text and token ids); None in every other chunk.
     draft: str | None = None
     draft_token_ids: list[int] | None = None
+    # Sangam: with return_trajectory, per position of the response canvas (token_ids first,
+    # then the canvas past them; a stream chunk: its new tokens', the last chunk the rest),
+    # every value a forward wrote there as [forward index, token id, log-probability]
+    trajectory: list[list[tuple[int, int, float]]] | None = None
+    # Sangam: the weights version that generated it (0 as loaded; +1 per weight update)
+    weight_version: int = 0
 
 
 class ChatCompletionChunk(BaseModel):

@@ -148,7 +148,11 @@ class ResponsesRequest(_GenerationRequest, ToolChoice):
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
-        return ["n"] if self.n not in (None, 1) else []
+        # The Responses API's output items have no place for a trajectory: chat or
+        # completions carry it.
+        return [name for name, unset in (("n", self.n in (None, 1)),
+                                         ("return_trajectory", not self.return_trajectory))
+                if not unset]
 
     def tool_functions(self) -> list[FunctionDefinition]:
         return [FunctionDefinition(name=t.name, description=t.description,

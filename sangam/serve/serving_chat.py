@@ -63,7 +63,9 @@ class ServingChat:
                                    logprobs=chat_logprobs(step), finish_reason=reason,
                                    stop_reason=step.stop_reason,
                                    block_thresholds=step.block_thresholds, draft=step.draft,
-                                   draft_token_ids=step.draft_token_ids)
+                                   draft_token_ids=step.draft_token_ids,
+                                   trajectory=step.trajectory,
+                                   weight_version=step.weight_version)
 
         return await self.responder.respond(
             request, body, streams, request_id, params.n, ChatCompletionChunk, choice,
@@ -86,7 +88,8 @@ class ServingChat:
             choices.append(ChatChoice(index=i, message=message, token_ids=st.token_ids,
                                       logprobs=chat_logprobs(st), finish_reason=reason,
                                       stop_reason=o.stop_reason,
-                                      block_thresholds=st.block_thresholds))
+                                      block_thresholds=st.block_thresholds,
+                                    trajectory=st.trajectory, weight_version=st.weight_version))
         return ChatCompletionResponse(id=request_id, model=self.intake.model.name,
                                       choices=choices, usage=usage_of(outs, len(outs)))
 

@@ -45,7 +45,9 @@ class ServingCompletions:
                                     logprobs=completion_logprobs(step), finish_reason=reason,
                                     stop_reason=step.stop_reason,
                                     block_thresholds=step.block_thresholds, draft=step.draft,
-                                    draft_token_ids=step.draft_token_ids)
+                                    draft_token_ids=step.draft_token_ids,
+                                    trajectory=step.trajectory,
+                                    weight_version=step.weight_version)
 
         return await self.responder.respond(
             request, body, streams, request_id, n, CompletionResponse, choice,
@@ -58,7 +60,8 @@ class ServingCompletions:
                                     token_ids=st.token_ids,
                                     logprobs=completion_logprobs(st),
                                     finish_reason=o.finish_reason, stop_reason=o.stop_reason,
-                                    block_thresholds=st.block_thresholds)
+                                    block_thresholds=st.block_thresholds,
+                                    trajectory=st.trajectory, weight_version=st.weight_version)
                    for i, (o, st) in enumerate(zip(outs, steps))]
         return CompletionResponse(id=request_id, model=self.intake.model.name, choices=choices,
                                   usage=usage_of(outs, n))

@@ -18,12 +18,15 @@ import traceback
 
 import torch
 
+from sangam.engine.kv_pool import KVPool
+from sangam.engine.messages import Control
 from sangam.engine.model_runner import ModelRunner
 from sangam.engine.multi import data_plane
 from sangam.engine.multi.kv_transfer import Done, KVTransport, layer_hook
 from sangam.engine.multi.launcher import WorkerSpec
-from sangam.engine.tensor_group import Step, TensorGroup
-from sangam.engine.worker import build_worker_parts
+from sangam.engine.tensor_group import Step, TensorGroup, global_rank
+from sangam.engine.worker import agree, build_worker_parts, worker_control
+from sangam.engine.worker_control import WorkerControl
 from sangam.models import PagedKV
 
 _POLL_S = 0.001  # waiting for this rank's part of a receive rank 0 already has
@@ -31,8 +34,9 @@ _POLL_S = 0.001  # waiting for this rank's part of a receive rank 0 already has
 
 class Follower:
     def __init__(self, runner: ModelRunner, group: TensorGroup, transport: KVTransport | None,
-                 wait_s: float):
+                 wait_s: float, control: WorkerControl):
         self.runner = runner
+        self.control = control
         self.group = group
         self.transport = transport
         self.wait_s = wait_s  # the longest a receive's part may lag rank 0's
@@ -62,6 +66,16 @@ class Follower:
 
     def _page_ids(self, pages: list[int]) -> torch.Tensor:
         return torch.tensor(pages, dtype=torch.int64).to(self.transport.device)
+
+    def _control(self, m: Control) -> None:
+        """Rank 0's ``Control``, on this rank's shard; then the ranks agree on its outcome
+        (``worker.agree``: rank 0 ends the group if they differ)."""
+        try:
+            self.control.run(m)
+            ok = True
+        except Exception:
+            ok = False
+        agree(self.group, ok)
 
     # K/V transfer operations, as rank 0 made them (``MirroredTransport``).
     def _open_send(self, dest: int) -> None:
@@ -109,12 +123,14 @@ def start_follower(spec: WorkerSpec) -> Follower:
     """Load this rank's shard, build its pool and runner, and join its group."""
     config, device, loaded = data_plane.load_rank(spec)
 
-    def build(group: TensorGroup | None) -> tuple[ModelRunner, PagedKV]:
+    def build(group: TensorGroup | None) -> tuple[tuple[KVPool, ModelRunner], PagedKV]:
         pool, _, runner = build_worker_parts(config, loaded, group)
-        return runner, pool.kv
+        return (pool, runner), pool.kv
 
-    runner, group, transport = data_plane.join(spec, device, build)
-    return Follower(runner, group, transport, config.transfer_timeout)
+    (pool, runner), group, transport = data_plane.join(spec, device, build)
+    rank = global_rank(spec.worker, spec.tp_rank, config.tensor_parallel_size)
+    control = worker_control(config, loaded, pool, runner, None, rank)
+    return Follower(runner, group, transport, config.transfer_timeout, control)
 
 
 def run_follower(spec: WorkerSpec, parent_pid: int) -> None:

@@ -33,7 +33,7 @@ import zmq
 
 from sangam.config import EngineConfig
 from sangam.engine import messages as msg
-from sangam.engine.front import Front
+from sangam.engine.front import ControlRefused, Front
 from sangam.engine.interface import Gauge
 from sangam.engine.loaded_model import LoadedModel, checkpoint_path
 from sangam.engine.multi import data_plane, launcher
@@ -116,6 +116,7 @@ class MultiWorkerEngine(Front):
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._store: dist.TCPStore | None = None
+        self._answers: dict[int, dict[int, str | None]] = {}  # Control answers, by ticket
         try:
             self._start()
         except BaseException:
@@ -249,7 +250,9 @@ class MultiWorkerEngine(Front):
         if info is not None and not isinstance(message, msg.Shutdown):
             self.counters.count(data)
             info.sent += 1
-            if info.owes_progress_since is None:
+            # A Control may wait long (for a trainer to join): its answer is awaited, not
+            # watched as a loop's progress.
+            if info.owes_progress_since is None and not isinstance(message, msg.Control):
                 info.owes_progress_since = time.monotonic()
 
     def _receive(self, timeout_ms: int) -> None:
@@ -285,11 +288,39 @@ class MultiWorkerEngine(Front):
         info.loop_cpu = (now, beat.loop_cpu_s)
 
     def _on_worker_report(self, r: msg.Report) -> None:
+        done = [ev for ev in r.events if isinstance(ev, msg.ControlDone)]
+        if done:
+            for ev in done:
+                self._answers.setdefault(ev.ticket, {})[r.worker] = ev.error
+            r.events = [ev for ev in r.events if not isinstance(ev, msg.ControlDone)]
         info = self._workers[r.worker]
         info.free_pages, info.open_transfers = r.free_pages, r.open_transfers
         owes = r.busy or r.handled < info.sent
         info.owes_progress_since = time.monotonic() if owes else None
         self._on_report(r.worker, r.events, r.iterations)
+
+    def _run_control(self, m: msg.Control) -> None:
+        """Send ``m`` to every live worker and wait for each one's answer (a worker that dies
+        meanwhile is taken out, as always). Workers that refused it while others ran it would
+        serve different weights: they are declared dead."""
+        live = [w for w in range(len(self.roles)) if w not in self.dead_workers]
+        for w in live:
+            self._send(w, m)
+        answers = self._answers.setdefault(m.ticket, {})
+        while set(live) - set(answers) - set(self.dead_workers):
+            self._receive(_POLL_MS)
+            self._check_workers()
+        answers = {w: e for w, e in self._answers.pop(m.ticket).items()
+                   if w not in self.dead_workers}
+        refused = {w: e for w, e in answers.items() if e is not None}
+        if refused and len(refused) < len(answers):
+            for w in refused:
+                self._on_dead(w, f"it refused {m.op} that the other workers ran: "
+                                 f"{refused[w]}")
+        if refused and len(refused) == len(answers):
+            raise ControlRefused(next(iter(refused.values())))
+        if not answers:
+            raise RuntimeError(f"{m.op}: no worker is alive")
 
     # What a caller may ask of any engine.
     def _describe_workers(self) -> list[str]:

@@ -28,8 +28,9 @@ from sangam.engine.multi import data_plane
 from sangam.engine.multi.follower import run_follower
 from sangam.engine.multi.kv_transfer import KVTransport, layer_hook
 from sangam.engine.multi.launcher import WorkerSpec, signature
-from sangam.engine.tensor_group import TensorGroup
-from sangam.engine.worker import Worker, build_worker_parts, scheduling_request
+from sangam.engine.tensor_group import TensorGroup, global_rank
+from sangam.engine.worker import Worker, build_worker_parts, scheduling_request, worker_control
+from sangam.engine.worker_control import WorkerControl
 from sangam.sched.batch_builder import BatchBuilder
 from sangam.sched.request import Request, StepOutcome
 from sangam.sched.worker_core import Ship
@@ -60,10 +61,10 @@ class TransferWorker(Worker):
 
     def __init__(self, index: int, builder: BatchBuilder, runner: ModelRunner,
                  transport: KVTransport | None, loaded: LoadedModel | None = None,
-                 streaming: bool = False):
+                 streaming: bool = False, control: WorkerControl | None = None):
         """``streaming``: a forward's first refresh for each receiver sends its K/V layer by
         layer while the forward runs (``WorkerCore.schedule`` picks them)."""
-        super().__init__(index, builder, runner, streaming)
+        super().__init__(index, builder, runner, streaming, control)
         self.transport = transport
         self.loaded = loaded  # its model takes layer-wise streaming's hook
         self._streams: dict[str, _Stream] = {}  # this iteration's
@@ -249,8 +250,10 @@ def start_worker(spec: WorkerSpec, sock: zmq.Socket) -> WorkerProcess:
     (pool, builder, runner), group, transport = data_plane.join(spec, device, build)
     if group is not None and transport is not None:
         transport = data_plane.MirroredTransport(transport, group)
+    rank = global_rank(spec.worker, 0, config.tensor_parallel_size)
     worker = TransferWorker(spec.worker, builder, runner, transport, loaded,
-                            config.layerwise_kv_streaming)
+                            config.layerwise_kv_streaming,
+                            worker_control(config, loaded, pool, runner, builder, rank))
     process = WorkerProcess(worker, sock)
     process.send(msg.Hello(
         spec.worker, os.getpid(), socket.gethostname(), spec.device, pool.num_pages,
