@@ -101,7 +101,8 @@ step() {
   SUMMARY+=("$name rc=$rc")
 }
 
-# The tests, in shards run side by side: on an empty Triton cache most of their time is
+# The tests, in shards run side by side (tests-engine: CUDA graphs against eager, and a weight
+# update in place and a memory release and resume under them): on an empty Triton cache most of their time is
 # compiling kernel variants, one CPU core per process, and the machine has 16. Each shard
 # prints every test's outcome as it ends (-v) and writes its own report.
 shard() {
@@ -124,7 +125,8 @@ shard tests-engine tests/test_triton_backend.py tests/test_device_batch.py \
   "tests/test_engine.py::test_cuda_graphs_match_eager" \
   "tests/test_engine.py::test_block_length_flag_replays_graphs" \
   "tests/test_engine.py::test_block_causal_graphs_match_eager" \
-  "tests/test_rules.py::test_scoring_with_known_sampled_rows_needs_no_sync" &
+  "tests/test_rules.py::test_scoring_with_known_sampled_rows_needs_no_sync" \
+  tests/test_rollout_gpu.py &
 wait
 for name in tests-attention tests-moe tests-kernels tests-engine; do
   tail -n 5 "$OUT/$name.log"

@@ -20,13 +20,14 @@ from sangam.bench import (
     kernels,
     memory,
     quality,
+    rollout,
     serve,
     workers,
 )
 from sangam.bench.sim import cli as sim_cli
 
 SUBCOMMANDS = (kernels, graphs, host, batching, workers, quality, serve, sim_cli, calibrate,
-               memory)
+               memory, rollout)
 CAPACITY_TARGETS = {
     "sim": capacity.CapacityTarget(
         "probe the simulator", partial(sim_cli.add_sim_args, for_capacity=True),
