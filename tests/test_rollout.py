@@ -268,6 +268,48 @@ def test_requests_in_flight_finish_on_the_old_weights(ckpts, fresh):
     assert {o.weight_version for o in after} == {1}
 
 
+def test_updates_under_load_never_mix_versions(ckpts, fresh):
+    """Many clients while updates alternate the weights: every response is exactly the fresh
+    engine's on the weights of the version it reports, and clients that leave while held
+    behind an update (or mid-stream) take nothing down."""
+    engine = AsyncEngine(model=ckpts["base"], **OPTIONS)
+    weights = [state(ckpts["new"]), state(ckpts["base"])]
+
+    async def one(i: int, leave: bool):
+        async for out in engine.generate(PROMPTS[i % 4], PARAMS[i % 4]):
+            if leave:
+                return None
+            last = out
+        return i % 4, last
+
+    async def main():
+        tasks, versions = [], []
+        for wave in range(6):
+            tasks += [asyncio.create_task(one(i, leave=i % 7 == 3)) for i in range(16)]
+            await asyncio.sleep(0.005 * wave)
+            versions.append(asyncio.create_task(
+                engine.update_weights_from_tensor(weights[wave % 2])))
+        late = [asyncio.create_task(one(i, leave=False)) for i in range(8)]
+        waiting = [asyncio.create_task(one(i, leave=False)) for i in range(8)]
+        await asyncio.sleep(0)
+        for t in waiting[::2]:
+            t.cancel()  # left while held behind the updates
+        results = await asyncio.gather(*tasks, *late, *waiting, return_exceptions=True)
+        return results, await asyncio.gather(*versions)
+
+    try:
+        results, versions = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert versions == [1, 2, 3, 4, 5, 6]
+    served = [r for r in results if isinstance(r, tuple)]
+    assert len(served) >= 80 and all(isinstance(r, (tuple, type(None), asyncio.CancelledError))
+                                     for r in results)
+    for i, out in served:  # odd versions: the new weights; even: the base's
+        assert out.token_ids == fresh["new" if out.weight_version % 2 else "base"][i]
+    assert {out.weight_version for _, out in served} >= {0, 6}
+
+
 def test_pause_aborts_in_flight_and_holds_new_requests(ckpts, fresh):
     engine = AsyncEngine(model=ckpts["base"], **OPTIONS)
     slow = SamplingParams(max_tokens=64, block_length=1, unmasking="topk", cache="none",
@@ -479,3 +521,30 @@ def test_trajectories_across_processes(ckpts, layout):
                                    [v[2] for pos in w.trajectory for v in pos], atol=1e-12)
         assert g.step_map
 
+
+
+def test_uniform_state_trajectories():
+    """DiffusionGemma (uniform-state): each canvas position is committed once, at its canvas's
+    last forward, with its log-probability under that step's tempered distribution; the same
+    over two workers."""
+    params = SamplingParams(return_trajectory=True, seed=3, max_tokens=40)
+    llm = LLM(model="sangam-demo-gemma", device="cpu", dtype="float64")
+    msgs = [[{"role": "user", "content": "Reverse: sangam"}], [{"role": "user",
+                                                               "content": "Sort: diffusion"}]]
+    outs = llm.chat(msgs, params)
+    for out in outs:
+        traj = out.trajectory
+        assert [len(v) for v in traj[:len(out.token_ids)]] == [1] * len(out.token_ids)
+        assert [v[0][1] for v in traj[:len(out.token_ids)]] == out.token_ids
+        assert all(v[0][2] <= 0 for v in traj if v)
+        canvas = llm.engine.loaded.config.gemma.canvas_length
+        ends = {v[0][0] for v in traj[:canvas] if v}  # one canvas: one forward commits it
+        assert len(ends) == 1 and max(out.step_map) < out.num_forwards
+    two = LLM(model="sangam-demo-gemma", device="cpu", dtype="float64", num_workers=2)
+    try:
+        again = two.chat(msgs, params)
+    finally:
+        two.shutdown()
+    for a, b in zip(again, outs):
+        assert [[v[:2] for v in p] for p in a.trajectory] == \
+            [[v[:2] for v in p] for p in b.trajectory]

@@ -156,6 +156,7 @@ PROBES: dict[str, list[tuple[Any, bool]]] = {
     "priority": [(-MAX_INT32, True), (-MAX_INT32 - 1, False), (MAX_INT32, True),
                  (MAX_INT32 + 1, False)],
     "n": [(1, True), (0, False), (MAX_N, True), (MAX_N + 1, False)],
+    "return_trajectory": _flags(),
     "refresh_interval": _lengths(),
     "prompt_refresh_interval": _lengths(),
     "refresh_confidence": _fractions(),

@@ -57,7 +57,9 @@ class AsyncEngine:
     before the thread stops reading (and answered) or refused; a request whose caller left
     (its generator closed, its accept future cancelled) is aborted, whatever moment it left
     at; ``open_requests`` counts the callers' generators that may still hold a request, so an
-    overloaded engine refuses new ones (QueueFull) without a trip through the engine thread."""
+    overloaded engine refuses new ones (QueueFull) without a trip through the engine thread; a
+    weight or memory operation runs only when no request is in flight, and a request submitted
+    after it (or during a pause) starts only after it ran (or the pause ended)."""
 
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  **engine_options):
@@ -280,9 +282,13 @@ class AsyncEngine:
             if not done.set_running_or_notify_cancel():
                 return
             self.paused = cmd[0] == "pause"
-            aborted = [self._abort(rid) for rid in list(self.engine.requests)] \
-                if self.paused else []
-            done.set_result(len(aborted) if self.paused else None)
+            if not self.paused:
+                done.set_result(None)
+                return
+            in_flight = list(self.engine.requests)
+            for rid in in_flight:
+                self._abort(rid)
+            done.set_result(len(in_flight))
 
     def _abort(self, request_id: str) -> None:
         for cmd in [c for c in self._held if c[0] == "add" and c[1] == request_id]:

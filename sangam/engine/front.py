@@ -38,7 +38,6 @@ from sangam.engine.worker import prefix_caching
 from sangam.engine.worker_control import MEMORY_TAGS
 from sangam.models.weight_update import (
     check_update,
-    check_values,
     checkpoint_specs,
     full_shapes,
     parse_dtype,
@@ -208,7 +207,6 @@ class Front:
                     and isinstance(item[1], torch.Tensor)):
                 raise ValueError("named_tensors: (name, tensor) pairs or a {name: tensor} map")
         self._check_update([(n, tuple(t.shape), t.dtype) for n, t in named])
-        check_values(named)
         # Plain CPU tensors travel to worker processes; a rank takes its cut of each.
         return self._update("update_tensors", [(n, t.detach().cpu().contiguous())
                                                for n, t in named])

@@ -62,7 +62,8 @@ class RequestValidator:
         unsupported = body.unsupported_fields()
         if unsupported:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unsupported)}; Sangam "
-                           "does not implement best_of or n > 1 in /v1/responses",
+                           "does not implement best_of > 1, nor n > 1 or return_trajectory in "
+                           "/v1/responses",
                            param=unsupported[0], code="unsupported_parameter")
         try:
             params = self.default_params(**body.sampling_overrides())

@@ -145,14 +145,15 @@ class ResponsesRequest(_GenerationRequest, ToolChoice):
     previous_response_id: str | None = None  # a stored response this one continues
     text: TextConfig | None = None
     n: OnlyOne | None = None  # OpenAI's Responses API has no n
+    # Its output items have no place for a trajectory (chat and completions carry one): the
+    # schema allows only false, and true is refused by name (unsupported_fields).
+    return_trajectory: Annotated[bool, Field(json_schema_extra={"enum": [False]})] | None = None
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
-        # The Responses API's output items have no place for a trajectory: chat or
-        # completions carry it.
-        return [name for name, unset in (("n", self.n in (None, 1)),
-                                         ("return_trajectory", not self.return_trajectory))
-                if not unset]
+        return [name for name, given in (("n", self.n not in (None, 1)),
+                                         ("return_trajectory", bool(self.return_trajectory)))
+                if given]
 
     def tool_functions(self) -> list[FunctionDefinition]:
         return [FunctionDefinition(name=t.name, description=t.description,
