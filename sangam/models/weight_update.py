@@ -11,7 +11,7 @@ dtype that does not fit, or a value that is not finite, refuses it and the model
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -112,30 +112,30 @@ def checkpoint_specs(path: str | os.PathLike, expected: dict[str, Shape]
         raise ValueError(f"weight update from {path}: the checkpoint lacks {missing[:3]}"
                          f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''}")
     specs = []
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(files[name], []).append(name)
-    for f, names in by_file.items():
-        with safe_open(f, framework="pt") as h:
-            for name in names:
-                s = h.get_slice(name)
-                dtype = _SAFETENSORS_DTYPES.get(s.get_dtype())
-                if dtype is None:
-                    raise ValueError(f"weight update from {path}: tensor {name!r} is stored as "
-                                     f"{s.get_dtype()}, not one of {sorted(_SAFETENSORS_DTYPES)}")
-                specs.append((name, tuple(s.get_shape()), dtype))
+    for h, names in _by_file(files, expected):
+        for name in names:
+            s = h.get_slice(name)
+            dtype = _SAFETENSORS_DTYPES.get(s.get_dtype())
+            if dtype is None:
+                raise ValueError(f"weight update from {path}: tensor {name!r} is stored as "
+                                 f"{s.get_dtype()}, not one of {sorted(_SAFETENSORS_DTYPES)}")
+            specs.append((name, tuple(s.get_shape()), dtype))
     return specs
 
 
 def read_checkpoint(path: str | os.PathLike, names: Iterable[str]
                     ) -> list[tuple[str, torch.Tensor]]:
     """The tensors ``names`` of the checkpoint at ``path``, whole, on the CPU."""
-    files = tensor_files(Path(path))
-    out = []
+    return [(name, h.get_tensor(name))
+            for h, group in _by_file(tensor_files(Path(path)), names) for name in group]
+
+
+def _by_file(files: dict[str, Path], names: Iterable[str]
+             ) -> Iterator[tuple[object, list[str]]]:
+    """Each safetensors file holding some of ``names``, open, with those names."""
     by_file: dict[Path, list[str]] = {}
     for name in names:
         by_file.setdefault(files[name], []).append(name)
     for f, group in by_file.items():
         with safe_open(f, framework="pt") as h:
-            out += [(name, h.get_tensor(name)) for name in group]
-    return out
+            yield h, group
