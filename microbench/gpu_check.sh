@@ -5,13 +5,14 @@
 # DiffusionGemma's demo decoded on the device and a random-weight DiffusionGemma of Gemma 4
 # 26B-A4B's geometry served, `sangam-bench kernels` (with its canvas and MoE rows) and
 # `graphs`, a receiving worker killed mid-transfer under NCCL and tensor parallelism over two
-# GPUs (two GPUs only: each skips in seconds on one), `sangam-bench calibrate` (the simulator's coefficients), an end-to-end `sangam-bench serve` on a
+# GPUs and a trainer's weight broadcast over NCCL (two GPUs only: each skips in seconds on
+# one), `sangam-bench calibrate` (the simulator's coefficients), an end-to-end `sangam-bench serve` on a
 # random-weight model of LLaDA-8B's shape (deficit tau=1024 against fastdllm on a short
 # ShareGPT-shaped trace at two QPS), and `sangam-bench sim` on the same trace with that
 # calibration and the serve run's step profile, against the measured latencies.
 #
 # Usage: microbench/gpu_check.sh [--dry-run] [OUTDIR]   (default OUTDIR ./gpu-results)
-# On the GPU it takes at most 10 minutes: each step is cut by `timeout`, 565 s in all, and
+# On the GPU it takes at most 10 minutes: each step is cut by `timeout`, 570 s in all, and
 # building the C++ extension 30 s (on one GPU, about 90 s less: the two-GPU steps skip).
 # --dry-run runs every step on the CPU at tiny shapes (the Triton interpreter; the tests
 # collected, not run) with the serving extras the GPU machine lacks made unimportable: what
@@ -146,11 +147,14 @@ fi
 step graphs 45 "${BENCH[@]}" graphs --json "$OUT/graphs.json"
 # A receiving worker killed mid-transfer under NCCL: the survivor goes on (two GPUs and pyzmq
 # needed; on one GPU it prints why it skips and exits 0).
-step nccl-fault 45 "$PY" microbench/nccl_transfer_fault.py
+step nccl-fault 40 "$PY" microbench/nccl_transfer_fault.py
 # Tensor parallelism over two GPUs: shards joined by NCCL all-reduces against the whole model,
 # TP1 against TP2 forward time at LLaDA-8B's shape, and the engine at TP2 where pyzmq is (two
 # GPUs; on one it prints why it skips; the dry run checks the same on CPU over gloo).
 step tp 45 "$PY" microbench/tp_check.py "${TP_DEVICE[@]}"
+# A trainer's weight broadcast over NCCL into the engine on another GPU (two GPUs; on one it
+# prints why it skips; the dry run checks the same over gloo on CPU).
+step weight-nccl 15 "$PY" microbench/weight_update_nccl.py "${TP_DEVICE[@]}"
 # DiffusionGemma end to end (uniform-state): the shipped Gemma-layout demo on the device, its
 # canvas rows' per-query key bounds in the Triton attention, its GeGLU experts in fused_moe.
 step gemma 20 "${BENCH[@]}" quality --model sangam-demo-gemma "${GEMMA[@]}" \
@@ -159,7 +163,7 @@ step gemma 20 "${BENCH[@]}" quality --model sangam-demo-gemma "${GEMMA[@]}" \
 # in bf16): canvases of 256 through the 256- and 512-wide attention and 128 GeGLU experts,
 # served (the dry run serves the demo instead: no 26B model is built on a CPU).
 if [ "$DRY" = 0 ]; then
-  step gemma-config 10 "$PY" scripts/diffusion_gemma_26b_config.py "$OUT/gemma-26b"
+  step gemma-config 5 "$PY" scripts/diffusion_gemma_26b_config.py "$OUT/gemma-26b"
 fi
 step gemma-serve 35 "${BENCH[@]}" serve "${GEMMA_SERVE[@]}" --num-requests 8 --qps 2 \
   --out "$OUT/gemma-serve"

@@ -10,8 +10,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_SHARDS = ("tests-attention", "tests-moe", "tests-kernels", "tests-engine")
-STEPS = (*TEST_SHARDS, "kernels", "graphs", "nccl-fault", "tp", "gemma", "gemma-serve",
-         "model", "calibrate", "serve", "sim")
+STEPS = (*TEST_SHARDS, "kernels", "graphs", "nccl-fault", "tp", "weight-nccl", "gemma",
+         "gemma-serve", "model", "calibrate", "serve", "sim")
 
 
 def test_gpu_check_dry_run_runs_every_step(tmp_path):
