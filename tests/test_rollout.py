@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import json
 import socket
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,6 +99,16 @@ def test_bad_updates_change_nothing(ckpts, fresh, tmp_path):
         llm.update_weights_from_disk(make_tiny_checkpoint(tmp_path / "dream", arch="dream"))
     with pytest.raises(ValueError, match="no .*safetensors"):
         llm.update_weights_from_disk(str(tmp_path))
+    # Tensors of the same shapes under another config (here RoPE's base): refused by name.
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in Path(ckpts["new"]).iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    config = json.loads((other / "config.json").read_text())
+    config["rope_theta"] = config.get("rope_theta", 10000.0) * 2
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="differs from the served model's in rope_theta"):
+        llm.update_weights_from_disk(str(other))
     with pytest.raises(ValueError, match="differ in length"):
         llm.update_weights_from_distributed(["a"], [], [[1]])
     with pytest.raises(ValueError, match="dtype"):

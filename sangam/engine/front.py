@@ -37,6 +37,7 @@ from sangam.engine.weight_group import check_group
 from sangam.engine.worker import prefix_caching
 from sangam.engine.worker_control import MEMORY_TAGS
 from sangam.models.weight_update import (
+    check_same_model,
     check_update,
     checkpoint_specs,
     full_shapes,
@@ -207,14 +208,17 @@ class Front:
                     and isinstance(item[1], torch.Tensor)):
                 raise ValueError("named_tensors: (name, tensor) pairs or a {name: tensor} map")
         self._check_update([(n, tuple(t.shape), t.dtype) for n, t in named])
-        # Plain CPU tensors travel to worker processes; a rank takes its cut of each.
-        return self._update("update_tensors", [(n, t.detach().cpu().contiguous())
-                                               for n, t in named])
+        # To worker processes, plain CPU tensors travel; in process the caller's are copied
+        # from where they are (a colocated trainer's GPU tensors: no trip through the host).
+        return self._update("update_tensors", [
+            (n, t.detach().cpu().contiguous() if self.tensors_cross_processes else t.detach())
+            for n, t in named])
 
     def update_weights_from_disk(self, model_path: str | os.PathLike) -> int:
         """Load the weights of the checkpoint at ``model_path`` (the same architecture, all
         of its tensors) in place; the new weights version."""
         specs = checkpoint_specs(model_path, self._full_shapes)
+        check_same_model(self.loaded.config, model_path)
         self._check_update(specs)
         return self._update("update_disk", str(model_path), [n for n, _, _ in specs])
 
@@ -295,6 +299,8 @@ class Front:
             raise RuntimeError(f"{op}: {len(self.requests)} requests are in flight; it runs "
                                "between requests (AsyncEngine and the server wait for them)")
         self._run_control(msg.Control(next(self._tickets), op, tuple(args)))
+
+    tensors_cross_processes = False  # an update's tensors are pickled to worker processes
 
     def _run_control(self, m: msg.Control) -> None:
         raise NotImplementedError

@@ -10,6 +10,7 @@ dtype that does not fit, or a value that is not finite, refuses it and the model
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from sangam.models.checkpoint import read_config
 from sangam.models.config import ModelConfig
 from sangam.models.loader import dummy_model, tensor_files
 from sangam.models.transformer import DiffusionLM
@@ -99,6 +101,20 @@ def apply_update(model: DiffusionLM, named: Sequence[tuple[str, torch.Tensor]]) 
 # safetensors' dtype names of the dtypes an update may carry.
 _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
                        "F64": torch.float64}
+
+
+def check_same_model(config: ModelConfig, path: str | os.PathLike) -> None:
+    """Refuse the checkpoint at ``path`` unless its config.json describes the served model
+    (the same architecture, geometry, norms, RoPE and tokens): weights of another model with
+    tensors of the same shapes would be served under this one's config, silently wrong. Only
+    the request defaults it suggests may differ."""
+    other = read_config(Path(path))
+    differ = [f.name for f in dataclasses.fields(ModelConfig)
+              if f.name != "request_defaults"
+              and getattr(other, f.name) != getattr(config, f.name)]
+    if differ:
+        raise ValueError(f"weight update from {path}: its config.json differs from the served "
+                         f"model's in {', '.join(differ)}")
 
 
 def checkpoint_specs(path: str | os.PathLike, expected: dict[str, Shape]

@@ -96,6 +96,7 @@ class MultiWorkerEngine(Front):
     """The front over worker processes (one per device, on one node or several)."""
 
     profilable = False  # the forwards run in the worker processes
+    tensors_cross_processes = True
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         if config.node_rank != 0:
