@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -23,6 +24,7 @@ LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8")
 MAX_TRANSFER_TIMEOUT_S = 3600.0  # past this a stuck transfer holds its buffers far too long
+MAX_HEARTBEAT_TIMEOUT_S = 600.0  # a partitioned node's requests wait this long at most
 MAX_TENSOR_PARALLEL = 64  # ranks per worker: beyond one NVLink domain's GPUs
 
 T = TypeVar("T")
@@ -37,6 +39,14 @@ REQUEST_DEFAULTS = {"max_tokens_default": "max_tokens", "block_length": "block_l
                     "refresh_interval": "refresh_interval",
                     "prompt_refresh_interval": "prompt_refresh_interval",
                     "refresh_confidence": "refresh_confidence"}
+
+
+def _is_ipv4(value: str) -> bool:
+    try:
+        ipaddress.IPv4Address(value)
+    except ValueError:
+        return False
+    return True
 
 
 def flag_meta(help_: str, aliases: tuple[str, ...] = (), **kw) -> dict:
@@ -162,6 +172,17 @@ class EngineConfig:
         "This node's rank; node 0 runs the front process"))
     dist_init_addr: str | None = field(default=None, metadata=flag_meta(
         "host:port of node 0 for joining workers across nodes"))
+    node_ip: str | None = field(default=None, metadata=flag_meta(
+        "Multi-node: this node's IPv4 address for the data plane (gloo, NCCL's bootstrap); "
+        "default: the local address that routes to --dist-init-addr"))
+    network_interface: str | None = field(default=None, metadata=flag_meta(
+        "Multi-node: the network interface for the data plane (as GLOO_SOCKET_IFNAME / "
+        "NCCL_SOCKET_IFNAME, which are respected when set); it must carry the route to "
+        "--dist-init-addr"))
+    heartbeat_timeout: float = field(default=10.0, metadata=flag_meta(
+        "Multi-node: seconds without a heartbeat (sent every 0.5 s) before a worker on "
+        "another node is declared dead and its requests placed elsewhere, and before a worker "
+        "that cannot hear the front stops (a partition)"))
     watchdog_timeout: float = field(default=300.0, metadata=flag_meta(
         "Multi-worker: seconds a worker with work may go without a report from its loop "
         "(which reports at least every second while it has work) and without computing (its "
@@ -245,6 +266,10 @@ class EngineConfig:
              f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
         need(self.nnodes == 1 or self.dist_init_addr is not None,
              "dist_init_addr (host:port of node 0) is required when nnodes > 1")
+        need(self.node_ip is None or _is_ipv4(self.node_ip),
+             f"node_ip must be an IPv4 address, got {self.node_ip!r}")
+        need(1.0 <= self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S,
+             f"heartbeat_timeout must be in [1, {MAX_HEARTBEAT_TIMEOUT_S:g}]")
         SamplingParams(**self.request_defaults())  # bad defaults fail here, at startup
         lengths = self.graph_block_lengths()
         need(all(n >= 1 for n in lengths), f"cuda_graph_block_lengths must be integers >= 1, "

@@ -251,6 +251,20 @@ def test_workers_on_one_node_never_share_a_gpu():
         validate(EngineConfig(**{**two, **good}))
 
 
+def test_nodes_run_whole_workers_unless_there_are_fewer_workers_than_nodes():
+    from sangam.engine.multi.launcher import node_processes, validate
+
+    assert [node_processes(3, 2, 2, r) for r in (0, 1)] == [
+        [(0, 0), (0, 1), (1, 0), (1, 1)], [(2, 0), (2, 1)]]
+    # One worker of four ranks on two nodes: its group spans them.
+    assert [node_processes(1, 4, 2, r) for r in (0, 1)] == [[(0, 0), (0, 1)], [(0, 2), (0, 3)]]
+    addr = dict(dist_init_addr="10.0.0.1:29500")
+    validate(EngineConfig(tensor_parallel_size=2, nnodes=2, **addr))
+    for bad in (dict(num_workers=4, nnodes=3), dict(nnodes=2)):
+        with pytest.raises(ValueError, match="would run no process"):
+            validate(EngineConfig(**bad, **addr))
+
+
 # Scheduler additions for multi-worker serving (no processes).
 
 

@@ -116,6 +116,9 @@ def test_dead_workers_are_never_chosen():
         rt.mark_dead(w)
     with pytest.raises(RuntimeError, match="no worker is alive"):
         rt.route_prefill(mk(), ROOMY[:3])
+    rt.revive(1)  # a new process in its place (a node that came back): no load, chosen
+    assert rt.is_alive(1) and rt.load(1) == 0
+    assert rt.route_prefill(mk(), ROOMY[:3]) == 1
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "hybrid"])
@@ -162,3 +165,19 @@ def test_invalid_configurations_raise():
     rt = Router("colocated", ["colocated"] * 2)
     with pytest.raises(ValueError):
         rt.route_prefill(mk(), [1, 2, 3])  # one free-page count per worker
+
+
+def test_a_rejoined_worker_takes_new_requests_and_its_new_pool():
+    from sangam.sched.config import DeploymentConfig, SchedulerConfig
+    from sangam.sched.placement import Placement
+
+    pl = Placement(DeploymentConfig(SchedulerConfig(page_size=4), "colocated", 2), [10, 10])
+    with pytest.raises(ValueError, match="not dead"):
+        pl.worker_rejoined(1, 12)
+    pl.add("a", 0.0, BlockCursor(8, 8, 8))
+    pl.place()
+    holder = pl.requests["a"].worker
+    taken = pl.worker_dead(holder)
+    assert [p.request_id for p, _ in taken] == ["a"] and pl.free_pages()[holder] == 0
+    pl.worker_rejoined(holder, 12)
+    assert pl.dead == [] and pl.free_pages()[holder] == 12

@@ -9,6 +9,7 @@ this object, the counterpart of the workers' ``WorkerCore``; each supplies only 
     core.place()                                       # orders: blocks to run
     placed = core.report(worker, event, now)           # a worker's report
     core.worker_dead(worker)                           # failover
+    core.worker_rejoined(worker, num_pages)            # a new process in its place
 
 A request's ``state`` (the engine's decode state, the simulator's draws) and a block's
 ``progress`` ride through it unread: the driver catches its state up from the progress of the
@@ -197,6 +198,10 @@ class FrontCore:
         self.counters.blocks += 1
 
     # Failures.
+    def worker_rejoined(self, w: int, num_pages: int) -> None:
+        """Dead worker ``w`` serves again (a new process, empty, with ``num_pages``)."""
+        self.placement.worker_rejoined(w, num_pages)
+
     def worker_dead(self, w: int) -> list[tuple[Placed, set[int]]]:
         """Worker ``w`` is gone: every request with anything on it restarts its block elsewhere,
         dropped from every other worker, and the live workers abandon transfers with it.

@@ -336,6 +336,15 @@ class Placement:
         return [(p, self._restart(p)) for p in list(self.requests.values())
                 if w in (p.worker, p.holder, p.reserved, p.kv_src, p.kv_dst)]
 
+    def worker_rejoined(self, w: int, num_pages: int) -> None:
+        """Dead worker ``w`` serves again: a new process with an empty pool of ``num_pages``
+        (nothing was left on it: ``worker_dead`` took everything back)."""
+        if w not in self.dead:
+            raise ValueError(f"worker {w} is not dead")
+        self.dead.remove(w)
+        self.router.revive(w)
+        self.num_pages[w] = num_pages
+
     # Internals.
     def free_pages(self) -> list[int]:
         return [0 if w in self.dead else self.num_pages[w] - self.committed[w]

@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 
 
 class Router:
-    """Invariants: ``load[w] >= 0`` for every worker; a dead worker stays dead."""
+    """Invariants: ``load[w] >= 0`` for every worker; a dead worker stays dead until a new
+    process takes its place (``revive``)."""
 
     def __init__(self, mode: str, roles: list[str], overflow_threshold: int | None = None,
                  seed: int = 0):
@@ -101,6 +102,11 @@ class Router:
 
     def mark_dead(self, worker: int) -> None:
         self._alive[worker] = False
+
+    def revive(self, worker: int) -> None:
+        """A new process took dead ``worker``'s place (it carries no load)."""
+        self._alive[worker] = True
+        self._load[worker] = 0
 
     @property
     def one_role_left(self) -> bool:

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = AsyncEngine(engine_config)
     except (OSError, ValueError) as e:
-        logger.error("cannot load the model: %s", e)
+        logger.error("cannot start the engine: %s", e)
         return 1
     logger.info("serving %s", engine.describe())
     app = build_app(engine, server_config)

@@ -26,6 +26,7 @@ from sangam.engine.tensor_group import TensorGroup, global_rank
 from sangam.models import PagedKV, ShardLayout
 
 STORE_TIMEOUT_S = 300  # joining the process group: every worker of every node must come up
+SERVING_KEY = "sangam/serving"  # set in the store by the front once every worker is up
 # NCCL: a wait blocks the waiting thread and raises on a timeout or an aborted communicator
 # (a failed transfer), and a failed communicator is aborted without tearing the process down
 # (the default would take a surviving worker down with its dead peer).
@@ -67,6 +68,8 @@ def join(spec: WorkerSpec, device: torch.device,
     store = dist.TCPStore(host, port, is_master=False, timeout=startup)
     if device.type == "cuda":
         os.environ.update(_NCCL_ENV)  # read when the process groups are created
+    if spec.address is not None:  # several nodes: never the hostname's (loopback) address
+        os.environ.update(spec.address.environment(device.type))
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo", store=store,
         rank=global_rank(spec.worker, spec.tp_rank, tp), world_size=len(spec.roles) * tp,

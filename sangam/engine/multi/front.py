@@ -36,14 +36,13 @@ from sangam.engine import messages as msg
 from sangam.engine.front import ControlRefused, Front
 from sangam.engine.interface import Gauge
 from sangam.engine.loaded_model import LoadedModel, checkpoint_path
-from sangam.engine.multi import data_plane, launcher
+from sangam.engine.multi import data_plane, launcher, network
 from sangam.models import read_config, resolve_dtype
 from sangam.sampling_params import RequestOutput
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # model loading on every worker of every node
-HEARTBEAT_TIMEOUT_S = 30.0  # workers on other nodes (local ones are watched by their process)
 # A loop whose thread used this share of a core between two heartbeats is computing (one long
 # forward or K/V gather), not stuck in a wait; but a wedged device can keep a thread spinning,
 # so a computing loop that does not report is declared hung after this many watchdog timeouts.
@@ -116,6 +115,11 @@ class MultiWorkerEngine(Front):
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 2000)
+        # ZeroMQ's own pings (its I/O thread answers them, whatever this thread does): a
+        # connection that stops answering is closed, so a worker that comes back after a
+        # partition may take its identity again.
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 500)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(config.heartbeat_timeout * 1000))
         self._store: dist.TCPStore | None = None
         self._answers: dict[int, dict[int, str | None]] = {}  # Control answers, by ticket
         try:
@@ -130,8 +134,12 @@ class MultiWorkerEngine(Front):
     # Startup and shutdown.
     def _start(self) -> None:
         cfg = self.config
+        address = None
         if cfg.dist_init_addr:
-            host, port = launcher.split_addr(cfg.dist_init_addr)
+            host, port = network.split_addr(cfg.dist_init_addr)
+            if cfg.nnodes > 1:  # before anything binds: a wrong address is one line
+                device = launcher.worker_device(cfg, 0)
+                address = network.node_address(cfg, device.split(":")[0])
             self._sock.bind(f"tcp://*:{port + 1}")
             front_addr = f"tcp://{host}:{port + 1}"
         else:  # one node: loopback, free ports
@@ -144,10 +152,12 @@ class MultiWorkerEngine(Front):
             # a rank: it never touches tensors.
             self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
             store_addr = (host, self._store.port)
-        specs = launcher.make_specs(cfg, self.roles, 0, front_addr, store_addr)
+        specs = launcher.make_specs(cfg, self.roles, 0, front_addr, store_addr, address)
         self._zygote, handles = launcher.start_local_workers(specs)
         self._procs = launcher.group_by_worker(specs, handles)
         self._await_workers()
+        if self._store is not None:
+            self._store.set(data_plane.SERVING_KEY, "1")
 
     def _await_workers(self) -> None:
         expect = launcher.signature(tuple(self.roles), self.config, self.loaded.config)
@@ -266,6 +276,9 @@ class MultiWorkerEngine(Front):
                 return
             m = msg.loads(data)
             w = int(ident[1:])
+            if isinstance(m, msg.Hello):
+                self._on_hello(m)
+                continue
             if w in self.dead_workers or w not in self._workers:
                 continue  # whatever it said before dying was taken back
             self._workers[w].last_heard = time.monotonic()
@@ -356,8 +369,9 @@ class MultiWorkerEngine(Front):
             timeout = self.config.watchdog_timeout
             if p is not None and not p.is_alive():
                 self._on_dead(w, "its process exited")
-            elif p is None and now - info.last_heard > HEARTBEAT_TIMEOUT_S:
-                self._on_dead(w, f"no heartbeat for {now - info.last_heard:.0f}s")
+            elif p is None and now - info.last_heard > self.config.heartbeat_timeout:
+                self._on_dead(w, f"no heartbeat for {now - info.last_heard:.1f}s "
+                                 "(--heartbeat-timeout): its node is down or cut off")
             elif since is not None and now - max(since, info.computing_at) > timeout:
                 # Alive (its heartbeat thread may still run) but its loop is stuck, e.g. in a
                 # blocking call. A loop merely waiting on a slow peer keeps reporting.
@@ -366,6 +380,31 @@ class MultiWorkerEngine(Front):
             elif since is not None and now - since > BUSY_SILENCE_FACTOR * timeout:
                 self._on_dead(w, f"hung: its loop has computed for {now - since:.0f}s without "
                                  f"a report ({BUSY_SILENCE_FACTOR:g} x --watchdog-timeout)")
+
+    def _on_hello(self, m: msg.Hello) -> None:
+        """A worker said Hello after startup: one of another node that was declared dead and
+        whose node process came back. It serves again if nothing it would lack changed: it
+        loaded the checkpoint, so not after a weight update; and no process group can take
+        a new rank, so only where there is none (node.py refuses the others up front)."""
+        w = m.worker
+        why = None
+        if w not in self.dead_workers or w in self._procs:
+            why = "a worker of that number is alive (two nodes with one --node-rank?)"
+        elif m.signature != launcher.signature(tuple(self.roles), self.config,
+                                               self.loaded.config):
+            why = "it disagrees on the deployment (same flags on every node?)"
+        elif self.weights_version or self.released:
+            why = (f"the weights were updated in place (version {self.weights_version}) or "
+                   "released since it loaded the checkpoint")
+        if why is not None:
+            logger.error("worker %d (pid %d on %s) may not rejoin: %s", w, m.pid, m.host, why)
+            if w in self.dead_workers:  # else its identity is the live worker's
+                self._send(w, msg.Shutdown())
+            return
+        self._workers[w] = _WorkerInfo(m, time.monotonic(), m.num_pages)
+        self.core.worker_rejoined(w, m.num_pages)
+        logger.warning("worker %d (%s, pid %d on %s) rejoined with %d KV pages", w,
+                       self.roles[w], m.pid, m.host, m.num_pages)
 
     def _on_dead(self, w: int, why: str) -> None:
         logger.error("worker %d (%s, pid %d on %s) is dead: %s; its requests are taken back",

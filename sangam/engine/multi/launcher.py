@@ -1,18 +1,20 @@
 """Deployment layout: which workers exist, their roles, nodes and devices, and how they start.
 
 Workers are numbered globally: colocated ``0 .. num_workers-1``; disaggregated / hybrid the
-prefill workers first, then the decode workers. With ``nnodes`` nodes, node ``r`` runs the
-contiguous slice ``[r*k, (r+1)*k)`` with ``k = ceil(total / nnodes)``; node 0 also runs the
-front. A worker of ``--tensor-parallel-size N`` is N processes (ranks) on its node, one per
-device: the node's i-th process (worker-major, then rank) uses ``devices[i]`` when a device
-list is given, else ``cuda:i`` on GPU or the CPU.
+prefill workers first, then the decode workers. A worker of ``--tensor-parallel-size N`` is
+N processes (ranks). With ``nnodes`` nodes, node ``r`` runs the contiguous slice
+``[r*k, (r+1)*k)`` of the workers, ``k = ceil(total / nnodes)``, each with all its ranks; with
+fewer workers than nodes, of the processes (worker-major, then rank), so that a worker's ranks
+span nodes. Node 0 also runs the front. The node's i-th process uses ``devices[i]`` when a
+device list is given, else ``cuda:i`` on GPU or the CPU.
 
 Processes: a node's workers are forked from one process that imported everything once (the
 "zygote" on node 0, the node entry point elsewhere), which needs Linux (fork, pidfd).
 
 Addresses: on one node everything binds to loopback on free ports. Across nodes,
 ``dist_init_addr = host:port`` is node 0's: the torch.distributed TCP store listens on ``port``
-and the front's ZeroMQ socket on ``port + 1``.
+and the front's ZeroMQ socket on ``port + 1``; each node's data plane binds to the interface
+``network.node_address`` chose.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 from sangam.config import EngineConfig
 from sangam.engine.loaded_model import default_device
+from sangam.engine.multi.network import NodeAddress
 from sangam.models import ModelConfig
 
 
@@ -46,6 +49,7 @@ class WorkerSpec:
     store_addr: tuple[str, int] | None  # torch.distributed TCP store; None: no K/V transfers
     num_threads: int  # torch intra-op threads (CPU): the host's cores shared among its workers
     tp_rank: int = 0  # its rank in its worker's tensor-parallel group (0: the worker itself)
+    address: NodeAddress | None = None  # its node's data-plane interface (several nodes)
 
 
 def signature(roles: tuple[str, ...], config: EngineConfig, model_config: ModelConfig) -> tuple:
@@ -55,9 +59,19 @@ def signature(roles: tuple[str, ...], config: EngineConfig, model_config: ModelC
             model_config.head_dim, model_config.vocab_size)
 
 
-def node_workers(num_workers: int, nnodes: int, node_rank: int) -> range:
-    k = math.ceil(num_workers / nnodes)
-    return range(min(num_workers, node_rank * k), min(num_workers, (node_rank + 1) * k))
+def node_processes(num_workers: int, tp: int, nnodes: int, node_rank: int
+                   ) -> list[tuple[int, int]]:
+    """(worker, tensor-parallel rank) of each process node ``node_rank`` runs, in order. With
+    at least as many workers as nodes, whole workers (a worker's ranks share a node's fast
+    links); with fewer, a worker's ranks span nodes (processes sliced the same way)."""
+    if num_workers >= nnodes:
+        k = math.ceil(num_workers / nnodes)
+        workers = range(min(num_workers, node_rank * k), min(num_workers, (node_rank + 1) * k))
+        return [(w, t) for w in workers for t in range(tp)]
+    total = num_workers * tp
+    k = math.ceil(total / nnodes)
+    return [divmod(p, tp) for p in range(min(total, node_rank * k),
+                                         min(total, (node_rank + 1) * k))]
 
 
 def worker_device(config: EngineConfig, local_index: int) -> str:
@@ -78,12 +92,14 @@ def validate(config: EngineConfig) -> list[str]:
     """The roles, after checking that the nodes and devices can host them; raises ValueError
     with what is wrong."""
     roles = list(config.deployment.roles)
-    if len(roles) < config.nnodes:
-        raise ValueError(f"{len(roles)} workers cannot span {config.nnodes} nodes")
     devices = config.device_list
     tp = config.tensor_parallel_size
     for r in range(config.nnodes):
-        local = len(node_workers(len(roles), config.nnodes, r)) * tp
+        local = len(node_processes(len(roles), tp, config.nnodes, r))
+        if not local:
+            raise ValueError(f"node {r} would run no process: {len(roles)} workers of {tp} "
+                             f"ranks cannot be spread over {config.nnodes} nodes (a node runs "
+                             "whole workers when there are at least as many as nodes)")
         if devices and len(devices) < local:
             raise ValueError(f"node {r} runs {local} worker processes (tensor-parallel ranks "
                              f"included) but --devices lists {len(devices)}")
@@ -98,21 +114,14 @@ def validate(config: EngineConfig) -> list[str]:
     return roles
 
 
-def split_addr(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"dist_init_addr must be host:port, got {addr!r}")
-    return host, int(port)
-
-
 def make_specs(config: EngineConfig, roles: list[str], node_rank: int, front_addr: str,
-               store_addr: tuple[str, int] | None) -> list[WorkerSpec]:
-    workers = node_workers(len(roles), config.nnodes, node_rank)
-    tp = config.tensor_parallel_size
-    threads = max(1, len(os.sched_getaffinity(0)) // max(1, len(workers) * tp))
-    return [WorkerSpec(w, tuple(roles), config, worker_device(config, i * tp + t), front_addr,
-                       store_addr, threads, t)
-            for i, w in enumerate(workers) for t in range(tp)]
+               store_addr: tuple[str, int] | None, address: NodeAddress | None = None
+               ) -> list[WorkerSpec]:
+    procs = node_processes(len(roles), config.tensor_parallel_size, config.nnodes, node_rank)
+    threads = max(1, len(os.sched_getaffinity(0)) // max(1, len(procs)))
+    return [WorkerSpec(w, tuple(roles), config, worker_device(config, i), front_addr,
+                       store_addr, threads, t, address)
+            for i, (w, t) in enumerate(procs)]
 
 
 def fork_workers(specs: list[WorkerSpec], run_worker: Callable[[WorkerSpec, int], None]

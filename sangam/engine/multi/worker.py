@@ -284,6 +284,10 @@ def _watchdog(ctx: zmq.Context, spec: WorkerSpec, parent_pid: int, loop_thread: 
     hb = ctx.socket(zmq.DEALER)
     hb.setsockopt(zmq.IDENTITY, f"h{spec.worker}".encode())
     hb.setsockopt(zmq.LINGER, 0)
+    # ZeroMQ's pings, answered by the front's I/O thread: a front that cannot be heard for
+    # --heartbeat-timeout (a partition) closes this connection, and the worker stops below.
+    hb.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
+    hb.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(spec.config.heartbeat_timeout * 1000))
     monitor = hb.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     hb.connect(spec.front_addr)
     poller = zmq.Poller()
