@@ -43,7 +43,7 @@ setup(
     ],
     extras_require={
         "dev": ["pytest", "pytest-benchmark", "ruff", "hypothesis", "openai", "httpx",
-                "schemathesis", "jsonschema",
+                "schemathesis", "jsonschema", "ray",  # ray: the Ray backend's tests
                 "compressed-tensors"],  # writes the FP8 test checkpoints in its own format
     },
     entry_points={

@@ -23,6 +23,7 @@ LOAD_FORMATS = ("auto", "dummy")
 # tested equal); --kv-cache-dtype: the model's dtype, or e4m3 values with their scales.
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8")
+EXECUTOR_BACKENDS = ("mp", "ray")
 MAX_TRANSFER_TIMEOUT_S = 3600.0  # past this a stuck transfer holds its buffers far too long
 MAX_HEARTBEAT_TIMEOUT_S = 600.0  # a partitioned node's requests wait this long at most
 MAX_TENSOR_PARALLEL = 64  # ranks per worker: beyond one NVLink domain's GPUs
@@ -179,6 +180,11 @@ class EngineConfig:
         "Multi-node: the network interface for the data plane (as GLOO_SOCKET_IFNAME / "
         "NCCL_SOCKET_IFNAME, which are respected when set); it must carry the route to "
         "--dist-init-addr"))
+    distributed_executor_backend: str = field(default="mp", metadata=flag_meta(
+        "How worker processes start: mp (forked on this node; other nodes run "
+        "`python -m sangam.engine.multi.node`), or ray (actors placed on an existing Ray "
+        "cluster's nodes, one placement group per worker; RAY_ADDRESS or a local cluster)",
+        choices=EXECUTOR_BACKENDS))
     heartbeat_timeout: float = field(default=10.0, metadata=flag_meta(
         "Multi-node: seconds without a heartbeat (sent every 0.5 s) before a worker on "
         "another node is declared dead and its requests placed elsewhere, and before a worker "
@@ -266,6 +272,11 @@ class EngineConfig:
              f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
         need(self.nnodes == 1 or self.dist_init_addr is not None,
              "dist_init_addr (host:port of node 0) is required when nnodes > 1")
+        need(self.distributed_executor_backend in EXECUTOR_BACKENDS,
+             f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}")
+        need(self.distributed_executor_backend == "mp" or (self.nnodes == 1 and not self.devices),
+             "distributed_executor_backend ray places the workers on the Ray cluster's nodes "
+             "and devices: give neither nnodes nor devices")
         need(self.node_ip is None or _is_ipv4(self.node_ip),
              f"node_ip must be an IPv4 address, got {self.node_ip!r}")
         need(1.0 <= self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S,
@@ -314,9 +325,9 @@ class EngineConfig:
     @property
     def is_multi_worker(self) -> bool:
         """Whether the workers run in processes of their own: several workers, another mode
-        or node, or a worker of several tensor-parallel ranks."""
+        or node, a worker of several tensor-parallel ranks, or Ray actors."""
         return (len(self.deployment.roles) > 1 or self.mode != "colocated" or self.nnodes > 1
-                or self.tensor_parallel_size > 1)
+                or self.tensor_parallel_size > 1 or self.distributed_executor_backend == "ray")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -122,6 +122,7 @@ class MultiWorkerEngine(Front):
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(config.heartbeat_timeout * 1000))
         self._store: dist.TCPStore | None = None
         self._answers: dict[int, dict[int, str | None]] = {}  # Control answers, by ticket
+        self._ray_handles: list = []  # --distributed-executor-backend ray: every rank's actor
         try:
             self._start()
         except BaseException:
@@ -134,6 +135,8 @@ class MultiWorkerEngine(Front):
     # Startup and shutdown.
     def _start(self) -> None:
         cfg = self.config
+        if cfg.distributed_executor_backend == "ray":
+            return self._start_on_ray()
         address = None
         if cfg.dist_init_addr:
             host, port = network.split_addr(cfg.dist_init_addr)
@@ -155,6 +158,27 @@ class MultiWorkerEngine(Front):
         specs = launcher.make_specs(cfg, self.roles, 0, front_addr, store_addr, address)
         self._zygote, handles = launcher.start_local_workers(specs)
         self._procs = launcher.group_by_worker(specs, handles)
+        self._await_workers()
+        if self._store is not None:
+            self._store.set(data_plane.SERVING_KEY, "1")
+
+    def _start_on_ray(self) -> None:
+        """The workers as actors on the Ray cluster (``ray_executor``), reaching this front
+        at its Ray node's address."""
+        from sangam.engine.multi import ray_executor
+
+        host = ray_executor.connect()
+        self._sock.bind(f"tcp://{host}:*")
+        front_addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        store_addr = None
+        if launcher.needs_data_plane(self.config):
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            store_addr = (host, self._store.port)
+        specs = ray_executor.make_specs(self.config, self.roles,
+                                        ray_executor.device_type(self.config), front_addr,
+                                        store_addr)
+        self._ray_handles = ray_executor.start_ray_workers(self.config, specs, host)
+        self._procs = launcher.group_by_worker(specs, self._ray_handles)
         self._await_workers()
         if self._store is not None:
             self._store.set(data_plane.SERVING_KEY, "1")
@@ -228,6 +252,10 @@ class MultiWorkerEngine(Front):
             except subprocess.TimeoutExpired:
                 self._zygote.kill()
                 self._zygote.wait()
+        if self._ray_handles:
+            from sangam.engine.multi import ray_executor
+
+            ray_executor.release(self._ray_handles)
         self._sock.close()  # lingers so that remote workers get their Shutdown
         self._ctx.term()
         self._store = None

@@ -83,13 +83,13 @@ def _resolve(host: str) -> str:
                            f"({e.strerror or e})") from None
 
 
-def _routed_source(peer: str) -> str:
+def _routed_source(peer: str, what: str) -> str:
     """The local address the kernel would send to ``peer`` from (nothing is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((peer, 9))
         except OSError as e:
-            raise NetworkError(f"no route from this host to {peer} (--dist-init-addr): "
+            raise NetworkError(f"no route from this host to {peer} ({what}): "
                                f"{e.strerror}; check the address, or this host's routes "
                                "and interfaces") from None
         return s.getsockname()[0]
@@ -115,8 +115,15 @@ def node_address(config: EngineConfig, device_type: str) -> NodeAddress:
     """This node's address and interface (see the module docstring); raises NetworkError."""
     host, port = split_addr(config.dist_init_addr)
     peer = _resolve(host)
+    return _checked(config, local_address(config, device_type, peer), peer, port)
+
+
+def local_address(config: EngineConfig, device_type: str, peer: str,
+                  what: str = "--dist-init-addr") -> NodeAddress:
+    """The address and interface this process reaches ``peer`` (an IPv4 address: ``what``)
+    from, as named or as routed; raises NetworkError."""
     addresses = interface_addresses()
-    source = _routed_source(peer)
+    source = _routed_source(peer, what)
     routed = _owner(source, addresses)
     named = _named_interface(config, device_type)
     if named is not None:
@@ -134,14 +141,14 @@ def node_address(config: EngineConfig, device_type: str) -> NodeAddress:
         ip, flag = config.node_ip, "--node-ip"
     else:
         if routed is None:
-            raise NetworkError(f"the route to {peer} (--dist-init-addr) leaves from {source}, "
-                               "which no interface holds; name one with --network-interface")
-        return _checked(config, NodeAddress(source, routed), peer, port)
+            raise NetworkError(f"the route to {peer} ({what}) leaves from {source}, which no "
+                               "interface holds; name one with --network-interface")
+        return NodeAddress(source, routed)
     if interface != routed:
         raise NetworkError(f"{flag} {interface} ({ip}) does not carry the route to {peer} "
-                           f"(--dist-init-addr): it leaves from {routed or '?'} ({source}); "
-                           f"change {flag} or --dist-init-addr")
-    return _checked(config, NodeAddress(ip, interface), peer, port)
+                           f"({what}): it leaves from {routed or '?'} ({source}); "
+                           f"change {flag} or {what}")
+    return NodeAddress(ip, interface)
 
 
 def _checked(config: EngineConfig, address: NodeAddress, peer: str, port: int) -> NodeAddress:
