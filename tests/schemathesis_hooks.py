@@ -21,10 +21,10 @@ CONSTRAINTS_BEYOND_THE_SCHEMA = [
      "the text/ids union is resolved"),
     ("logit_bias: token ids must be in", "logit_bias keys are JSON strings: the vocabulary "
      "bound cannot be put on them"),
-    ("structured_outputs: ", "a structured-output constraint gives exactly one of its forms, "
-     "and a JSON schema given as an object is bounded by its JSON text's length"),
-    ("at most one output constraint", "response_format (text.format), structured_outputs, "
-     "guided_* and a forcing tool_choice exclude each other"),
+    ("json must be a", "a JSON schema given as text must parse as an object, and one given as "
+     "an object is bounded by its JSON text's length"),
+    ("the constraint needs max_tokens of at least", "a constraint's shortest output depends on "
+     "the grammar and the tokenizer, and must fit max_tokens"),
     ("does not compile", "whether a JSON schema, regex or grammar compiles is the grammar "
      "compiler's to say"),
     ("a constraint is a string of at most", "a choice list is bounded by its JSON text's "
@@ -51,7 +51,6 @@ CONSTRAINTS_BEYOND_THE_SCHEMA = [
     ("chat_template_kwargs cannot set", "the template's variables must not shadow the "
      "tokenizer call's options"),
     ("add_generation_prompt and continue_final_message", "the two options exclude each other"),
-    ("are not JSON", "a tool call's arguments are a string that must hold JSON"),
     ("more than the server ever holds", "prompts x n against --max-queue-len"),
     ("a request id", "X-Request-Id / request_id must be printable"),
     ("the prompt is empty", "a text may tokenize to nothing"),

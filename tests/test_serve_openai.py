@@ -971,6 +971,21 @@ def test_a_template_that_ignores_tools_is_reported(chat_ckpt, caplog):
         assert ("this chat template ignores tools" in caplog.text) == warned
 
 
+def test_tool_call_arguments_that_are_not_json_reach_the_template_as_written(llm, tool_server):
+    """OpenAI's models may write a call whose arguments are not JSON, and a client sends the
+    history back as it is: the template gets that string (here written with ``tojson``)."""
+    turns = [TOOL_TURNS[0], {**TOOL_TURNS[1], "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{x"}}]},
+        TOOL_TURNS[2]]
+    rendered = ('<tools>weather:{"type": "object"};\n<user>Weather in Paris?\n<assistant>'
+                '<tool_call>weather "{x"</tool_call>\n<tool>c1sunny\n<assistant>')
+    tokenized = httpx.post(f"{tool_server}/tokenize",
+                           json={"messages": turns, "tools": [WEATHER]})
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["tokens"] == llm.tokenizer(rendered, add_special_tokens=False)[
+        "input_ids"]
+
+
 def test_tools_reach_the_chat_template(llm, tool_server):
     """Tools and a conversation with tool calls render through the template as in vLLM (the
     calls' arguments as objects), in /tokenize, /v1/chat/completions and LLM.chat alike."""

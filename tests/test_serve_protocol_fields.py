@@ -275,3 +275,48 @@ def test_logit_bias_keys_are_bounded_by_their_digits():
     for body_type in BODIES:
         assert _body(body_type, {"logit_bias": {widest: 1.0}}) is not None
         assert _body(body_type, {"logit_bias": {10**BIAS_KEY_DIGITS: 1.0}}) is None
+
+
+# Each output constraint alone, in each body that has it; "quiet" values constrain nothing.
+_CONSTRAINTS = {
+    "guided_regex": "a", "guided_choice": ["a"], "guided_json": {"type": "object"},
+    "guided_grammar": 'start: "a"', "structured_outputs": {"regex": "a"},
+    "response_format": {"type": "json_object"}, "tool_choice": "required",
+    "text": {"format": {"type": "json_object"}},
+}
+_QUIET = {"response_format": {"type": "text"}, "tool_choice": "auto",
+          "text": {"format": {"type": "text"}}, "guided_regex": None}
+_BODIES = {CompletionRequest: {"prompt": "hi"},
+           ChatCompletionRequest: {"messages": [{"role": "user", "content": "hi"}]},
+           ResponsesRequest: {"input": "hi"}}
+
+
+def _server_takes(model: type[BaseModel], body: dict) -> bool:
+    try:
+        return len(model.model_validate(body).output_constraints()) <= 1
+    except ValidationError:
+        return False
+
+
+@pytest.mark.parametrize("model", list(_BODIES), ids=lambda m: m.__name__)
+def test_the_schema_allows_one_output_constraint_as_the_server_does(model):
+    """The served schema states the rule the server applies: at most one output constraint
+    (any of the fields, in any quiet value of the others), and exactly one form of
+    ``structured_outputs``; checked against the bodies themselves."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(model.model_json_schema())
+    fields = [f for f in _CONSTRAINTS if f in model.model_fields]
+    tool = {"tools": [{"type": "function", "function": {"name": "f"}}] if model is not
+            ResponsesRequest else [{"type": "function", "name": "f"}]}
+    cases = [{}]
+    cases += [{f: _CONSTRAINTS[f]} for f in fields]
+    cases += [{f: _CONSTRAINTS[f], g: _CONSTRAINTS[g]} for f in fields for g in fields if f < g]
+    cases += [{f: _CONSTRAINTS[f], **{g: v for g, v in _QUIET.items()
+                                      if g in model.model_fields and g != f}} for f in fields]
+    cases += [{"structured_outputs": so} for so in (
+        {}, {"regex": "a", "choice": ["a"]}, {"regex": "a", "json_object": False},
+        {"json_object": True}, {"json_object": False})]
+    for extra in cases:
+        body = {**_BODIES[model], **tool, **extra}
+        assert validator.is_valid(body) == _server_takes(model, body), extra

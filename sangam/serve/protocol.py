@@ -18,7 +18,7 @@ import functools
 import json
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -59,15 +59,37 @@ from sangam.serve.tool_calls import tool_call_grammar
 MAX_MESSAGES = 4096  # messages (or Responses input items) per conversation
 
 
-def _nullable_optionals(schema: dict[str, Any], model: type) -> None:
+def _says_what_is_accepted(schema: dict[str, Any], model: type) -> None:
     """The schema of a request body says what the server accepts: ``null`` for every optional
-    field (``RequestBody`` takes it as unset)."""
+    field (``RequestBody`` takes it as unset), and at most one (or exactly one) of the fields
+    in ``QUIET`` outside the values that constrain nothing (one output constraint, one form of
+    a constraint): an ``anyOf`` of one branch per field that may speak."""
     required = set(schema.get("required", ()))
     for name, prop in schema.get("properties", {}).items():
         if name in required or any(s.get("type") == "null" for s in prop.get("anyOf", ())):
             continue
         keep = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
         schema["properties"][name] = {"anyOf": [dict(prop), {"type": "null"}], **keep}
+    quiet = getattr(model, "QUIET", None)
+    if quiet:
+        def others(speaker: str) -> dict[str, Any]:
+            return {name: q for name, q in quiet.items() if name != speaker}
+
+        branches = [{"required": [speaker],
+                     "properties": {speaker: {"not": quiet[speaker]}, **others(speaker)}}
+                    for speaker in quiet]
+        if not model.EXACTLY_ONE:
+            branches.insert(0, {"properties": dict(quiet)})
+        schema["anyOf"] = branches
+
+
+QUIET_NULL = {"type": "null"}
+# The values of output-constraint fields that constrain nothing (output_constraints' rule).
+QUIET_TEXT_FORMAT = {"anyOf": [QUIET_NULL, {"type": "object",
+                                           "properties": {"type": {"const": "text"}}}]}
+QUIET_TOOL_CHOICE = {"enum": [None, "none", "auto"]}
+QUIET_GUIDED = {name: QUIET_NULL for name in ("structured_outputs", "guided_json", "guided_regex",
+                                              "guided_choice", "guided_grammar")}
 
 
 class RequestBody(BaseModel):
@@ -76,7 +98,11 @@ class RequestBody(BaseModel):
     in OpenAI's API."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore",
-                              json_schema_extra=_nullable_optionals)
+                              json_schema_extra=_says_what_is_accepted)
+    # Fields of which at most one (EXACTLY_ONE: exactly one) may hold a value outside its
+    # schema here (see _says_what_is_accepted); the body's own validation states the same rule.
+    QUIET: ClassVar[dict[str, dict[str, Any]]] = {}
+    EXACTLY_ONE: ClassVar[bool] = False
 
     @model_validator(mode="before")
     @classmethod
@@ -134,6 +160,10 @@ class StructuredOutputsBody(RequestBody):
     choice: Choices | None = None
     grammar: ConstraintText | None = None
     json_object: bool | None = None
+
+    QUIET = {"json": QUIET_NULL, "regex": QUIET_NULL, "choice": QUIET_NULL, "grammar": QUIET_NULL,
+             "json_object": {"enum": [None, False]}}
+    EXACTLY_ONE = True
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputsBody:
@@ -247,6 +277,8 @@ class _GenerationRequest(RequestBody):
     guided_choice: Choices | None = None
     guided_grammar: ConstraintText | None = None
 
+    QUIET = QUIET_GUIDED
+
     def output_constraints(self) -> dict[str, MakeConstraint]:
         """The fields that constrain the output, each with what makes its constraint."""
         found: dict[str, MakeConstraint] = {}
@@ -320,6 +352,8 @@ class CompletionRequest(_GenerationRequest):
     add_special_tokens: bool = True
     response_format: ResponseFormat | None = None  # vLLM's, as chat's
 
+    QUIET = {**QUIET_GUIDED, "response_format": QUIET_TEXT_FORMAT}
+
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
         return ["best_of"] if self.best_of not in (None, 1) else []
@@ -357,7 +391,7 @@ def refuse_non_text(content: Any, allowed: tuple[str, ...]) -> Any:
 
 class FunctionCall(RequestBody):
     name: str
-    arguments: str  # a JSON object's text
+    arguments: str  # a JSON object's text, as the model wrote it (possibly not JSON)
 
 
 class ToolCall(RequestBody):
@@ -387,7 +421,9 @@ class ChatMessage(RequestBody):
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: text content and, as vLLM gives them, tool
-        call arguments as objects (templates write them with ``tojson``)."""
+        call arguments as objects (templates write them with ``tojson``); arguments that are
+        not JSON stay the string given (OpenAI's models may write such calls, and a history
+        holding one is the client's to send: templates write a string as it is)."""
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
@@ -398,9 +434,8 @@ class ChatMessage(RequestBody):
             for call in self.tool_calls:
                 try:
                     arguments = json.loads(call.function.arguments)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"the arguments of tool call {call.id!r} are not JSON: "
-                                     f"{e}") from None
+                except json.JSONDecodeError:
+                    arguments = call.function.arguments
                 calls.append({"id": call.id, "type": call.type, "function": {
                     "name": call.function.name, "arguments": arguments}})
             message["tool_calls"] = calls
@@ -515,6 +550,8 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions, ToolChoice)
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
+
+    QUIET = {**QUIET_GUIDED, "response_format": QUIET_TEXT_FORMAT, "tool_choice": QUIET_TOOL_CHOICE}
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement: none."""

@@ -28,6 +28,10 @@ from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 from sangam.sampling_params import RequestOutput
 from sangam.serve.protocol import (
     MAX_MESSAGES,
+    QUIET_GUIDED,
+    QUIET_NULL,
+    QUIET_TEXT_FORMAT,
+    QUIET_TOOL_CHOICE,
     ChatMessage,
     ChatTemplateOptions,
     ChatTool,
@@ -148,6 +152,9 @@ class ResponsesRequest(_GenerationRequest, ToolChoice):
     # Its output items have no place for a trajectory (chat and completions carry one): the
     # schema allows only false, and true is refused by name (unsupported_fields).
     return_trajectory: Annotated[bool, Field(json_schema_extra={"enum": [False]})] | None = None
+
+    QUIET = {**QUIET_GUIDED, "text": {"anyOf": [QUIET_NULL, {"type": "object", "properties": {
+        "format": QUIET_TEXT_FORMAT}}]}, "tool_choice": QUIET_TOOL_CHOICE}
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to a value whose behaviour Sangam does not implement."""
