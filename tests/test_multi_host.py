@@ -201,6 +201,23 @@ def _node(hosts: Hosts, options: dict, rank: int = 1, **kw) -> subprocess.Popen:
                               *_flags(options), "--node-rank", str(rank)], **kw)
 
 
+def _deploy(hosts: Hosts, options: dict) -> tuple[subprocess.Popen, Front]:
+    """Node 1's process, then node 0's front, up."""
+    node1 = _node(hosts, options)
+    front = Front(hosts, options)
+    assert front.read()["ready"]
+    return node1, front
+
+
+def _fault_mid_run(front: Front, reqs: list[list], fault) -> dict:
+    """Run ``reqs``; after their third output, ``fault()`` (the front waits), then the rest."""
+    front.send(run=reqs, pause_after=3)
+    assert front.read()["paused"]
+    fault()
+    front.resume()
+    return front.read()
+
+
 def _served(case: str, answer: dict, want: dict, detected=None, rejoined=None) -> None:
     got = {rid: tokens for rid, (tokens, _) in answer["outputs"].items()}
     assert got == want
@@ -219,9 +236,7 @@ def test_serving_across_hosts_then_losing_a_node(hosts, llada_path, case, layout
     options = _options(llada_path, **layout)
     total = layout.get("num_workers", 0) + layout.get("prefill_workers", 0) \
         + layout.get("decode_workers", 0)
-    node1 = _node(hosts, options)
-    front = Front(hosts, options)
-    assert front.read()["ready"]
+    node1, front = _deploy(hosts, options)
     reqs = _requests(10, seed=1)
     front.send(run=reqs)
     answer = front.read()
@@ -231,11 +246,7 @@ def test_serving_across_hosts_then_losing_a_node(hosts, llada_path, case, layout
         assert answer["kv_transfers"] > 0
     _served(case, answer, _reference(llada_path, reqs))
     reqs = _requests(12, seed=2)
-    front.send(run=reqs, pause_after=3)
-    assert front.read()["paused"]
-    hosts.kill_host(1)
-    front.resume()
-    answer = front.read()
+    answer = _fault_mid_run(front, reqs, lambda: hosts.kill_host(1))
     assert answer["dead"] == [total - 1]  # node 1 runs the last worker
     _served(f"{case}: node 1 SIGKILLed mid-run", answer, _reference(llada_path, reqs),
             detected=answer["detected_after"])
@@ -247,10 +258,7 @@ def test_serving_across_hosts_then_losing_a_node(hosts, llada_path, case, layout
 def test_a_tensor_parallel_group_spans_hosts(hosts, llada_path):
     """One worker of two ranks with fewer workers than nodes: rank 0 on host 0, rank 1 on
     host 1, every forward's collectives crossing the link; tokens as one process's."""
-    options = _options(llada_path, num_workers=1, tensor_parallel_size=2)
-    _node(hosts, options)
-    front = Front(hosts, options)
-    assert front.read()["ready"]
+    _, front = _deploy(hosts, _options(llada_path, num_workers=1, tensor_parallel_size=2))
     reqs = _requests(10, seed=5)
     front.send(run=reqs)
     _served("tensor-parallel group of 2 spanning the hosts", front.read(),
@@ -263,15 +271,9 @@ def test_partition_is_detected_and_a_colocated_node_rejoins(hosts, llada_path):
     bound and finishes its requests on node 0; node 1's worker, hearing no front, stops by
     itself. With the link back, node 1 started again rejoins and serves."""
     options = _options(llada_path, num_workers=2)
-    node1 = _node(hosts, options)
-    front = Front(hosts, options)
-    assert front.read()["ready"]
+    node1, front = _deploy(hosts, options)
     reqs = _requests(12, seed=3)
-    front.send(run=reqs, pause_after=3)
-    assert front.read()["paused"]
-    hosts.cut(1)
-    front.resume()
-    answer = front.read()
+    answer = _fault_mid_run(front, reqs, lambda: hosts.cut(1))
     assert answer["dead"] == [1]
     detected = answer["detected_after"]
     assert HEARTBEAT_TIMEOUT - 1.0 <= detected <= HEARTBEAT_TIMEOUT + 2.0
@@ -298,9 +300,7 @@ def test_a_node_cannot_rejoin_a_running_process_group(hosts, llada_path):
     """Disaggregated workers share a process group formed once: a node started again against
     a serving deployment is refused at once, in one line, instead of waiting in vain."""
     options = _options(llada_path, mode="disaggregated", prefill_workers=1, decode_workers=1)
-    _node(hosts, options)
-    front = Front(hosts, options)
-    assert front.read()["ready"]
+    _, front = _deploy(hosts, options)
     hosts.kill_host(1)
     again = hosts.run(1, [sys.executable, "-m", "sangam.engine.multi.node", *_flags(options),
                           "--node-rank", "1"], timeout=60)

@@ -378,3 +378,21 @@ def test_a_failed_engine_loop_fails_health_and_exits_nonzero(chat_ckpt, tmp_path
     assert "Traceback" in text and "the engine loop broke (test fault)" in text
     assert "exiting: the engine loop failed" in text
 
+
+
+def test_the_heap_trimmer_trims_at_its_interval(monkeypatch):
+    from sangam.engine import heap
+
+    calls = []
+    monkeypatch.setattr(heap, "_malloc_trim", lambda: calls.append)
+    clock = [100.0]
+    trimmer = heap.HeapTrimmer(30.0, lambda: clock[0])
+    trimmer.maybe_trim()
+    clock[0] += 29.0
+    trimmer.maybe_trim()
+    assert calls == []
+    clock[0] += 2.0
+    trimmer.maybe_trim()
+    trimmer.maybe_trim()
+    assert calls == [0] and trimmer.trims == 1
+    assert heap._malloc_trim() is not None  # this machine's C library is glibc

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from sangam.config import EngineConfig
 from sangam.engine.front import check_queue
+from sangam.engine.heap import HeapTrimmer
 from sangam.engine.interface import Gauge, SteppedEngine
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.multi import make_engine
@@ -82,6 +83,7 @@ class AsyncEngine:
         # Weight updates and memory operations wait (in order) for the requests in flight to
         # finish on the weights they started with; requests that arrive meanwhile, or while
         # generation is paused, wait (``_held``) and start after them.
+        self._heap = HeapTrimmer()  # resident memory stays flat over long runs
         self._barriers: collections.deque[tuple] = collections.deque()
         self._held: collections.deque[tuple] = collections.deque()
         self.paused = False
@@ -351,6 +353,7 @@ class AsyncEngine:
                     if block:  # idle: a worker that dies now is noticed now
                         self.engine.watch()
                 self._run_barriers()
+                self._heap.maybe_trim()
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
                     if self._profiler is not None and (path := self._profiler.step()):

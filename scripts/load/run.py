@@ -17,7 +17,6 @@ import argparse
 import csv
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,14 +26,9 @@ import time
 from pathlib import Path
 
 import httpx
+from demo_server import demo_server
 
 HERE = Path(__file__).resolve().parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metric(text: str, name: str) -> float:
@@ -52,22 +46,8 @@ def main() -> int:
     users = 2 * args.max_queue_len
     out = Path(args.out or tempfile.mkdtemp(prefix="sangam-load-"))
     out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(out / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "sangam.serve", "--port", str(port), "--max-queue-len",
-         str(args.max_queue_len), "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, "no server"
-            time.sleep(0.3)
+    with demo_server(["--max-queue-len", str(args.max_queue_len)], out / "server.log") as (
+            server, url):
         before = httpx.get(f"{url}/metrics").text
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
@@ -92,9 +72,6 @@ def main() -> int:
                 break
             time.sleep(0.2)
         healthy = httpx.get(f"{url}/health").status_code == 200 and server.poll() is None
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     rows = {r["Name"]: r for r in csv.DictReader(open(out / "run_stats.csv"))}
 
     def row(name: str) -> dict:
