@@ -31,7 +31,7 @@ def cluster():
     ray.init(address=c.address)
     head = ray.get_runtime_context().get_node_id()  # this driver's
     try:
-        yield sorted(n["NodeID"] for n in ray.nodes() if n["NodeID"] != head)
+        yield c, sorted(n["NodeID"] for n in ray.nodes() if n["NodeID"] != head)
     finally:
         ray.shutdown()
         c.shutdown()
@@ -78,7 +78,7 @@ def test_workers_as_ray_actors_on_two_nodes(cluster, llada_path, layout):
                                       distributed_executor_backend="ray", **layout))
     try:
         handles = engine._ray_handles
-        assert sorted(h.node_id for h in handles) == sorted(cluster)  # one per node
+        assert sorted(h.node_id for h in handles) == cluster[1]  # one per node
         reqs = _requests(10, seed=1)
         assert _run(engine, reqs) == _reference(llada_path, reqs)
         if "num_workers" not in layout:
@@ -105,3 +105,26 @@ def test_a_cluster_without_room_is_refused(cluster, llada_path, monkeypatch):
     with pytest.raises(RuntimeError, match="could not place worker 0: 2 bundle"):
         make_engine(EngineConfig(model=llada_path, device="cpu", dtype="float64",
                                  tensor_parallel_size=2, distributed_executor_backend="ray"))
+
+
+def test_a_tensor_parallel_worker_is_one_placement_group_on_one_node(cluster, llada_path):
+    """A worker of two ranks: one placement group of two bundles, packed on the one node that
+    has two CPUs (a third, added here), its ranks' collectives over gloo; the tokens are the
+    one-process engine's."""
+    c, _ = cluster
+    node = c.add_node(num_cpus=2)
+    try:
+        c.wait_for_nodes()
+        big = next(n["NodeID"] for n in ray.nodes()
+                   if n["Alive"] and n["Resources"].get("CPU") == 2)
+        engine = make_engine(EngineConfig(model=llada_path, device="cpu", dtype="float64",
+                                          page_size=4, num_pages=64, tensor_parallel_size=2,
+                                          distributed_executor_backend="ray"))
+        try:
+            assert [h.node_id for h in engine._ray_handles] == [big, big]
+            reqs = _requests(8, seed=3)
+            assert _run(engine, reqs) == _reference(llada_path, reqs)
+        finally:
+            engine.shutdown()
+    finally:
+        c.remove_node(node)

@@ -140,10 +140,12 @@ class MultiWorkerEngine(Front):
         address = None
         if cfg.dist_init_addr:
             host, port = network.split_addr(cfg.dist_init_addr)
+            listen = "*"
             if cfg.nnodes > 1:  # before anything binds: a wrong address is one line
                 device = launcher.worker_device(cfg, 0)
                 address = network.node_address(cfg, device.split(":")[0])
-            self._sock.bind(f"tcp://*:{port + 1}")
+                listen = network.resolve(host)  # this node's own (checked): only there
+            self._sock.bind(f"tcp://{listen}:{port + 1}")
             front_addr = f"tcp://{host}:{port + 1}"
         else:  # one node: loopback, free ports
             host, port = "127.0.0.1", 0

@@ -75,7 +75,8 @@ def interface_addresses() -> dict[str, str]:
     return out
 
 
-def _resolve(host: str) -> str:
+def resolve(host: str) -> str:
+    """``host``'s IPv4 address (NetworkError if it has none)."""
     try:
         return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
     except OSError as e:
@@ -114,7 +115,7 @@ def _named_interface(config: EngineConfig, device_type: str) -> tuple[str, str] 
 def node_address(config: EngineConfig, device_type: str) -> NodeAddress:
     """This node's address and interface (see the module docstring); raises NetworkError."""
     host, port = split_addr(config.dist_init_addr)
-    peer = _resolve(host)
+    peer = resolve(host)
     return _checked(config, local_address(config, device_type, peer), peer, port)
 
 
