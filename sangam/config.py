@@ -274,11 +274,17 @@ class EngineConfig:
              "dist_init_addr (host:port of node 0) is required when nnodes > 1")
         need(self.distributed_executor_backend in EXECUTOR_BACKENDS,
              f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}")
-        need(self.distributed_executor_backend == "mp" or (self.nnodes == 1 and not self.devices),
+        ray = self.distributed_executor_backend == "ray"
+        need(not ray or (self.nnodes == 1 and not self.devices
+                         and ":" not in (self.device or "")),
              "distributed_executor_backend ray places the workers on the Ray cluster's nodes "
-             "and devices: give neither nnodes nor devices")
-        need(self.node_ip is None or _is_ipv4(self.node_ip),
-             f"node_ip must be an IPv4 address, got {self.node_ip!r}")
+             "and devices: give neither nnodes, devices nor a device index")
+        need(self.node_ip is None or (_is_ipv4(self.node_ip) and self.nnodes > 1),
+             f"node_ip must be an IPv4 address of a multi-node deployment's node (nnodes > 1), "
+             f"got {self.node_ip!r}")
+        need(self.network_interface is None or self.nnodes > 1 or ray,
+             "network_interface applies to workers on several nodes (nnodes > 1, or the ray "
+             "backend)")
         need(1.0 <= self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S,
              f"heartbeat_timeout must be in [1, {MAX_HEARTBEAT_TIMEOUT_S:g}]")
         SamplingParams(**self.request_defaults())  # bad defaults fail here, at startup

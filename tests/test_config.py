@@ -38,7 +38,13 @@ def test_vllm_flag_spellings_are_aliases():
     (dict(page_size=12), "power of two"), (dict(policy="fifo"), "policy must be one of"),
     (dict(token_budget=0), "token_budget"), (dict(device="tpu"), "device"),
     (dict(mode="ring"), "mode must be"), (dict(nnodes=2), "dist_init_addr"),
-    (dict(node_rank=1), "node_rank"), (dict(gpu_memory_fraction=1.5), "gpu_memory_fraction"),
+    (dict(node_rank=1), "node_rank"), (dict(node_ip="10.0.0.2"), "node_ip"),
+    (dict(nnodes=2, dist_init_addr="h:1", node_ip="10.0.0"), "node_ip"),
+    (dict(network_interface="eth0"), "network_interface"),
+    (dict(distributed_executor_backend="ray", device="cuda:1"), "device index"),
+    (dict(distributed_executor_backend="ray", nnodes=2, dist_init_addr="h:1"), "ray"),
+    (dict(heartbeat_timeout=0.5), "heartbeat_timeout"),
+    (dict(gpu_memory_fraction=1.5), "gpu_memory_fraction"),
 ])
 def test_invalid_configs_name_the_field(bad, match):
     with pytest.raises(ValueError, match=match):

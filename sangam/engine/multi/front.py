@@ -134,11 +134,19 @@ class MultiWorkerEngine(Front):
 
     # Startup and shutdown.
     def _start(self) -> None:
+        """Bind the front's socket, open the store (when the workers move tensors), start the
+        workers (forked here and by the other nodes' processes, or as Ray actors) and wait
+        for each one's Hello."""
         cfg = self.config
-        if cfg.distributed_executor_backend == "ray":
-            return self._start_on_ray()
+        ray = cfg.distributed_executor_backend == "ray"
         address = None
-        if cfg.dist_init_addr:
+        if ray:  # the workers reach this front at its Ray node's address, on free ports
+            from sangam.engine.multi import ray_executor
+
+            host, port = ray_executor.connect(), 0
+            self._sock.bind(f"tcp://{host}:*")
+            front_addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        elif cfg.dist_init_addr:
             host, port = network.split_addr(cfg.dist_init_addr)
             listen = "*"
             if cfg.nnodes > 1:  # before anything binds: a wrong address is one line
@@ -157,32 +165,16 @@ class MultiWorkerEngine(Front):
             # a rank: it never touches tensors.
             self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
             store_addr = (host, self._store.port)
-        specs = launcher.make_specs(cfg, self.roles, 0, front_addr, store_addr, address)
-        self._zygote, handles = launcher.start_local_workers(specs)
+        if ray:
+            specs = ray_executor.make_specs(cfg, self.roles, ray_executor.device_type(cfg),
+                                            front_addr, store_addr)
+            handles = self._ray_handles = ray_executor.start_ray_workers(specs, host)
+        else:
+            specs = launcher.make_specs(cfg, self.roles, 0, front_addr, store_addr, address)
+            self._zygote, handles = launcher.start_local_workers(specs)
         self._procs = launcher.group_by_worker(specs, handles)
         self._await_workers()
-        if self._store is not None:
-            self._store.set(data_plane.SERVING_KEY, "1")
-
-    def _start_on_ray(self) -> None:
-        """The workers as actors on the Ray cluster (``ray_executor``), reaching this front
-        at its Ray node's address."""
-        from sangam.engine.multi import ray_executor
-
-        host = ray_executor.connect()
-        self._sock.bind(f"tcp://{host}:*")
-        front_addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        store_addr = None
-        if launcher.needs_data_plane(self.config):
-            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-            store_addr = (host, self._store.port)
-        specs = ray_executor.make_specs(self.config, self.roles,
-                                        ray_executor.device_type(self.config), front_addr,
-                                        store_addr)
-        self._ray_handles = ray_executor.start_ray_workers(self.config, specs, host)
-        self._procs = launcher.group_by_worker(specs, self._ray_handles)
-        self._await_workers()
-        if self._store is not None:
+        if self._store is not None:  # a node process started from now on cannot join it
             self._store.set(data_plane.SERVING_KEY, "1")
 
     def _await_workers(self) -> None:

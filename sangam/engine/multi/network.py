@@ -51,8 +51,13 @@ class NodeAddress:
 
     def environment(self, device_type: str) -> dict[str, str]:
         """The variables gloo or NCCL read for their interface, where the user set none."""
-        name = "NCCL_SOCKET_IFNAME" if device_type == "cuda" else "GLOO_SOCKET_IFNAME"
+        name = interface_variable(device_type)
         return {} if os.environ.get(name) else {name: self.interface}
+
+
+def interface_variable(device_type: str) -> str:
+    """The variable the data plane's library reads its interface from."""
+    return "NCCL_SOCKET_IFNAME" if device_type == "cuda" else "GLOO_SOCKET_IFNAME"
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -104,7 +109,7 @@ def _named_interface(config: EngineConfig, device_type: str) -> tuple[str, str] 
     """(interface, where it was named), if one was."""
     if config.network_interface:
         return config.network_interface, "--network-interface"
-    name = "NCCL_SOCKET_IFNAME" if device_type == "cuda" else "GLOO_SOCKET_IFNAME"
+    name = interface_variable(device_type)
     value = os.environ.get(name, "")
     # A list or a prefix rule ("eth", "^docker") is the library's to apply: not checked here.
     if value and "," not in value and not value.startswith(("^", "=")):

@@ -23,7 +23,7 @@ import time
 
 from sangam.config import EngineConfig
 from sangam.engine.multi.launcher import WorkerSpec
-from sangam.engine.multi.network import NetworkError, local_address
+from sangam.engine.multi.network import local_address
 
 PLACEMENT_TIMEOUT_S = 120.0  # the cluster has the resources, or says why not meanwhile
 CHECK_S = 0.1  # how often the front asks Ray whether an actor lives (step() runs far oftener)
@@ -92,11 +92,8 @@ class _WorkerActor:
     def run(self, spec: WorkerSpec, front_ip: str) -> None:
         from sangam.engine.multi.worker import run_worker
 
-        try:
-            address = local_address(spec.config, spec.device.split(":")[0], front_ip,
-                                    "the front's Ray node")
-        except NetworkError as e:
-            raise RuntimeError(str(e)) from None
+        address = local_address(spec.config, spec.device.split(":")[0], front_ip,
+                                "the front's Ray node")
         # The raylet is its parent: the worker exits if it goes (as a forked one with its node
         # process); Ray kills it when the front's driver goes.
         run_worker(dataclasses.replace(spec, address=address), os.getppid())
@@ -111,8 +108,7 @@ def make_specs(config: EngineConfig, roles: list[str], device: str, front_addr: 
             for w in range(len(roles)) for t in range(config.tensor_parallel_size)]
 
 
-def start_ray_workers(config: EngineConfig, specs: list[WorkerSpec], front_ip: str
-                      ) -> list[RayWorkerHandle]:
+def start_ray_workers(specs: list[WorkerSpec], front_ip: str) -> list[RayWorkerHandle]:
     """One placement group per worker and one actor per rank (``specs``); returns a handle
     per spec. Raises when the cluster cannot place a group within ``PLACEMENT_TIMEOUT_S``."""
     ray = _ray()
@@ -121,7 +117,7 @@ def start_ray_workers(config: EngineConfig, specs: list[WorkerSpec], front_ip: s
 
     gpu = specs[0].device.startswith("cuda")
     bundle = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": 1.0}
-    tp = config.tensor_parallel_size
+    tp = specs[0].config.tensor_parallel_size
     actor_cls = ray.remote(_WorkerActor)
     groups = {}
     for w in sorted({s.worker for s in specs}):
