@@ -23,6 +23,7 @@ LOAD_FORMATS = ("auto", "dummy")
 # tested equal); --kv-cache-dtype: the model's dtype, or e4m3 values with their scales.
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8")
+KV_POOLS = ("auto", "single", "hybrid")
 EXECUTOR_BACKENDS = ("mp", "ray")
 MAX_TRANSFER_TIMEOUT_S = 3600.0  # past this a stuck transfer holds its buffers far too long
 MAX_HEARTBEAT_TIMEOUT_S = 600.0  # a partitioned node's requests wait this long at most
@@ -103,6 +104,12 @@ class EngineConfig:
     kv_cache_dtype: str = field(default="auto", metadata=flag_meta(
         "KV cache: auto (the model's dtype) or fp8 (e4m3, each token's head with its own "
         "scale: about half the bytes a page, twice the pages)", choices=KV_CACHE_DTYPES))
+    kv_pool: str = field(default="auto", metadata=flag_meta(
+        "KV pool of a model with sliding-window layers (DiffusionGemma): hybrid keeps only "
+        "each request's last window of those layers (a ring of pages; prompts stored in "
+        "chunks; no prefix caching, colocated workers only), single holds every position in "
+        "every layer; auto: hybrid where prefix caching is off and workers are colocated",
+        choices=KV_POOLS))
     attention_backend: str | None = field(default=None, metadata=flag_meta(
         "Attention implementation: triton (GPU default) or torch (CPU default)",
         choices=ATTENTION_BACKENDS))
@@ -246,6 +253,14 @@ class EngineConfig:
              f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        need(self.kv_pool in KV_POOLS,
+             f"kv_pool must be one of {KV_POOLS}, got {self.kv_pool!r}")
+        need(self.kv_pool != "hybrid" or not self.enable_prefix_caching,
+             "--kv-pool hybrid and --enable-prefix-caching exclude each other: a ring keeps "
+             "no sliding-window pages a later prompt could share")
+        need(self.kv_pool != "hybrid" or self.mode == "colocated",
+             f"--kv-pool hybrid serves colocated workers only: {self.mode} mode moves K/V "
+             "between workers page by page, and a ring's pages are not positions")
         need(self.quantization in (None, *QUANTIZATIONS),
              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         need(self.dtype in DTYPE_NAMES, f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")

@@ -16,6 +16,11 @@ architecture Sangam serves, DiffusionGemma's among them: no registry shape of it
 
     sangam-bench memory --model-config path/to/checkpoint --gpu h100
 
+A model with sliding-window layers under ``--kv-pool hybrid`` (or ``auto`` with prefix
+caching off) plans both kinds of page: the full layers' and the sliding layers' rings::
+
+    sangam-bench memory --model-config path/to/checkpoint --gpu h100 --kv-pool hybrid
+
 ``--quantization fp8`` plans FP8 weights (one byte a weight of every projection, the LM head
 and embedding as they are); an FP8 checkpoint's config.json plans them by itself::
 
@@ -36,6 +41,7 @@ from sangam.config import EngineConfig
 from sangam.engine.loaded_model import LoadedModel, make_attention_backend
 from sangam.engine.memory_profile import GIB, GPUS, MemoryPlan, model_bytes, plan_for
 from sangam.engine.multi.data_plane import shard_layout
+from sangam.engine.pool_layout import window_ring
 from sangam.engine.worker import captures_graphs, graph_block_lengths
 from sangam.models.checkpoint import parse_config
 from sangam.models.loader import dummy_model, resolve_dtype, with_quantization
@@ -68,7 +74,7 @@ def config_plan(raw: dict, gpu: str = "h200", engine: EngineConfig | None = None
         spans = graph_block_lengths(engine, loaded) if captures_graphs(engine, loaded) else ()
         total = GPUS[gpu]
         return plan_for(loaded, engine, total=total, free=total - model_bytes(model),
-                        graph_spans=spans)
+                        graph_spans=spans, ring=window_ring(engine, loaded))
 
 
 def memory_table(gpu: str = "h200", keys: tuple[str, ...] = TABLE_SHAPES,
@@ -76,16 +82,27 @@ def memory_table(gpu: str = "h200", keys: tuple[str, ...] = TABLE_SHAPES,
                  configs: tuple[str, ...] = ()) -> str:
     """A Markdown table of :func:`shape_plan` for each registry shape, then of
     :func:`config_plan` for each checkpoint directory of ``configs``."""
-    lines = ["| Model | Weights | Reserved activations | KV pool pages (tokens) | "
-             "Max concurrent canvases |", "|---|---:|---:|---:|---:|"]
     plans = [(MODEL_SHAPES[key].name, shape_plan(key, gpu, engine)) for key in keys]
     plans += [(Path(path).name, config_plan(read_config_json(path), gpu, engine))
               for path in configs]
+    rings = any(p.ring for _, p in plans)  # a column of its own where a hybrid pool plans some
+    lines = ["| Model | Weights | Reserved activations | KV pool pages (tokens) | "
+             + ("Sliding-window rings | " if rings else "") + "Max concurrent canvases |",
+             "|---|---:|---:|---:|" + ("---:|" if rings else "") + "---:|"]
     for name, p in plans:
         lines.append(f"| {name} | {p.weights / GIB:.1f} GiB | "
                      f"{p.reserved.total / GIB:.1f} GiB | {p.num_pages:,} ({p.pool_tokens:,}) "
-                     f"| {p.max_canvases} x {p.context:,} tokens |")
+                     + (f"| {rings_cell(p)} " if rings else "")
+                     + f"| {p.max_canvases} x {p.context:,} tokens |")
     return "\n".join(lines)
+
+
+def rings_cell(plan: MemoryPlan) -> str:
+    """A hybrid pool's sliding-window pages: how many, per request, and their bytes."""
+    if not plan.ring:
+        return "—"
+    return (f"{plan.window_pages:,} pages, {plan.ring} a request "
+            f"({plan.window_pages * plan.window_page_bytes / GIB:.1f} GiB)")
 
 
 def read_config_json(path: str) -> dict:

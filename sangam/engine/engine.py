@@ -72,8 +72,11 @@ class Engine(Front):
     def _describe_workers(self) -> list[str]:
         pool = self.pool
         spans = ", ".join(str(g.span) for g in self.runner.graphs)
+        rings = pool.rings
         return [f"KV pool {pool.num_pages} pages x {pool.page_size} = "
-                f"{pool.num_pages * pool.page_size} tokens",
+                f"{pool.num_pages * pool.page_size} tokens"
+                + (f"; sliding-window rings of {rings.shape.pages} pages, "
+                   f"{rings.allocator.num_pages} pages" if rings is not None else ""),
                 f"{self.loaded.model.attention_backend.name} attention, CUDA graphs "
                 f"{f'for block length {spans}' if spans else 'off'}"]
 

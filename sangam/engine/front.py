@@ -32,9 +32,9 @@ from sangam.decoding.state import DecodeState
 from sangam.engine import messages as msg
 from sangam.engine.loaded_model import LoadedModel
 from sangam.engine.outputs import request_output
+from sangam.engine.pool_layout import prefix_caching
 from sangam.engine.validation import new_state
 from sangam.engine.weight_group import check_group
-from sangam.engine.worker import prefix_caching
 from sangam.engine.worker_control import MEMORY_TAGS
 from sangam.models.weight_update import (
     check_same_model,

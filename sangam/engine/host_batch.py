@@ -155,7 +155,9 @@ class PackedBatch:
             block_tables=dev["block_tables"], slot_mapping=dev["slot_mapping"],
             query_lens=np.diff(self.cu_seqlens_q).tolist(), kv_lens_host=self.kv_lens.tolist(),
             causal_blocks=causal, positions=None if causal is None else dev["positions"],
-            key_lo=dev.get("key_lo"), key_hi=dev.get("key_hi"), window_lo=dev.get("window_lo"))
+            key_lo=dev.get("key_lo"), key_hi=dev.get("key_hi"), window_lo=dev.get("window_lo"),
+            window_block_tables=dev.get("window_block_tables"),
+            window_slot_mapping=dev.get("window_slot_mapping"))
 
 
 class PythonHostBatcher:

@@ -27,6 +27,7 @@ Parts of the reservation (:class:`Reservation`):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ from sangam.config import EngineConfig
 from sangam.engine.loaded_model import LoadedModel
 from sangam.models import ModelConfig
 from sangam.sched.block_cursor import BlockCursor
+from sangam.sched.window_rings import RingShape
 
 GIB = 1 << 30
 # An H200 (141 GB of HBM3e nominal) as torch.cuda.mem_get_info reports it: about 139.8 GiB;
@@ -70,12 +72,24 @@ def rescore_chunk_rows(vocab_size: int, dtype: torch.dtype) -> int:
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype,
-               kv_cache_dtype: str = "auto") -> int:
-    """One KV page of every layer (``kv_cache_dtype`` fp8: a byte a value, plus the rows of
-    their scales)."""
+               kv_cache_dtype: str = "auto", layers: Iterable[int] | None = None) -> int:
+    """One KV page of ``layers`` (default: every layer; ``kv_cache_dtype`` fp8: a byte a
+    value, plus the rows of their scales)."""
     if kv_cache_dtype == "fp8":
-        return cfg.fp8_page_bytes(page_size)
-    return page_size * cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+        return cfg.fp8_page_bytes(page_size, layers)
+    return page_size * cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size(),
+                                              layers)
+
+
+def pool_page_bytes(cfg: ModelConfig, engine: EngineConfig, dtype: torch.dtype,
+                    hybrid: bool) -> tuple[int, int]:
+    """Bytes of one page of the pool's two kinds: (full layers', sliding layers') under a
+    ``hybrid`` pool, else (every layer's, 0)."""
+    window = set(cfg.window_layers) if hybrid else set()
+    full = [i for i in range(cfg.num_layers) if i not in window]
+    return (page_bytes(cfg, engine.page_size, dtype, engine.kv_cache_dtype, full),
+            page_bytes(cfg, engine.page_size, dtype, engine.kv_cache_dtype, window)
+            if window else 0)
 
 
 @dataclass(frozen=True)
@@ -89,12 +103,13 @@ class WorstForward:
 
 
 def worst_forward(cfg: ModelConfig, engine: EngineConfig, context: int, block_length: int,
-                  cache: str) -> WorstForward:
+                  cache: str, max_span: int | None = None) -> WorstForward:
     """The scheduler's bounds on one forward. Decodes: every seat runs its cached step. A
     finite token budget tau admits at most tau + the carried deficit (below the largest
     prefill, the context) of prefills beyond the decodes, and the idle rule one whole prefill;
     prefill-first and adaptive budgets are bounded by the seats (and the pool: see
-    :func:`plan_memory`)."""
+    :func:`plan_memory`). Under a hybrid pool no forward of a request spans more than
+    ``max_span`` positions (``window_rings.RingShape``)."""
     sched = engine.scheduler
     seats = sched.batch_cap
     exact = cfg.block_causal
@@ -103,9 +118,10 @@ def worst_forward(cfg: ModelConfig, engine: EngineConfig, context: int, block_le
     span = BlockCursor.longest_cached_span(block_length, cache, context, int(cfg.shift_logits),
                                            exact)
     decodes = seats * min(context, span)
-    prefills = seats * context
+    prefill = context if max_span is None else min(context, max_span)  # one request's
+    prefills = seats * prefill
     if sched.policy != "adaptive" and not math.isinf(sched.budget):
-        prefills = min(prefills, max(0, int(sched.budget) - decodes) + context)
+        prefills = min(prefills, max(0, int(sched.budget) - decodes) + prefill)
     return WorstForward(decodes, prefills, seats * block_length, context)
 
 
@@ -233,10 +249,14 @@ class MemoryPlan:
     weights: int
     others: int  # in use besides the weights before the pool (CUDA context, other processes)
     reserved: Reservation
-    num_pages: int
+    num_pages: int  # the full layers' (a single pool: every layer's)
     page_size: int
     page_bytes: int
     context: int  # the longest request (prompt + canvas), tokens
+    # A hybrid pool: the sliding-window layers' pages (``ring`` a seat) and their bytes each.
+    window_pages: int = 0
+    window_page_bytes: int = 0
+    ring: int = 0
 
     @property
     def pool_tokens(self) -> int:
@@ -245,7 +265,11 @@ class MemoryPlan:
     @property
     def max_canvases(self) -> int:
         """Requests of the longest length the pool holds at once."""
-        return self.num_pages // -(-self.context // self.page_size)
+        n = self.num_pages // -(-self.context // self.page_size)
+        return min(n, self.window_pages // self.ring) if self.ring else n
+
+    def pool_bytes(self) -> int:
+        return self.num_pages * self.page_bytes + self.window_pages * self.window_page_bytes
 
     def describe(self) -> str:
         """The one log line of where the memory went."""
@@ -256,8 +280,11 @@ class MemoryPlan:
                 f"{r.graphs / g:.2f}, workspace {r.workspace / g:.2f}, K/V transfers "
                 f"{r.transfers / g:.2f}), KV pool "
                 f"{self.num_pages} pages x {self.page_size} = {self.pool_tokens} tokens "
-                f"({self.num_pages * self.page_bytes / g:.2f} GiB, {self.max_canvases} "
-                f"requests of {self.context} tokens)")
+                f"({self.num_pages * self.page_bytes / g:.2f} GiB"
+                + (f"; sliding-window rings {self.window_pages} pages, {self.ring} a request, "
+                   f"{self.window_pages * self.window_page_bytes / g:.2f} GiB"
+                   if self.ring else "")
+                + f", {self.max_canvases} requests of {self.context} tokens)")
 
 
 def reserve(cfg: ModelConfig, dtype: torch.dtype, worst: WorstForward, tokens: int,
@@ -278,20 +305,25 @@ def reserve(cfg: ModelConfig, dtype: torch.dtype, worst: WorstForward, tokens: i
 
 def plan_memory(cfg: ModelConfig, engine: EngineConfig, dtype: torch.dtype, *, total: int,
                 free: int, weights: int, context: int, block_length: int, cache: str,
-                backend: str, graph_spans: tuple[int, ...] = ()) -> MemoryPlan:
+                backend: str, graph_spans: tuple[int, ...] = (),
+                ring: RingShape | None = None) -> MemoryPlan:
     """The KV pool for ``engine`` on a GPU of ``total`` bytes of which ``free`` are free (the
-    weights, ``weights`` bytes, loaded). Prefills beyond a finite budget's bound are also
+    weights, ``weights`` bytes, loaded); a hybrid pool's rings (``ring``, one a seat) come
+    off the top. Prefills beyond a finite budget's bound are also
     bounded by the pool (every admitted request holds its pages), so a pool of p pages
     reserves for decodes + min(prefill bound, p pages of tokens): the larger p of the two
     linear cases. Raises ValueError, naming the flags, when no request of ``context`` tokens
     fits."""
-    worst = worst_forward(cfg, engine, context, block_length, cache)
+    worst = worst_forward(cfg, engine, context, block_length, cache,
+                          None if ring is None else ring.max_span)
     # A graph runner captures batches of up to max_batch_size decodes.
     graph_tokens = tuple(engine.max_batch_size * span for span in graph_spans)
     # Disaggregated and hybrid workers hold K/V transfer buffers up to their budget.
     transfers = engine.transfer_buffer_bytes if engine.mode != "colocated" else 0
-    per_page = page_bytes(cfg, engine.page_size, dtype, engine.kv_cache_dtype)
-    budget = free - (1.0 - engine.gpu_memory_fraction) * total
+    per_page, window_page = pool_page_bytes(cfg, engine, dtype, ring is not None)
+    ring_pages = 0 if ring is None else ring.pages
+    window_pages = ring_pages * engine.scheduler.batch_cap
+    budget = free - (1.0 - engine.gpu_memory_fraction) * total - window_pages * window_page
 
     def fixed(tokens: int) -> int:
         return reserve(cfg, dtype, worst, tokens, backend, graph_tokens, transfers).total
@@ -304,8 +336,8 @@ def plan_memory(cfg: ModelConfig, engine: EngineConfig, dtype: torch.dtype, *, t
     tokens = worst.decode_tokens + min(worst.prefill_tokens, num_pages * engine.page_size)
     plan = MemoryPlan(total, weights, total - free - weights,
                       reserve(cfg, dtype, worst, tokens, backend, graph_tokens, transfers),
-                      num_pages,
-                      engine.page_size, per_page, context)
+                      num_pages, engine.page_size, per_page, context, window_pages,
+                      window_page, ring_pages)
     if plan.max_canvases < 1:
         raise ValueError(
             f"no room for the KV pages of one {context}-token request: {plan.describe()}. "
@@ -322,7 +354,7 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 
 def plan_for(loaded: LoadedModel, engine: EngineConfig, *, total: int, free: int,
-             graph_spans: tuple[int, ...] = ()) -> MemoryPlan:
+             graph_spans: tuple[int, ...] = (), ring: RingShape | None = None) -> MemoryPlan:
     """:func:`plan_memory` for a loaded model (its weights in ``total - free``), its requests'
     defaults and its context."""
     params = loaded.default_params()
@@ -331,4 +363,5 @@ def plan_for(loaded: LoadedModel, engine: EngineConfig, *, total: int, free: int
     return plan_memory(config, engine, loaded.dtype, total=total, free=free,
                        weights=model_bytes(loaded.model), context=loaded.context_length,
                        block_length=params.block_length, cache=params.cache,
-                       backend=loaded.model.attention_backend.name, graph_spans=graph_spans)
+                       backend=loaded.model.attention_backend.name, graph_spans=graph_spans,
+                       ring=ring)

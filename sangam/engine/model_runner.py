@@ -68,12 +68,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, states: list[DecodeState], pages: list[list[int]],
-                allow_graphs: bool = True, isolate: bool = True) -> list[StepOutcome]:
+                allow_graphs: bool = True, isolate: bool = True,
+                rings: list[list[int]] | None = None) -> list[StepOutcome]:
         """Run one step of every request in one forward, moving their cursors; returns each
         one's outcome (a completed block's stop strings are checked here, so a request they
         end is finished on return; a request that failed has its error).
         ``allow_graphs=False`` forces the eager forward (e.g. when a hook must see every
-        layer).
+        layer). ``rings``: each request's ring under a hybrid pool (``KVPool.rings``).
 
         A failure is confined to the requests it concerns. When the batch's forward or scoring
         fails (nothing is committed then, and rewriting a span's K/V from the same tokens is
@@ -84,7 +85,7 @@ class ModelRunner:
         unusable. With ``isolate=False`` a batch failure is raised (the caller retries)."""
         self._stepped = False
         try:
-            scored = self._score(states, pages, allow_graphs)
+            scored = self._score(states, pages, allow_graphs, rings)
         except FATAL_ERRORS:
             raise
         except Exception as e:
@@ -95,19 +96,22 @@ class ModelRunner:
                 raise
             if len(states) == 1:
                 return [_failed(e)]
-            alone = [self.execute([st], [pg], allow_graphs)[0] for st, pg in zip(states, pages)]
+            alone = [self.execute([st], [pages[r]], allow_graphs,
+                                  rings=None if rings is None else [rings[r]])[0]
+                     for r, st in enumerate(states)]
             logger.warning("a batch of %d failed (%r); alone, %d of them fail and end with "
                            "an error", len(states), e, sum(o.error is not None for o in alone))
             return alone
         return self._commit(states, *scored)
 
-    def _score(self, states: list[DecodeState], pages: list[list[int]], allow_graphs: bool
+    def _score(self, states: list[DecodeState], pages: list[list[int]], allow_graphs: bool,
+               rings: list[list[int]] | None
                ) -> tuple[PackedBatch, np.ndarray, np.ndarray, Rescore | None, tuple | None,
                           dict[int, torch.Tensor]]:
         """The forward and the scoring, read back to the host; changes no request. The rows
         of requests whose family reads its logits come back whole."""
         batch, arrays, rescore = pack_batch(self.host, states, pages, self.scorer.uploads_inputs,
-                                            chunk_rows=self.rescore_rows)
+                                            chunk_rows=self.rescore_rows, rings=rings)
         graph = -1
         if allow_graphs and self.graphs and batch.num_rows:
             block_length = None  # a block-causal batch's, when its requests share one
@@ -296,6 +300,18 @@ def canvas_arrays(batch: PackedBatch, window: int) -> dict[str, np.ndarray]:
     return {"key_lo": lo, "key_hi": hi, "window_lo": win}
 
 
+def window_arrays(batch: PackedBatch, rings: list[list[int]], page_size: int
+                  ) -> dict[str, np.ndarray]:
+    """A hybrid pool's sliding-layer block tables (logical page j of a request is page
+    j % ring of its ring: ``sched/window_rings.py``) and its rows' slots there."""
+    ring = np.array(rings, dtype=np.int32)
+    tables = np.ascontiguousarray(ring[:, np.arange(batch.block_tables.shape[1]) % ring.shape[1]])
+    owner = np.repeat(np.arange(len(rings)), np.diff(batch.cu_seqlens_q))
+    pos = batch.positions
+    slots = tables[owner, pos // page_size].astype(np.int64) * page_size + pos % page_size
+    return {"window_block_tables": tables, "window_slot_mapping": slots}
+
+
 def step_outcome(state: DecodeState, block_done: bool) -> StepOutcome:
     """What a committed step did to ``state``'s request."""
     if not block_done:
@@ -331,14 +347,18 @@ def stage_batch(host: HostBatcher, uploader: BatchUploader, states: list[DecodeS
 
 
 def pack_batch(host: HostBatcher, states: list[DecodeState], pages: list[list[int]],
-               device_scoring: bool, chunk_rows: int | None = None
+               device_scoring: bool, chunk_rows: int | None = None,
+               rings: list[list[int]] | None = None
                ) -> tuple[PackedBatch, dict[str, np.ndarray], Rescore | None]:
     """The host work before a forward: pack the batch and find the requests whose rows are
     scored again (in chunks of ``chunk_rows``; None: one). Returns the batch, the host arrays
     the device reads (the scoring's per-row inputs too with ``device_scoring``: the fused
-    kernel's, or a vocabulary-parallel head's), and the rescoring."""
+    kernel's, or a vocabulary-parallel head's; a hybrid pool's sliding-layer pages with
+    ``rings``), and the rescoring."""
     batch = host.build(states, pages)
     arrays = batch.device_arrays()
+    if rings is not None:
+        arrays.update(window_arrays(batch, rings, host.page_size))
     if states and states[0].canvas_spec is not None:  # uniform-state: one model per runner
         arrays.update(canvas_arrays(batch, states[0].canvas_spec.window))
     if states and states[0].cursor.block_causal:  # one model per runner: all or none

@@ -22,16 +22,12 @@ from sangam.engine.cuda_graphs import DecodeGraphRunner
 from sangam.engine.kv_pool import KVPool, pool_num_pages
 from sangam.engine.loaded_model import LoadedModel, use_device
 from sangam.engine.model_runner import ModelRunner
+from sangam.engine.pool_layout import prefix_caching, window_ring
 from sangam.engine.tensor_group import TensorGroup
 from sangam.engine.worker_control import WorkerControl
 from sangam.sched.batch_builder import BatchBuilder, ScheduledBatch
 from sangam.sched.block_cursor import BlockCursor
-from sangam.sched.prefix_cache import (
-    PrefixCache,
-    caches_prefixes,
-    extend_page_keys,
-    request_page_keys,
-)
+from sangam.sched.prefix_cache import PrefixCache, extend_page_keys, request_page_keys
 from sangam.sched.request import Request, StepOutcome
 from sangam.sched.worker_core import BlockEnded, IterationStats, Ship, WorkerCore
 
@@ -47,29 +43,18 @@ def build_worker_parts(config: EngineConfig, loaded: LoadedModel,
     order (their all-reduces meet)."""
     use_device(loaded.device)  # the graphs are captured on this thread's current device
     spans = [s for _, s in graph_plan(config, loaded)] if captures_graphs(config, loaded) else ()
-    num_pages = pool_num_pages(loaded, config, tuple(spans))
+    ring = window_ring(config, loaded)
+    num_pages = pool_num_pages(loaded, config, tuple(spans), ring)
     if group is not None:
         loaded.model.all_reduce = group.all_reduce
         num_pages = group.agree_min(num_pages)
     pool = KVPool(loaded.model.rank_config, num_pages, config.page_size,
-                  loaded.dtype, loaded.device, fp8=config.kv_cache_dtype == "fp8")
+                  loaded.dtype, loaded.device, fp8=config.kv_cache_dtype == "fp8", ring=ring,
+                  seats=config.scheduler.batch_cap)
     cache = PrefixCache(pool.allocator) if prefix_caching(config, loaded) else None
-    builder = BatchBuilder(pool.allocator, config.scheduler, cache)
+    builder = BatchBuilder(pool.allocator, config.scheduler, cache, pool.rings)
     return pool, builder, ModelRunner(loaded, pool, graphs=decode_graphs(config, loaded, pool),
                                       group=group)
-
-
-def prefix_caching(config: EngineConfig, loaded: LoadedModel) -> bool:
-    """Whether the workers cache prompt blocks' K/V (``--enable-prefix-caching``): by default
-    for a block-causal model, whose finished blocks' K/V is exact, and a uniform-state one
-    (its causal encoder's); refused for a bidirectional one, whose prompt K/V depends on the
-    response."""
-    exact = loaded.config.block_causal or loaded.config.gemma is not None
-    if config.enable_prefix_caching and not exact:
-        raise ValueError("--enable-prefix-caching needs a block-causal model (SDAR, LLaDA2) or "
-                         "a uniform-state one (DiffusionGemma): a bidirectional model's prompt "
-                         "K/V depends on the response, so no prompt block can be reused")
-    return caches_prefixes(exact, config.enable_prefix_caching)
 
 
 def graph_block_lengths(config: EngineConfig, loaded: LoadedModel) -> tuple[int, ...]:
@@ -252,7 +237,11 @@ class Worker:
     def _execute(self, reqs: list[Request], states: list[DecodeState],
                  pages: list[list[int]]) -> list[StepOutcome]:
         """The forward (``TransferWorker`` streams refreshes' K/V out during it)."""
-        return self.runner.execute(states, pages)
+        return self.runner.execute(states, pages, rings=self._rings(reqs))
+
+    def _rings(self, reqs: list[Request]) -> list[list[int]] | None:
+        """The requests' rings under a hybrid pool (``KVPool.rings``); None: one pool."""
+        return [r.window_pages for r in reqs] if self.builder.rings is not None else None
 
     def _ship(self, ship: Ship) -> None:
         raise RuntimeError(f"worker {self.index} moves no K/V: it cannot ship "

@@ -55,10 +55,14 @@ class _Released:
             storage.resize_(0)
 
     def restore(self) -> None:
+        """Bytes kept come back; others come back zeroed (a hybrid pool's ring may read a slot
+        nothing wrote, under a zero weight: it must hold a finite value)."""
         for storage, n, host in self.saved:
             storage.resize_(n)
             if host is not None:
                 _bytes(storage).copy_(host)
+            else:
+                _bytes(storage).zero_()
         self.saved = []
 
 

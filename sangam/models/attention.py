@@ -91,20 +91,24 @@ class PagedKV:
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-                  device: torch.device | str, empty: bool = False,
-                  fp8: bool = False) -> PagedKV:
+                  device: torch.device | str, empty: bool = False, fp8: bool = False,
+                  window_pages: int | None = None) -> PagedKV:
         """Pages for every layer of ``cfg`` (each layer's own K/V shape: ``layer_kv_shape``);
         ``empty``: uninitialised (pages are written before they are read); ``fp8``: the FP8
-        layout (values and per-row scales, whatever ``dtype`` the model computes in)."""
-        make = torch.empty if empty else torch.zeros
-        groups: dict[tuple[int, int], list[int]] = {}
+        layout (values and per-row scales, whatever ``dtype`` the model computes in);
+        ``window_pages``: a hybrid pool, whose sliding-window layers have that many pages of
+        their own (numbered apart, zeroed: a ring's slot outside a query's window may hold
+        nothing written, ``sched/window_rings.py``)."""
+        window = set(cfg.window_layers) if window_pages is not None else set()
+        groups: dict[tuple[bool, int, int], list[int]] = {}
         for i in range(cfg.num_layers):
-            groups.setdefault(cfg.layer_kv_shape(i), []).append(i)
+            groups.setdefault((i in window, *cfg.layer_kv_shape(i)), []).append(i)
         return cls.grouped([
-            (make((len(layers), 2, num_pages,
-                   page_size + (fp8_scale_rows(page_size, d) if fp8 else 0), heads, d),
-                  dtype=torch.uint8 if fp8 else dtype, device=device), layers)
-            for (heads, d), layers in groups.items()])
+            ((torch.empty if empty and not ring else torch.zeros)(
+                (len(layers), 2, window_pages if ring else num_pages,
+                 page_size + (fp8_scale_rows(page_size, d) if fp8 else 0), heads, d),
+                dtype=torch.uint8 if fp8 else dtype, device=device), layers)
+            for (ring, heads, d), layers in groups.items()])
 
 
 def _fp8_views(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,12 +149,22 @@ class AttentionMetadata:
     key_lo: torch.Tensor | None = None  # int32 [N]
     key_hi: torch.Tensor | None = None
     window_lo: torch.Tensor | None = None
+    # A hybrid pool (sched/window_rings.py): the sliding-window layers' own block tables (each
+    # request's ring, repeated) and slots. None: every layer reads block_tables.
+    window_block_tables: torch.Tensor | None = None  # int32 [R, max_pages]
+    window_slot_mapping: torch.Tensor | None = None  # int64 [N]
 
     def key_bounds(self, sliding: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A layer's per-query key bounds (``sliding``: a sliding-window layer), if any."""
         if self.key_hi is None:
             return None
         return (self.window_lo if sliding else self.key_lo), self.key_hi
+
+    def pages(self, sliding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's block tables and slot mapping (``sliding``: a sliding-window layer)."""
+        if sliding and self.window_block_tables is not None:
+            return self.window_block_tables, self.window_slot_mapping
+        return self.block_tables, self.slot_mapping
 
     @property
     def num_requests(self) -> int:
@@ -179,8 +193,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_pages, v_pages, meta, scale, sliding=False, k_scales=None,
                 v_scales=None):
-        store_kv_ref(k, v, k_pages, v_pages, meta.slot_mapping, k_scales, v_scales)
-        return paged_attention_ref(q, k_pages, v_pages, meta.cu_seqlens_q, meta.block_tables,
+        tables, slots = meta.pages(sliding)
+        store_kv_ref(k, v, k_pages, v_pages, slots, k_scales, v_scales)
+        return paged_attention_ref(q, k_pages, v_pages, meta.cu_seqlens_q, tables,
                                    meta.kv_lens, scale, query_lens=meta.query_lens,
                                    kv_lens_host=meta.kv_lens_host,
                                    causal_blocks=meta.causal_blocks, positions=meta.positions,

@@ -4,6 +4,7 @@ forward, KV pool and memory plan reads. ``checkpoint.py`` builds it from a check
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,15 +173,23 @@ class ModelConfig:
             return g.full_kv_heads, g.full_head_dim
         return self.num_kv_heads, self.head_dim
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * dtype_bytes * sum(h * d for h, d in map(self.layer_kv_shape,
-                                                           range(self.num_layers)))
+    @property
+    def window_layers(self) -> tuple[int, ...]:
+        """The sliding-window layers (DiffusionGemma's; none for other models)."""
+        g = self.gemma
+        return () if g is None else tuple(i for i, s in enumerate(g.sliding) if s)
 
-    def fp8_page_bytes(self, page_size: int) -> int:
-        """One FP8 KV page of every layer: a byte a value, plus the scale rows
-        (``fp8_scale_rows``)."""
+    def kv_bytes_per_token(self, dtype_bytes: int, layers: Iterable[int] | None = None) -> int:
+        """K and V of one token in ``layers`` (default: every layer)."""
+        layers = range(self.num_layers) if layers is None else layers
+        return 2 * dtype_bytes * sum(h * d for h, d in map(self.layer_kv_shape, layers))
+
+    def fp8_page_bytes(self, page_size: int, layers: Iterable[int] | None = None) -> int:
+        """One FP8 KV page of ``layers`` (default: every layer): a byte a value, plus the
+        scale rows (``fp8_scale_rows``)."""
+        layers = range(self.num_layers) if layers is None else layers
         return 2 * sum(h * d * (page_size + fp8_scale_rows(page_size, d))
-                       for h, d in map(self.layer_kv_shape, range(self.num_layers)))
+                       for h, d in map(self.layer_kv_shape, layers))
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:

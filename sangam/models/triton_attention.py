@@ -28,16 +28,17 @@ class TritonAttentionBackend(AttentionBackend):
                 v_pages: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding: bool = False, k_scales: torch.Tensor | None = None,
                 v_scales: torch.Tensor | None = None) -> torch.Tensor:
-        store_kv(k, v, k_pages, v_pages, meta.slot_mapping, k_scales, v_scales)
+        tables, slots = meta.pages(sliding)
+        store_kv(k, v, k_pages, v_pages, slots, k_scales, v_scales)
         if self._meta is not meta:
             self._meta, self._plans = meta, {}
         plan = self._plans.get(sliding)
         if plan is None:
             plan = self._plans[sliding] = plan_attention(
-                q, k_pages, meta.cu_seqlens_q, meta.block_tables,
+                q, k_pages, meta.cu_seqlens_q, tables,
                 max_kv_len=max(meta.kv_lens_host, default=0),
                 max_query_len=max(meta.query_lens, default=0), num_splits=meta.num_kv_splits)
-        return paged_attention(q, k_pages, v_pages, meta.cu_seqlens_q, meta.block_tables,
+        return paged_attention(q, k_pages, v_pages, meta.cu_seqlens_q, tables,
                                meta.kv_lens, scale, plan=plan, causal_blocks=meta.causal_blocks,
                                positions=meta.positions, key_bounds=meta.key_bounds(sliding),
                                k_scales=k_scales, v_scales=v_scales)

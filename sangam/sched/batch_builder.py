@@ -34,7 +34,10 @@ nothing is ever preempted. A head that cannot get its pages blocks admission ("m
 and the iteration banks no budget. With a prefix cache (block-causal models), a head's first
 pages may be cached ones, shared: its prefill starts after them and costs only what it computes;
 a head whose prefix reaches pages another prefill of this iteration computes waits for the next
-iteration and then shares them (the iteration banks no budget either).
+iteration and then shares them (the iteration banks no budget either). With a hybrid pool's
+``rings`` (``window_rings.py``), a request also takes a ring of sliding-window pages at its first
+admission, and no forward of it spans more than the rings allow: a longer prefill is admitted in
+chunks of whole blocks.
 
 Not thread-safe: the driver serializes calls.
 """
@@ -50,6 +53,7 @@ from sangam.sched.config import SchedulerConfig
 from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.prefix_cache import PrefixCache
 from sangam.sched.request import CONTINUES, Request, RequestStatus, StepOutcome
+from sangam.sched.window_rings import WindowRings
 
 
 @dataclass
@@ -90,9 +94,12 @@ class BatchBuilder:
     """
 
     def __init__(self, allocator: PageAllocator, config: SchedulerConfig,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, rings: WindowRings | None = None):
+        if rings is not None and prefix_cache is not None:
+            raise ValueError("a hybrid pool's rings keep no prefix a cache could share")
         self.allocator = allocator
         self.prefix_cache = prefix_cache  # over allocator's pages; None: no prefix caching
+        self.rings = rings  # a hybrid pool's sliding-window pages; None: one pool
         self.config = config
         self.page_size = config.page_size
         self.policy = config.policy
@@ -155,8 +162,10 @@ class BatchBuilder:
         return bool(self._requests)
 
     def fits_ever(self, req: Request) -> bool:
-        """Whether ``req``'s canvas fits the pool at all; check at submission."""
-        return req.cursor.num_pages(self.page_size) <= self.allocator.num_pages
+        """Whether ``req``'s canvas (and ring) fits the pool at all; check at submission."""
+        rings = self.rings
+        return (req.cursor.num_pages(self.page_size) <= self.allocator.num_pages
+                and (rings is None or rings.shape.pages <= rings.allocator.num_pages))
 
     # Driver calls.
     def add(self, req: Request) -> None:
@@ -262,6 +271,8 @@ class BatchBuilder:
             return None
         if request_id in self._in_flight:
             raise ValueError(f"detach: {req!r} is in the last scheduled batch")
+        if req.window_pages:  # (the hybrid pool serves colocated workers only)
+            raise ValueError(f"detach: {req!r} holds a ring, which does not park")
         pages, req.pages = req.pages, []
         self._release(req)
         req.pages = pages
@@ -299,6 +310,7 @@ class BatchBuilder:
                 if not chunk:
                     self._set_prefilled(head, stored)
                     break  # strict head-of-line: nothing behind it may leapfrog
+            chunk = self._within_span(head, chunk)
             if not head.pages and not self._take_pages(head, hit):
                 memory_blocked = True
                 break
@@ -318,8 +330,9 @@ class BatchBuilder:
             if holder is not None:
                 self._queue = [e for e in self._queue if e[2] is not holder]
                 heapq.heapify(self._queue)
-                self._admit(holder, now, prefills)
-                admitted += holder.cursor.span_len
+                chunk = self._within_span(holder, 0)
+                self._admit(holder, now, prefills, chunk)
+                admitted += chunk or holder.cursor.span_len
                 idle = True
         if math.isinf(tau):
             self._deficit = 0
@@ -344,16 +357,26 @@ class BatchBuilder:
                 hit = self._look_up(head) or []  # nothing else runs: never a pending page
                 if head.pages or self._take_pages(head, hit):
                     heapq.heappop(self._queue)
-                    self._admit(head, now, prefills)
+                    self._admit(head, now, prefills, self._within_span(head, 0))
                     self._active = head
                 else:
                     memory_blocked = True
         elif act.status is RequestStatus.WAITING:  # its own re-prefill runs at once
-            self._admit(act, now, prefills)
+            self._admit(act, now, prefills, self._within_span(act, 0))
         else:
             decodes.append(act)
         return ScheduledBatch(prefills, decodes, sum(r.cursor.span_len for r in prefills),
                               sum(r.cursor.decode_span for r in decodes), 0, memory_blocked, False)
+
+    def _within_span(self, req: Request, chunk: int) -> int:
+        """``chunk`` (0: the whole prefill), cut so that the forward spans at most the
+        hybrid pool's ``max_span`` positions: whole blocks of the prompt, 0 when it fits."""
+        if self.rings is None:
+            return chunk
+        limit = self.rings.shape.max_span
+        if chunk:
+            return min(chunk, req.cursor.chunk_room(limit))
+        return req.cursor.chunk_room(limit) if req.cursor.span_len > limit else 0
 
     # Queue.
     def _enqueue(self, req: Request) -> None:
@@ -425,12 +448,16 @@ class BatchBuilder:
         canvas; False (nothing taken, nothing cached assumed) when the rest does not fit."""
         self.allocator.share(hit)  # before counting: a hit page nobody held counted as free
         n = req.cursor.num_pages(self.page_size) - len(hit)
-        if not self.allocator.can_allocate(n):
+        rings = self.rings
+        if not (self.allocator.can_allocate(n)
+                and (rings is None or rings.allocator.can_allocate(rings.shape.pages))):
             self.allocator.free(hit)
             if hit:  # the look-up's doing: nothing of the prompt is stored after all
                 self._set_prefilled(req, 0)
             return False
         req.pages = hit + self.allocator.allocate(n)
+        if rings is not None:
+            req.window_pages = rings.allocator.allocate(rings.shape.pages)
         req.published = len(hit)
         if req.page_keys is not None:
             cache = self.prefix_cache
@@ -457,3 +484,6 @@ class BatchBuilder:
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []
+        if req.window_pages:
+            self.rings.allocator.free(req.window_pages)
+            req.window_pages = []

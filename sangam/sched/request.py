@@ -119,7 +119,8 @@ class Request:
     worker, the simulator's draws in the simulator).
 
     Invariants: ``pages`` is empty until the first admission and then covers all ``total_len``
-    positions until the request finishes (the holder frees them); the status moves only through
+    positions until the request finishes (the holder frees them), and so does
+    ``window_pages`` under a hybrid pool; the status moves only through
     the transitions below.
     """
 
@@ -144,6 +145,7 @@ class Request:
         self.streamed = False  # its K/V goes out layer by layer during this forward
         self.status = RequestStatus.WAITING
         self.pages: list[int] = []
+        self.window_pages: list[int] = []  # its ring under a hybrid pool (window_rings.py)
         self.finish_reason: str | None = None
         self.chunk_admitted = False  # its prefill in flight is a chunk (the rest waits)
         self.metrics = RequestMetrics(arrival_time, prefill_queued=[arrival_time])

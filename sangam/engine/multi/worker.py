@@ -118,7 +118,7 @@ class TransferWorker(Worker):
                  pages: list[list[int]]) -> list[StepOutcome]:
         self._streams = {r.request_id: self._open_stream(r) for r in reqs if r.streamed}
         if not self._streams:
-            return self.runner.execute(states, pages)
+            return self.runner.execute(states, pages, rings=self._rings(reqs))
         # The other ranks of a tensor-parallel group stream their shards of the same pages.
         self.runner.streams = [(s.dest, s.transfer_id, s.page_ids.tolist())
                                for s in self._streams.values()]
