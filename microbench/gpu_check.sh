@@ -3,7 +3,7 @@
 # mixture-of-experts kernels' among them, GeGLU experts, per-query key bounds and the FP8
 # GEMM and experts too), the FP8 kernels timed against the bf16 layers they replace,
 # DiffusionGemma's demo decoded on the device and a random-weight DiffusionGemma of Gemma 4
-# 26B-A4B's geometry served, `sangam-bench kernels` (with its canvas and MoE rows) and
+# 26B-A4B's geometry served (canvas-step graphs, the hybrid KV pool), `sangam-bench kernels` (with its canvas and MoE rows) and
 # `graphs`, a receiving worker killed mid-transfer under NCCL and tensor parallelism over two
 # GPUs and a trainer's weight broadcast over NCCL (two GPUs only: each skips in seconds on
 # one), `sangam-bench calibrate` (the simulator's coefficients), an end-to-end `sangam-bench serve` on a
@@ -51,7 +51,7 @@ if [ "$DRY" = 1 ]; then
   TP_DEVICE=(--device cpu)
   GEMMA=(--device cpu --dtype float32 --torch-threads 1)
   GEMMA_SERVE=(--model sangam-demo-gemma --device cpu --torch-threads 1 --num-pages 256
-               --token-budget 64 --length-scale 0.03)
+               --token-budget 64 --length-scale 0.03 --kv-pool hybrid)
 else
   unset TRITON_INTERPRET  # compiled kernels on CUDA tensors
   # The C++ host extension (an ignored build output, so not in a fresh copy): built in place
@@ -68,10 +68,10 @@ else
   SIM_ENGINE=("${ENGINE[@]}")
   TP_DEVICE=()
   GEMMA=(--device cuda --dtype bfloat16)
-  # Four canvases a forward and 8K positions: what one H100 holds beside the weights
-  # (docs/memory.md).
+  # Four canvases a forward, 32K positions each in the hybrid pool (its sliding layers keep a
+  # ring a request): what one H100 holds beside the weights (docs/memory.md).
   GEMMA_SERVE=(--model "$OUT/gemma-26b" --load-format dummy --max-batch-size 4
-               --max-model-len 8192 --length-scale 0.5)
+               --max-model-len 32768 --length-scale 0.5 --kv-pool hybrid)
 fi
 
 {
@@ -126,6 +126,7 @@ shard tests-engine tests/test_triton_backend.py tests/test_device_batch.py \
   "tests/test_engine.py::test_cuda_graphs_match_eager" \
   "tests/test_engine.py::test_block_length_flag_replays_graphs" \
   "tests/test_engine.py::test_block_causal_graphs_match_eager" \
+  "tests/test_canvas_graphs.py::test_canvas_graphs_match_eager" \
   "tests/test_rules.py::test_scoring_with_known_sampled_rows_needs_no_sync" \
   tests/test_rollout_gpu.py &
 wait
@@ -161,7 +162,8 @@ step gemma 20 "${BENCH[@]}" quality --model sangam-demo-gemma "${GEMMA[@]}" \
   --num-instances 24 --entropy-bounds 0.5 --denoising-steps 16 --json "$OUT/gemma.json"
 # DiffusionGemma at its release geometry (Gemma 4 26B-A4B's, assumed; random weights, 47 GiB
 # in bf16): canvases of 256 through the 256- and 512-wide attention and 128 GeGLU experts,
-# served (the dry run serves the demo instead: no 26B model is built on a CPU).
+# their later steps in CUDA graphs, the sliding layers in the hybrid pool's rings, served (the
+# dry run serves the demo instead: no 26B model is built on a CPU).
 if [ "$DRY" = 0 ]; then
   step gemma-config 5 "$PY" scripts/diffusion_gemma_26b_config.py "$OUT/gemma-26b"
 fi

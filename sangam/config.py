@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from sangam.sampling_params import CACHE_MODES, UNMASKING_RULES, SamplingParams
 from sangam.sched.config import MODES, POLICIES, DeploymentConfig, SchedulerConfig
+from sangam.sched.window_rings import KV_POOLS, check_kv_pool
 
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
@@ -23,7 +24,6 @@ LOAD_FORMATS = ("auto", "dummy")
 # tested equal); --kv-cache-dtype: the model's dtype, or e4m3 values with their scales.
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8")
-KV_POOLS = ("auto", "single", "hybrid")
 EXECUTOR_BACKENDS = ("mp", "ray")
 MAX_TRANSFER_TIMEOUT_S = 3600.0  # past this a stuck transfer holds its buffers far too long
 MAX_HEARTBEAT_TIMEOUT_S = 600.0  # a partitioned node's requests wait this long at most
@@ -253,14 +253,10 @@ class EngineConfig:
              f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        need(self.kv_pool in KV_POOLS,
-             f"kv_pool must be one of {KV_POOLS}, got {self.kv_pool!r}")
-        need(self.kv_pool != "hybrid" or not self.enable_prefix_caching,
-             "--kv-pool hybrid and --enable-prefix-caching exclude each other: a ring keeps "
-             "no sliding-window pages a later prompt could share")
-        need(self.kv_pool != "hybrid" or self.mode == "colocated",
-             f"--kv-pool hybrid serves colocated workers only: {self.mode} mode moves K/V "
-             "between workers page by page, and a ring's pages are not positions")
+        try:
+            check_kv_pool(self.kv_pool, self.mode, self.enable_prefix_caching)
+        except ValueError as e:
+            need(False, str(e))
         need(self.quantization in (None, *QUANTIZATIONS),
              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         need(self.dtype in DTYPE_NAMES, f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")

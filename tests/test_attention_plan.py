@@ -59,7 +59,7 @@ def _runner(arch: str, max_batch_size: int) -> DecodeGraphRunner:
     """A graph runner (graphs off) over a model and pool of ``arch``'s shape: planning only."""
     s = MODEL_SHAPES[arch]
     model = types.SimpleNamespace(config=types.SimpleNamespace(
-        num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim))
+        num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, gemma=None))
     kv = PagedKV(torch.empty(1, 2, 8, PAGE, s.num_kv_heads, s.head_dim, dtype=torch.bfloat16,
                              device=META))
     return DecodeGraphRunner(model, kv, SPAN, max_batch_size, CONTEXTS[arch] // PAGE, META,
@@ -114,6 +114,41 @@ def test_graph_runner_captures_every_reachable_split_count(h200, arch):
             reached[bucket].add(runner.kv_splits(n * SPAN, kv))
     assert {b: sorted(s) for b, s in reached.items()} == runner.split_counts
     assert all(s == [1] for b, s in runner.split_counts.items() if b >= 64)
+
+
+def test_canvas_runner_captures_the_split_pairs_canvas_batches_reach(h200):
+    """DiffusionGemma-26B-A4B's canvas steps (256 queries a request; sliding layers 8 KV heads
+    of 256, full layers 2 of 512) plan their KV splits per layer shape; the canvas runner's key
+    is the pair, equal to the eager plans of both shapes, and every pair a batch of up to 16
+    canvases over up to 131,072 keys reaches is captured."""
+    gemma = types.SimpleNamespace(full_kv_heads=2, full_head_dim=512)
+    model = types.SimpleNamespace(
+        config=types.SimpleNamespace(num_heads=16, num_kv_heads=8, head_dim=256,
+                                     hidden_size=2816, gemma=gemma),
+        output_head=lambda: types.SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16)))
+    kv = PagedKV.grouped([
+        (torch.empty(1, 2, 8, PAGE, 8, 256, dtype=torch.bfloat16, device=META), [0]),
+        (torch.empty(1, 2, 8, PAGE, 2, 512, dtype=torch.bfloat16, device=META), [1])])
+    span, context = 256, 131072
+    runner = DecodeGraphRunner(model, kv, span, 16, context // PAGE, META, use_graphs=False,
+                               canvas=True)
+    seen = set()
+    for n in range(1, 17):
+        bucket = next(b for b in runner.sizes if b >= n)
+        for longest in [*range(span, context, 1024), context]:
+            pair = runner.kv_splits(n * span, longest)
+            eager = []
+            for heads, d in ((2, 512), (8, 256)):  # full layers, then sliding ones
+                q = torch.empty(n * span, 16, d, dtype=torch.bfloat16, device=META)
+                kc = torch.empty(1 << 20, PAGE, heads, d, dtype=torch.bfloat16, device=META)
+                cu = torch.arange(0, n * span + 1, span, dtype=torch.int32, device=META)
+                bt = torch.empty(n, -(-longest // PAGE), dtype=torch.int32, device=META)
+                eager.append(pa.plan_attention(q, kc, cu, bt, max_kv_len=longest,
+                                               max_query_len=span).num_splits)
+            assert pair == tuple(eager), (n, longest)
+            assert pair in runner.split_counts[bucket], (n, longest, runner.split_counts)
+            seen.add(pair)
+    assert len(seen) > 1  # the sweep reaches split plans
 
 
 class _Binder:

@@ -386,7 +386,7 @@ def test_failed_graph_capture_falls_back_to_eager(loaded, monkeypatch, caplog):
         device=torch.device("cuda"), context_length=lm.context_length,
         default_params=lm.default_params, config=lm.config)
     config = EngineConfig(model=lm.path, page_size=4, num_pages=8)
-    pool = types.SimpleNamespace(kv=None)
+    pool = types.SimpleNamespace(kv=None, rings=None)
     with caplog.at_level("WARNING"):
         assert engine_module.decode_graphs(config, on_gpu, pool) == []
     assert "CUDA graph capture for block length" in caplog.text and "not permitted" in caplog.text
@@ -403,11 +403,11 @@ def test_graphs_are_captured_for_the_block_lengths_requests_get(tiny_path, monke
     from sangam.engine import worker as engine_module
 
     class Captured:
-        def __init__(self, model, kv, span, *args, causal_block=None):
+        def __init__(self, model, kv, span, *args, causal_block=None, **kwargs):
             self.span, self.causal_block = span, causal_block
 
     monkeypatch.setattr(engine_module, "DecodeGraphRunner", Captured)
-    pool = types.SimpleNamespace(kv=None)
+    pool = types.SimpleNamespace(kv=None, rings=None)
 
     def plan(path: str = tiny_path, **options) -> list:
         config = EngineConfig(model=path, page_size=4, num_pages=8, **options)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -16,8 +17,6 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from test_diffusion_gemma import CANVAS, VOCAB, write_checkpoint  # noqa: E402
-from test_sdar import run_in_mode  # noqa: E402
 
 from sangam import LLM, SamplingParams  # noqa: E402
 from sangam.config import EngineConfig  # noqa: E402
@@ -26,6 +25,8 @@ from sangam.engine import model_runner  # noqa: E402
 from sangam.engine.reference_canvas import generate_canvases  # noqa: E402
 from sangam.models import load_model  # noqa: E402
 from sangam.sched.window_rings import PREFILL_CHUNK, RingShape  # noqa: E402
+from tests.gemma_checkpoint import CANVAS, VOCAB, write_checkpoint  # noqa: E402
+from tests.test_sdar import run_in_mode  # noqa: E402
 
 WINDOW, PAGE = 6, 4  # the test checkpoint's sliding window; the page size used here
 
@@ -234,7 +235,7 @@ def test_a_model_without_sliding_layers_refuses_the_hybrid_pool():
 
 def test_the_memory_plan_holds_both_kinds_of_page(tmp_path):
     """DiffusionGemma-26B-A4B's geometry on one H100 with 4 seats: a single pool fits no
-    131,072-token request; the hybrid pool fits four, its rings (one a seat) apart from the
+    131,072-token request; the hybrid pool fits four (docs/memory.md's rows: these plans), its rings (one a seat) apart from the
     full layers' pages, and its largest forward bounded by the ring's span; on the CPU the
     rings come out of --cpu-kv-cache-gb."""
     import subprocess
@@ -257,39 +258,34 @@ def test_the_memory_plan_holds_both_kinds_of_page(tmp_path):
     assert plan.window_page_bytes > 9 * plan.page_bytes
     table = memory_table("h100", (), EngineConfig(kv_pool="hybrid", **flags), (str(tmp_path),))
     assert "Sliding-window rings" in table and f"{4 * shape.pages:,} pages" in table
-    # docs/memory.md's hybrid-pool rows are these plans.
-    doc = open(os.path.join(root, "docs", "memory.md")).read().split("### The hybrid pool")[1]
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in doc.splitlines()
-            if line.startswith("| H")]
-    assert len(rows) == 6
-    for gpu, seats, length, reserved, pages, rings, fits in rows:
-        p = config_plan(raw, gpu.lower(), EngineConfig(
-            kv_pool="hybrid", max_batch_size=int(seats),
-            max_model_len=int(length.replace(",", ""))))
-        gib = 2 ** 30
-        assert reserved == f"{p.reserved.total / gib:.1f} GiB"
-        assert pages == f"{p.num_pages:,} ({p.pool_tokens:,})"
-        ring_gib = p.window_pages * p.window_page_bytes / gib
-        assert rings == f"{p.window_pages:,} pages ({ring_gib:.1f} GiB)"
-        assert fits == f"{p.max_canvases} × {length}"
-
-
-def test_released_rings_come_back_zeroed(checkpoint, workload):
-    """The KV cache released and resumed (RL rollouts) comes back zeroed, as the hybrid pool
-    starts (a ring's slot outside every query's bounds is read under a zero weight), and the
-    next requests get the reference's tokens."""
-    reqs, want = workload
-    llm = LLM(model=str(checkpoint), dtype="float64", page_size=PAGE, token_budget=24,
-              max_batch_size=4, kv_pool="hybrid")
-    params = [p for _, _, p in reqs[:3]]
-    prompts = [p for _, p, _ in reqs[:3]]
-    first = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    pool = llm.engine.pool
-    window = [pool.kv.k[i] for i in llm.engine.loaded.config.window_layers]
-    assert any(k.abs().sum() > 0 for k in window)
-    llm.release_memory_occupation(["kv_cache"])
-    llm.resume_memory_occupation(["kv_cache"])
-    assert all(k.abs().sum() == 0 for k in window)
-    again = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [o.token_ids for o in again] == [o.token_ids for o in first] == [
-        want[rid] for rid, _, _ in reqs[:3]]
+    # docs/memory.md's DiffusionGemma rows, single pool and hybrid, are these plans.
+    doc = open(os.path.join(root, "docs", "memory.md")).read().split(
+        "## DiffusionGemma (26B-A4B geometry)")[1]
+    single, hybrid = doc.split("### The hybrid pool")
+    checked = 0
+    for section, kv_pool in ((single, "single"), (hybrid, "hybrid")):
+        for line in section.splitlines():
+            if not line.startswith("| H"):
+                continue
+            cells = [c.strip() for c in line.split("|")[1:-1]]
+            gpu, seats, length, reserved, pages = cells[:5]
+            engine = EngineConfig(kv_pool=kv_pool, max_batch_size=int(seats),
+                                  max_model_len=int(length.replace(",", "")))
+            checked += 1
+            if cells[-1] == "no":
+                with pytest.raises(ValueError, match="no room") as refused:
+                    config_plan(raw, gpu.lower(), engine)
+                said = re.search(r"reserved activations ([\d.]+) GiB.*KV pool (\d+) pages x 16 "
+                                 r"= (\d+) tokens", str(refused.value))
+                assert reserved == f"{float(said[1]):.1f} GiB", line
+                assert pages == f"{int(said[2]):,} ({int(said[3]):,})", line
+                continue
+            p = config_plan(raw, gpu.lower(), engine)
+            gib = 2 ** 30
+            assert reserved == f"{p.reserved.total / gib:.1f} GiB", line
+            assert pages == f"{p.num_pages:,} ({p.pool_tokens:,})", line
+            assert cells[-1] == f"{p.max_canvases} × {length}", line
+            if kv_pool == "hybrid":
+                ring_gib = p.window_pages * p.window_page_bytes / gib
+                assert cells[5] == f"{p.window_pages:,} pages ({ring_gib:.1f} GiB)", line
+    assert checked == 14

@@ -869,3 +869,54 @@ def test_a_uniform_state_model_from_its_config(tmp_path, monkeypatch):
     assert main(["sim", "--model", "calibrated", "--model-config",
                  demo_model_path("sangam-demo-gemma"), "--block-length", str(canvas),
                  "--step-profile", f"{quality}#m", "--num-requests", "8", "--qps", "4"]) == 0
+
+
+def test_a_hybrid_pool_as_the_engine_has_it(tmp_path, monkeypatch):
+    """``kv_pool``: each seat a ring of the sliding layers' pages and the rest of the memory for
+    the full layers' (DiffusionGemma-26B-A4B on an H100: over nine times the positions of a
+    single pool), prefix caching off, and no forward of a request spanning more than its ring
+    allows (a long prompt stored in chunks within the token budget); refused where the engine
+    refuses it."""
+    import subprocess
+    import sys
+
+    from sangam.bench.cost_model import ModelGeometry
+    from sangam.bench.sim.simulator import Simulator
+    from sangam.demo import demo_model_path
+    from sangam.models import read_config
+    from sangam.sched.window_rings import RingShape
+
+    subprocess.run([sys.executable, "scripts/diffusion_gemma_26b_config.py", str(tmp_path)],
+                   check=True, capture_output=True)
+    big = ModelGeometry.of("dgemma-26b", read_config(str(tmp_path)))
+    pages = {pool: Simulator(SimConfig(model="calibrated", gpu="h100", max_batch_size=4,
+                                       kv_pool=pool), geometry=(big, 2)).num_pages
+             for pool in ("single", "hybrid")}
+    assert pages["hybrid"] > 9 * pages["single"]
+
+    cfg = read_config(demo_model_path("sangam-demo-gemma"))
+    geom = ModelGeometry.of("demo-gemma", cfg)
+    canvas, window = cfg.gemma.canvas_length, cfg.gemma.sliding_window
+    sim = SimConfig(model="calibrated", page_size=4, num_pages=4096, token_budget=2 * canvas,
+                    kv_pool="hybrid")
+    simulator = Simulator(sim, CONSTANT, ProfileSteps({3: 1}), (geom, 2))
+    assert not simulator.prefix_caching
+    assert simulator.ring == RingShape.of(window, 4, canvas, 2 * canvas)
+    spans = []
+    real = CostModel.iteration_time
+
+    def spy(self, s):
+        spans.extend(s)
+        return real(self, s)
+
+    monkeypatch.setattr(CostModel, "iteration_time", spy)
+    prompt = 7 * canvas + 5
+    res = simulator.run([TraceRequest(0.0, prompt, 40), TraceRequest(1.0, 30, 10)])
+    monkeypatch.undo()
+    assert len(res.records) == 2
+    assert max(s.q_len for s in spans) <= simulator.ring.max_span < prompt
+    assert res.workers[0]["prefill_tokens"] == prompt + 30 + 2 * canvas  # chunks, nothing twice
+    for bad in (dict(kv_pool="hybrid", enable_prefix_caching=True),
+                dict(kv_pool="hybrid", mode="disaggregated")):
+        with pytest.raises(ValueError, match="kv-pool hybrid"):
+            SimConfig(model="calibrated", **bad)

@@ -184,14 +184,17 @@ class ModelGeometry:
         head = 0 if self.tied_head else self.head_params / tp
         return int(layers / tp + head + self.head_params) * dtype_bytes
 
-    def kv_bytes_per_token(self, dtype_bytes: int = BF16_BYTES, tp: int = 1) -> int:
+    def kv_bytes_per_token(self, dtype_bytes: int = BF16_BYTES, tp: int = 1,
+                           window: bool | None = None) -> int:
         """K/V bytes of one position, on one rank of a TP group of ``tp`` (each layer's own
-        shape: the engine's pool)."""
+        shape: the engine's pool); ``window``: the sliding-window layers' alone (True) or the
+        others' (False), a hybrid pool's two kinds of page."""
         rank = ShardLayout(0, tp)  # the engine's rule for KV heads
-        sliding = self.layers - self.full_layers
+        sliding = 0 if window is False else self.layers - self.full_layers
+        full = 0 if window else self.full_layers
         return 2 * dtype_bytes * (
             sliding * rank.kv_heads(self.kv_heads) * self.head_dim
-            + self.full_layers * rank.kv_heads(self.full_kv_heads) * self.full_head_size)
+            + full * rank.kv_heads(self.full_kv_heads) * self.full_head_size)
 
     def check_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> None:
         """The engine's sharding rules (``ShardLayout.check_split``)."""
@@ -454,13 +457,18 @@ class CostModel:
 
 
 def kv_pool_pages(geom: ModelGeometry, gpu: GPUSpec, page_size: int,
-                  memory_fraction: float = 0.9, dtype_bytes: int = BF16_BYTES, tp: int = 1
-                  ) -> int:
+                  memory_fraction: float = 0.9, dtype_bytes: int = BF16_BYTES, tp: int = 1,
+                  ring_pages: int = 0) -> int:
     """KV pages of a worker of ``tp`` GPUs: what each rank has left after its weights in
     ``memory_fraction`` of its memory, in pages of its share of the K/V heads (activations,
-    which are small next to the pool for these models, are not subtracted)."""
+    which are small next to the pool for these models, are not subtracted). A hybrid pool's
+    ``ring_pages`` (every seat's ring) of the sliding layers come first; the pages counted are
+    then the full layers'."""
     budget = gpu.memory_bytes * memory_fraction - geom.weight_bytes(dtype_bytes, tp)
-    pages = int(budget // (page_size * geom.kv_bytes_per_token(dtype_bytes, tp)))
+    if ring_pages:
+        budget -= ring_pages * page_size * geom.kv_bytes_per_token(dtype_bytes, tp, window=True)
+    per_token = geom.kv_bytes_per_token(dtype_bytes, tp, window=False if ring_pages else None)
+    pages = int(budget // (page_size * per_token))
     if pages < 1:
         where = gpu.name if tp == 1 else f"{tp}x {gpu.name} (tensor parallel)"
         raise ValueError(f"{geom.name} does not fit {where} with room for a KV pool")

@@ -67,7 +67,7 @@ def measure(batch: int, iters: int, impl: str = "python", gen_len: int = 256,
                 clock[phase] += time.perf_counter() - t0
         return wrapper
 
-    def forward_stub(states, page_lists, allow_graphs=True):
+    def forward_stub(states, page_lists, allow_graphs=True, rings=None):
         """The host half of a forward: staging as on a GPU, then drawn scores."""
         t0 = time.perf_counter()
         packed, dev, rescore = stage_batch(runner.host, runner.uploader, states, page_lists,

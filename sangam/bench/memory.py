@@ -42,7 +42,7 @@ from sangam.engine.loaded_model import LoadedModel, make_attention_backend
 from sangam.engine.memory_profile import GIB, GPUS, MemoryPlan, model_bytes, plan_for
 from sangam.engine.multi.data_plane import shard_layout
 from sangam.engine.pool_layout import window_ring
-from sangam.engine.worker import captures_graphs, graph_block_lengths
+from sangam.engine.worker import captures_graphs, graph_plan
 from sangam.models.checkpoint import parse_config
 from sangam.models.loader import dummy_model, resolve_dtype, with_quantization
 from sangam.models.registry import MODEL_SHAPES
@@ -71,7 +71,9 @@ def config_plan(raw: dict, gpu: str = "h200", engine: EngineConfig | None = None
         model = dummy_model(cfg, "meta", dtype, shard=shard_layout(engine))
         model.attention_backend = make_attention_backend(engine.attention_backend, device)
         loaded = LoadedModel.around(engine, path, model, cfg, device, dtype)
-        spans = graph_block_lengths(engine, loaded) if captures_graphs(engine, loaded) else ()
+        # The spans the worker captures (build_worker_parts): a block-causal model's 2B too.
+        spans = tuple(s for _, s in graph_plan(engine, loaded)) \
+            if captures_graphs(engine, loaded) else ()
         total = GPUS[gpu]
         return plan_for(loaded, engine, total=total, free=total - model_bytes(model),
                         graph_spans=spans, ring=window_ring(engine, loaded))

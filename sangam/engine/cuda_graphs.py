@@ -37,6 +37,15 @@ cache alone, as eagerly). The eager plan of such a batch has the same tiles (its
 is 2B) and the runner forces the eager split count, which counts the real tokens. The graph
 also holds each request's block size and each row's position (the block-causal mask's inputs);
 its output rows are gathered back to the batch's packed order.
+
+Uniform-state models (DiffusionGemma; ``canvas``): a canvas's later steps span its C
+positions, every row a decoder row, so a runner of span C takes batches of them alone (a
+canvas's first step holds encoder rows too and runs eagerly). The graph also holds each row's
+key bounds, its self-conditioning (``[rows, hidden]``, the step's input beside the tokens) and,
+under a hybrid pool, the sliding layers' ring tables and slots; padding rows see no key. Its
+two layer shapes plan their KV splits apart, so its split "count" is a pair (full layers',
+sliding layers'), and the pairs captured per bucket are those its batches reach over a grid
+of KV lengths (a batch whose pair was not captured runs eagerly).
 """
 
 from __future__ import annotations
@@ -47,7 +56,10 @@ import torch
 from sangam.engine.host_batch import PackedBatch
 from sangam.kernels.paged_attention import kv_splits
 from sangam.models.attention import AttentionMetadata, PagedKV
+from sangam.models.diffusion_gemma import CanvasRows
 from sangam.models.transformer import DiffusionLM
+
+Splits = int | tuple[int, int]  # one count, or DiffusionGemma's (full layers', sliding')
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -66,7 +78,10 @@ class DecodeGraphRunner:
 
     def __init__(self, model: DiffusionLM, kv: PagedKV, span: int, max_batch_size: int,
                  max_pages: int, device: torch.device, use_graphs: bool = True,
-                 causal_block: int | None = None):
+                 causal_block: int | None = None, canvas: bool = False,
+                 rings: bool = False):
+        """``canvas``: a uniform-state model's canvas steps (``span``: its canvas length);
+        ``rings``: its pool is a hybrid one (the sliding layers' tables are inputs too)."""
         if causal_block is not None and span not in (causal_block, 2 * causal_block):
             raise ValueError(f"a block-causal decode span is B or 2B, got {span} for B = "
                              f"{causal_block}")
@@ -85,8 +100,12 @@ class DecodeGraphRunner:
         # the longest context (kv_splits is monotone in both): the fewest real tokens, which a
         # padded runner's batches have with one 2B span and the rest B.
         longest = max_pages * kv.page_size
-        self.split_counts: dict[int, list[int]] = {}
+        self.canvas = canvas
+        self.split_counts: dict[int, list[Splits]] = {}
         for smallest, bucket in zip([1, *(b + 1 for b in self.sizes)], self.sizes):
+            if canvas:
+                self.split_counts[bucket] = self._reached(smallest, bucket, longest)
+                continue
             fewest = smallest * causal_block + causal_block if self.padded \
                 else smallest * span
             top = self.kv_splits(fewest, longest)
@@ -100,17 +119,39 @@ class DecodeGraphRunner:
         self.block_tables = torch.zeros(most, max_pages, dtype=torch.int32, device=device)
         self.causal_blocks = None if causal_block is None else torch.full(
             (most,), causal_block, dtype=torch.int32, device=device)
+        if canvas:  # each row's keys, its self-conditioning, and the rows (all decoder rows)
+            self.key_lo = torch.zeros(n, dtype=torch.int32, device=device)
+            self.key_hi = torch.zeros(n, dtype=torch.int32, device=device)
+            self.window_lo = torch.zeros(n, dtype=torch.int32, device=device)
+            self.soft = torch.zeros(n, model.config.hidden_size, device=device,
+                                    dtype=model.output_head().weight.dtype)
+            self.rows = torch.arange(n, device=device)
+        self.window_tables = self.window_slots = None
+        if rings:
+            self.window_tables = torch.zeros(most, max_pages, dtype=torch.int32, device=device)
+            self.window_slots = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         if use_graphs:
             self._capture()
 
-    def kv_splits(self, num_tokens: int, max_kv_len: int) -> int:
+    def kv_splits(self, num_tokens: int, max_kv_len: int) -> Splits:
         """The KV split count the eager forward plans for ``num_tokens`` query tokens in spans
-        of at most ``span``, whose longest KV length is ``max_kv_len``."""
+        of at most ``span``, whose longest KV length is ``max_kv_len`` (DiffusionGemma: each
+        layer shape's, full layers' first)."""
         cfg = self.model.config
-        return kv_splits(num_tokens, self.span, max_kv_len, cfg.num_heads, cfg.num_kv_heads,
-                         cfg.head_dim, self.kv.buffer.dtype, self.device)
+        dtype = self.kv.buffers[0].dtype
+        counts = tuple(kv_splits(num_tokens, self.span, max_kv_len, cfg.num_heads, heads, d,
+                                 dtype, self.device) for heads, d in _layer_shapes(cfg))
+        return counts if len(counts) > 1 else counts[0]
+
+    def _reached(self, smallest: int, bucket: int, longest: int) -> list[Splits]:
+        """The split counts a bucket's batches reach: every request count it takes, over KV
+        lengths at eight points an octave up to the longest."""
+        lengths = sorted({max(1, min(longest, int(2 ** (i / 8)))) for i in
+                          range(8 * longest.bit_length() + 1)})
+        return sorted({self.kv_splits(n * self.span, kv) for n in range(smallest, bucket + 1)
+                       for kv in lengths})
 
     def graph_key(self, batch: PackedBatch) -> tuple[int, int]:
         """(bucket, split count) of the graph that runs ``batch``."""
@@ -126,6 +167,8 @@ class DecodeGraphRunner:
         if not (0 < n <= self.sizes[-1] and batch.block_tables.shape[1] <= self.max_pages
                 and block_length == self.causal_block):
             return False
+        if self.canvas and batch.num_rows != len(batch.input_ids):
+            return False  # a canvas's first step: encoder rows too
         spans = np.diff(batch.cu_seqlens_q)
         if self.padded:
             fits = bool((spans == self.span).any() and ((spans == self.span)
@@ -137,10 +180,11 @@ class DecodeGraphRunner:
         bucket, splits = self.graph_key(batch)
         return splits in self.split_counts[bucket]
 
-    def run(self, batch: PackedBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+    def run(self, batch: PackedBatch, dev: dict[str, torch.Tensor],
+            canvas: CanvasRows | None = None) -> torch.Tensor:
         """Hidden states ``[N, hidden]`` of the batch's N query rows, from ``dev``, its uploaded
-        ``device_arrays()``. With graphs, a view of the graph's output buffer: valid until the
-        next call."""
+        ``device_arrays()`` (and a canvas runner's ``canvas``: the rows' self-conditioning).
+        With graphs, a view of the graph's output buffer: valid until the next call."""
         n = len(batch.kv_lens)
         bucket, splits = key = self.graph_key(batch)
         rows, width = n * self.span, batch.block_tables.shape[1]
@@ -162,6 +206,16 @@ class DecodeGraphRunner:
             self.slot_mapping[rows:bucket * self.span].fill_(-1)
             self.kv_lens[n:bucket].zero_()
         self.block_tables[:n, :width].copy_(dev["block_tables"])
+        if self.canvas:  # padding rows see no key
+            for buf, name in ((self.key_lo, "key_lo"), (self.key_hi, "key_hi"),
+                              (self.window_lo, "window_lo")):
+                buf[:rows].copy_(dev[name])
+                buf[rows:].zero_()
+            self.soft[:rows].copy_(canvas.soft)
+        if self.window_tables is not None:
+            self.window_tables[:n, :width].copy_(dev["window_block_tables"])
+            self.window_slots[:rows].copy_(dev["window_slot_mapping"])
+            self.window_slots[rows:].fill_(-1)
         self.runs += 1
         if self.use_graphs:
             self.graphs[key].replay()
@@ -180,17 +234,25 @@ class DecodeGraphRunner:
         shift = torch.repeat_interleave(ends - cu[1:], lens, output_size=num_tokens)
         return torch.arange(num_tokens, device=cu.device) + shift
 
-    def _body(self, bucket: int, splits: int, kv_lens_host: list[int]) -> torch.Tensor:
+    def _body(self, bucket: int, splits: Splits, kv_lens_host: list[int]) -> torch.Tensor:
         rows = bucket * self.span
         causal = self.causal_blocks is not None
+        rings = self.window_tables is not None
         meta = AttentionMetadata(
             cu_seqlens_q=self.cu_seqlens_q[:bucket + 1], kv_lens=self.kv_lens[:bucket],
             block_tables=self.block_tables[:bucket], slot_mapping=self.slot_mapping[:rows],
             query_lens=[self.span] * bucket, kv_lens_host=kv_lens_host, num_kv_splits=splits,
             causal_blocks=self.causal_blocks[:bucket] if causal else None,
-            positions=self.positions[:rows] if causal else None)
+            positions=self.positions[:rows] if causal else None,
+            window_block_tables=self.window_tables[:bucket] if rings else None,
+            window_slot_mapping=self.window_slots[:rows] if rings else None)
+        extra = {}
+        if self.canvas:
+            meta.key_lo, meta.key_hi = self.key_lo[:rows], self.key_hi[:rows]
+            meta.window_lo = self.window_lo[:rows]
+            extra["canvas"] = CanvasRows(self.rows[:rows], self.soft[:rows])
         return self.model.hidden_states(self.input_ids[:rows], self.positions[:rows], meta,
-                                        self.kv)
+                                        self.kv, **extra)
 
     def _capture(self) -> None:
         pool = None
@@ -210,3 +272,11 @@ class DecodeGraphRunner:
                 pool = graph.pool()
                 self.graphs[bucket, splits] = graph
         torch.cuda.synchronize()
+
+
+def _layer_shapes(cfg) -> list[tuple[int, int]]:
+    """(KV heads, head_dim) of each layer shape: one, or DiffusionGemma's full layers' and its
+    sliding layers' (in ``AttentionMetadata.kv_splits``' order)."""
+    if cfg.gemma is None:
+        return [(cfg.num_kv_heads, cfg.head_dim)]
+    return [(cfg.gemma.full_kv_heads, cfg.gemma.full_head_dim), (cfg.num_kv_heads, cfg.head_dim)]

@@ -169,7 +169,7 @@ class ModelRunner:
                                 self.pool.kv, **extra)
             return None, None, None
         if graph >= 0:
-            hidden = self.graphs[graph].run(batch, dev)
+            hidden = self.graphs[graph].run(batch, dev, canvas)
         else:
             hidden = model.hidden_states(dev["input_ids"], dev["positions"],
                                          batch.metadata(dev), self.pool.kv, **extra)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from sangam.config import EngineConfig
 from sangam.engine.loaded_model import LoadedModel
 from sangam.sched.prefix_cache import caches_prefixes
-from sangam.sched.window_rings import RingShape
+from sangam.sched.window_rings import RingShape, hybrid_pool
 
 
 def prefix_caching(config: EngineConfig, loaded: LoadedModel) -> bool:
@@ -20,7 +20,7 @@ def prefix_caching(config: EngineConfig, loaded: LoadedModel) -> bool:
         raise ValueError("--enable-prefix-caching needs a block-causal model (SDAR, LLaDA2) or "
                          "a uniform-state one (DiffusionGemma): a bidirectional model's prompt "
                          "K/V depends on the response, so no prompt block can be reused")
-    return config.kv_pool != "hybrid" and caches_prefixes(exact, config.enable_prefix_caching)
+    return caches_prefixes(exact, config.enable_prefix_caching, config.kv_pool)
 
 
 def window_ring(config: EngineConfig, loaded: LoadedModel) -> RingShape | None:
@@ -31,10 +31,8 @@ def window_ring(config: EngineConfig, loaded: LoadedModel) -> RingShape | None:
     if config.kv_pool == "hybrid" and not cfg.window_layers:
         raise ValueError(f"--kv-pool hybrid: {cfg.architecture} has no sliding-window layers "
                          "(only DiffusionGemma's keep a window)")
-    hybrid = config.kv_pool == "hybrid" or (
-        config.kv_pool == "auto" and bool(cfg.window_layers) and config.mode == "colocated"
-        and not prefix_caching(config, loaded))
-    if not hybrid:
+    if not hybrid_pool(config.kv_pool, bool(cfg.window_layers), config.mode == "colocated",
+                       prefix_caching(config, loaded)):
         return None
     return RingShape.of(cfg.gemma.sliding_window, config.page_size, cfg.gemma.canvas_length,
                         config.token_budget)

@@ -66,7 +66,11 @@ def graph_block_lengths(config: EngineConfig, loaded: LoadedModel) -> tuple[int,
 
 def graph_plan(config: EngineConfig, loaded: LoadedModel) -> list[tuple[int, int]]:
     """(block length, span) of each decode graph runner: one per DualCache step span of each
-    captured block length (``BlockCursor.graph_spans``)."""
+    captured block length (``BlockCursor.graph_spans``); a uniform-state model's one, its
+    canvas's later steps."""
+    if loaded.config.gemma is not None:
+        c = loaded.config.gemma.canvas_length
+        return [(c, c)]
     causal = loaded.config.block_causal
     return [(b, span) for b in graph_block_lengths(config, loaded)
             for span in BlockCursor.graph_spans(b, causal)]
@@ -74,10 +78,9 @@ def graph_plan(config: EngineConfig, loaded: LoadedModel) -> list[tuple[int, int
 
 def captures_graphs(config: EngineConfig, loaded: LoadedModel) -> bool:
     """Whether decode steps get CUDA graphs: on a GPU, with the Triton backend (the reference
-    backend reads host-side lengths), unless ``enforce_eager``; not for DiffusionGemma yet
-    (its canvas rows' self-conditioning is an input the graphs do not take)."""
+    backend reads host-side lengths), unless ``enforce_eager``."""
     return (not config.enforce_eager and loaded.device.type == "cuda"
-            and loaded.model.attention_backend.name == "triton" and loaded.config.gemma is None)
+            and loaded.model.attention_backend.name == "triton")
 
 
 def decode_graphs(config: EngineConfig, loaded: LoadedModel,
@@ -94,7 +97,9 @@ def decode_graphs(config: EngineConfig, loaded: LoadedModel,
         try:
             runners.append(DecodeGraphRunner(model, pool.kv, span, config.max_batch_size,
                                              max_pages, loaded.device,
-                                             causal_block=block if causal else None))
+                                             causal_block=block if causal else None,
+                                             canvas=loaded.config.gemma is not None,
+                                             rings=pool.rings is not None))
         except Exception as e:  # eager steps compute the same tokens: serve, and say why
             logger.warning("CUDA graph capture for block length %d (span %d) failed, so its "
                            "decode steps run eagerly (--enforce-eager skips the capture): %r",

@@ -141,8 +141,9 @@ class AttentionMetadata:
     causal_blocks: torch.Tensor | None = None  # int32 [R]; None: bidirectional
     positions: torch.Tensor | None = None  # int64 [N], with causal_blocks
     # The attention's KV split count, when fixed by the caller (a CUDA graph freezes it at
-    # capture); None: planned from the lengths (kernels.paged_attention.kv_splits).
-    num_kv_splits: int | None = None
+    # capture): one for every layer, or (full layers', sliding layers') for DiffusionGemma's
+    # two shapes; None: planned from the lengths (kernels.paged_attention.kv_splits).
+    num_kv_splits: int | tuple[int, int] | None = None
     # Per-query key bounds (DiffusionGemma, docs/design.md §2.12): query i sees its request's
     # keys [key_lo[i], key_hi[i]), or in a sliding-window layer [window_lo[i], key_hi[i]).
     # None: every key up to kv_lens.
@@ -159,6 +160,11 @@ class AttentionMetadata:
         if self.key_hi is None:
             return None
         return (self.window_lo if sliding else self.key_lo), self.key_hi
+
+    def kv_splits(self, sliding: bool) -> int | None:
+        """A layer's fixed KV split count (``num_kv_splits``), if any."""
+        s = self.num_kv_splits
+        return s[sliding] if isinstance(s, tuple) else s
 
     def pages(self, sliding: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's block tables and slot mapping (``sliding``: a sliding-window layer)."""

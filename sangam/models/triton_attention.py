@@ -37,7 +37,7 @@ class TritonAttentionBackend(AttentionBackend):
             plan = self._plans[sliding] = plan_attention(
                 q, k_pages, meta.cu_seqlens_q, tables,
                 max_kv_len=max(meta.kv_lens_host, default=0),
-                max_query_len=max(meta.query_lens, default=0), num_splits=meta.num_kv_splits)
+                max_query_len=max(meta.query_lens, default=0), num_splits=meta.kv_splits(sliding))
         return paged_attention(q, k_pages, v_pages, meta.cu_seqlens_q, tables,
                                meta.kv_lens, scale, plan=plan, causal_blocks=meta.causal_blocks,
                                positions=meta.positions, key_bounds=meta.key_bounds(sliding),

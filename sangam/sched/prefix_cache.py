@@ -37,10 +37,13 @@ from sangam.sched.page_allocator import PageAllocator
 _DIGEST_BYTES = 16
 
 
-def caches_prefixes(exact: bool, enabled: bool | None) -> bool:
+def caches_prefixes(exact: bool, enabled: bool | None, kv_pool: str = "auto") -> bool:
     """Whether workers cache prompt pages (the engine's rule, and the simulator's): as
     ``--enable-prefix-caching`` says, else for a model whose finished K/V is ``exact``
-    (block-causal, or uniform-state)."""
+    (block-causal, or uniform-state); never in a hybrid pool (``--kv-pool hybrid``: its rings
+    keep no prefix, ``window_rings.py``)."""
+    if kv_pool == "hybrid":
+        return False
     return exact if enabled is None else enabled
 
 

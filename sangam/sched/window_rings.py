@@ -25,6 +25,31 @@ from dataclasses import dataclass
 
 from sangam.sched.page_allocator import PageAllocator
 
+KV_POOLS = ("auto", "single", "hybrid")  # --kv-pool
+
+
+def check_kv_pool(kv_pool: str, mode: str, enable_prefix_caching: bool | None) -> None:
+    """``--kv-pool``'s rules (the engine's and the simulator's): a hybrid pool shares no prefix
+    and moves no K/V between workers."""
+    if kv_pool not in KV_POOLS:
+        raise ValueError(f"kv_pool must be one of {KV_POOLS}, got {kv_pool!r}")
+    if kv_pool == "hybrid" and enable_prefix_caching:
+        raise ValueError("--kv-pool hybrid and --enable-prefix-caching exclude each other: a "
+                         "ring keeps no sliding-window pages a later prompt could share")
+    if kv_pool == "hybrid" and mode != "colocated":
+        raise ValueError(f"--kv-pool hybrid serves colocated workers only: {mode} mode moves "
+                         "K/V between workers page by page, and a ring's pages are not "
+                         "positions")
+
+
+def hybrid_pool(kv_pool: str, window_layers: bool, colocated: bool,
+                prefix_caching: bool) -> bool:
+    """Whether a worker's pool is hybrid: asked for (``hybrid``), or ``auto`` where it serves:
+    a model with sliding-window layers, colocated workers, prefix caching off."""
+    return kv_pool == "hybrid" or (kv_pool == "auto" and window_layers and colocated
+                                   and not prefix_caching)
+
+
 # The most prompt positions one forward of a request stores under a hybrid pool when the token
 # budget is infinite (prefill-first); otherwise the budget bounds it.
 PREFILL_CHUNK = 1024

@@ -37,6 +37,7 @@ from sangam.bench.sim.steps import GeometricSteps
 from sangam.bench.traces import add_prompt_sharing_args
 from sangam.sampling_params import CACHE_MODES
 from sangam.sched.config import MODES, POLICIES
+from sangam.sched.window_rings import KV_POOLS
 
 _HELP = {
     "model": "model geometry (docs/design.md §6): llada = LLaDA-8B, dream = Dream-7B, sdar = "
@@ -62,6 +63,10 @@ _HELP = {
     "enable_prefix_caching": "block-causal and uniform-state models: share cached prompt "
                              "blocks (default: on for "
                              "them; with --shared-prefix or --samples prompts share some)",
+    "kv_pool": "models with sliding-window layers (a DiffusionGemma --model-config): hybrid "
+               "keeps a ring of each request's last positions in those layers (no prefix "
+               "caching, colocated only), single every position; auto: hybrid where prefix "
+               "caching is off and workers are colocated",
     "max_batch_size": "most requests in one forward",
     "overflow_threshold": "hybrid: outstanding prefill tokens (theta) on every prefill worker "
                           "before a prefill overflows onto a decode worker",
@@ -90,7 +95,8 @@ _HELP = {
     "seed": "seed of router tie-breaks and of the tokens committed per step",
 }
 _CHOICES = {"model": [*sorted(MODELS), CALIBRATED], "gpu": sorted(GPUS), "mode": MODES,
-            "link": sorted(LINKS), "policy": POLICIES, "cache": CACHE_MODES}
+            "link": sorted(LINKS), "policy": POLICIES, "cache": CACHE_MODES,
+            "kv_pool": KV_POOLS}
 EXPERIMENT_NAMES = tuple(EXPERIMENTS)  # the --experiment choices
 
 

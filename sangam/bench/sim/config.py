@@ -12,6 +12,7 @@ from sangam.bench.cost_model import CALIBRATED, GPUS, LINKS, MODELS
 from sangam.config import EngineConfig
 from sangam.sampling_params import SamplingParams
 from sangam.sched.config import DeploymentConfig, SchedulerConfig
+from sangam.sched.window_rings import check_kv_pool
 
 # The deployment options the simulator shares with the engine take the engine's defaults.
 _ENGINE = {f.name: f for f in dataclasses.fields(EngineConfig)}
@@ -33,6 +34,7 @@ class SimConfig:
     drain_iterations: int = _ENGINE["drain_iterations"].default
     enable_chunked_prefill: bool = _ENGINE["enable_chunked_prefill"].default
     enable_prefix_caching: bool | None = _ENGINE["enable_prefix_caching"].default
+    kv_pool: str = _ENGINE["kv_pool"].default
     max_batch_size: int = _ENGINE["max_batch_size"].default
     overflow_threshold: int = _ENGINE["overflow_threshold"].default
     block_length: int = _REQUEST.block_length
@@ -68,6 +70,7 @@ class SimConfig:
         if self.model in MODELS:  # a calibrated geometry is checked as the simulator loads it
             MODELS[self.model].check_tensor_parallel(self.tensor_parallel_size,
                                                      self.enable_expert_parallel)
+        check_kv_pool(self.kv_pool, self.mode, self.enable_prefix_caching)
         if not 0.0 <= self.adaptive_refresh_rate <= 1.0:
             raise ValueError(f"adaptive_refresh_rate must be in [0, 1], got "
                              f"{self.adaptive_refresh_rate}")

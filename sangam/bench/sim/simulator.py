@@ -68,6 +68,7 @@ from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.placement import NeverFits, Placed
 from sangam.sched.prefix_cache import PrefixCache, caches_prefixes, request_page_keys
 from sangam.sched.request import CONTINUES, Request, StepOutcome
+from sangam.sched.window_rings import RingShape, WindowRings, hybrid_pool
 from sangam.sched.worker_core import WorkerCore
 
 
@@ -152,8 +153,19 @@ class Simulator:
         self.cost = CostModel(self.geom, coefficients or Coefficients.defaults(gpu), dtype_bytes,
                               tp)
         self.steps = steps or GeometricSteps()
+        # A hybrid pool (as the engine decides, pool_layout.window_ring): each seat's ring of
+        # sliding-window pages, then the full layers' pages.
+        g = self.geom
+        self.ring = RingShape.of(g.sliding_window, config.page_size, g.canvas,
+                                 config.token_budget) if hybrid_pool(
+            config.kv_pool, g.full_layers < g.layers and g.sliding_window > 0,
+            config.mode == "colocated", self.prefix_caching) else None
+        if config.kv_pool == "hybrid" and self.ring is None:
+            raise ValueError(f"kv_pool hybrid: {g.name} has no sliding-window layers")
+        seats = config.deployment.scheduler.batch_cap
         self.num_pages = config.num_pages or kv_pool_pages(
-            self.geom, gpu, config.page_size, config.memory_fraction, tp=tp.size)
+            g, gpu, config.page_size, config.memory_fraction, tp=tp.size,
+            ring_pages=self.ring.pages * seats if self.ring else 0)
         self.link_bw = LINKS[config.link]
         self._params = config.request_params  # threshold_under: the engine's
         self._load = 0.0  # of the worker whose iteration is being planned or completed
@@ -204,12 +216,14 @@ class Simulator:
         it is block-causal or uniform-state."""
         cfg = self.config
         return caches_prefixes(cfg.block_causal or bool(self.geom.canvas),
-                               cfg.enable_prefix_caching)
+                               cfg.enable_prefix_caching, cfg.kv_pool)
 
     def _builder(self, deployment) -> BatchBuilder:
         allocator = PageAllocator(self.num_pages)
         cache = PrefixCache(allocator) if self.prefix_caching else None
-        return BatchBuilder(allocator, deployment.scheduler, cache)
+        rings = None if self.ring is None else WindowRings(
+            PageAllocator(self.ring.pages * deployment.scheduler.batch_cap), self.ring)
+        return BatchBuilder(allocator, deployment.scheduler, cache, rings)
 
     def _push(self, t: float, kind: int, payload) -> None:
         self._seq += 1
