@@ -235,9 +235,9 @@ def test_a_model_without_sliding_layers_refuses_the_hybrid_pool():
 
 def test_the_memory_plan_holds_both_kinds_of_page(tmp_path):
     """DiffusionGemma-26B-A4B's geometry on one H100 with 4 seats: a single pool fits no
-    131,072-token request; the hybrid pool fits four (docs/memory.md's rows: these plans), its rings (one a seat) apart from the
-    full layers' pages, and its largest forward bounded by the ring's span; on the CPU the
-    rings come out of --cpu-kv-cache-gb."""
+    131,072-token request; the hybrid pool fits four, its rings (one a seat) apart from the
+    full layers' pages, and its largest forward bounded by the ring's span; docs/memory.md's
+    DiffusionGemma rows are these plans."""
     import subprocess
     import sys
 
@@ -289,3 +289,38 @@ def test_the_memory_plan_holds_both_kinds_of_page(tmp_path):
                 ring_gib = p.window_pages * p.window_page_bytes / gib
                 assert cells[5] == f"{p.window_pages:,} pages ({ring_gib:.1f} GiB)", line
     assert checked == 14
+
+
+def test_the_cpu_budget_pays_for_the_rings(checkpoint):
+    """On the CPU the pool, rings and full pages together, fills --cpu-kv-cache-gb to within
+    one full page."""
+    budget = 0.002
+    llm = LLM(model=str(checkpoint), dtype="float64", page_size=PAGE, max_batch_size=4,
+              kv_pool="hybrid", cpu_kv_cache_gb=budget)
+    pool = llm.engine.pool
+    held = sum(t.numel() * t.element_size() for t in pool.kv.buffers)
+    full = [b for b in pool.kv.buffers if b.shape[2] == pool.num_pages]
+    full_page = sum(t[:, :, 0].numel() * t.element_size() for t in full)
+    assert pool.rings is not None and len(full) < len(pool.kv.buffers)
+    assert budget * 2**30 - full_page < held <= budget * 2**30
+
+
+def test_released_rings_come_back_zeroed(checkpoint, workload):
+    """The KV cache released and resumed (RL rollouts) comes back zeroed, as the hybrid pool
+    starts (a ring's slot outside every query's bounds is read under a zero weight), and the
+    next requests get the reference's tokens."""
+    reqs, want = workload
+    llm = LLM(model=str(checkpoint), dtype="float64", page_size=PAGE, token_budget=24,
+              max_batch_size=4, kv_pool="hybrid")
+    params = [p for _, _, p in reqs[:3]]
+    prompts = [p for _, p, _ in reqs[:3]]
+    first = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    pool = llm.engine.pool
+    window = [pool.kv.k[i] for i in llm.engine.loaded.config.window_layers]
+    assert any(k.abs().sum() > 0 for k in window)
+    llm.release_memory_occupation(["kv_cache"])
+    llm.resume_memory_occupation(["kv_cache"])
+    assert all(k.abs().sum() == 0 for k in window)
+    again = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first] == [
+        want[rid] for rid, _, _ in reqs[:3]]

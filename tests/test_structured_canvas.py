@@ -20,7 +20,7 @@ from sangam.engine.engine import Engine
 from sangam.engine.loaded_model import LoadedModel
 from sangam.sampling_params import SamplingParams
 from sangam.sampling_params import StructuredOutputsParams as SO
-from tests.test_diffusion_gemma import write_checkpoint
+from tests.gemma_checkpoint import write_checkpoint
 from tests.test_sdar import run_in_mode
 
 
@@ -164,18 +164,20 @@ def test_structured_output_through_the_api(tmp_path):
                                            tools=tools, tool_choice="required")
 
 
-def test_two_hundred_constrained_canvases_at_once(gemma):
+@pytest.mark.parametrize("kv_pool", ["single", "hybrid"])
+def test_two_hundred_constrained_canvases_at_once(gemma, kv_pool):
     """200 requests in one engine (a default-sized batch cap), a third unconstrained, the rest
-    under schemas, regexes and choices at budgets from their minimum up: every constrained one
-    ends with a stop and validates, and every page comes back."""
+    under schemas, regexes and choices at budgets from their minimum up, prompts up to 20
+    sliding windows long: every constrained one ends with a stop and validates, and every page
+    comes back, of both kinds in a hybrid pool."""
     rng = random.Random(7)
     forms = [SO(json=UNBOUNDED[i]) for i in range(len(UNBOUNDED))] + [
         SO(regex=r"[a-z]+(,[a-z]+)*"), SO(choice=["red", "green", "blue"])]
     engine = Engine(EngineConfig(model=gemma.path, device="cpu", dtype="float64", page_size=4,
-                                 num_pages=4096, token_budget=512), gemma)
+                                 num_pages=4096, token_budget=512, kv_pool=kv_pool), gemma)
     sos = {}
     for i in range(200):
-        prompt = [rng.randrange(3, 60) for _ in range(rng.randrange(2, 20))]
+        prompt = [rng.randrange(3, 60) for _ in range(rng.randrange(2, 120))]
         if i % 3 == 0:
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=16, seed=i))
             continue
@@ -187,3 +189,6 @@ def test_two_hundred_constrained_canvases_at_once(gemma):
     for rid, so in sos.items():
         assert done[rid].finish_reason == "stop" and valid(so, done[rid].text), (so, done[rid])
     assert engine.pool.allocator.num_free == engine.pool.num_pages
+    rings = engine.pool.rings
+    assert (rings is not None) == (kv_pool == "hybrid")
+    assert rings is None or rings.allocator.num_used == 0
