@@ -300,11 +300,17 @@ def canvas_arrays(batch: PackedBatch, window: int) -> dict[str, np.ndarray]:
     return {"key_lo": lo, "key_hi": hi, "window_lo": win}
 
 
-def window_arrays(batch: PackedBatch, rings: list[list[int]], page_size: int
+def window_arrays(batch: PackedBatch, rings: list[list[int]], page_size: int, window: int
                   ) -> dict[str, np.ndarray]:
     """A hybrid pool's sliding-layer block tables (logical page j of a request is page
-    j % ring of its ring: ``sched/window_rings.py``) and its rows' slots there."""
+    j % ring of its ring: ``sched/window_rings.py``) and its rows' slots there. A span its
+    ring cannot hold with the window before it (the scheduler keeps spans within it) is an
+    error, never a slot written twice."""
     ring = np.array(rings, dtype=np.int32)
+    spans = np.diff(batch.cu_seqlens_q)
+    if len(spans) and spans.max() + window - 1 > ring.shape[1] * page_size:
+        raise ValueError(f"a forward of {spans.max()} positions overflows a ring of "
+                         f"{ring.shape[1]} pages of {page_size} (window {window})")
     tables = np.ascontiguousarray(ring[:, np.arange(batch.block_tables.shape[1]) % ring.shape[1]])
     owner = np.repeat(np.arange(len(rings)), np.diff(batch.cu_seqlens_q))
     pos = batch.positions
@@ -358,7 +364,8 @@ def pack_batch(host: HostBatcher, states: list[DecodeState], pages: list[list[in
     batch = host.build(states, pages)
     arrays = batch.device_arrays()
     if rings is not None:
-        arrays.update(window_arrays(batch, rings, host.page_size))
+        arrays.update(window_arrays(batch, rings, host.page_size,
+                                    states[0].canvas_spec.window))
     if states and states[0].canvas_spec is not None:  # uniform-state: one model per runner
         arrays.update(canvas_arrays(batch, states[0].canvas_spec.window))
     if states and states[0].cursor.block_causal:  # one model per runner: all or none

@@ -376,6 +376,8 @@ class BatchBuilder:
         limit = self.rings.shape.max_span
         if chunk:
             return min(chunk, req.cursor.chunk_room(limit))
+        # A span beyond the limit is always a prompt's (a later block's first step spans two
+        # blocks, within it); were it not, the runner refuses the forward (window_arrays).
         return req.cursor.chunk_room(limit) if req.cursor.span_len > limit else 0
 
     # Queue.
