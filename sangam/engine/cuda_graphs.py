@@ -130,8 +130,8 @@ class DecodeGraphRunner:
         if rings:
             self.window_tables = torch.zeros(most, max_pages, dtype=torch.int32, device=device)
             self.window_slots = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, Splits], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, Splits], torch.Tensor] = {}
         if use_graphs:
             self._capture()
 
@@ -153,7 +153,7 @@ class DecodeGraphRunner:
         return sorted({self.kv_splits(n * self.span, kv) for n in range(smallest, bucket + 1)
                        for kv in lengths})
 
-    def graph_key(self, batch: PackedBatch) -> tuple[int, int]:
+    def graph_key(self, batch: PackedBatch) -> tuple[int, Splits]:
         """(bucket, split count) of the graph that runs ``batch``."""
         n = len(batch.kv_lens)
         bucket = next(b for b in self.sizes if b >= n)
