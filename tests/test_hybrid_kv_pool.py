@@ -155,6 +155,35 @@ def test_tokens_equal_the_single_pool_and_the_reference(checkpoint, workload, ba
     assert pool.allocator.num_used == 0 and rings.allocator.num_used == 0
 
 
+@pytest.mark.parametrize("policy,budget", [("prefill_first", math.inf), ("fastdllm", 24),
+                                           ("adaptive", 24), ("deficit", 40)])
+def test_every_policy_keeps_forwards_within_the_ring(checkpoint, workload, policy, budget):
+    """Each scheduling policy admits a long prompt in chunks its ring holds (prefill-first:
+    ``PREFILL_CHUNK``; fastdllm's one request at a time; adaptive's raised budget; chunked
+    prefill within the budget), with the reference's tokens."""
+    reqs, want = workload
+    llm = LLM(model=str(checkpoint), dtype="float64", page_size=PAGE, token_budget=budget,
+              max_batch_size=4, kv_pool="hybrid", policy=policy,
+              enable_chunked_prefill=policy == "deficit")
+    shape = llm.engine.pool.rings.shape
+    assert shape == RingShape.of(WINDOW, PAGE, CANVAS, budget)
+    spans = []
+    real = model_runner.window_arrays
+
+    def recording(batch, rings, page_size, window):
+        spans.extend(np.diff(batch.cu_seqlens_q).tolist())
+        return real(batch, rings, page_size, window)
+
+    model_runner.window_arrays = recording
+    try:
+        outs = llm.generate(prompt_token_ids=[p for _, p, _ in reqs[:5]],
+                            sampling_params=[s for _, _, s in reqs[:5]])
+    finally:
+        model_runner.window_arrays = real
+    assert [o.token_ids for o in outs] == [want[r] for r, _, _ in reqs[:5]]
+    assert max(spans) <= shape.max_span
+
+
 def test_a_ring_too_short_for_its_span_fails_the_request_not_its_tokens(
         checkpoint, workload, monkeypatch):
     """The equality above depends on the ring's size: with one page fewer a forward would
