@@ -312,7 +312,7 @@ def window_arrays(batch: PackedBatch, rings: list[list[int]], page_size: int, wi
         raise ValueError(f"a forward of {spans.max()} positions overflows a ring of "
                          f"{ring.shape[1]} pages of {page_size} (window {window})")
     tables = np.ascontiguousarray(ring[:, np.arange(batch.block_tables.shape[1]) % ring.shape[1]])
-    owner = np.repeat(np.arange(len(rings)), np.diff(batch.cu_seqlens_q))
+    owner = np.repeat(np.arange(len(rings)), spans)
     pos = batch.positions
     slots = tables[owner, pos // page_size].astype(np.int64) * page_size + pos % page_size
     return {"window_block_tables": tables, "window_slot_mapping": slots}
