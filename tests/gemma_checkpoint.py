@@ -1,11 +1,14 @@
 """A tiny DiffusionGemma checkpoint written by transformers' own ``save_pretrained`` (the test
-files' shared model; no imports beyond torch and transformers, so the prepared GPU run can
-collect the tests that use it)."""
+files' shared model, and what the reference decoder makes of requests; no imports beyond
+torch, transformers and Sangam, so the prepared GPU run can collect the tests that use it)."""
 
 from __future__ import annotations
 
 import torch
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+from sangam.decoding.uniform import UniformStateParams
+from sangam.engine.reference_canvas import generate_canvases
 
 VOCAB, CANVAS = 96, 8
 
@@ -38,3 +41,14 @@ def write_checkpoint(path, seed=0, **text):
                 b.copy_(0.5 + torch.rand_like(b))
     model.save_pretrained(path)
     return path
+
+
+def reference_tokens(model, reqs: list) -> dict[str, list[int]]:
+    """What the one-request reference decoder gives each of ``reqs`` ((id, prompt,
+    SamplingParams) each), as Sangam's ``token_ids``: without a stop id that ended it."""
+    want = {}
+    for rid, prompt, params in reqs:
+        ref = generate_canvases(model, prompt, UniformStateParams(**params.uniform_given()),
+                                params.seed, params.max_tokens, params.stop_token_ids)
+        want[rid] = ref.tokens[:len(ref.tokens) - (ref.finish_reason == "stop")]
+    return want

@@ -36,7 +36,12 @@ from sangam.engine.reference_canvas import generate_canvases  # noqa: E402
 from sangam.models import CheckpointError, load_model, read_config  # noqa: E402
 from sangam.models.diffusion_gemma import DenseKV  # noqa: E402
 from sangam.models.kernel_table import kernel_table  # noqa: E402
-from tests.gemma_checkpoint import CANVAS, VOCAB, write_checkpoint  # noqa: E402
+from tests.gemma_checkpoint import (  # noqa: E402
+    CANVAS,
+    VOCAB,
+    reference_tokens,
+    write_checkpoint,
+)
 from tests.test_sdar import BLOCK_CAUSAL_LAYOUTS, run_in_mode  # noqa: E402
 
 
@@ -550,12 +555,7 @@ def gemma_workload(models):
             max_tokens=[8, 17, 24][i % 3], seed=200 + i, max_denoising_steps=[3, 5][i % 2],
             entropy_bound=[0.2, 2.0][i % 2], confidence_threshold=[0.0, 5.0][i % 2],
             stability_threshold=1, stop_token_ids=[9 + i % 4], stop_at_eos=False)))
-    want = {}
-    for rid, prompt, params in reqs:
-        ref = generate_canvases(ours, prompt, UniformStateParams(**params.uniform_given()),
-                                params.seed, params.max_tokens, params.stop_token_ids)
-        want[rid] = ref.tokens[:len(ref.tokens) - (ref.finish_reason == "stop")]
-    return reqs, want
+    return reqs, reference_tokens(ours, reqs)
 
 
 @pytest.mark.parametrize("layout,kill", [(layout, None) for layout in sorted(GEMMA_LAYOUTS)]

@@ -20,12 +20,15 @@ import torch  # noqa: E402
 
 from sangam import LLM, SamplingParams  # noqa: E402
 from sangam.config import EngineConfig  # noqa: E402
-from sangam.decoding.uniform import UniformStateParams  # noqa: E402
 from sangam.engine import model_runner  # noqa: E402
-from sangam.engine.reference_canvas import generate_canvases  # noqa: E402
 from sangam.models import load_model  # noqa: E402
 from sangam.sched.window_rings import PREFILL_CHUNK, RingShape  # noqa: E402
-from tests.gemma_checkpoint import CANVAS, VOCAB, write_checkpoint  # noqa: E402
+from tests.gemma_checkpoint import (  # noqa: E402
+    CANVAS,
+    VOCAB,
+    reference_tokens,
+    write_checkpoint,
+)
 from tests.test_sdar import run_in_mode  # noqa: E402
 
 WINDOW, PAGE = 6, 4  # the test checkpoint's sliding window; the page size used here
@@ -63,12 +66,7 @@ def workload(ours):
     """The requests, and what the reference decoder gives each (Sangam's token_ids: without
     the stop id)."""
     reqs = _workload()
-    want = {}
-    for rid, prompt, params in reqs:
-        ref = generate_canvases(ours, prompt, UniformStateParams(**params.uniform_given()),
-                                params.seed, params.max_tokens, params.stop_token_ids)
-        want[rid] = ref.tokens[:len(ref.tokens) - (ref.finish_reason == "stop")]
-    return reqs, want
+    return reqs, reference_tokens(ours, reqs)
 
 
 def _serve(path: str, reqs, kv_pool: str, backend: str = "torch", abort: tuple = (),
@@ -94,6 +92,20 @@ def _serve(path: str, reqs, kv_pool: str, backend: str = "torch", abort: tuple =
     return {"outs": outs, "engine": engine}
 
 
+def _record_spans(monkeypatch) -> list[int]:
+    """Every request's span in the hybrid pool's forwards from now on (as the runner lays its
+    rings out)."""
+    spans: list[int] = []
+    real = model_runner.window_arrays
+
+    def recording(batch, rings, page_size, window):
+        spans.extend(np.diff(batch.cu_seqlens_q).tolist())
+        return real(batch, rings, page_size, window)
+
+    monkeypatch.setattr(model_runner, "window_arrays", recording)
+    return spans
+
+
 def test_ring_shape_holds_one_forward_and_its_window():
     """A ring holds the most positions one forward writes and reads (its span and the window
     before it), and not a page more; the span is whole blocks within the token budget (at
@@ -107,19 +119,14 @@ def test_ring_shape_holds_one_forward_and_its_window():
         assert shape.pages * page >= need > (shape.pages - 1) * page
 
 
-def test_tokens_equal_the_single_pool_and_the_reference(checkpoint, workload):
+def test_tokens_equal_the_single_pool_and_the_reference(checkpoint, workload, monkeypatch):
     """10 requests, prompts up to 27 windows long, batched with staggered arrivals: with the
     hybrid pool each request's tokens are the reference decoder's and the single pool's, in
     float64; a sliding layer holds the ring alone (the sliding buffers have a ring a seat, 8
     pages, where the longest request spans 48); no forward of a request spans more than
     the ring allows; every page of both kinds comes back."""
     reqs, want = workload
-    spans = []
-    real = model_runner.window_arrays
-
-    def recording(batch, rings, page_size, window):
-        spans.extend(np.diff(batch.cu_seqlens_q).tolist())
-        return real(batch, rings, page_size, window)
+    spans = _record_spans(monkeypatch)
 
     held = set()
 
@@ -128,11 +135,8 @@ def test_tokens_equal_the_single_pool_and_the_reference(checkpoint, workload):
             if req.pages:
                 held.add(len(req.window_pages))
 
-    model_runner.window_arrays = recording
-    try:
-        hybrid = _serve(str(checkpoint), reqs, "hybrid", monitor=monitor)
-    finally:
-        model_runner.window_arrays = real
+    hybrid = _serve(str(checkpoint), reqs, "hybrid", monitor=monitor)
+    monkeypatch.undo()
     single = _serve(str(checkpoint), reqs, "single")
     got = {r: o.outputs[0].token_ids for r, o in hybrid["outs"].items()}
     assert got == want
@@ -154,7 +158,8 @@ def test_tokens_equal_the_single_pool_and_the_reference(checkpoint, workload):
 
 @pytest.mark.parametrize("policy,budget", [("prefill_first", math.inf), ("fastdllm", 24),
                                            ("adaptive", 24), ("deficit", 40)])
-def test_every_policy_keeps_forwards_within_the_ring(checkpoint, workload, policy, budget):
+def test_every_policy_keeps_forwards_within_the_ring(checkpoint, workload, policy, budget,
+                                                     monkeypatch):
     """Each scheduling policy admits a long prompt in chunks its ring holds (prefill-first:
     ``PREFILL_CHUNK``; fastdllm's one request at a time; adaptive's raised budget; chunked
     prefill within the budget), with the reference's tokens."""
@@ -164,19 +169,10 @@ def test_every_policy_keeps_forwards_within_the_ring(checkpoint, workload, polic
               enable_chunked_prefill=policy == "deficit")
     shape = llm.engine.pool.rings.shape
     assert shape == RingShape.of(WINDOW, PAGE, CANVAS, budget)
-    spans = []
-    real = model_runner.window_arrays
+    spans = _record_spans(monkeypatch)
 
-    def recording(batch, rings, page_size, window):
-        spans.extend(np.diff(batch.cu_seqlens_q).tolist())
-        return real(batch, rings, page_size, window)
-
-    model_runner.window_arrays = recording
-    try:
-        outs = llm.generate(prompt_token_ids=[p for _, p, _ in reqs[:5]],
-                            sampling_params=[s for _, _, s in reqs[:5]])
-    finally:
-        model_runner.window_arrays = real
+    outs = llm.generate(prompt_token_ids=[p for _, p, _ in reqs[:5]],
+                        sampling_params=[s for _, _, s in reqs[:5]])
     assert [o.token_ids for o in outs] == [want[r] for r, _, _ in reqs[:5]]
     assert max(spans) <= shape.max_span
 
@@ -241,10 +237,7 @@ def test_worker_processes_with_rings(checkpoint, layout, kill, ours):
             confidence_threshold=0.0, stop_at_eos=False)))
     run = run_in_mode(str(checkpoint), reqs, dict(layout, kv_pool="hybrid",
                                                   enable_prefix_caching=False), kill)
-    for rid, prompt, params in reqs:
-        ref = generate_canvases(ours, prompt, UniformStateParams(**params.uniform_given()),
-                                params.seed, params.max_tokens)
-        assert run["outs"][rid].token_ids == ref.tokens, rid
+    assert {r: o.token_ids for r, o in run["outs"].items()} == reference_tokens(ours, reqs)
     assert run["dead"] == ([] if kill is None else [kill])
 
 

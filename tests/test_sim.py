@@ -824,6 +824,19 @@ def test_the_cost_model_counts_the_scoring_statistics_the_engine_gathers():
     assert LM_STATISTICS == len(SHARD_FIELDS)
 
 
+def _timed_spans(monkeypatch) -> list:
+    """Every span the cost model times from now on."""
+    spans: list = []
+    real = CostModel.iteration_time
+
+    def spy(self, s):
+        spans.extend(s)
+        return real(self, s)
+
+    monkeypatch.setattr(CostModel, "iteration_time", spy)
+    return spans
+
+
 def test_a_uniform_state_model_from_its_config(tmp_path, monkeypatch):
     """DiffusionGemma's shape read from a checkpoint's config.json (the shipped Gemma-layout
     demo): its K/V bytes are the engine's pool's (each layer its own shape); requests run as
@@ -849,14 +862,7 @@ def test_a_uniform_state_model_from_its_config(tmp_path, monkeypatch):
     assert r[1]["forwards"] == 3 and r[1]["canvas_tokens"] == canvas
     # The second request's prompt is another's (no shared tokens in the trace): all prefilled.
     assert res.workers[0]["prefill_tokens"] == 2 * (30 + canvas)
-    spans = []
-    real = CostModel.iteration_time
-
-    def spy(self, s):
-        spans.extend(s)
-        return real(self, s)
-
-    monkeypatch.setattr(CostModel, "iteration_time", spy)
+    spans = _timed_spans(monkeypatch)
     simulate(sim, trace[:1], coefficients=CONSTANT, steps=ProfileSteps({3: 1}),
              geometry=(geom, 2))
     monkeypatch.undo()
@@ -902,14 +908,7 @@ def test_a_hybrid_pool_as_the_engine_has_it(tmp_path, monkeypatch):
     simulator = Simulator(sim, CONSTANT, ProfileSteps({3: 1}), (geom, 2))
     assert not simulator.prefix_caching
     assert simulator.ring == RingShape.of(window, 4, canvas, 2 * canvas)
-    spans = []
-    real = CostModel.iteration_time
-
-    def spy(self, s):
-        spans.extend(s)
-        return real(self, s)
-
-    monkeypatch.setattr(CostModel, "iteration_time", spy)
+    spans = _timed_spans(monkeypatch)
     prompt = 7 * canvas + 5
     res = simulator.run([TraceRequest(0.0, prompt, 40), TraceRequest(1.0, 30, 10)])
     monkeypatch.undo()
