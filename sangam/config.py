@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from sangam.sampling_params import CACHE_MODES, UNMASKING_RULES, SamplingParams
 from sangam.sched.config import MODES, POLICIES, DeploymentConfig, SchedulerConfig
-from sangam.sched.window_rings import KV_POOLS, check_kv_pool
+from sangam.sched.window_rings import KV_POOLS, kv_pool_problem
 
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_NAMES = ("auto", "float32", "float64", "bfloat16", "float16")
@@ -253,10 +253,8 @@ class EngineConfig:
              f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        try:
-            check_kv_pool(self.kv_pool, self.mode, self.enable_prefix_caching)
-        except ValueError as e:
-            need(False, str(e))
+        problem = kv_pool_problem(self.kv_pool, self.mode, self.enable_prefix_caching)
+        need(problem is None, problem or "")
         need(self.quantization in (None, *QUANTIZATIONS),
              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         need(self.dtype in DTYPE_NAMES, f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")

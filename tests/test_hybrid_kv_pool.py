@@ -362,3 +362,19 @@ def test_released_rings_come_back_zeroed(checkpoint, workload):
     again = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in again] == [o.token_ids for o in first] == [
         want[rid] for rid, _, _ in reqs[:3]]
+
+
+def test_an_fp8_kv_cache_in_rings(checkpoint, workload):
+    """An FP8 KV cache (each page with its scales) in a hybrid pool: the rings' pages carry
+    their scales as the single pool's do, so the tokens are the single FP8 pool's."""
+    reqs, _ = workload
+    few = reqs[:4]
+    outs = {}
+    for pool in ("single", "hybrid"):
+        llm = LLM(model=str(checkpoint), dtype="float64", page_size=PAGE, token_budget=24,
+                  max_batch_size=4, kv_pool=pool, enable_prefix_caching=False,
+                  kv_cache_dtype="fp8")
+        assert (llm.engine.pool.rings is not None) == (pool == "hybrid")
+        outs[pool] = [o.token_ids for o in llm.generate(
+            prompt_token_ids=[p for _, p, _ in few], sampling_params=[s for _, _, s in few])]
+    assert outs["hybrid"] == outs["single"]

@@ -268,9 +268,6 @@ class MemoryPlan:
         n = self.num_pages // -(-self.context // self.page_size)
         return min(n, self.window_pages // self.ring) if self.ring else n
 
-    def pool_bytes(self) -> int:
-        return self.num_pages * self.page_bytes + self.window_pages * self.window_page_bytes
-
     def describe(self) -> str:
         """The one log line of where the memory went."""
         r, g = self.reserved, GIB

@@ -7,7 +7,7 @@ from __future__ import annotations
 from sangam.config import EngineConfig
 from sangam.engine.loaded_model import LoadedModel
 from sangam.sched.prefix_cache import caches_prefixes
-from sangam.sched.window_rings import RingShape, hybrid_pool
+from sangam.sched.window_rings import RingShape, ring_for
 
 
 def prefix_caching(config: EngineConfig, loaded: LoadedModel) -> bool:
@@ -24,15 +24,10 @@ def prefix_caching(config: EngineConfig, loaded: LoadedModel) -> bool:
 
 
 def window_ring(config: EngineConfig, loaded: LoadedModel) -> RingShape | None:
-    """Each request's ring of sliding-window pages under a hybrid pool; None: one pool for
-    every layer. ``--kv-pool auto`` takes the hybrid pool where it can serve: a model
-    with sliding-window layers, prefix caching off, colocated workers."""
+    """Each request's ring of sliding-window pages under a hybrid pool (``ring_for``); None:
+    one pool for every layer."""
     cfg = loaded.config
-    if config.kv_pool == "hybrid" and not cfg.window_layers:
-        raise ValueError(f"--kv-pool hybrid: {cfg.architecture} has no sliding-window layers "
-                         "(only DiffusionGemma's keep a window)")
-    if not hybrid_pool(config.kv_pool, bool(cfg.window_layers), config.mode == "colocated",
-                       prefix_caching(config, loaded)):
-        return None
-    return RingShape.of(cfg.gemma.sliding_window, config.page_size, cfg.gemma.canvas_length,
-                        config.token_budget)
+    g = cfg.gemma
+    return ring_for(config.kv_pool, cfg.architecture, g.sliding_window if cfg.window_layers else 0,
+                    g.canvas_length if g else 0, config.page_size, config.token_budget,
+                    config.mode == "colocated", prefix_caching(config, loaded))

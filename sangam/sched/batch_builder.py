@@ -85,7 +85,8 @@ class BatchBuilder:
     - every request held here is in exactly one place, by status: WAITING -> the queue,
       DECODE -> the seats; PREFILL exists only between ``schedule`` and ``step_done``;
     - a request holding pages is WAITING (a re-prefill) or DECODE; pages are freed exactly
-      once, when it finishes or is aborted;
+      once, when it finishes or is aborted; under a hybrid pool it holds one ring with them,
+      and no forward of it spans more than ``rings.shape.max_span``;
     - ``deficit >= 0``; it is 0 with an infinite budget and after an iteration with nothing
       waiting;
     - ``num_seated <= max_batch_size``;

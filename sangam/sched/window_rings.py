@@ -28,26 +28,18 @@ from sangam.sched.page_allocator import PageAllocator
 KV_POOLS = ("auto", "single", "hybrid")  # --kv-pool
 
 
-def check_kv_pool(kv_pool: str, mode: str, enable_prefix_caching: bool | None) -> None:
-    """``--kv-pool``'s rules (the engine's and the simulator's): a hybrid pool shares no prefix
-    and moves no K/V between workers."""
+def kv_pool_problem(kv_pool: str, mode: str, enable_prefix_caching: bool | None) -> str | None:
+    """What is wrong with ``--kv-pool`` among these flags (the engine's and the simulator's
+    rule), or None: a hybrid pool shares no prefix and moves no K/V between workers."""
     if kv_pool not in KV_POOLS:
-        raise ValueError(f"kv_pool must be one of {KV_POOLS}, got {kv_pool!r}")
+        return f"kv_pool must be one of {KV_POOLS}, got {kv_pool!r}"
     if kv_pool == "hybrid" and enable_prefix_caching:
-        raise ValueError("--kv-pool hybrid and --enable-prefix-caching exclude each other: a "
-                         "ring keeps no sliding-window pages a later prompt could share")
+        return ("--kv-pool hybrid and --enable-prefix-caching exclude each other: a ring keeps "
+                "no sliding-window pages a later prompt could share")
     if kv_pool == "hybrid" and mode != "colocated":
-        raise ValueError(f"--kv-pool hybrid serves colocated workers only: {mode} mode moves "
-                         "K/V between workers page by page, and a ring's pages are not "
-                         "positions")
-
-
-def hybrid_pool(kv_pool: str, window_layers: bool, colocated: bool,
-                prefix_caching: bool) -> bool:
-    """Whether a worker's pool is hybrid: asked for (``hybrid``), or ``auto`` where it serves:
-    a model with sliding-window layers, colocated workers, prefix caching off."""
-    return kv_pool == "hybrid" or (kv_pool == "auto" and window_layers and colocated
-                                   and not prefix_caching)
+        return (f"--kv-pool hybrid serves colocated workers only: {mode} mode moves K/V "
+                "between workers page by page, and a ring's pages are not positions")
+    return None
 
 
 # The most prompt positions one forward of a request stores under a hybrid pool when the token
@@ -70,6 +62,21 @@ class RingShape:
         chunk = PREFILL_CHUNK if math.isinf(token_budget) else int(token_budget)
         max_span = max(chunk // block_length, 2) * block_length
         return cls(-(-(max_span + window - 1) // page_size), max_span)
+
+
+def ring_for(kv_pool: str, model: str, window: int, block_length: int, page_size: int,
+             token_budget: float, colocated: bool, prefix_caching: bool) -> RingShape | None:
+    """Each request's ring under ``kv_pool`` (the engine's and the simulator's decision), None
+    for one pool of every layer: ``hybrid`` asks for it (``model`` without sliding-window
+    layers, ``window`` 0, is refused), ``auto`` takes it where it serves: sliding layers,
+    colocated workers, prefix caching off."""
+    if kv_pool == "hybrid" and not window:
+        raise ValueError(f"--kv-pool hybrid: {model} has no sliding-window layers (only "
+                         "DiffusionGemma's keep a window)")
+    if not window or kv_pool == "single" or (
+            kv_pool == "auto" and (prefix_caching or not colocated)):
+        return None
+    return RingShape.of(window, page_size, block_length, token_budget)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from sangam.bench.report import (
     write_outputs,
 )
 from sangam.bench.sim import simulator
-from sangam.bench.sim.config import SimConfig
+from sangam.bench.sim.config import ENGINE_FIELDS, SimConfig
 from sangam.bench.sim.runs import (
     DEFAULT_NUM_REQUESTS,
     coefficients_from_args,
@@ -63,10 +63,7 @@ _HELP = {
     "enable_prefix_caching": "block-causal and uniform-state models: share cached prompt "
                              "blocks (default: on for "
                              "them; with --shared-prefix or --samples prompts share some)",
-    "kv_pool": "models with sliding-window layers (a DiffusionGemma --model-config): hybrid "
-               "keeps a ring of each request's last positions in those layers (no prefix "
-               "caching, colocated only), single every position; auto: hybrid where prefix "
-               "caching is off and workers are colocated",
+    "kv_pool": ENGINE_FIELDS["kv_pool"].metadata["help"],  # the engine's flag, as it is
     "max_batch_size": "most requests in one forward",
     "overflow_threshold": "hybrid: outstanding prefill tokens (theta) on every prefill worker "
                           "before a prefill overflows onto a decode worker",

@@ -12,10 +12,10 @@ from sangam.bench.cost_model import CALIBRATED, GPUS, LINKS, MODELS
 from sangam.config import EngineConfig
 from sangam.sampling_params import SamplingParams
 from sangam.sched.config import DeploymentConfig, SchedulerConfig
-from sangam.sched.window_rings import check_kv_pool
+from sangam.sched.window_rings import kv_pool_problem
 
 # The deployment options the simulator shares with the engine take the engine's defaults.
-_ENGINE = {f.name: f for f in dataclasses.fields(EngineConfig)}
+ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 _REQUEST = SamplingParams()
 
 
@@ -27,16 +27,16 @@ class SimConfig:
     num_workers: int = 1  # colocated
     prefill_workers: int = 5  # disaggregated / hybrid
     decode_workers: int = 3
-    tensor_parallel_size: int = _ENGINE["tensor_parallel_size"].default  # GPUs per worker
-    enable_expert_parallel: bool = _ENGINE["enable_expert_parallel"].default
-    policy: str = _ENGINE["policy"].default
-    token_budget: float = _ENGINE["token_budget"].default
-    drain_iterations: int = _ENGINE["drain_iterations"].default
-    enable_chunked_prefill: bool = _ENGINE["enable_chunked_prefill"].default
-    enable_prefix_caching: bool | None = _ENGINE["enable_prefix_caching"].default
-    kv_pool: str = _ENGINE["kv_pool"].default
-    max_batch_size: int = _ENGINE["max_batch_size"].default
-    overflow_threshold: int = _ENGINE["overflow_threshold"].default
+    tensor_parallel_size: int = ENGINE_FIELDS["tensor_parallel_size"].default  # GPUs per worker
+    enable_expert_parallel: bool = ENGINE_FIELDS["enable_expert_parallel"].default
+    policy: str = ENGINE_FIELDS["policy"].default
+    token_budget: float = ENGINE_FIELDS["token_budget"].default
+    drain_iterations: int = ENGINE_FIELDS["drain_iterations"].default
+    enable_chunked_prefill: bool = ENGINE_FIELDS["enable_chunked_prefill"].default
+    enable_prefix_caching: bool | None = ENGINE_FIELDS["enable_prefix_caching"].default
+    kv_pool: str = ENGINE_FIELDS["kv_pool"].default
+    max_batch_size: int = ENGINE_FIELDS["max_batch_size"].default
+    overflow_threshold: int = ENGINE_FIELDS["overflow_threshold"].default
     block_length: int = _REQUEST.block_length
     cache: str = _REQUEST.cache
     refresh_interval: int = _REQUEST.refresh_interval
@@ -52,12 +52,12 @@ class SimConfig:
     threshold: float = _REQUEST.threshold
     min_threshold: float | None = None
     max_tokens: int | None = None  # fixed canvas; None: each request's output length
-    page_size: int = _ENGINE["page_size"].default
+    page_size: int = ENGINE_FIELDS["page_size"].default
     num_pages: int | None = None  # per worker; None: what the GPU has left after the weights
-    memory_fraction: float = _ENGINE["gpu_memory_fraction"].default
+    memory_fraction: float = ENGINE_FIELDS["gpu_memory_fraction"].default
     link: str = "nvlink"
-    layerwise_kv_streaming: bool = _ENGINE["layerwise_kv_streaming"].default
-    seed: int = _ENGINE["seed"].default
+    layerwise_kv_streaming: bool = ENGINE_FIELDS["layerwise_kv_streaming"].default
+    seed: int = ENGINE_FIELDS["seed"].default
 
     def __post_init__(self) -> None:
         if self.model not in (*MODELS, CALIBRATED):
@@ -70,7 +70,8 @@ class SimConfig:
         if self.model in MODELS:  # a calibrated geometry is checked as the simulator loads it
             MODELS[self.model].check_tensor_parallel(self.tensor_parallel_size,
                                                      self.enable_expert_parallel)
-        check_kv_pool(self.kv_pool, self.mode, self.enable_prefix_caching)
+        if problem := kv_pool_problem(self.kv_pool, self.mode, self.enable_prefix_caching):
+            raise ValueError(problem)
         if not 0.0 <= self.adaptive_refresh_rate <= 1.0:
             raise ValueError(f"adaptive_refresh_rate must be in [0, 1], got "
                              f"{self.adaptive_refresh_rate}")

@@ -68,7 +68,7 @@ from sangam.sched.page_allocator import PageAllocator
 from sangam.sched.placement import NeverFits, Placed
 from sangam.sched.prefix_cache import PrefixCache, caches_prefixes, request_page_keys
 from sangam.sched.request import CONTINUES, Request, StepOutcome
-from sangam.sched.window_rings import RingShape, WindowRings, hybrid_pool
+from sangam.sched.window_rings import WindowRings, ring_for
 from sangam.sched.worker_core import WorkerCore
 
 
@@ -156,16 +156,15 @@ class Simulator:
         # A hybrid pool (as the engine decides, pool_layout.window_ring): each seat's ring of
         # sliding-window pages, then the full layers' pages.
         g = self.geom
-        self.ring = RingShape.of(g.sliding_window, config.page_size, g.canvas,
-                                 config.token_budget) if hybrid_pool(
-            config.kv_pool, g.full_layers < g.layers and g.sliding_window > 0,
-            config.mode == "colocated", self.prefix_caching) else None
-        if config.kv_pool == "hybrid" and self.ring is None:
-            raise ValueError(f"kv_pool hybrid: {g.name} has no sliding-window layers")
-        seats = config.deployment.scheduler.batch_cap
+        self.ring = ring_for(config.kv_pool, g.name,
+                             g.sliding_window if g.full_layers < g.layers else 0, g.canvas,
+                             config.page_size, config.token_budget,
+                             config.mode == "colocated", self.prefix_caching)
+        self.window_pages = self.ring.pages * config.deployment.scheduler.batch_cap \
+            if self.ring else 0
         self.num_pages = config.num_pages or kv_pool_pages(
             g, gpu, config.page_size, config.memory_fraction, tp=tp.size,
-            ring_pages=self.ring.pages * seats if self.ring else 0)
+            ring_pages=self.window_pages)
         self.link_bw = LINKS[config.link]
         self._params = config.request_params  # threshold_under: the engine's
         self._load = 0.0  # of the worker whose iteration is being planned or completed
@@ -221,8 +220,8 @@ class Simulator:
     def _builder(self, deployment) -> BatchBuilder:
         allocator = PageAllocator(self.num_pages)
         cache = PrefixCache(allocator) if self.prefix_caching else None
-        rings = None if self.ring is None else WindowRings(
-            PageAllocator(self.ring.pages * deployment.scheduler.batch_cap), self.ring)
+        rings = None if self.ring is None else WindowRings(PageAllocator(self.window_pages),
+                                                           self.ring)
         return BatchBuilder(allocator, deployment.scheduler, cache, rings)
 
     def _push(self, t: float, kind: int, payload) -> None:

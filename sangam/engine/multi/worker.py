@@ -117,13 +117,14 @@ class TransferWorker(Worker):
     def _execute(self, reqs: list[Request], states: list[DecodeState],
                  pages: list[list[int]]) -> list[StepOutcome]:
         self._streams = {r.request_id: self._open_stream(r) for r in reqs if r.streamed}
+        rings = self._rings(reqs)
         if not self._streams:
-            return self.runner.execute(states, pages, rings=self._rings(reqs))
+            return self.runner.execute(states, pages, rings=rings)
         # The other ranks of a tensor-parallel group stream their shards of the same pages.
         self.runner.streams = [(s.dest, s.transfer_id, s.page_ids.tolist())
                                for s in self._streams.values()]
         try:
-            return self._execute_streaming(states, pages)
+            return self._execute_streaming(states, pages, rings)
         finally:
             self.runner.streams = []
 
@@ -138,8 +139,8 @@ class TransferWorker(Worker):
         copy and sync each time)."""
         return torch.tensor(pages, dtype=torch.int64).to(self.transport.device)
 
-    def _execute_streaming(self, states: list[DecodeState],
-                           pages: list[list[int]]) -> list[StepOutcome]:
+    def _execute_streaming(self, states: list[DecodeState], pages: list[list[int]],
+                           rings: list[list[int]] | None) -> list[StepOutcome]:
         """The forward with each finished layer's K/V posted to its stream. If the batch fails,
         its requests run again alone (``ModelRunner.execute``) without streaming: the layers
         already posted stand (a request's K/V does not depend on its batch), ``_ship`` sends
@@ -154,11 +155,12 @@ class TransferWorker(Worker):
 
         try:
             with layer_hook(self.loaded.model, on_layer):  # graphs skip hooks
-                return self.runner.execute(states, pages, allow_graphs=False, isolate=False)
+                return self.runner.execute(states, pages, allow_graphs=False, isolate=False,
+                                           rings=rings)
         except FATAL_ERRORS:
             raise
         except Exception:
-            return self.runner.execute(states, pages, allow_graphs=False)
+            return self.runner.execute(states, pages, allow_graphs=False, rings=rings)
 
     def _ship(self, ship: Ship) -> None:
         """Send a refresh's K/V to the canvas holder, or finish its streamed send (a drained
